@@ -1,0 +1,532 @@
+//! lanebus storage: domain types, the [`Store`] trait, and one module per
+//! backend (`postgres`, `sqlite`; `mongodb` comes with its own issue).
+//!
+//! # Design (see `shared/DESIGN.md` section 3)
+//!
+//! ```text
+//!  publish (one transaction)            dispatch (one fenced owner per lane)
+//!  ─────────────────────────            ────────────────────────────────────
+//!  key_seqs  +n per key (row lock)      claim:   read due deliveries of many
+//!  events    one row per new event               lanes in one statement; no
+//!  deliveries one row per (event,                row is updated by a claim
+//!             matching handler)         complete: one bulk DELETE of the
+//!  NOTIFY    at most one per tx                  deliveries + one append-only
+//!                                                INSERT of completion rows
+//! ```
+//!
+//! A delivery row is inserted once and deleted once (delete-on-complete, the
+//! reference's measured baseline, seed `000_…`); claims change no row, because
+//! exactly one fenced owner reads a lane. Every claim, completion, reschedule
+//! and dead letter is conditioned on the lane's epoch in the `lanes` table, so
+//! a deposed owner changes nothing ([`Store::fence`]).
+//!
+//! ## Claim cursor
+//!
+//! A lane owner keeps a per-lane cursor ([`LaneClaim::after`]) so a claim does
+//! not re-read what the owner already holds. A cursor on an id sequence would
+//! skip a row whose transaction commits late, so the cursor is
+//! commit-ordered and backend-specific:
+//! - PostgreSQL: each delivery row records the inserting transaction's id
+//!   (`pg_current_xact_id()`); a claim reads rows with `xid >= after` and
+//!   returns `pg_snapshot_xmin` of its own snapshot as the next cursor, so a
+//!   transaction still open at the claim is read again next time. Rows read
+//!   twice are de-duplicated by the owner by [`Delivery::id`].
+//! - SQLite: one writer at a time, so `AUTOINCREMENT` ids are commit-ordered
+//!   and the cursor is the last id read.
+//!
+//! The owner must therefore keep every delivery id it has seen until the
+//! completion (or reschedule, or dead letter) that removes it has been
+//! acknowledged by the store.
+
+#![warn(missing_docs)]
+
+use std::fmt;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+pub mod lane;
+pub mod postgres;
+pub mod route;
+pub mod sqlite;
+
+pub use lane::{lane_of_event, lane_of_key, DEFAULT_LANES};
+
+/// Largest accepted event id, in bytes (printable ASCII, DESIGN.md glossary).
+pub const MAX_EVENT_ID_LEN: usize = 128;
+/// Largest accepted event key, in bytes.
+pub const MAX_KEY_LEN: usize = 256;
+
+/// Lane number, `0..lanes`.
+pub type Lane = u16;
+/// Lane fencing token: grows at every change of owner.
+pub type Epoch = i64;
+
+/// Backend-neutral error kinds. Each backend maps its native errors here; the
+/// API maps these to HTTP statuses.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The caller's input breaks a rule (bad id, unknown handler field...).
+    #[error("invalid input: {0}")]
+    Invalid(String),
+    /// A referenced thing does not exist.
+    #[error("not found: {0}")]
+    NotFound(String),
+    /// A unique constraint was hit that the operation does not absorb.
+    #[error("conflict: {0}")]
+    Conflict(String),
+    /// The database could not be reached or refused the connection.
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    /// Any other database error.
+    #[error("store error: {0}")]
+    Database(String),
+}
+
+impl From<sqlx::Error> for StoreError {
+    fn from(e: sqlx::Error) -> Self {
+        match &e {
+            sqlx::Error::RowNotFound => StoreError::NotFound(e.to_string()),
+            sqlx::Error::Io(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::WorkerCrashed => StoreError::Unavailable(e.to_string()),
+            sqlx::Error::Database(db) if db.is_unique_violation() => {
+                StoreError::Conflict(db.message().to_string())
+            }
+            _ => StoreError::Database(e.to_string()),
+        }
+    }
+}
+
+/// Result alias for store operations.
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// An event as a publisher hands it over.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewEvent {
+    /// Client-supplied id (1 to 128 printable ASCII characters); a UUIDv7 is
+    /// generated when `None`.
+    pub id: Option<String>,
+    /// Dotted type name such as `issues.opened`.
+    pub event_type: String,
+    /// Ordering key (up to 256 bytes); `None` means unordered.
+    pub key: Option<String>,
+    /// The payload: one JSON value, stored and sent byte for byte.
+    pub payload: Vec<u8>,
+}
+
+impl NewEvent {
+    /// Checks the glossary's rules for id, type and key.
+    ///
+    /// # Errors
+    /// [`StoreError::Invalid`] naming the field and the rule it breaks.
+    pub fn validate(&self) -> Result<()> {
+        if let Some(id) = &self.id {
+            if id.is_empty() || id.len() > MAX_EVENT_ID_LEN || !id.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
+                return Err(StoreError::Invalid(format!(
+                    "event id {id:?} must be 1 to {MAX_EVENT_ID_LEN} printable ASCII characters without spaces"
+                )));
+            }
+        }
+        route::validate_event_type(&self.event_type)?;
+        if let Some(key) = &self.key {
+            if key.is_empty() || key.len() > MAX_KEY_LEN {
+                return Err(StoreError::Invalid(format!(
+                    "event key must be 1 to {MAX_KEY_LEN} bytes, got {} bytes",
+                    key.len()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a publish did, in the order of the input batch.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PublishOutcome {
+    /// Events newly stored.
+    pub accepted: usize,
+    /// Events whose id was already stored; not delivered again.
+    pub duplicates: usize,
+    /// The id of every input event (generated ones included), input order.
+    pub ids: Vec<String>,
+}
+
+/// Lifecycle of a handler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HandlerState {
+    /// Deliveries are attempted.
+    Enabled,
+    /// Deliveries are kept but not attempted.
+    Disabled,
+}
+
+impl HandlerState {
+    /// The string stored in the database.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HandlerState::Enabled => "enabled",
+            HandlerState::Disabled => "disabled",
+        }
+    }
+
+    /// Parses the stored string; unknown values read as `Disabled` (fail safe).
+    pub fn parse(s: &str) -> Self {
+        if s == "enabled" {
+            HandlerState::Enabled
+        } else {
+            HandlerState::Disabled
+        }
+    }
+}
+
+/// Defaults of a handler's delivery policy.
+pub mod handler_defaults {
+    /// Attempts before a delivery becomes a dead letter.
+    pub const MAX_ATTEMPTS: u32 = 8;
+    /// Per-attempt HTTP timeout, in milliseconds.
+    pub const TIMEOUT_MS: u64 = 10_000;
+    /// Concurrent attempts to this handler per node.
+    pub const MAX_IN_FLIGHT: u32 = 64;
+}
+
+/// A handler registration request (API `POST /v1/handlers`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewHandler {
+    /// Human-readable name.
+    pub name: String,
+    /// Webhook URL (`http` or `https`).
+    pub url: String,
+    /// Routes: exact event types or patterns with a trailing `*`.
+    pub event_types: Vec<String>,
+    /// Attempts before dead letter (>= 1).
+    pub max_attempts: u32,
+    /// Per-attempt timeout, in milliseconds.
+    pub timeout_ms: u64,
+    /// Concurrent attempts per node.
+    pub max_in_flight: u32,
+    /// Signing secret, `whsec_` + base64 of 24 to 64 bytes.
+    pub secret: String,
+}
+
+/// A registered handler.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Handler {
+    /// Stable id, `hdl_` + 26 characters.
+    pub id: String,
+    /// Human-readable name.
+    pub name: String,
+    /// Webhook URL.
+    pub url: String,
+    /// Routes.
+    pub event_types: Vec<String>,
+    /// Attempts before dead letter.
+    pub max_attempts: u32,
+    /// Per-attempt timeout, in milliseconds.
+    pub timeout_ms: u64,
+    /// Concurrent attempts per node.
+    pub max_in_flight: u32,
+    /// Signing secret (`whsec_` + base64).
+    pub secret: String,
+    /// Enabled or disabled.
+    pub state: HandlerState,
+    /// Registration time.
+    pub created_at: DateTime<Utc>,
+}
+
+/// One delivery as a claim returns it: the (event, handler) pair with what is
+/// needed to send it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Delivery {
+    /// Store-assigned delivery id (unique, never reused).
+    pub id: i64,
+    /// Lane of the event.
+    pub lane: Lane,
+    /// Handler to deliver to.
+    pub handler_id: String,
+    /// Event id (the `webhook-id`).
+    pub event_id: String,
+    /// Event type.
+    pub event_type: String,
+    /// Ordering key.
+    pub key: Option<String>,
+    /// Position of the event within its key (1, 2, ...); `None` when unkeyed.
+    pub seq: Option<i64>,
+    /// Attempts already made (0 for a fresh delivery).
+    pub attempts: u32,
+    /// Not to be attempted before this time.
+    pub due_at: DateTime<Utc>,
+    /// Last error of a failed attempt, if any.
+    pub last_error: Option<String>,
+    /// Payload bytes as published.
+    pub payload: bytes::Bytes,
+    /// Commit time of the publish (approximately: the publish transaction's clock).
+    pub published_at: DateTime<Utc>,
+}
+
+impl fmt::Debug for Delivery {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Delivery")
+            .field("id", &self.id)
+            .field("lane", &self.lane)
+            .field("handler_id", &self.handler_id)
+            .field("event_id", &self.event_id)
+            .field("key", &self.key)
+            .field("seq", &self.seq)
+            .field("attempts", &self.attempts)
+            .field("payload_len", &self.payload.len())
+            .finish()
+    }
+}
+
+/// One lane's part of a batched claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaneClaim {
+    /// The lane.
+    pub lane: Lane,
+    /// The epoch the caller owns the lane at; a claim at any other epoch
+    /// returns nothing.
+    pub epoch: Epoch,
+    /// Commit-ordered cursor from the previous [`LaneBatch::next_after`]; `0`
+    /// reads the lane from its start.
+    pub after: i64,
+    /// Most deliveries to return for this lane.
+    pub limit: u32,
+}
+
+/// One lane's result of a batched claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaneBatch {
+    /// The lane.
+    pub lane: Lane,
+    /// `false` when the lane's epoch in the store is not the claimed one: the
+    /// caller is fenced out and must stop the lane.
+    pub owned: bool,
+    /// Deliveries in commit order (per key: sequence order). May repeat ones
+    /// returned before (see the module docs); callers de-duplicate by id.
+    pub deliveries: Vec<Delivery>,
+    /// Cursor for the next claim of this lane.
+    pub next_after: i64,
+}
+
+/// Fenced reference to a delivery, for completion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeliveryRef {
+    /// Delivery id.
+    pub id: i64,
+    /// Its lane.
+    pub lane: Lane,
+    /// The epoch the caller owns the lane at.
+    pub epoch: Epoch,
+    /// Attempts made, including the successful one.
+    pub attempts: u32,
+}
+
+/// A failed attempt to record: next try at `due_at`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reschedule {
+    /// Delivery id.
+    pub id: i64,
+    /// Its lane.
+    pub lane: Lane,
+    /// The epoch the caller owns the lane at.
+    pub epoch: Epoch,
+    /// Attempts made so far.
+    pub attempts: u32,
+    /// Earliest time of the next attempt.
+    pub due_at: DateTime<Utc>,
+    /// Error of the last attempt.
+    pub last_error: String,
+}
+
+/// A delivery that exhausted its retry policy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetterRequest {
+    /// Delivery id.
+    pub id: i64,
+    /// Its lane.
+    pub lane: Lane,
+    /// The epoch the caller owns the lane at.
+    pub epoch: Epoch,
+    /// Attempts made.
+    pub attempts: u32,
+    /// Error of the last attempt.
+    pub last_error: String,
+}
+
+/// A stored dead letter.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeadLetter {
+    /// Dead-letter id.
+    pub id: i64,
+    /// Handler it was meant for.
+    pub handler_id: String,
+    /// Event id.
+    pub event_id: String,
+    /// Event type.
+    pub event_type: String,
+    /// Ordering key.
+    pub key: Option<String>,
+    /// Sequence within the key.
+    pub seq: Option<i64>,
+    /// Attempts made.
+    pub attempts: u32,
+    /// Error of the last attempt.
+    pub last_error: String,
+    /// When it became a dead letter.
+    pub failed_at: DateTime<Utc>,
+}
+
+/// Filter for listing dead letters.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeadLetterFilter {
+    /// Only this handler's.
+    pub handler_id: Option<String>,
+    /// Only ids greater than this (keyset pagination).
+    pub after_id: Option<i64>,
+    /// Most to return.
+    pub limit: u32,
+}
+
+/// A lane as the store sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LaneRow {
+    /// Lane number.
+    pub lane: Lane,
+    /// Node id of the last fenced owner, if any.
+    pub owner: Option<String>,
+    /// Current epoch.
+    pub epoch: Epoch,
+    /// Deliveries waiting in the lane.
+    pub backlog: i64,
+}
+
+/// Totals for exactness checks and benchmarks.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoreCounts {
+    /// Events stored.
+    pub events: i64,
+    /// Deliveries pending.
+    pub deliveries: i64,
+    /// Completion rows.
+    pub completions: i64,
+    /// Dead letters.
+    pub dead_letters: i64,
+}
+
+/// Which wake-up mechanism a store offers.
+#[derive(Debug)]
+pub enum Wakeups {
+    /// The store pushes a unit per publishing transaction (coalesced).
+    Push(tokio::sync::mpsc::Receiver<()>),
+    /// No push mechanism: poll.
+    Poll,
+}
+
+/// The storage contract every backend implements and the conformance suite
+/// checks. All methods are safe to call concurrently.
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Backend name, for logs and metrics (`postgres`, `sqlite`, ...).
+    fn backend(&self) -> &'static str;
+
+    /// Number of lanes, fixed when the store was created.
+    fn lanes(&self) -> u16;
+
+    /// Publishes a batch in one transaction: events plus one delivery per
+    /// matching enabled handler; keyed events get the next sequence numbers
+    /// of their key in batch order. Ids already stored (or repeated within the
+    /// batch) count as duplicates and create nothing.
+    ///
+    /// # Errors
+    /// [`StoreError::Invalid`] for an event breaking [`NewEvent::validate`]
+    /// (nothing is written); [`StoreError::Unavailable`]/[`StoreError::Database`].
+    async fn publish(&self, events: Vec<NewEvent>) -> Result<PublishOutcome>;
+
+    /// Raises `lane`'s epoch to `epoch` and records `owner`, if the stored
+    /// epoch is lower. Returns `true` when the caller now holds `epoch`.
+    async fn fence(&self, lane: Lane, owner: &str, epoch: Epoch) -> Result<bool>;
+
+    /// Reads due and not-yet-due deliveries of many lanes in one statement.
+    /// Lanes whose epoch differs come back with `owned == false` and nothing.
+    async fn claim(&self, lanes: &[LaneClaim]) -> Result<Vec<LaneBatch>>;
+
+    /// Completes deliveries: deletes them and appends completion rows, in one
+    /// statement (or one transaction). Fenced-out refs change nothing.
+    /// Returns the ids actually completed.
+    async fn complete(&self, done: &[DeliveryRef]) -> Result<Vec<i64>>;
+
+    /// Records failed attempts (attempt count, next due time, last error).
+    /// Returns the ids actually updated.
+    async fn reschedule(&self, items: &[Reschedule]) -> Result<Vec<i64>>;
+
+    /// Moves deliveries to the dead letters. Returns the ids actually moved.
+    async fn dead_letter(&self, items: &[DeadLetterRequest]) -> Result<Vec<i64>>;
+
+    /// Registers a handler. Its routes are validated by [`route::validate_pattern`].
+    async fn create_handler(&self, handler: NewHandler) -> Result<Handler>;
+    /// All handlers, by creation order.
+    async fn list_handlers(&self) -> Result<Vec<Handler>>;
+    /// One handler; [`StoreError::NotFound`] if absent.
+    async fn get_handler(&self, id: &str) -> Result<Handler>;
+    /// Removes a handler and discards its pending deliveries, returning how
+    /// many were discarded; [`StoreError::NotFound`] if absent.
+    async fn delete_handler(&self, id: &str) -> Result<u64>;
+
+    /// Lists dead letters, oldest first.
+    async fn list_dead_letters(&self, filter: &DeadLetterFilter) -> Result<Vec<DeadLetter>>;
+    /// Puts dead letters back as fresh deliveries (attempts reset) and
+    /// removes them from the dead letters; returns how many were replayed.
+    /// `ids` empty with `handler_id` set replays all of that handler's.
+    async fn replay_dead_letters(&self, ids: &[i64], handler_id: Option<&str>) -> Result<u64>;
+
+    /// Every lane with owner, epoch and backlog, by lane number.
+    async fn lane_rows(&self) -> Result<Vec<LaneRow>>;
+
+    /// Totals (events, pending deliveries, completions, dead letters).
+    async fn counts(&self) -> Result<StoreCounts>;
+
+    /// Checks that the store answers (for `/readyz`).
+    async fn ping(&self) -> Result<()>;
+
+    /// Subscribes to publish wake-ups.
+    async fn wakeups(&self) -> Result<Wakeups>;
+}
+
+/// Opens a store from a URL: `postgres://...`, `postgresql://...` or
+/// `sqlite://PATH` (created if missing), applying migrations.
+///
+/// # Errors
+/// [`StoreError::Invalid`] for an unknown scheme; connection errors otherwise.
+pub async fn open(url: &str) -> Result<std::sync::Arc<dyn Store>> {
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        Ok(std::sync::Arc::new(postgres::PgStore::connect(url).await?))
+    } else if url.starts_with("sqlite:") {
+        Ok(std::sync::Arc::new(sqlite::SqliteStore::connect(url).await?))
+    } else {
+        Err(StoreError::Invalid(format!(
+            "store url {url:?} must start with postgres://, postgresql:// or sqlite://"
+        )))
+    }
+}
+
+/// A new random signing secret: `whsec_` + base64 of 32 random bytes.
+pub fn generate_secret() -> String {
+    use base64::Engine as _;
+    let bytes: [u8; 32] = rand::random();
+    format!("whsec_{}", base64::engine::general_purpose::STANDARD.encode(bytes))
+}
+
+/// A new handler id: `hdl_` + a UUIDv7 in simple form.
+pub fn generate_handler_id() -> String {
+    format!("hdl_{}", uuid::Uuid::now_v7().simple())
+}
+
+/// A new event id: a UUIDv7 (hyphenated).
+pub fn generate_event_id() -> String {
+    uuid::Uuid::now_v7().to_string()
+}

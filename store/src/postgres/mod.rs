@@ -1,0 +1,1 @@
+//! PostgreSQL backend (to be written).
