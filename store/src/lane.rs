@@ -52,7 +52,13 @@ mod tests {
             let l = lane_of_key(&format!("repo-{i}"), 256);
             seen[l as usize] += 1;
         }
-        assert!(seen.iter().all(|&c| c > 10), "some lane got almost nothing: {seen:?}");
-        assert_eq!(lane_of_event(Some("k"), "id1", 256), lane_of_event(Some("k"), "id2", 256));
+        assert!(
+            seen.iter().all(|&c| c > 10),
+            "some lane got almost nothing: {seen:?}"
+        );
+        assert_eq!(
+            lane_of_event(Some("k"), "id1", 256),
+            lane_of_event(Some("k"), "id2", 256)
+        );
     }
 }

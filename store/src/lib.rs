@@ -125,7 +125,10 @@ impl NewEvent {
     /// [`StoreError::Invalid`] naming the field and the rule it breaks.
     pub fn validate(&self) -> Result<()> {
         if let Some(id) = &self.id {
-            if id.is_empty() || id.len() > MAX_EVENT_ID_LEN || !id.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
+            if id.is_empty()
+                || id.len() > MAX_EVENT_ID_LEN
+                || !id.bytes().all(|b| (0x21..=0x7e).contains(&b))
+            {
                 return Err(StoreError::Invalid(format!(
                     "event id {id:?} must be 1 to {MAX_EVENT_ID_LEN} printable ASCII characters without spaces"
                 )));
@@ -506,7 +509,9 @@ pub async fn open(url: &str) -> Result<std::sync::Arc<dyn Store>> {
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
         Ok(std::sync::Arc::new(postgres::PgStore::connect(url).await?))
     } else if url.starts_with("sqlite:") {
-        Ok(std::sync::Arc::new(sqlite::SqliteStore::connect(url).await?))
+        Ok(std::sync::Arc::new(
+            sqlite::SqliteStore::connect(url).await?,
+        ))
     } else {
         Err(StoreError::Invalid(format!(
             "store url {url:?} must start with postgres://, postgresql:// or sqlite://"
@@ -518,7 +523,10 @@ pub async fn open(url: &str) -> Result<std::sync::Arc<dyn Store>> {
 pub fn generate_secret() -> String {
     use base64::Engine as _;
     let bytes: [u8; 32] = rand::random();
-    format!("whsec_{}", base64::engine::general_purpose::STANDARD.encode(bytes))
+    format!(
+        "whsec_{}",
+        base64::engine::general_purpose::STANDARD.encode(bytes)
+    )
 }
 
 /// A new handler id: `hdl_` + a UUIDv7 in simple form.

@@ -33,7 +33,11 @@ pub fn validate_event_type(t: &str) -> Result<()> {
 /// [`StoreError::Invalid`] with the offending pattern.
 pub fn validate_pattern(p: &str) -> Result<()> {
     let body = p.strip_suffix('*').unwrap_or(p);
-    if p.len() > MAX_TYPE_LEN || body.contains('*') || (body.is_empty() && p != "*") || !type_chars_ok(body) {
+    if p.len() > MAX_TYPE_LEN
+        || body.contains('*')
+        || (body.is_empty() && p != "*")
+        || !type_chars_ok(body)
+    {
         return Err(StoreError::Invalid(format!(
             "route {p:?} must be an event type or a prefix followed by one trailing '*'"
         )));
