@@ -1,0 +1,371 @@
+//! The lane assignment policy: which node should own which lane.
+//!
+//! The leader calls [`plan`] with the replicated lane table and the set of
+//! live nodes (those whose lease has not expired by the leader's clock, see
+//! [`crate::lease`]) and proposes the returned changes through Raft. The
+//! policy is:
+//!
+//! - **balanced**: every live node ends with `L / n` or `L / n + 1` lanes;
+//! - **sticky**: a lane moves only if its owner is gone or owns more than its
+//!   quota; nodes that already own more lanes keep the `+ 1` slots, so a
+//!   change of membership moves the fewest lanes it can;
+//! - **graceful for planned moves**: a lane owned by a live node is not taken
+//!   from it but handed over ([`Change::Handover`]: the owner stops claiming,
+//!   drains with a bound, releases; then [`apply_release`] gives the new owner
+//!   `epoch + 1`); a lane without a live owner is assigned at once
+//!   ([`Change::Assign`], `epoch + 1`).
+//!
+//! Deterministic: the same table and live set give the same plan on any node.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+use crate::NodeId;
+
+/// Where a lane is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LaneState {
+    /// No owner.
+    Unassigned,
+    /// Owned and worked by `owner`.
+    Active,
+    /// `owner` is handing the lane over to `to` (stops claiming, drains).
+    Releasing {
+        /// The next owner.
+        to: NodeId,
+    },
+}
+
+/// One row of the replicated lane table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LaneEntry {
+    /// Current owner, if any.
+    pub owner: Option<NodeId>,
+    /// Fencing token: grows at every change of owner.
+    pub epoch: u64,
+    /// Lifecycle state.
+    pub state: LaneState,
+}
+
+impl LaneEntry {
+    /// A lane nobody owns yet, at epoch 0.
+    pub const UNASSIGNED: LaneEntry = LaneEntry {
+        owner: None,
+        epoch: 0,
+        state: LaneState::Unassigned,
+    };
+}
+
+/// A change the leader proposes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Change {
+    /// The lane has no live owner: `to` owns it now, at `epoch`.
+    Assign {
+        /// Lane number.
+        lane: u16,
+        /// New owner.
+        to: NodeId,
+        /// New epoch (previous + 1).
+        epoch: u64,
+    },
+    /// The live owner `from` is asked to hand the lane over to `to`.
+    Handover {
+        /// Lane number.
+        lane: u16,
+        /// Current owner.
+        from: NodeId,
+        /// Next owner.
+        to: NodeId,
+    },
+    /// The target of a handover is gone: the lane stays with its owner.
+    CancelHandover {
+        /// Lane number.
+        lane: u16,
+    },
+}
+
+/// The node a lane counts for when balancing: the target of a handover in
+/// progress, else the live owner; `None` for an orphan.
+fn effective_owner(entry: &LaneEntry, live: &BTreeSet<NodeId>) -> Option<NodeId> {
+    match (entry.state, entry.owner) {
+        (LaneState::Releasing { to }, _) if live.contains(&to) => Some(to),
+        (LaneState::Releasing { .. } | LaneState::Active, Some(owner)) if live.contains(&owner) => {
+            Some(owner)
+        }
+        _ => None,
+    }
+}
+
+/// Plans the changes that balance `lanes` over `live` nodes (see the module
+/// docs). Returns nothing when `live` is empty or the table is balanced.
+/// Lanes in a handover whose target is live are left alone.
+pub fn plan(lanes: &[LaneEntry], live: &BTreeSet<NodeId>) -> Vec<Change> {
+    if live.is_empty() || lanes.is_empty() {
+        return Vec::new();
+    }
+    let mut owned: BTreeMap<NodeId, Vec<u16>> = live.iter().map(|&n| (n, Vec::new())).collect();
+    let mut orphans = Vec::new();
+    for (lane, entry) in lanes.iter().enumerate() {
+        match effective_owner(entry, live) {
+            Some(node) => owned.get_mut(&node).expect("live node").push(lane as u16),
+            None => orphans.push(lane as u16),
+        }
+    }
+
+    // Quotas: the nodes owning most keep the `+ 1` slots (stickiness).
+    let n = live.len();
+    let (base, extra) = (lanes.len() / n, lanes.len() % n);
+    let mut by_count: Vec<NodeId> = live.iter().copied().collect();
+    by_count.sort_by_key(|node| (std::cmp::Reverse(owned[node].len()), *node));
+    let quota: BTreeMap<NodeId, usize> = by_count
+        .iter()
+        .enumerate()
+        .map(|(i, &node)| (node, base + usize::from(i < extra)))
+        .collect();
+
+    // Surplus of over-quota nodes: only active lanes move, highest first.
+    let mut surplus: Vec<(u16, NodeId)> = Vec::new();
+    for (&node, node_lanes) in &owned {
+        let over = node_lanes.len().saturating_sub(quota[&node]);
+        let movable = node_lanes.iter().rev().filter(|&&l| {
+            lanes[l as usize].state == LaneState::Active && lanes[l as usize].owner == Some(node)
+        });
+        surplus.extend(movable.take(over).map(|&l| (l, node)));
+    }
+    surplus.sort_unstable();
+
+    // Receivers in order of need (fewest lanes first, then id).
+    let mut counts: BTreeMap<NodeId, usize> =
+        owned.iter().map(|(&node, l)| (node, l.len())).collect();
+    let next_receiver = |counts: &mut BTreeMap<NodeId, usize>| -> Option<NodeId> {
+        let node = counts
+            .iter()
+            .filter(|(node, &c)| c < quota[*node])
+            .min_by_key(|(node, &c)| (c, **node))
+            .map(|(&node, _)| node)?;
+        *counts.get_mut(&node).expect("known node") += 1;
+        Some(node)
+    };
+
+    let mut changes: Vec<Change> = lanes
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| {
+            matches!(e.state, LaneState::Releasing { to } if !live.contains(&to))
+                && e.owner.is_some_and(|o| live.contains(&o))
+        })
+        .map(|(lane, _)| Change::CancelHandover { lane: lane as u16 })
+        .collect();
+    for lane in orphans {
+        let Some(to) = next_receiver(&mut counts) else {
+            break;
+        };
+        changes.push(Change::Assign {
+            lane,
+            to,
+            epoch: lanes[lane as usize].epoch + 1,
+        });
+    }
+    for (lane, from) in surplus {
+        let Some(to) = next_receiver(&mut counts) else {
+            break;
+        };
+        *counts.get_mut(&from).expect("known node") -= 1;
+        changes.push(Change::Handover { lane, from, to });
+    }
+    changes
+}
+
+/// Applies a planned change to the table (what the Raft state machine does).
+pub fn apply(lanes: &mut [LaneEntry], change: Change) {
+    match change {
+        Change::Assign { lane, to, epoch } => {
+            let e = &mut lanes[lane as usize];
+            *e = LaneEntry {
+                owner: Some(to),
+                epoch: epoch.max(e.epoch + 1),
+                state: LaneState::Active,
+            };
+        }
+        Change::Handover { lane, from, to } => {
+            let e = &mut lanes[lane as usize];
+            if e.owner == Some(from) && e.state == LaneState::Active {
+                e.state = LaneState::Releasing { to };
+            }
+        }
+        Change::CancelHandover { lane } => {
+            let e = &mut lanes[lane as usize];
+            if matches!(e.state, LaneState::Releasing { .. }) {
+                e.state = LaneState::Active;
+            }
+        }
+    }
+}
+
+/// The old owner has drained and released `lane`: the handover target owns it
+/// at `epoch + 1`. Returns `false` (and changes nothing) if the lane was not
+/// being released by `from`.
+pub fn apply_release(lanes: &mut [LaneEntry], lane: u16, from: NodeId) -> bool {
+    let e = &mut lanes[lane as usize];
+    match (e.owner, e.state) {
+        (Some(owner), LaneState::Releasing { to }) if owner == from => {
+            *e = LaneEntry {
+                owner: Some(to),
+                epoch: e.epoch + 1,
+                state: LaneState::Active,
+            };
+            true
+        }
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn live(ids: &[NodeId]) -> BTreeSet<NodeId> {
+        ids.iter().copied().collect()
+    }
+
+    /// Applies a plan completely (handovers released at once).
+    fn settle(lanes: &mut [LaneEntry], alive: &BTreeSet<NodeId>) -> Vec<Change> {
+        let changes = plan(lanes, alive);
+        for &c in &changes {
+            apply(lanes, c);
+            if let Change::Handover { lane, from, .. } = c {
+                assert!(apply_release(lanes, lane, from));
+            }
+        }
+        changes
+    }
+
+    fn counts(lanes: &[LaneEntry]) -> BTreeMap<NodeId, usize> {
+        let mut m = BTreeMap::new();
+        for e in lanes {
+            *m.entry(e.owner.expect("owned")).or_default() += 1;
+        }
+        m
+    }
+
+    #[test]
+    fn first_node_gets_every_lane_then_three_nodes_balance() {
+        let mut lanes = vec![LaneEntry::UNASSIGNED; 256];
+        settle(&mut lanes, &live(&[1]));
+        assert_eq!(counts(&lanes)[&1], 256);
+        assert!(lanes.iter().all(|e| e.epoch == 1));
+
+        let changes = settle(&mut lanes, &live(&[1, 2, 3]));
+        let c = counts(&lanes);
+        assert_eq!(c.values().sum::<usize>(), 256);
+        assert!(
+            c.values().max().unwrap() - c.values().min().unwrap() <= 1,
+            "{c:?}"
+        );
+        // Only what node 1 must give away moves, and gracefully.
+        assert_eq!(changes.len(), 256 - c[&1]);
+        assert!(changes
+            .iter()
+            .all(|c| matches!(c, Change::Handover { from: 1, .. })));
+        assert!(
+            plan(&lanes, &live(&[1, 2, 3])).is_empty(),
+            "balanced table plans nothing"
+        );
+    }
+
+    #[test]
+    fn dead_node_lanes_are_assigned_at_once_and_nothing_else_moves() {
+        let mut lanes = vec![LaneEntry::UNASSIGNED; 256];
+        settle(&mut lanes, &live(&[1, 2, 3]));
+        let before = lanes.clone();
+        let changes = settle(&mut lanes, &live(&[1, 3]));
+        for c in &changes {
+            match *c {
+                Change::Assign { lane, epoch, .. } => {
+                    assert_eq!(before[lane as usize].owner, Some(2));
+                    assert_eq!(epoch, before[lane as usize].epoch + 1);
+                }
+                _ => panic!("no live owner should lose a lane: {c:?}"),
+            }
+        }
+        for (b, a) in before.iter().zip(&lanes) {
+            if b.owner != Some(2) {
+                assert_eq!(b, a, "a lane of a live node moved");
+            }
+        }
+        assert_eq!(counts(&lanes), BTreeMap::from([(1, 128), (3, 128)]));
+    }
+
+    #[test]
+    fn fourth_node_takes_about_a_quarter_by_handover() {
+        let mut lanes = vec![LaneEntry::UNASSIGNED; 256];
+        settle(&mut lanes, &live(&[1, 2, 3]));
+        let changes = settle(&mut lanes, &live(&[1, 2, 3, 4]));
+        assert_eq!(changes.len(), 64);
+        assert!(changes
+            .iter()
+            .all(|c| matches!(c, Change::Handover { to: 4, .. })));
+        assert_eq!(counts(&lanes)[&4], 64);
+    }
+
+    #[test]
+    fn lanes_in_handover_are_left_alone_and_release_bumps_epoch() {
+        let mut lanes = vec![LaneEntry::UNASSIGNED; 4];
+        settle(&mut lanes, &live(&[1]));
+        let changes = plan(&lanes, &live(&[1, 2]));
+        assert_eq!(changes.len(), 2);
+        for &c in &changes {
+            apply(&mut lanes, c);
+        }
+        // While the handovers are in progress, nothing more is planned.
+        assert!(plan(&lanes, &live(&[1, 2])).is_empty());
+        let Change::Handover { lane, from, to } = changes[0] else {
+            panic!()
+        };
+        assert!(
+            !apply_release(&mut lanes, lane, to),
+            "only the releasing owner can release"
+        );
+        assert!(apply_release(&mut lanes, lane, from));
+        assert_eq!(
+            lanes[lane as usize],
+            LaneEntry {
+                owner: Some(to),
+                epoch: 2,
+                state: LaneState::Active
+            }
+        );
+    }
+
+    #[test]
+    fn handover_to_a_dead_target_is_replanned() {
+        let mut lanes = vec![LaneEntry::UNASSIGNED; 4];
+        settle(&mut lanes, &live(&[1]));
+        for c in plan(&lanes, &live(&[1, 2])) {
+            apply(&mut lanes, c);
+        }
+        // Node 2 died before the release: the handovers are cancelled and
+        // node 1 keeps its lanes.
+        let changes = plan(&lanes, &live(&[1]));
+        assert_eq!(
+            changes,
+            vec![
+                Change::CancelHandover { lane: 2 },
+                Change::CancelHandover { lane: 3 }
+            ]
+        );
+        for c in changes {
+            apply(&mut lanes, c);
+        }
+        assert!(lanes
+            .iter()
+            .all(|e| e.state == LaneState::Active && e.owner == Some(1)));
+        assert!(plan(&lanes, &live(&[1])).is_empty());
+    }
+
+    #[test]
+    fn no_live_nodes_plans_nothing() {
+        assert!(plan(&[LaneEntry::UNASSIGNED; 8], &BTreeSet::new()).is_empty());
+    }
+}

@@ -1,0 +1,192 @@
+//! Lease arithmetic, on monotonic milliseconds supplied by the caller (so
+//! tests control time).
+//!
+//! ```text
+//! holder:  sent renewal ──────── committed ─── ... ─── sent + lease: stop lanes
+//! leader:        applied renewal ───────────── ... ─── applied + lease + margin: reassign
+//! ```
+//!
+//! The holder counts from when it *sent* the renewal that was committed, the
+//! leader from when it *applied* it, which is later; the margin absorbs clock
+//! rate differences between the two machines. So the holder has stopped its
+//! lanes before the leader gives them away, even without any message between
+//! them (DESIGN.md section 3, "Leases").
+
+use std::fmt;
+
+/// Lease settings, all in milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseConfig {
+    /// How long a committed renewal keeps a node's lanes.
+    pub lease_ms: u64,
+    /// How often a node sends a renewal.
+    pub renew_interval_ms: u64,
+    /// Extra wait of the leader past a lease before reassigning.
+    pub margin_ms: u64,
+}
+
+impl Default for LeaseConfig {
+    /// 15 s lease renewed every 2 s, 3 s margin: above the default handler
+    /// timeout of 10 s (see [`LeaseConfig::validate`]).
+    fn default() -> Self {
+        LeaseConfig {
+            lease_ms: 15_000,
+            renew_interval_ms: 2_000,
+            margin_ms: 3_000,
+        }
+    }
+}
+
+/// Why a lease configuration was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LeaseConfigError {
+    /// The lease is not longer than the longest handler timeout.
+    LeaseNotLongerThanTimeout {
+        /// Configured lease.
+        lease_ms: u64,
+        /// Longest handler timeout.
+        timeout_ms: u64,
+    },
+    /// Fewer than three renewals fit in one lease.
+    RenewTooSlow {
+        /// Configured lease.
+        lease_ms: u64,
+        /// Configured renewal interval.
+        renew_interval_ms: u64,
+    },
+    /// A zero value.
+    Zero(&'static str),
+}
+
+impl fmt::Display for LeaseConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LeaseConfigError::LeaseNotLongerThanTimeout { lease_ms, timeout_ms } => write!(
+                f,
+                "lease_ms {lease_ms} must be longer than the longest handler timeout ({timeout_ms} ms): \
+                 an attempt still in flight when the lease ends could reach the receiver after the \
+                 new owner's next delivery of the same key, breaking per-key order"
+            ),
+            LeaseConfigError::RenewTooSlow { lease_ms, renew_interval_ms } => write!(
+                f,
+                "renew_interval_ms {renew_interval_ms} must be at most a third of lease_ms {lease_ms}, \
+                 so that one lost renewal does not cost the lease"
+            ),
+            LeaseConfigError::Zero(name) => write!(f, "{name} must be greater than 0"),
+        }
+    }
+}
+
+impl std::error::Error for LeaseConfigError {}
+
+impl LeaseConfig {
+    /// Checks the settings against the longest handler timeout.
+    ///
+    /// # Errors
+    /// [`LeaseConfigError`] saying which rule is broken and why it matters.
+    pub fn validate(&self, longest_handler_timeout_ms: u64) -> Result<(), LeaseConfigError> {
+        if self.lease_ms == 0 {
+            return Err(LeaseConfigError::Zero("lease_ms"));
+        }
+        if self.renew_interval_ms == 0 {
+            return Err(LeaseConfigError::Zero("renew_interval_ms"));
+        }
+        if self.lease_ms <= longest_handler_timeout_ms {
+            return Err(LeaseConfigError::LeaseNotLongerThanTimeout {
+                lease_ms: self.lease_ms,
+                timeout_ms: longest_handler_timeout_ms,
+            });
+        }
+        if self.renew_interval_ms.saturating_mul(3) > self.lease_ms {
+            return Err(LeaseConfigError::RenewTooSlow {
+                lease_ms: self.lease_ms,
+                renew_interval_ms: self.renew_interval_ms,
+            });
+        }
+        Ok(())
+    }
+
+    /// Leader side: whether a node whose last renewal was applied at
+    /// `applied_at_ms` has lost its lanes at `now_ms`.
+    pub fn expired_for_leader(&self, applied_at_ms: u64, now_ms: u64) -> bool {
+        now_ms
+            >= applied_at_ms
+                .saturating_add(self.lease_ms)
+                .saturating_add(self.margin_ms)
+    }
+}
+
+/// Holder side: the node's own view of its lease.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HolderLease {
+    /// Send time of the newest renewal known to be committed.
+    sent_at_ms: Option<u64>,
+}
+
+impl HolderLease {
+    /// A renewal sent at `sent_at_ms` was committed. Older acknowledgements
+    /// arriving late never shorten the lease.
+    pub fn committed(&mut self, sent_at_ms: u64) {
+        self.sent_at_ms = Some(self.sent_at_ms.map_or(sent_at_ms, |s| s.max(sent_at_ms)));
+    }
+
+    /// Milliseconds the lanes may still be worked at `now_ms` (0 when lost or
+    /// never held).
+    pub fn remaining_ms(&self, cfg: &LeaseConfig, now_ms: u64) -> u64 {
+        self.sent_at_ms
+            .map_or(0, |s| s.saturating_add(cfg.lease_ms).saturating_sub(now_ms))
+    }
+
+    /// Whether the node may keep working its lanes at `now_ms`.
+    pub fn valid(&self, cfg: &LeaseConfig, now_ms: u64) -> bool {
+        self.remaining_ms(cfg, now_ms) > 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CFG: LeaseConfig = LeaseConfig {
+        lease_ms: 3_000,
+        renew_interval_ms: 500,
+        margin_ms: 1_000,
+    };
+
+    #[test]
+    fn lease_shorter_than_handler_timeout_is_refused_with_the_reason() {
+        let err = CFG.validate(5_000).unwrap_err();
+        assert!(err.to_string().contains("per-key order"), "{err}");
+        assert!(CFG.validate(2_999).is_ok());
+        assert!(matches!(
+            LeaseConfig {
+                renew_interval_ms: 1_500,
+                ..CFG
+            }
+            .validate(10),
+            Err(LeaseConfigError::RenewTooSlow { .. })
+        ));
+        assert!(LeaseConfig { lease_ms: 0, ..CFG }.validate(0).is_err());
+    }
+
+    #[test]
+    fn holder_stops_before_leader_reassigns() {
+        let mut h = HolderLease::default();
+        assert!(!h.valid(&CFG, 0), "no lease before the first renewal");
+        h.committed(1_000); // sent at 1,000; the leader applies it later, at 1,200.
+        assert_eq!(h.remaining_ms(&CFG, 2_000), 2_000);
+        assert!(h.valid(&CFG, 3_999));
+        assert!(!h.valid(&CFG, 4_000));
+        assert!(!CFG.expired_for_leader(1_200, 4_000));
+        assert!(!CFG.expired_for_leader(1_200, 5_199));
+        assert!(CFG.expired_for_leader(1_200, 5_200));
+    }
+
+    #[test]
+    fn late_acknowledgement_of_an_older_renewal_does_not_shorten_the_lease() {
+        let mut h = HolderLease::default();
+        h.committed(2_000);
+        h.committed(1_000);
+        assert!(h.valid(&CFG, 4_500));
+    }
+}
