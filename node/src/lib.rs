@@ -1,1 +1,23 @@
+//! The lanebus node: actix actors that run lanes, per-key handlers and the
+//! store actor; webhook sending; the handler catalog cache; a reusable test
+//! webhook receiver; the single-node demo. The `lanebus` binary is
+//! `src/main.rs`.
+//!
+//! Pure decisions live in [`retry`], [`ordering`] and [`assignment`] (with
+//! unit tests, no IO); [`actors`] carry them out; [`node`] wires a running
+//! node (see `shared/DESIGN.md` section 3).
 
+#![warn(missing_docs)]
+
+pub mod actors;
+pub mod assignment;
+pub mod catalog;
+pub mod handler;
+pub mod metrics;
+pub mod node;
+pub mod ordering;
+pub mod retry;
+pub mod webhook;
+
+pub use handler::{Handler, HandlerError};
+pub use node::{start, NodeError, NodeHandle, NodeOptions, StoreSource};

@@ -1,0 +1,240 @@
+//! `KeyHandler`: one per (handler, key) with work; carries out the attempts
+//! of one delivery at a time.
+//!
+//! ```text
+//!  LaneOwner ──Attempt(d)──▶ KeyHandler ──POST / in-process──▶ handler
+//!                               │ retry::decide
+//!            ┌──────────────────┼─────────────────────┐
+//!         Complete          Retry(delay)          DeadLetter
+//!            │        RescheduleDelivery, wait        │
+//!            │          delay, attempt again          │
+//!            ▼                                        ▼
+//!  StoreActor acknowledges ──▶ LaneOwner ◀──Settled(id, outcome)
+//! ```
+//!
+//! The key handler reports a delivery settled only after the store
+//! acknowledged its completion or dead letter, so the lane owner never hands
+//! out the key's next delivery before the previous one is durably done
+//! (DESIGN.md invariant 2). While it waits for a retry only its own key
+//! waits. The attempt count is persisted with every reschedule, so a restart
+//! continues the count (and the `lanebus-attempt` header) where it was.
+//! Unkeyed deliveries get a short-lived key handler each.
+//!
+//! A store call that fails (database unreachable) is repeated with a capped
+//! backoff until it succeeds or the lane owner is gone: the attempt's outcome
+//! is known and must not be lost, and attempting again would repeat a
+//! delivery without a cause.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use chrono::Utc;
+use lanebus_store::{
+    DeadLetterRequest, Delivery, DeliveryRef, Epoch, Handler as HandlerConfig, Reschedule,
+};
+
+use super::lane_owner::{LaneOwner, Settled, SettledOutcome};
+use super::store_actor::{
+    CompleteDelivery, DeadLetterDelivery, RescheduleDelivery, StoreActor, StoreCallError,
+};
+use crate::catalog::HandlerCatalog;
+use crate::handler::Dispatcher;
+use crate::metrics;
+use crate::retry::{decide, AttemptOutcome, Decision, RetryPolicy};
+
+/// Command: attempt this delivery (the head of the key) until it settles.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Attempt {
+    /// The delivery; `attempts` counts the attempts already made.
+    pub delivery: Delivery,
+    /// Its handler as of dispatch.
+    pub handler: Arc<HandlerConfig>,
+}
+
+/// What a key handler shares with its lane owner.
+#[derive(Clone)]
+pub struct KeyHandlerDeps {
+    /// The lane's epoch (every store request is fenced with it).
+    pub epoch: Epoch,
+    /// The lane owner to report to.
+    pub owner: Addr<LaneOwner>,
+    /// The node's store actor.
+    pub store_actor: Addr<StoreActor>,
+    /// Hands deliveries over.
+    pub dispatcher: Dispatcher,
+    /// Handler catalog (re-read before every retry).
+    pub catalog: Arc<HandlerCatalog>,
+    /// Backoff parameters.
+    pub retry: RetryPolicy,
+}
+
+/// The key handler actor. See the module docs.
+pub struct KeyHandler {
+    deps: KeyHandlerDeps,
+}
+
+/// The store write an attempt leads to.
+enum Record {
+    Complete(DeliveryRef),
+    Reschedule(Reschedule),
+    DeadLetter(DeadLetterRequest),
+}
+
+impl KeyHandler {
+    /// A key handler for one lane owner.
+    pub fn new(deps: KeyHandlerDeps) -> Self {
+        KeyHandler { deps }
+    }
+
+    fn run(&mut self, delivery: Delivery, handler: Arc<HandlerConfig>, ctx: &mut Context<Self>) {
+        let attempt = delivery.attempts + 1;
+        let dispatcher = self.deps.dispatcher.clone();
+        let (d, h) = (delivery.clone(), handler.clone());
+        // The hand-over (body, signature, HTTP) runs on the tokio workers.
+        let send = tokio::spawn(async move { dispatcher.attempt(&h, &d, attempt).await });
+        ctx.spawn(send.into_actor(self).map(move |joined, act, ctx| {
+            let outcome = joined.unwrap_or_else(|e| AttemptOutcome::Failed {
+                error: format!("attempt task failed: {e}"),
+                retry_after: None,
+            });
+            act.decided(delivery, handler, attempt, outcome, ctx);
+        }));
+    }
+
+    fn decided(
+        &mut self,
+        delivery: Delivery,
+        handler: Arc<HandlerConfig>,
+        attempt: u32,
+        outcome: AttemptOutcome,
+        ctx: &mut Context<Self>,
+    ) {
+        let lane = delivery.lane;
+        let epoch = self.deps.epoch;
+        let decision = decide(
+            &self.deps.retry,
+            attempt,
+            handler.max_attempts,
+            &outcome,
+            rand::random::<f64>(),
+        );
+        let record = match decision {
+            Decision::Complete => {
+                metrics::delivery_outcome(&handler.id, "completed");
+                let latency = (Utc::now() - delivery.published_at)
+                    .num_microseconds()
+                    .unwrap_or(0) as f64
+                    / 1e6;
+                metrics::commit_to_handler(&handler.id, latency);
+                Record::Complete(DeliveryRef {
+                    id: delivery.id,
+                    lane,
+                    epoch,
+                    attempts: attempt,
+                })
+            }
+            Decision::Retry { delay, error } => {
+                metrics::delivery_outcome(&handler.id, "failed");
+                tracing::debug!(delivery = delivery.id, handler = %handler.id, attempt, error = %error, delay_ms = delay.as_millis() as u64, "attempt failed, retrying");
+                let due_at =
+                    Utc::now() + chrono::Duration::from_std(delay).unwrap_or(chrono::Duration::MAX);
+                Record::Reschedule(Reschedule {
+                    id: delivery.id,
+                    lane,
+                    epoch,
+                    attempts: attempt,
+                    due_at,
+                    last_error: error,
+                })
+            }
+            Decision::DeadLetter { error } => {
+                metrics::delivery_outcome(&handler.id, "dead_lettered");
+                tracing::info!(delivery = delivery.id, handler = %handler.id, attempt, error = %error, "dead letter");
+                Record::DeadLetter(DeadLetterRequest {
+                    id: delivery.id,
+                    lane,
+                    epoch,
+                    attempts: attempt,
+                    last_error: error,
+                })
+            }
+        };
+        self.record(delivery, record, Duration::from_millis(50), ctx);
+    }
+
+    fn record(
+        &mut self,
+        mut delivery: Delivery,
+        record: Record,
+        store_backoff: Duration,
+        ctx: &mut Context<Self>,
+    ) {
+        let sa = self.deps.store_actor.clone();
+        let fut = async move {
+            let res = match &record {
+                Record::Complete(r) => sa.send(CompleteDelivery(*r)).await,
+                Record::Reschedule(r) => sa.send(RescheduleDelivery(r.clone())).await,
+                Record::DeadLetter(r) => sa.send(DeadLetterDelivery(r.clone())).await,
+            };
+            (record, res.unwrap_or(Err(StoreCallError::Stopped)))
+        };
+        ctx.spawn(fut.into_actor(self).map(move |(record, res), act, ctx| {
+            let id = delivery.id;
+            match res {
+                Ok(true) => match record {
+                    Record::Complete(_) => act.settle(id, SettledOutcome::Completed, ctx),
+                    Record::DeadLetter(_) => act.settle(id, SettledOutcome::DeadLettered, ctx),
+                    Record::Reschedule(r) => {
+                        delivery.attempts = r.attempts;
+                        delivery.due_at = r.due_at;
+                        delivery.last_error = Some(r.last_error);
+                        let wait = (r.due_at - Utc::now()).to_std().unwrap_or(Duration::ZERO);
+                        ctx.run_later(wait, move |act, ctx| act.retry(delivery, ctx));
+                    }
+                },
+                // Fenced out, or the row is gone (handler deleted).
+                Ok(false) => act.settle(id, SettledOutcome::Refused, ctx),
+                Err(StoreCallError::Stopped) => ctx.stop(),
+                Err(e) => {
+                    if !act.deps.owner.connected() {
+                        ctx.stop();
+                        return;
+                    }
+                    tracing::warn!(delivery = id, error = %e, retry_in_ms = store_backoff.as_millis() as u64, "store write failed, will repeat it");
+                    let next = (store_backoff * 2).min(Duration::from_secs(5));
+                    ctx.run_later(store_backoff, move |act, ctx| act.record(delivery, record, next, ctx));
+                }
+            }
+        }));
+    }
+
+    fn retry(&mut self, delivery: Delivery, ctx: &mut Context<Self>) {
+        if !self.deps.owner.connected() {
+            ctx.stop();
+            return;
+        }
+        match self.deps.catalog.get(&delivery.handler_id) {
+            Some(h) => self.run(delivery, h, ctx),
+            // Deleted while waiting: its rows are gone with it.
+            None => self.settle(delivery.id, SettledOutcome::Refused, ctx),
+        }
+    }
+
+    fn settle(&mut self, id: i64, outcome: SettledOutcome, _ctx: &mut Context<Self>) {
+        self.deps.owner.do_send(Settled { id, outcome });
+    }
+}
+
+impl Actor for KeyHandler {
+    type Context = Context<Self>;
+}
+
+impl Handler<Attempt> for KeyHandler {
+    type Result = ();
+
+    fn handle(&mut self, msg: Attempt, ctx: &mut Self::Context) {
+        self.run(msg.delivery, msg.handler, ctx);
+    }
+}

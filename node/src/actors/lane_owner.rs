@@ -1,0 +1,490 @@
+//! `LaneOwner`: one per owned lane; claims the lane's deliveries and hands
+//! each key's head to its key handler.
+//!
+//! ```text
+//!  Wake (store push, API publish hint)  ─┐
+//!  poll interval, room freed, due timer ─┼─▶ claim (via StoreActor, fenced at epoch)
+//!                                        │        │ owned == false ──▶ stop
+//!                                        │        ▼
+//!                                        │   LaneQueue::accept (de-dup by id)
+//!                                        │        ▼
+//!                                        └── LaneQueue::next_ready ──Attempt──▶ KeyHandler
+//!  Settled(id) from KeyHandler ──▶ LaneQueue::settled ──▶ next head of that key
+//! ```
+//!
+//! Decisions (what is due, what is next per key, what is a duplicate) are in
+//! [`LaneQueue`]; this actor only carries them out. It asks the store for
+//! more only while it has room (queued + in flight below
+//! [`LaneConfig::buffer_cap`]) and at most one claim at a time; a wake-up
+//! during a claim triggers another claim right after, so a publish that
+//! committed during the claim is not left waiting for the poll.
+//!
+//! A completion the store refused (fenced out) suspends dispatching until
+//! the next claim tells whether the lane is still ours.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use actix::prelude::*;
+use chrono::Utc;
+use lanebus_store::{Epoch, HandlerState, Lane, LaneClaim};
+
+use super::key_handler::{Attempt, KeyHandler, KeyHandlerDeps};
+use super::store_actor::{ClaimLane, StoreActor, StoreCallError};
+use crate::catalog::HandlerCatalog;
+use crate::handler::Dispatcher;
+use crate::metrics;
+use crate::ordering::{ClaimTicket, HandlerGate, LaneQueue, SlotKey};
+use crate::retry::RetryPolicy;
+
+/// Tuning of a lane owner.
+#[derive(Debug, Clone, Copy)]
+pub struct LaneConfig {
+    /// Most deliveries held (queued + in flight) per lane (default 1,000).
+    pub buffer_cap: usize,
+    /// Claim at least this often without a wake-up (default 100 ms for
+    /// stores without push wake-ups, 1 s with).
+    pub poll_interval: Duration,
+    /// Backoff of failed attempts.
+    pub retry: RetryPolicy,
+}
+
+impl Default for LaneConfig {
+    fn default() -> Self {
+        LaneConfig {
+            buffer_cap: 1_000,
+            poll_interval: Duration::from_millis(100),
+            retry: RetryPolicy::default(),
+        }
+    }
+}
+
+/// State of a lane on this node, as `GET /admin/lanes` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LaneState {
+    /// Claiming and delivering.
+    Active,
+    /// Stopped (fenced out or unassigned).
+    Stopped,
+}
+
+impl LaneState {
+    /// The API's word for it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LaneState::Active => "active",
+            LaneState::Stopped => "stopped",
+        }
+    }
+}
+
+/// One lane's observable state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaneStatus {
+    /// Epoch this node owns the lane at.
+    pub epoch: Epoch,
+    /// Active or stopped.
+    pub state: LaneState,
+    /// Deliveries queued on this node.
+    pub queued: usize,
+    /// Deliveries being attempted.
+    pub in_flight: usize,
+}
+
+/// Observable state of every lane owner of the node (admin API, tests).
+#[derive(Debug, Default)]
+pub struct LaneBoard {
+    lanes: RwLock<BTreeMap<Lane, LaneStatus>>,
+}
+
+impl LaneBoard {
+    /// Snapshot by lane number.
+    pub fn snapshot(&self) -> BTreeMap<Lane, LaneStatus> {
+        self.lanes.read().expect("not poisoned").clone()
+    }
+
+    fn set(&self, lane: Lane, status: LaneStatus) {
+        self.lanes
+            .write()
+            .expect("not poisoned")
+            .insert(lane, status);
+    }
+
+    /// Sum of queued and in-flight deliveries over the active lanes.
+    pub fn held(&self) -> usize {
+        self.lanes
+            .read()
+            .expect("not poisoned")
+            .values()
+            .filter(|s| s.state == LaneState::Active)
+            .map(|s| s.queued + s.in_flight)
+            .sum()
+    }
+}
+
+/// Fact: new deliveries may be waiting in the lane (store push, API hint).
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "()")]
+pub struct Wake;
+
+/// Fact: the handler catalog was reloaded.
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "()")]
+pub struct CatalogChanged;
+
+/// Command: stop the lane (ownership moved or the node shuts down).
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "()")]
+pub struct StopLane;
+
+/// How a delivery left its key handler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SettledOutcome {
+    /// The store recorded the completion.
+    Completed,
+    /// The store moved it to the dead letters.
+    DeadLettered,
+    /// The store refused the write: fenced out, or the row is gone.
+    Refused,
+}
+
+/// Fact: a delivery handed out to a key handler is done with.
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "()")]
+pub struct Settled {
+    /// Delivery id.
+    pub id: i64,
+    /// What happened.
+    pub outcome: SettledOutcome,
+}
+
+/// Everything a lane owner needs from the node.
+#[derive(Clone)]
+pub struct LaneDeps {
+    /// The node's store actor.
+    pub store_actor: Addr<StoreActor>,
+    /// Handler catalog.
+    pub catalog: Arc<HandlerCatalog>,
+    /// Hands deliveries over.
+    pub dispatcher: Dispatcher,
+    /// Observable state of the node's lanes.
+    pub board: Arc<LaneBoard>,
+    /// Tuning.
+    pub config: LaneConfig,
+}
+
+/// The lane owner actor. See the module docs.
+pub struct LaneOwner {
+    lane: Lane,
+    epoch: Epoch,
+    deps: LaneDeps,
+    queue: LaneQueue,
+    cursor: i64,
+    claiming: bool,
+    claim_again: bool,
+    claim_retry: Option<SpawnHandle>,
+    /// Dispatch is held until the next claim confirms ownership.
+    suspect: bool,
+    reloading: bool,
+    key_handlers: HashMap<SlotKey, Addr<KeyHandler>>,
+    due_timer: Option<(chrono::DateTime<Utc>, SpawnHandle)>,
+    claim_errors: u32,
+    /// The last claim was cut by its limit: more may be waiting.
+    more_waiting: bool,
+}
+
+impl LaneOwner {
+    /// An owner of `lane` at `epoch` (already fenced in the store).
+    pub fn new(lane: Lane, epoch: Epoch, deps: LaneDeps) -> Self {
+        LaneOwner {
+            lane,
+            epoch,
+            deps,
+            queue: LaneQueue::new(),
+            cursor: 0,
+            claiming: false,
+            claim_again: false,
+            claim_retry: None,
+            suspect: false,
+            reloading: false,
+            key_handlers: HashMap::new(),
+            due_timer: None,
+            claim_errors: 0,
+            more_waiting: false,
+        }
+    }
+
+    fn held(&self) -> usize {
+        self.queue.queued() + self.queue.in_flight()
+    }
+
+    fn claim(&mut self, ctx: &mut Context<Self>) {
+        if self.claiming {
+            self.claim_again = true;
+            return;
+        }
+        if self.held() >= self.deps.config.buffer_cap && !self.suspect {
+            return;
+        }
+        self.claiming = true;
+        self.claim_again = false;
+        let ticket = self.queue.begin_claim();
+        // Ask for a full buffer: rows already held may be returned again (see
+        // the store's claim cursor docs) and must not crowd out new ones.
+        let limit = self.deps.config.buffer_cap.max(1) as u32;
+        let claim = LaneClaim {
+            lane: self.lane,
+            epoch: self.epoch,
+            after: self.cursor,
+            limit,
+        };
+        let fut = self.deps.store_actor.send(ClaimLane(claim));
+        ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
+            act.claiming = false;
+            match res.unwrap_or(Err(StoreCallError::Stopped)) {
+                Ok(batch) if !batch.owned => {
+                    tracing::info!(lane = act.lane, epoch = act.epoch, "fenced out: stopping the lane");
+                    ctx.stop();
+                }
+                Ok(batch) => {
+                    act.claim_errors = 0;
+                    act.suspect = false;
+                    act.cursor = batch.next_after;
+                    let returned = batch.deliveries.len();
+                    act.more_waiting = returned >= limit as usize;
+                    let new = act.accepted(ticket, batch.deliveries, ctx);
+                    act.dispatch(ctx);
+                    if (new > 0 && returned >= limit as usize) || act.claim_again {
+                        act.claim(ctx);
+                    }
+                }
+                Err(StoreCallError::Stopped) => ctx.stop(),
+                Err(e) => {
+                    act.claim_errors += 1;
+                    let wait = Duration::from_millis(50 * 2u64.pow(act.claim_errors.min(6)));
+                    tracing::warn!(lane = act.lane, error = %e, retry_in_ms = wait.as_millis() as u64, "claim failed");
+                    if let Some(h) = act.claim_retry.take() {
+                        ctx.cancel_future(h);
+                    }
+                    act.claim_retry = Some(ctx.run_later(wait, |act, ctx| {
+                        act.claim_retry = None;
+                        act.claim(ctx);
+                    }));
+                }
+            }
+        }));
+    }
+
+    fn accepted(
+        &mut self,
+        ticket: ClaimTicket,
+        deliveries: Vec<lanebus_store::Delivery>,
+        ctx: &mut Context<Self>,
+    ) -> usize {
+        let new = self.queue.accept(ticket, deliveries);
+        if new > 0 {
+            let catalog = self.deps.catalog.all();
+            if self
+                .queue
+                .queued_handlers()
+                .iter()
+                .any(|h| !catalog.contains_key(h))
+            {
+                self.reload_catalog(ctx);
+            }
+        }
+        new
+    }
+
+    /// A handler id we do not know: reload, then drop what is still unknown.
+    fn reload_catalog(&mut self, ctx: &mut Context<Self>) {
+        if self.reloading {
+            return;
+        }
+        self.reloading = true;
+        let catalog = self.deps.catalog.clone();
+        let fut = async move { catalog.reload_fresh().await };
+        ctx.spawn(fut.into_actor(self).map(|res, act, ctx| {
+            act.reloading = false;
+            match res {
+                Ok(()) => act.drop_unknown_handlers(),
+                Err(e) => {
+                    tracing::warn!(lane = act.lane, error = %e, "handler catalog reload failed")
+                }
+            }
+            act.dispatch(ctx);
+        }));
+    }
+
+    fn drop_unknown_handlers(&mut self) {
+        let catalog = self.deps.catalog.all();
+        for h in self.queue.queued_handlers() {
+            if !catalog.contains_key(&h) {
+                let dropped = self.queue.drop_handler(&h);
+                tracing::info!(lane = self.lane, handler = %h, dropped = dropped.len(), "dropped deliveries of a deleted handler");
+            }
+        }
+    }
+
+    fn dispatch(&mut self, ctx: &mut Context<Self>) {
+        if self.suspect {
+            self.publish_status();
+            return;
+        }
+        let now = Utc::now();
+        let catalog = self.deps.catalog.all();
+        let ready = self.queue.next_ready(now, |h| match catalog.get(h) {
+            Some(c) if c.state == HandlerState::Enabled => HandlerGate::Open {
+                max_in_flight: c.max_in_flight.max(1) as usize,
+            },
+            _ => HandlerGate::Hold,
+        });
+        for delivery in ready {
+            let Some(handler) = catalog.get(&delivery.handler_id).cloned() else {
+                continue;
+            };
+            let slot = SlotKey::of(&delivery);
+            let attempt = Attempt { delivery, handler };
+            if slot.key.is_some() {
+                let addr = self.key_handlers.entry(slot).or_insert_with(|| {
+                    KeyHandler::new(key_handler_deps(&self.deps, self.epoch, ctx.address())).start()
+                });
+                addr.do_send(attempt);
+            } else {
+                // Unkeyed: a key handler per delivery, gone when it settles.
+                KeyHandler::new(key_handler_deps(&self.deps, self.epoch, ctx.address()))
+                    .start()
+                    .do_send(attempt);
+            }
+        }
+        self.arm_due_timer(ctx);
+        self.publish_status();
+    }
+
+    fn arm_due_timer(&mut self, ctx: &mut Context<Self>) {
+        let Some(due) = self.queue.next_due() else {
+            return;
+        };
+        if let Some((at, handle)) = self.due_timer {
+            if at <= due {
+                return;
+            }
+            ctx.cancel_future(handle);
+        }
+        let wait = (due - Utc::now()).to_std().unwrap_or(Duration::ZERO) + Duration::from_millis(1);
+        let handle = ctx.run_later(wait, |act, ctx| {
+            act.due_timer = None;
+            act.dispatch(ctx);
+        });
+        self.due_timer = Some((due, handle));
+    }
+
+    fn publish_status(&self) {
+        let (queued, in_flight) = (self.queue.queued(), self.queue.in_flight());
+        self.deps.board.set(
+            self.lane,
+            LaneStatus {
+                epoch: self.epoch,
+                state: LaneState::Active,
+                queued,
+                in_flight,
+            },
+        );
+        metrics::lane_depth(self.lane, queued, in_flight);
+    }
+}
+
+fn key_handler_deps(deps: &LaneDeps, epoch: Epoch, owner: Addr<LaneOwner>) -> KeyHandlerDeps {
+    KeyHandlerDeps {
+        epoch,
+        owner,
+        store_actor: deps.store_actor.clone(),
+        dispatcher: deps.dispatcher.clone(),
+        catalog: deps.catalog.clone(),
+        retry: deps.config.retry,
+    }
+}
+
+impl Actor for LaneOwner {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        ctx.set_mailbox_capacity(usize::MAX >> 4);
+        self.publish_status();
+        // Catalog reloads: drop deliveries of deleted handlers, start newly
+        // known or re-enabled ones.
+        let mut versions = self.deps.catalog.subscribe();
+        let me = ctx.address().recipient::<CatalogChanged>();
+        tokio::spawn(async move {
+            while versions.changed().await.is_ok() {
+                if me.try_send(CatalogChanged).is_err() && !me.connected() {
+                    break;
+                }
+            }
+        });
+        ctx.run_interval(self.deps.config.poll_interval, |act, ctx| act.claim(ctx));
+        self.claim(ctx);
+    }
+
+    fn stopped(&mut self, _ctx: &mut Self::Context) {
+        self.deps.board.set(
+            self.lane,
+            LaneStatus {
+                epoch: self.epoch,
+                state: LaneState::Stopped,
+                queued: 0,
+                in_flight: 0,
+            },
+        );
+        metrics::lane_depth(self.lane, 0, 0);
+    }
+}
+
+impl Handler<Wake> for LaneOwner {
+    type Result = ();
+
+    fn handle(&mut self, _: Wake, ctx: &mut Self::Context) {
+        self.claim(ctx);
+    }
+}
+
+impl Handler<CatalogChanged> for LaneOwner {
+    type Result = ();
+
+    fn handle(&mut self, _: CatalogChanged, ctx: &mut Self::Context) {
+        if !self.reloading {
+            self.drop_unknown_handlers();
+        }
+        self.dispatch(ctx);
+    }
+}
+
+impl Handler<StopLane> for LaneOwner {
+    type Result = ();
+
+    fn handle(&mut self, _: StopLane, ctx: &mut Self::Context) {
+        ctx.stop();
+    }
+}
+
+impl Handler<Settled> for LaneOwner {
+    type Result = ();
+
+    fn handle(&mut self, msg: Settled, ctx: &mut Self::Context) {
+        if let Some(slot) = self.queue.settled(msg.id) {
+            if self.queue.slot_idle(&slot) {
+                self.key_handlers.remove(&slot);
+            }
+        }
+        if msg.outcome == SettledOutcome::Refused {
+            // Fenced out or the row vanished: hold dispatch until a claim
+            // tells whether the lane is still ours.
+            self.suspect = true;
+        }
+        self.dispatch(ctx);
+        if self.suspect || (self.more_waiting && self.held() < self.deps.config.buffer_cap / 2) {
+            self.claim(ctx);
+        }
+    }
+}

@@ -1,0 +1,108 @@
+//! Metrics: names, labels and the Prometheus recorder.
+//!
+//! One function per internal event emits its metric (Vector's "internal
+//! events" style), so names and labels live in one place. The recorder is
+//! process-wide (the `metrics` crate has one global recorder): it is
+//! installed once, without the exporter's own HTTP listener, and rendered by
+//! `GET /metrics` through [`NodeView::render_metrics`](lanebus_api::NodeView).
+//!
+//! | metric | type | labels |
+//! | --- | --- | --- |
+//! | `lanebus_deliveries_total` | counter | `handler`, `outcome` = `completed`, `failed`, `dead_lettered` |
+//! | `lanebus_commit_to_handler_seconds` | histogram | `handler` (published_at to the 2xx) |
+//! | `lanebus_lane_backlog` | gauge | `lane` (queued on this node) |
+//! | `lanebus_lane_in_flight` | gauge | `lane` |
+//! | `lanebus_store_fenced_out_total` | counter | `op` = `claim`, `complete`, `reschedule`, `dead_letter` |
+//! | `lanebus_store_errors_total` | counter | `op` |
+//! | `lanebus_events_published_total` | counter | (incremented by the API) |
+
+use std::sync::OnceLock;
+
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Installs the process-wide Prometheus recorder (once) and returns its handle.
+pub fn install_recorder() -> PrometheusHandle {
+    HANDLE
+        .get_or_init(|| {
+            let recorder = PrometheusBuilder::new()
+                .set_buckets_for_metric(
+                    metrics_exporter_prometheus::Matcher::Suffix("_seconds".into()),
+                    &[
+                        0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                        10.0, 30.0,
+                    ],
+                )
+                .expect("buckets are not empty")
+                .build_recorder();
+            let handle = recorder.handle();
+            if metrics::set_global_recorder(recorder).is_err() {
+                tracing::warn!(
+                    "a metrics recorder was already installed; lanebus metrics go there"
+                );
+            }
+            describe();
+            handle
+        })
+        .clone()
+}
+
+fn describe() {
+    metrics::describe_counter!("lanebus_deliveries_total", "attempt outcomes by handler");
+    metrics::describe_histogram!(
+        "lanebus_commit_to_handler_seconds",
+        metrics::Unit::Seconds,
+        "time from publish commit to the handler's acceptance"
+    );
+    metrics::describe_gauge!(
+        "lanebus_lane_backlog",
+        "deliveries queued on this node per lane"
+    );
+    metrics::describe_gauge!(
+        "lanebus_lane_in_flight",
+        "deliveries being attempted per lane"
+    );
+    metrics::describe_counter!(
+        "lanebus_store_fenced_out_total",
+        "store calls or items refused because the lane's epoch moved on"
+    );
+    metrics::describe_counter!(
+        "lanebus_store_errors_total",
+        "failed store calls by operation"
+    );
+    metrics::describe_counter!(
+        "lanebus_events_published_total",
+        "events accepted by publish"
+    );
+}
+
+/// An attempt finished: `outcome` is `completed`, `failed` or `dead_lettered`.
+pub fn delivery_outcome(handler_id: &str, outcome: &'static str) {
+    metrics::counter!("lanebus_deliveries_total", "handler" => handler_id.to_owned(), "outcome" => outcome)
+        .increment(1);
+}
+
+/// A delivery completed `seconds` after its publish committed.
+pub fn commit_to_handler(handler_id: &str, seconds: f64) {
+    metrics::histogram!("lanebus_commit_to_handler_seconds", "handler" => handler_id.to_owned())
+        .record(seconds.max(0.0));
+}
+
+/// A lane's queued and in-flight counts on this node.
+pub fn lane_depth(lane: u16, queued: usize, in_flight: usize) {
+    metrics::gauge!("lanebus_lane_backlog", "lane" => lane.to_string()).set(queued as f64);
+    metrics::gauge!("lanebus_lane_in_flight", "lane" => lane.to_string()).set(in_flight as f64);
+}
+
+/// `n` items (or a whole claim) of `op` were refused by fencing.
+pub fn fenced_out(op: &'static str, n: u64) {
+    if n > 0 {
+        metrics::counter!("lanebus_store_fenced_out_total", "op" => op).increment(n);
+    }
+}
+
+/// A store call of `op` failed.
+pub fn store_error(op: &'static str) {
+    metrics::counter!("lanebus_store_errors_total", "op" => op).increment(1);
+}

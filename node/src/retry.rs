@@ -1,0 +1,265 @@
+//! Retry schedule of a delivery: what to do after an attempt (pure code).
+//!
+//! After every attempt the [`KeyHandler`](crate::actors::KeyHandler) asks
+//! [`decide`] what follows: complete, try again at a time, or dead-letter.
+//! No IO and no clock here: the caller passes the attempt number, the
+//! outcome and a random source, so unit tests drive every branch.
+//!
+//! # Backoff
+//!
+//! Exponential backoff with *full jitter*, as in the AWS Architecture Blog,
+//! "Exponential Backoff And Jitter" (Marc Brooker, 2015,
+//! <https://aws.amazon.com/blogs/architecture/exponential-backoff-and-jitter/>):
+//!
+//! ```text
+//! ceiling(n) = min(cap, base * factor^(n-1))     n = attempts made so far (>= 1)
+//! delay(n)   = uniform(0, ceiling(n))
+//! ```
+//!
+//! Full jitter spreads the retries of many failing keys over the whole
+//! window, so a recovering endpoint is not hit by synchronized waves.
+//!
+//! # `Retry-After`
+//!
+//! A `429 Too Many Requests` or `503 Service Unavailable` answer with a
+//! `Retry-After` header (RFC 9110 section 10.2.3: delta-seconds or an
+//! HTTP-date) sets the delay instead of the backoff, capped at
+//! [`RetryPolicy::max_retry_after`], because the endpoint said when it can
+//! take the request again.
+//!
+//! # Attempts
+//!
+//! A handler's `max_attempts` counts every attempt, the first one included:
+//! with `max_attempts = 8` the eighth failure dead-letters the delivery.
+
+use std::time::{Duration, SystemTime};
+
+/// Backoff parameters. The defaults suit webhooks; tests shorten `base`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RetryPolicy {
+    /// Ceiling of the first retry's delay (default 500 ms).
+    pub base: Duration,
+    /// Growth of the ceiling per failed attempt (default 2.0).
+    pub factor: f64,
+    /// Largest ceiling of one delay (default 10 minutes).
+    pub cap: Duration,
+    /// Largest delay a `Retry-After` header may ask for (default 10 minutes).
+    pub max_retry_after: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            base: Duration::from_millis(500),
+            factor: 2.0,
+            cap: Duration::from_secs(600),
+            max_retry_after: Duration::from_secs(600),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// Ceiling of the delay after `attempts` failed attempts (`attempts >= 1`):
+    /// `min(cap, base * factor^(attempts-1))`.
+    pub fn ceiling(&self, attempts: u32) -> Duration {
+        let exp = attempts.saturating_sub(1).min(64) as i32;
+        let secs = self.base.as_secs_f64() * self.factor.max(1.0).powi(exp);
+        if !secs.is_finite() || secs >= self.cap.as_secs_f64() {
+            self.cap
+        } else {
+            Duration::from_secs_f64(secs)
+        }
+    }
+
+    /// Full-jitter delay after `attempts` failed attempts; `unit` is a random
+    /// number in `[0, 1)`.
+    pub fn backoff(&self, attempts: u32, unit: f64) -> Duration {
+        self.ceiling(attempts).mul_f64(unit.clamp(0.0, 1.0))
+    }
+}
+
+/// What an attempt came to, as the sender classified it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AttemptOutcome {
+    /// The handler took the delivery (webhook: a 2xx answer).
+    Delivered,
+    /// The attempt failed; `error` is kept as the delivery's `last_error`.
+    Failed {
+        /// Human-readable reason (`http 500`, `timeout after 10000 ms`, ...).
+        error: String,
+        /// Delay the endpoint asked for (`Retry-After` on 429/503).
+        retry_after: Option<Duration>,
+    },
+}
+
+/// What to do after an attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Record the completion.
+    Complete,
+    /// Record the failed attempt and try again after `delay`.
+    Retry {
+        /// Wait before the next attempt.
+        delay: Duration,
+        /// Error of this attempt.
+        error: String,
+    },
+    /// The retry policy is exhausted: move the delivery to the dead letters.
+    DeadLetter {
+        /// Error of the last attempt.
+        error: String,
+    },
+}
+
+/// Decides after attempt number `attempt` (1 for the first) of a handler
+/// allowing `max_attempts`; `unit` is a random number in `[0, 1)` for the
+/// jitter.
+pub fn decide(
+    policy: &RetryPolicy,
+    attempt: u32,
+    max_attempts: u32,
+    outcome: &AttemptOutcome,
+    unit: f64,
+) -> Decision {
+    match outcome {
+        AttemptOutcome::Delivered => Decision::Complete,
+        AttemptOutcome::Failed { error, retry_after } => {
+            if attempt >= max_attempts.max(1) {
+                return Decision::DeadLetter {
+                    error: error.clone(),
+                };
+            }
+            let delay = match retry_after {
+                Some(d) => (*d).min(policy.max_retry_after),
+                None => policy.backoff(attempt, unit),
+            };
+            Decision::Retry {
+                delay,
+                error: error.clone(),
+            }
+        }
+    }
+}
+
+/// Parses a `Retry-After` header value: delta-seconds (`120`) or an
+/// HTTP-date (`Wed, 21 Oct 2015 07:28:00 GMT`), relative to `now`. A date in
+/// the past gives zero; anything unparsable gives `None`.
+pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
+    let value = value.trim();
+    if let Ok(secs) = value.parse::<u64>() {
+        return Some(Duration::from_secs(secs));
+    }
+    let at = httpdate::parse_http_date(value).ok()?;
+    Some(at.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failed(retry_after: Option<Duration>) -> AttemptOutcome {
+        AttemptOutcome::Failed {
+            error: "http 500".into(),
+            retry_after,
+        }
+    }
+
+    #[test]
+    fn ceiling_grows_by_factor_and_stops_at_cap() {
+        let p = RetryPolicy::default();
+        assert_eq!(p.ceiling(1), Duration::from_millis(500));
+        assert_eq!(p.ceiling(2), Duration::from_millis(1000));
+        assert_eq!(p.ceiling(5), Duration::from_millis(8000));
+        assert_eq!(p.ceiling(20), Duration::from_secs(600));
+        assert_eq!(p.ceiling(u32::MAX), Duration::from_secs(600));
+    }
+
+    #[test]
+    fn full_jitter_stays_within_zero_and_ceiling() {
+        let p = RetryPolicy::default();
+        assert_eq!(p.backoff(3, 0.0), Duration::ZERO);
+        assert_eq!(p.backoff(3, 0.5), Duration::from_millis(1000));
+        assert!(p.backoff(3, 0.999_999) <= p.ceiling(3));
+        // Out-of-range randomness is clamped rather than trusted.
+        assert_eq!(p.backoff(3, 7.0), p.ceiling(3));
+    }
+
+    #[test]
+    fn success_completes_whatever_the_attempt() {
+        let p = RetryPolicy::default();
+        assert_eq!(
+            decide(&p, 8, 8, &AttemptOutcome::Delivered, 0.3),
+            Decision::Complete
+        );
+    }
+
+    #[test]
+    fn failures_retry_until_max_attempts_then_dead_letter() {
+        let p = RetryPolicy::default();
+        for attempt in 1..8 {
+            match decide(&p, attempt, 8, &failed(None), 0.5) {
+                Decision::Retry { delay, error } => {
+                    assert_eq!(delay, p.ceiling(attempt) / 2);
+                    assert_eq!(error, "http 500");
+                }
+                other => panic!("attempt {attempt}: {other:?}"),
+            }
+        }
+        assert_eq!(
+            decide(&p, 8, 8, &failed(None), 0.5),
+            Decision::DeadLetter {
+                error: "http 500".into()
+            }
+        );
+        // max_attempts = 1: the first failure is final; 0 is read as 1.
+        assert!(matches!(
+            decide(&p, 1, 1, &failed(None), 0.5),
+            Decision::DeadLetter { .. }
+        ));
+        assert!(matches!(
+            decide(&p, 1, 0, &failed(None), 0.5),
+            Decision::DeadLetter { .. }
+        ));
+    }
+
+    #[test]
+    fn retry_after_overrides_backoff_and_is_capped() {
+        let p = RetryPolicy::default();
+        let d = decide(&p, 1, 8, &failed(Some(Duration::from_secs(30))), 0.0);
+        assert_eq!(
+            d,
+            Decision::Retry {
+                delay: Duration::from_secs(30),
+                error: "http 500".into()
+            }
+        );
+        let d = decide(&p, 1, 8, &failed(Some(Duration::from_secs(86_400))), 0.0);
+        assert_eq!(
+            d,
+            Decision::Retry {
+                delay: Duration::from_secs(600),
+                error: "http 500".into()
+            }
+        );
+    }
+
+    #[test]
+    fn retry_after_parses_seconds_and_http_dates() {
+        let now = httpdate::parse_http_date("Wed, 21 Oct 2015 07:28:00 GMT").unwrap();
+        assert_eq!(
+            parse_retry_after("120", now),
+            Some(Duration::from_secs(120))
+        );
+        assert_eq!(parse_retry_after(" 0 ", now), Some(Duration::ZERO));
+        assert_eq!(
+            parse_retry_after("Wed, 21 Oct 2015 07:29:30 GMT", now),
+            Some(Duration::from_secs(90))
+        );
+        assert_eq!(
+            parse_retry_after("Wed, 21 Oct 2015 07:00:00 GMT", now),
+            Some(Duration::ZERO)
+        );
+        assert_eq!(parse_retry_after("soon", now), None);
+        assert_eq!(parse_retry_after("-5", now), None);
+    }
+}

@@ -1,0 +1,406 @@
+//! Webhook requests as DESIGN.md section 5 (contract) defines them.
+//!
+//! ```text
+//! POST <handler url>
+//! content-type: application/json
+//! webhook-id: <event id>                 same on every attempt
+//! webhook-timestamp: <unix seconds>      time of this attempt
+//! webhook-signature: v1,<base64 HMAC-SHA256(secret, "{id}.{timestamp}.{body}")>
+//! lanebus-key: <key>                     only for keyed events
+//! lanebus-sequence: <position within the key>
+//! lanebus-attempt: <1, 2, ...>
+//!
+//! {"type":"issues.opened","timestamp":"<published_at, RFC 3339>","data":<payload>}
+//! ```
+//!
+//! Signing follows the Standard Webhooks specification
+//! (<https://github.com/standard-webhooks/standard-webhooks/blob/main/spec/standard-webhooks.md>):
+//! the secret is `whsec_` + base64 of the key bytes, and the key is the
+//! base64-*decoded* part after the prefix. The body is assembled around the
+//! stored payload bytes, which are spliced in as they are and never
+//! re-serialized, so the receiver sees exactly what the publisher sent.
+//! The body does not change between attempts; the timestamp header does.
+//!
+//! Outcomes ([`classify`]): a 2xx completes; anything else, a timeout or a
+//! transport error is a failed attempt; `429`/`503` with `Retry-After` set the
+//! next attempt's time. `410 Gone` is a failed attempt for now (disabling the
+//! handler comes later). Redirects are not followed: a 3xx is a failure.
+
+use std::sync::Once;
+use std::time::{Duration, SystemTime};
+
+use base64::Engine as _;
+use chrono::{DateTime, SecondsFormat, Utc};
+use hmac::{Hmac, Mac};
+use lanebus_store::{Delivery, Handler as HandlerConfig};
+use sha2::Sha256;
+
+use crate::retry::{parse_retry_after, AttemptOutcome};
+
+/// Prefix of a signing secret.
+pub const SECRET_PREFIX: &str = "whsec_";
+
+/// Errors of signing and of building the HTTP client.
+#[derive(Debug, thiserror::Error)]
+pub enum WebhookError {
+    /// The secret is not `whsec_` + base64.
+    #[error("signing secret must be \"whsec_\" followed by base64: {0}")]
+    BadSecret(String),
+    /// The HTTP client could not be built.
+    #[error("http client: {0}")]
+    Client(String),
+}
+
+static CRYPTO: Once = Once::new();
+
+/// Installs rustls' `ring` crypto provider as the process default, once.
+/// reqwest is built with the `*-no-provider` rustls features, so this must
+/// run before the first HTTP client is built.
+pub fn install_crypto_provider() {
+    CRYPTO.call_once(|| {
+        // Another library may have installed one already: that is fine.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}
+
+/// The key bytes of a `whsec_...` secret.
+///
+/// # Errors
+/// [`WebhookError::BadSecret`] if the prefix is missing or the rest is not base64.
+pub fn decode_secret(secret: &str) -> Result<Vec<u8>, WebhookError> {
+    let b64 = secret
+        .strip_prefix(SECRET_PREFIX)
+        .ok_or_else(|| WebhookError::BadSecret("missing whsec_ prefix".into()))?;
+    base64::engine::general_purpose::STANDARD
+        .decode(b64)
+        .map_err(|e| WebhookError::BadSecret(e.to_string()))
+}
+
+/// The request body: `{"type":...,"timestamp":...,"data":<payload>}`, with
+/// the payload bytes spliced in unchanged.
+pub fn build_body(event_type: &str, published_at: DateTime<Utc>, payload: &[u8]) -> Vec<u8> {
+    let type_json = serde_json::to_string(event_type).expect("a string serializes");
+    let ts = published_at.to_rfc3339_opts(SecondsFormat::Micros, true);
+    let mut body = Vec::with_capacity(payload.len() + type_json.len() + ts.len() + 40);
+    body.extend_from_slice(b"{\"type\":");
+    body.extend_from_slice(type_json.as_bytes());
+    body.extend_from_slice(b",\"timestamp\":\"");
+    body.extend_from_slice(ts.as_bytes());
+    body.extend_from_slice(b"\",\"data\":");
+    body.extend_from_slice(payload);
+    body.push(b'}');
+    body
+}
+
+/// The `webhook-signature` value: `v1,` + base64(HMAC-SHA256(key,
+/// "{msg_id}.{timestamp}.{body}")), `key` being the decoded secret.
+pub fn sign_with_key(key: &[u8], msg_id: &str, timestamp: i64, body: &[u8]) -> String {
+    let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("hmac takes any key length");
+    mac.update(msg_id.as_bytes());
+    mac.update(b".");
+    mac.update(timestamp.to_string().as_bytes());
+    mac.update(b".");
+    mac.update(body);
+    let sig = mac.finalize().into_bytes();
+    format!(
+        "v1,{}",
+        base64::engine::general_purpose::STANDARD.encode(sig)
+    )
+}
+
+/// [`sign_with_key`] for a `whsec_...` secret.
+///
+/// # Errors
+/// [`WebhookError::BadSecret`] for a malformed secret.
+pub fn sign(
+    secret: &str,
+    msg_id: &str,
+    timestamp: i64,
+    body: &[u8],
+) -> Result<String, WebhookError> {
+    Ok(sign_with_key(
+        &decode_secret(secret)?,
+        msg_id,
+        timestamp,
+        body,
+    ))
+}
+
+/// Verifies a `webhook-signature` header (space-separated list of
+/// `v1,<sig>` entries; any match verifies) in constant time per entry.
+/// Does not check the timestamp's age; receivers that want replay
+/// protection compare it with their clock.
+pub fn verify(
+    secret: &str,
+    msg_id: &str,
+    timestamp: &str,
+    signature_header: &str,
+    body: &[u8],
+) -> bool {
+    let Ok(key) = decode_secret(secret) else {
+        return false;
+    };
+    let mut signed = Vec::with_capacity(msg_id.len() + timestamp.len() + body.len() + 2);
+    signed.extend_from_slice(msg_id.as_bytes());
+    signed.push(b'.');
+    signed.extend_from_slice(timestamp.as_bytes());
+    signed.push(b'.');
+    signed.extend_from_slice(body);
+    signature_header.split(' ').any(|entry| {
+        let Some(b64) = entry.strip_prefix("v1,") else {
+            return false;
+        };
+        let Ok(sig) = base64::engine::general_purpose::STANDARD.decode(b64) else {
+            return false;
+        };
+        let mut mac = Hmac::<Sha256>::new_from_slice(&key).expect("hmac takes any key length");
+        mac.update(&signed);
+        mac.verify_slice(&sig).is_ok()
+    })
+}
+
+/// Classifies an HTTP answer. `retry_after` is the raw `Retry-After` header;
+/// it only counts on 429 and 503.
+pub fn classify(status: u16, retry_after: Option<&str>, now: SystemTime) -> AttemptOutcome {
+    if (200..300).contains(&status) {
+        return AttemptOutcome::Delivered;
+    }
+    let retry_after = if status == 429 || status == 503 {
+        retry_after.and_then(|v| parse_retry_after(v, now))
+    } else {
+        None
+    };
+    AttemptOutcome::Failed {
+        error: format!("http {status}"),
+        retry_after,
+    }
+}
+
+/// Sends webhooks over one pooled HTTP client (keep-alive, no redirects).
+#[derive(Clone)]
+pub struct WebhookSender {
+    client: reqwest::Client,
+}
+
+/// Largest part of a response body read (and discarded) so the connection
+/// can be reused, in bytes.
+const MAX_DRAIN_BYTES: usize = 64 * 1024;
+
+impl WebhookSender {
+    /// A sender with its own connection pool.
+    ///
+    /// # Errors
+    /// [`WebhookError::Client`] if the TLS setup fails.
+    pub fn new() -> Result<Self, WebhookError> {
+        install_crypto_provider();
+        let client = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .pool_max_idle_per_host(256)
+            .pool_idle_timeout(Duration::from_secs(90))
+            .tcp_nodelay(true)
+            .connect_timeout(Duration::from_secs(10))
+            .user_agent(concat!("lanebus/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(|e| WebhookError::Client(e.to_string()))?;
+        Ok(WebhookSender { client })
+    }
+
+    /// Makes attempt number `attempt` (1, 2, ...) of `delivery` to the webhook
+    /// of `handler`, within the handler's `timeout_ms`.
+    pub async fn send(
+        &self,
+        handler: &HandlerConfig,
+        delivery: &Delivery,
+        attempt: u32,
+    ) -> AttemptOutcome {
+        let body = build_body(
+            &delivery.event_type,
+            delivery.published_at,
+            &delivery.payload,
+        );
+        let now = Utc::now().timestamp();
+        let signature = match sign(&handler.secret, &delivery.event_id, now, &body) {
+            Ok(s) => s,
+            Err(e) => {
+                return AttemptOutcome::Failed {
+                    error: e.to_string(),
+                    retry_after: None,
+                }
+            }
+        };
+        let mut req = self
+            .client
+            .post(&handler.url)
+            .timeout(Duration::from_millis(handler.timeout_ms.max(1)))
+            .header("content-type", "application/json")
+            .header("webhook-id", &delivery.event_id)
+            .header("webhook-timestamp", now.to_string())
+            .header("webhook-signature", signature)
+            .header("lanebus-attempt", attempt.to_string());
+        if let Some(key) = &delivery.key {
+            req = req.header("lanebus-key", key);
+        }
+        if let Some(seq) = delivery.seq {
+            req = req.header("lanebus-sequence", seq.to_string());
+        }
+        let mut resp = match req.body(body).send().await {
+            Ok(r) => r,
+            Err(e) => {
+                return AttemptOutcome::Failed {
+                    error: transport_error(&e, handler.timeout_ms),
+                    retry_after: None,
+                }
+            }
+        };
+        let status = resp.status().as_u16();
+        let retry_after = resp
+            .headers()
+            .get(reqwest::header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let mut drained = 0;
+        while drained < MAX_DRAIN_BYTES {
+            match resp.chunk().await {
+                Ok(Some(c)) => drained += c.len(),
+                Ok(None) => break,
+                Err(e) if (200..300).contains(&status) => {
+                    // The status counts: the handler answered 2xx.
+                    tracing::debug!(error = %e, "response body cut short after 2xx");
+                    break;
+                }
+                Err(e) => {
+                    return AttemptOutcome::Failed {
+                        error: format!(
+                            "http {status}, then {}",
+                            transport_error(&e, handler.timeout_ms)
+                        ),
+                        retry_after: None,
+                    }
+                }
+            }
+        }
+        classify(status, retry_after.as_deref(), SystemTime::now())
+    }
+}
+
+/// A transport error as kept in `last_error`: the error and its causes.
+fn transport_error(e: &reqwest::Error, timeout_ms: u64) -> String {
+    if e.is_timeout() {
+        return format!("timeout after {timeout_ms} ms");
+    }
+    let mut msg = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        msg.push_str(": ");
+        msg.push_str(&s.to_string());
+        source = s.source();
+    }
+    msg
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Test vector of the Standard Webhooks reference libraries
+    // (standard-webhooks/libraries, `python/tests/test_webhooks.py` and the
+    // spec's example): secret, id, timestamp, payload and expected signature.
+    const SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+    const MSG_ID: &str = "msg_p5jXN8AQM9LWM0D4loKWxJek";
+    const TS: i64 = 1614265330;
+    const PAYLOAD: &[u8] = br#"{"test": 2432232314}"#;
+    const EXPECTED: &str = "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=";
+
+    #[test]
+    fn signature_matches_the_standard_webhooks_test_vector() {
+        assert_eq!(sign(SECRET, MSG_ID, TS, PAYLOAD).unwrap(), EXPECTED);
+        assert!(verify(SECRET, MSG_ID, &TS.to_string(), EXPECTED, PAYLOAD));
+        assert!(verify(
+            SECRET,
+            MSG_ID,
+            &TS.to_string(),
+            &format!("v1,bogus {EXPECTED}"),
+            PAYLOAD
+        ));
+        assert!(!verify(SECRET, MSG_ID, &TS.to_string(), EXPECTED, b"{}"));
+        assert!(!verify(SECRET, MSG_ID, "1614265331", EXPECTED, PAYLOAD));
+        assert!(!verify(
+            "whsec_!!",
+            MSG_ID,
+            &TS.to_string(),
+            EXPECTED,
+            PAYLOAD
+        ));
+    }
+
+    #[test]
+    fn bad_secrets_are_rejected_with_the_reason() {
+        assert!(matches!(
+            decode_secret("MfKQ9r8G"),
+            Err(WebhookError::BadSecret(_))
+        ));
+        assert!(matches!(
+            decode_secret("whsec_***"),
+            Err(WebhookError::BadSecret(_))
+        ));
+    }
+
+    #[test]
+    fn body_splices_the_payload_bytes_unchanged() {
+        let at = DateTime::parse_from_rfc3339("2026-11-30T13:00:00.5Z")
+            .unwrap()
+            .with_timezone(&Utc);
+        // Whitespace, key order and number formatting survive as published.
+        let payload = br#"{ "b":1.50, "a" : [1,2] }"#;
+        let body = build_body("issues.opened", at, payload);
+        assert_eq!(
+            std::str::from_utf8(&body).unwrap(),
+            r#"{"type":"issues.opened","timestamp":"2026-11-30T13:00:00.500000Z","data":{ "b":1.50, "a" : [1,2] }}"#
+        );
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["data"]["b"], serde_json::json!(1.5));
+    }
+
+    #[test]
+    fn answers_are_classified_as_the_contract_says() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        assert_eq!(classify(200, None, now), AttemptOutcome::Delivered);
+        assert_eq!(classify(204, Some("5"), now), AttemptOutcome::Delivered);
+        assert_eq!(
+            classify(503, Some("7"), now),
+            AttemptOutcome::Failed {
+                error: "http 503".into(),
+                retry_after: Some(Duration::from_secs(7))
+            }
+        );
+        assert_eq!(
+            classify(429, Some("nonsense"), now),
+            AttemptOutcome::Failed {
+                error: "http 429".into(),
+                retry_after: None
+            }
+        );
+        // Retry-After only counts on 429 and 503.
+        assert_eq!(
+            classify(500, Some("7"), now),
+            AttemptOutcome::Failed {
+                error: "http 500".into(),
+                retry_after: None
+            }
+        );
+        assert_eq!(
+            classify(410, None, now),
+            AttemptOutcome::Failed {
+                error: "http 410".into(),
+                retry_after: None
+            }
+        );
+        assert_eq!(
+            classify(302, None, now),
+            AttemptOutcome::Failed {
+                error: "http 302".into(),
+                retry_after: None
+            }
+        );
+    }
+}
