@@ -3,6 +3,30 @@
 //! The API talks to the store directly for publishing, the handler catalog
 //! and dead letters, and reaches the running node only through [`NodeView`],
 //! which the node crate implements (the API knows no actors).
+//!
+//! ```text
+//!  request ─▶ ensure_json_errors ─▶ DefaultBodyLimit ─▶ route table (routes.rs)
+//!                 (safety net)        (413 JSON)            │
+//!                                                          ▼
+//!         extract::{Json, Path, Query}: every rejection is an ApiError
+//!                                                          │
+//!         validate the whole request first ───────────────▶ Store / NodeView
+//! ```
+//!
+//! # Invariant 6: bad input gets a clear error and loses nothing
+//!
+//! Every answer with a 4xx/5xx status has the body
+//! `{"error": {"code": "...", "message": "..."}}` ([`ApiError`]; the codes and
+//! their statuses are listed on [`ErrorCode`]). That includes axum's own
+//! rejections (bad JSON, wrong content type, body too large, bad path or
+//! query parameters), unknown paths (404) and wrong methods (405). Each
+//! request is validated completely before the store is called, so a rejected
+//! request writes nothing: a publish batch with one bad event is refused
+//! whole.
+//!
+//! # Routes
+//!
+//! The single list of paths is [`ROUTES`]; [`router`] serves exactly those.
 
 #![warn(missing_docs)]
 
@@ -11,6 +35,19 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use lanebus_store::{Lane, Store};
 use serde::Serialize;
+
+mod admin;
+pub mod error;
+pub mod events;
+pub mod extract;
+pub mod handlers;
+mod health;
+mod routes;
+
+pub use admin::{DEFAULT_PAGE, MAX_PAGE, MAX_REPLAY_IDS};
+pub use error::{ApiError, ErrorCode};
+pub use health::PROMETHEUS_CONTENT_TYPE;
+pub use routes::{router, Operation, RouteSpec, ROUTES};
 
 /// One lane as the node sees it (`GET /admin/lanes`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -31,6 +68,43 @@ pub struct LaneView {
     pub in_flight: i64,
 }
 
+/// The cluster as one node sees it: the body of `GET /admin/cluster`.
+///
+/// ```json
+/// {"node_id": "n1", "leader": "n1", "term": 3,
+///  "nodes": [{"id": "n1", "raft_addr": "10.0.0.1:7001",
+///             "http_addr": "10.0.0.1:8080", "voter": true, "alive": true,
+///             "lanes": 256}]}
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ClusterView {
+    /// Id of the node that answered.
+    pub node_id: String,
+    /// Id of the current Raft leader; `None` while there is none (election).
+    pub leader: Option<String>,
+    /// Current Raft term (`0` for a single node without Raft).
+    pub term: u64,
+    /// Every member, voters and learners, by id.
+    pub nodes: Vec<ClusterNodeView>,
+}
+
+/// One member of the cluster (see [`ClusterView`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ClusterNodeView {
+    /// Node id.
+    pub id: String,
+    /// Raft address (`IP:PORT`); `None` when unknown.
+    pub raft_addr: Option<String>,
+    /// HTTP address of the node's API (`IP:PORT`); `None` when unknown.
+    pub http_addr: Option<String>,
+    /// Whether the node is a voter (`false`: learner).
+    pub voter: bool,
+    /// Whether the node holds a live lease.
+    pub alive: bool,
+    /// Number of lanes the node owns.
+    pub lanes: u32,
+}
+
 /// What the API needs from the running node. Implemented by the node crate.
 #[async_trait]
 pub trait NodeView: Send + Sync + 'static {
@@ -42,10 +116,12 @@ pub trait NodeView: Send + Sync + 'static {
 
     /// Called after a publish through the API committed, with the lanes that
     /// got new deliveries, so the node can wake those lanes at once (stores
-    /// without push wake-ups rely on this plus polling).
+    /// without push wake-ups rely on this plus polling). Lanes are sorted
+    /// and distinct; the call must not block (it runs on the request path).
     fn published(&self, lanes: &[Lane]);
 
-    /// Called after the handler catalog changed (create, delete, replay).
+    /// Called after the handler catalog changed (create, delete) and after a
+    /// dead-letter replay put deliveries back; must not block.
     fn handlers_changed(&self);
 
     /// Whether the node is ready (joined, store reachable, lanes started).
@@ -53,6 +129,36 @@ pub trait NodeView: Send + Sync + 'static {
 
     /// Prometheus text exposition of the node's metrics.
     fn render_metrics(&self) -> String;
+
+    /// The cluster membership for `GET /admin/cluster`.
+    ///
+    /// The default describes a single node without Raft: this node, leader of
+    /// term 0, a live voter owning the lanes whose [`LaneView::owner`] is
+    /// [`NodeView::node_id`], with unknown addresses. The node crate should
+    /// override it with the Raft state machine's members (ids, addresses,
+    /// voter or learner, lease alive) and the current leader and term.
+    async fn cluster(&self) -> ClusterView {
+        let id = self.node_id();
+        let owned = self
+            .lanes()
+            .await
+            .iter()
+            .filter(|l| l.owner.as_deref() == Some(id.as_str()))
+            .count();
+        ClusterView {
+            node_id: id.clone(),
+            leader: Some(id.clone()),
+            term: 0,
+            nodes: vec![ClusterNodeView {
+                id,
+                raft_addr: None,
+                http_addr: None,
+                voter: true,
+                alive: true,
+                lanes: u32::try_from(owned).unwrap_or(u32::MAX),
+            }],
+        }
+    }
 }
 
 /// Shared state of the router.
@@ -69,16 +175,23 @@ pub struct ApiState {
 /// Request limits; each breach is a 4xx with a JSON error body.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
-    /// Largest request body, in bytes (default 8 MiB).
+    /// Largest request body, in bytes (default 8 MiB); larger is
+    /// `413 body_too_large`.
     pub max_body_bytes: usize,
-    /// Largest single event payload, in bytes (default 1 MiB).
+    /// Largest single event payload, in bytes (default 1 MiB); larger is
+    /// `413 payload_too_large`, naming the event's index.
     pub max_payload_bytes: usize,
-    /// Most events per publish call (default 1,000).
+    /// Most events per publish call (default 1,000); more is
+    /// `422 batch_too_large`.
     pub max_batch: usize,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_body_bytes: 8 << 20, max_payload_bytes: 1 << 20, max_batch: 1_000 }
+        Limits {
+            max_body_bytes: 8 << 20,
+            max_payload_bytes: 1 << 20,
+            max_batch: 1_000,
+        }
     }
 }

@@ -1,0 +1,244 @@
+//! The API's one error type and its JSON shape.
+//!
+//! Every 4xx/5xx answer has the body
+//!
+//! ```json
+//! {"error": {"code": "invalid_handler", "message": "max_attempts 0 must be 1 to 100"}}
+//! ```
+//!
+//! `code` is one of [`ErrorCode`] (stable, snake_case, for programs); the
+//! status is a function of the code ([`ErrorCode::status`]); `message` is
+//! lowercase, for people, and names the value that was wrong. Store errors
+//! are mapped by kind in one place (`From<StoreError> for ApiError`).
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use lanebus_store::StoreError;
+use serde::Serialize;
+
+/// Machine-readable error codes, each with a fixed HTTP status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// 400: the body is not well-formed JSON.
+    InvalidJson,
+    /// 422: the body is JSON of the wrong shape: unknown field, missing
+    /// field, wrong type (the message gives the path, e.g. `events[2].foo`).
+    InvalidBody,
+    /// 400: a path or query parameter does not parse, or is unknown.
+    InvalidParameter,
+    /// 415: the body's `content-type` is not `application/json`.
+    UnsupportedMediaType,
+    /// 413: the request body exceeds [`crate::Limits::max_body_bytes`].
+    BodyTooLarge,
+    /// 413: one event's payload exceeds [`crate::Limits::max_payload_bytes`].
+    PayloadTooLarge,
+    /// 422: a publish call with no events.
+    EmptyBatch,
+    /// 422: a publish call with more than [`crate::Limits::max_batch`] events.
+    BatchTooLarge,
+    /// 422: an event breaks the id, type or key rules.
+    InvalidEvent,
+    /// 422: a handler field breaks its rule (name, url, routes, policy, secret).
+    InvalidHandler,
+    /// 422: any other rule broken (also [`StoreError::Invalid`]).
+    InvalidInput,
+    /// 404: the handler or dead letter named does not exist
+    /// ([`StoreError::NotFound`]).
+    NotFound,
+    /// 404: no such path.
+    PathNotFound,
+    /// 405: the path exists, the method does not.
+    MethodNotAllowed,
+    /// 409: a unique constraint the operation does not absorb
+    /// ([`StoreError::Conflict`]).
+    Conflict,
+    /// 503: the node is not ready (`GET /readyz`).
+    NotReady,
+    /// 503: the store cannot be reached ([`StoreError::Unavailable`]).
+    StoreUnavailable,
+    /// 500: any other fault ([`StoreError::Database`]).
+    Internal,
+}
+
+impl ErrorCode {
+    /// The HTTP status this code is answered with.
+    pub fn status(self) -> StatusCode {
+        match self {
+            ErrorCode::InvalidJson | ErrorCode::InvalidParameter => StatusCode::BAD_REQUEST,
+            ErrorCode::InvalidBody
+            | ErrorCode::EmptyBatch
+            | ErrorCode::BatchTooLarge
+            | ErrorCode::InvalidEvent
+            | ErrorCode::InvalidHandler
+            | ErrorCode::InvalidInput => StatusCode::UNPROCESSABLE_ENTITY,
+            ErrorCode::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ErrorCode::BodyTooLarge | ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorCode::NotFound | ErrorCode::PathNotFound => StatusCode::NOT_FOUND,
+            ErrorCode::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ErrorCode::Conflict => StatusCode::CONFLICT,
+            ErrorCode::NotReady | ErrorCode::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorCode::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The code as it appears in the body (`"invalid_json"`, ...).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::InvalidJson => "invalid_json",
+            ErrorCode::InvalidBody => "invalid_body",
+            ErrorCode::InvalidParameter => "invalid_parameter",
+            ErrorCode::UnsupportedMediaType => "unsupported_media_type",
+            ErrorCode::BodyTooLarge => "body_too_large",
+            ErrorCode::PayloadTooLarge => "payload_too_large",
+            ErrorCode::EmptyBatch => "empty_batch",
+            ErrorCode::BatchTooLarge => "batch_too_large",
+            ErrorCode::InvalidEvent => "invalid_event",
+            ErrorCode::InvalidHandler => "invalid_handler",
+            ErrorCode::InvalidInput => "invalid_input",
+            ErrorCode::NotFound => "not_found",
+            ErrorCode::PathNotFound => "path_not_found",
+            ErrorCode::MethodNotAllowed => "method_not_allowed",
+            ErrorCode::Conflict => "conflict",
+            ErrorCode::NotReady => "not_ready",
+            ErrorCode::StoreUnavailable => "store_unavailable",
+            ErrorCode::Internal => "internal",
+        }
+    }
+}
+
+/// An error answer: a code (which fixes the status) and a message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}: {message}", code.as_str())]
+pub struct ApiError {
+    /// What went wrong, for programs.
+    pub code: ErrorCode,
+    /// What went wrong, for people: lowercase, naming the wrong value.
+    pub message: String,
+}
+
+impl ApiError {
+    /// An error with `code` and `message`.
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        ApiError {
+            code,
+            message: message.into(),
+        }
+    }
+
+    /// The HTTP status of this error.
+    pub fn status(&self) -> StatusCode {
+        self.code.status()
+    }
+}
+
+/// The one mapping from store error kind to API error (and so to status):
+///
+/// | [`StoreError`] | code | status |
+/// | --- | --- | --- |
+/// | `Invalid` | `invalid_input` | 422 |
+/// | `NotFound` | `not_found` | 404 |
+/// | `Conflict` | `conflict` | 409 |
+/// | `Unavailable` | `store_unavailable` | 503 |
+/// | `Database` | `internal` | 500 |
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        let code = match &e {
+            StoreError::Invalid(_) => ErrorCode::InvalidInput,
+            StoreError::NotFound(_) => ErrorCode::NotFound,
+            StoreError::Conflict(_) => ErrorCode::Conflict,
+            StoreError::Unavailable(_) => ErrorCode::StoreUnavailable,
+            StoreError::Database(_) => ErrorCode::Internal,
+        };
+        ApiError::new(code, e.to_string())
+    }
+}
+
+/// A message from another library in our style: first letter lowercase, no
+/// final period.
+pub(crate) fn tidy(message: &str) -> String {
+    let trimmed = message.trim().trim_end_matches('.');
+    let mut chars = trimmed.chars();
+    match chars.next() {
+        Some(c) => c.to_lowercase().chain(chars).collect(),
+        None => String::new(),
+    }
+}
+
+#[derive(Serialize)]
+struct ErrorBody<'a> {
+    error: ErrorDetail<'a>,
+}
+
+#[derive(Serialize)]
+struct ErrorDetail<'a> {
+    code: &'a str,
+    message: &'a str,
+}
+
+/// The JSON error body for `code` and `message` with `status`; also used for
+/// statuses no [`ErrorCode`] has (see [`crate::routes`]'s safety net).
+pub(crate) fn error_response(status: StatusCode, code: &str, message: &str) -> Response {
+    let body = serde_json::to_vec(&ErrorBody {
+        error: ErrorDetail { code, message },
+    })
+    .unwrap_or_else(|_| br#"{"error":{"code":"internal","message":"error body"}}"#.to_vec());
+    let mut res = (status, body).into_response();
+    res.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    res
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        if status.is_server_error() {
+            tracing::error!(code = self.code.as_str(), message = %self.message, "request failed");
+        } else {
+            tracing::debug!(code = self.code.as_str(), message = %self.message, "request refused");
+        }
+        metrics::counter!("lanebus_api_errors_total", "code" => self.code.as_str()).increment(1);
+        error_response(status, self.code.as_str(), &self.message)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn store_errors_map_by_kind() {
+        let cases = [
+            (StoreError::Invalid("x".into()), 422, "invalid_input"),
+            (StoreError::NotFound("x".into()), 404, "not_found"),
+            (StoreError::Conflict("x".into()), 409, "conflict"),
+            (
+                StoreError::Unavailable("x".into()),
+                503,
+                "store_unavailable",
+            ),
+            (StoreError::Database("x".into()), 500, "internal"),
+        ];
+        for (e, status, code) in cases {
+            let a = ApiError::from(e);
+            assert_eq!(a.status().as_u16(), status);
+            assert_eq!(a.code.as_str(), code);
+        }
+    }
+
+    #[test]
+    fn serde_name_matches_as_str() {
+        for code in [
+            ErrorCode::InvalidJson,
+            ErrorCode::PathNotFound,
+            ErrorCode::StoreUnavailable,
+        ] {
+            assert_eq!(
+                serde_json::to_value(code).ok(),
+                Some(serde_json::Value::from(code.as_str()))
+            );
+        }
+    }
+}

@@ -1,0 +1,199 @@
+//! `POST /v1/events`: publish a batch of events.
+//!
+//! ```text
+//! POST /v1/events  {"events": [{"id"?, "type", "key"?, "payload"}, ...]}
+//!   202 {"accepted": n, "duplicates": m, "ids": [...]}
+//! ```
+//!
+//! The whole batch is validated before the store is called, and the store
+//! publishes it in one transaction (invariant 5), so a batch with one bad
+//! event is refused whole and writes nothing (invariant 6). An `id` already
+//! stored, or repeated in the batch, counts as a duplicate and is not
+//! delivered again (idempotent publish). The payload is any JSON value and is
+//! stored byte for byte as sent.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use lanebus_store::{lane_of_event, Lane, NewEvent, PublishOutcome};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use crate::error::{ApiError, ErrorCode};
+use crate::extract::Json;
+use crate::{ApiState, Limits};
+
+/// Body of `POST /v1/events`. Unknown fields are refused.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PublishRequest {
+    /// The batch, 1 to [`Limits::max_batch`] events.
+    pub events: Vec<EventIn>,
+}
+
+/// One event of a publish request. Unknown fields are refused.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EventIn {
+    /// Client id (1 to 128 printable ASCII characters); a UUIDv7 when absent.
+    #[serde(default)]
+    pub id: Option<String>,
+    /// Dotted event type such as `issues.opened`.
+    #[serde(rename = "type")]
+    pub event_type: String,
+    /// Ordering key, up to 256 bytes.
+    #[serde(default)]
+    pub key: Option<String>,
+    /// Any JSON value, kept byte for byte.
+    pub payload: Box<RawValue>,
+}
+
+/// Checks a batch against `limits` and the event rules, and turns it into
+/// store events.
+///
+/// # Errors
+/// `422 empty_batch`, `422 batch_too_large`, `413 payload_too_large` or
+/// `422 invalid_event`, naming the event's index (`events[3]`).
+pub fn validate_batch(req: PublishRequest, limits: &Limits) -> Result<Vec<NewEvent>, ApiError> {
+    if req.events.is_empty() {
+        return Err(ApiError::new(
+            ErrorCode::EmptyBatch,
+            "events must hold at least one event, got 0",
+        ));
+    }
+    if req.events.len() > limits.max_batch {
+        return Err(ApiError::new(
+            ErrorCode::BatchTooLarge,
+            format!(
+                "batch of {} events exceeds the limit of {} events",
+                req.events.len(),
+                limits.max_batch
+            ),
+        ));
+    }
+    req.events
+        .into_iter()
+        .enumerate()
+        .map(|(i, e)| {
+            let payload = e.payload.get();
+            if payload.len() > limits.max_payload_bytes {
+                return Err(ApiError::new(
+                    ErrorCode::PayloadTooLarge,
+                    format!(
+                        "events[{i}]: payload of {} bytes exceeds the limit of {} bytes",
+                        payload.len(),
+                        limits.max_payload_bytes
+                    ),
+                ));
+            }
+            let event = NewEvent {
+                id: e.id,
+                event_type: e.event_type,
+                key: e.key,
+                payload: payload.as_bytes().to_vec(),
+            };
+            event.validate().map_err(|err| {
+                ApiError::new(
+                    ErrorCode::InvalidEvent,
+                    format!("events[{i}]: {}", store_message(&err)),
+                )
+            })?;
+            Ok(event)
+        })
+        .collect()
+}
+
+/// The rule text of a store validation error without its kind prefix.
+pub(crate) fn store_message(e: &lanebus_store::StoreError) -> String {
+    match e {
+        lanebus_store::StoreError::Invalid(m) => m.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// Handler of `POST /v1/events`.
+pub(crate) async fn publish(
+    State(state): State<ApiState>,
+    Json(req): Json<PublishRequest>,
+) -> Result<(StatusCode, axum::Json<PublishOutcome>), ApiError> {
+    let events = validate_batch(req, &state.limits)?;
+    let keys: Vec<Option<String>> = events.iter().map(|e| e.key.clone()).collect();
+    let outcome = state.store.publish(events).await?;
+
+    metrics::counter!("lanebus_events_published_total").increment(outcome.accepted as u64);
+    metrics::counter!("lanebus_events_duplicates_total").increment(outcome.duplicates as u64);
+    if outcome.accepted > 0 {
+        let n = state.store.lanes();
+        // Duplicates' lanes are woken too: harmless, and the outcome does not
+        // say which ids were new.
+        let mut lanes: Vec<Lane> = keys
+            .iter()
+            .zip(&outcome.ids)
+            .map(|(key, id)| lane_of_event(key.as_deref(), id, n))
+            .collect();
+        lanes.sort_unstable();
+        lanes.dedup();
+        state.node.published(&lanes);
+    }
+    tracing::debug!(
+        accepted = outcome.accepted,
+        duplicates = outcome.duplicates,
+        "events published"
+    );
+    Ok((StatusCode::ACCEPTED, axum::Json(outcome)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn batch(json: &str) -> PublishRequest {
+        serde_json::from_str(json).expect("test batch parses")
+    }
+
+    #[test]
+    fn payload_is_kept_byte_for_byte() {
+        let events = validate_batch(
+            batch(r#"{"events":[{"type":"a.b","payload":{"z" : 1,"a":[1, 2.50]}}]}"#),
+            &Limits::default(),
+        )
+        .expect("valid");
+        assert_eq!(events[0].payload, br#"{"z" : 1,"a":[1, 2.50]}"#);
+    }
+
+    #[test]
+    fn limits_and_rules_name_the_event_index() {
+        let limits = Limits {
+            max_body_bytes: 1 << 20,
+            max_payload_bytes: 8,
+            max_batch: 2,
+        };
+        let e = validate_batch(batch(r#"{"events":[]}"#), &limits).unwrap_err();
+        assert_eq!(e.code, ErrorCode::EmptyBatch);
+        let e = validate_batch(
+            batch(r#"{"events":[{"type":"a","payload":1},{"type":"a","payload":1},{"type":"a","payload":1}]}"#),
+            &limits,
+        )
+        .unwrap_err();
+        assert_eq!(e.code, ErrorCode::BatchTooLarge);
+        let e = validate_batch(
+            batch(r#"{"events":[{"type":"a","payload":1},{"type":"a","payload":"123456789"}]}"#),
+            &limits,
+        )
+        .unwrap_err();
+        assert_eq!(e.code, ErrorCode::PayloadTooLarge);
+        assert!(e.message.starts_with("events[1]:"), "{}", e.message);
+        let e = validate_batch(batch(r#"{"events":[{"type":"a b","payload":1}]}"#), &limits)
+            .unwrap_err();
+        assert_eq!(e.code, ErrorCode::InvalidEvent);
+        assert!(e.message.contains("\"a b\""), "{}", e.message);
+    }
+
+    #[test]
+    fn unknown_fields_are_refused() {
+        let e = serde_json::from_str::<PublishRequest>(
+            r#"{"events":[{"type":"a","payload":1,"extra":2}]}"#,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("extra"), "{e}");
+    }
+}

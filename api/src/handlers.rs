@@ -1,0 +1,357 @@
+//! The handler catalog: `POST /v1/handlers`, `GET /v1/handlers`,
+//! `GET /v1/handlers/{id}`, `DELETE /v1/handlers/{id}`.
+//!
+//! ```text
+//! POST /v1/handlers {"name", "url", "event_types": [...], "max_attempts"?,
+//!                    "timeout_ms"?, "max_in_flight"?, "secret"?}
+//!   201 {"id", "name", "url", "event_types", "max_attempts", "timeout_ms",
+//!        "max_in_flight", "secret", "state", "created_at"}
+//! GET /v1/handlers          200 {"handlers": [<handler>, ...]}  (creation order)
+//! GET /v1/handlers/{id}     200 <handler> | 404 not_found
+//! DELETE /v1/handlers/{id}  200 {"deleted": id, "discarded_deliveries": n} | 404
+//! ```
+//!
+//! A handler's routes (`event_types`) are exact event types or prefixes with
+//! one trailing `*`. Deleting a handler discards its pending deliveries; the
+//! answer and the log say how many.
+
+use std::ops::RangeInclusive;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use base64::Engine as _;
+use lanebus_store::{generate_secret, handler_defaults, route, Handler, NewHandler};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{tidy, ApiError, ErrorCode};
+use crate::events::store_message;
+use crate::extract::{Json, Path};
+use crate::ApiState;
+
+/// Allowed `max_attempts`.
+pub const MAX_ATTEMPTS: RangeInclusive<u32> = 1..=100;
+/// Allowed `timeout_ms`, in milliseconds.
+pub const TIMEOUT_MS: RangeInclusive<u64> = 100..=300_000;
+/// Allowed `max_in_flight`.
+pub const MAX_IN_FLIGHT: RangeInclusive<u32> = 1..=10_000;
+/// Allowed length of `name`, in characters.
+pub const NAME_CHARS: RangeInclusive<usize> = 1..=128;
+/// Allowed number of routes per handler.
+pub const ROUTES_PER_HANDLER: RangeInclusive<usize> = 1..=100;
+/// Longest accepted `url`, in bytes.
+pub const MAX_URL_BYTES: usize = 2_048;
+/// Allowed length of the decoded secret, in bytes (Standard Webhooks: 24 to 64).
+pub const SECRET_BYTES: RangeInclusive<usize> = 24..=64;
+
+/// Body of `POST /v1/handlers`. Unknown fields are refused.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateHandler {
+    /// 1 to 128 characters.
+    pub name: String,
+    /// Absolute `http` or `https` URL with a host.
+    pub url: String,
+    /// Routes: 1 to 100 event types or prefixes with a trailing `*`.
+    pub event_types: Vec<String>,
+    /// Attempts before dead letter, 1 to 100 (default 8).
+    #[serde(default)]
+    pub max_attempts: Option<u32>,
+    /// Per-attempt timeout in milliseconds, 100 to 300,000 (default 10,000).
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+    /// Concurrent attempts per node, 1 to 10,000 (default 64).
+    #[serde(default)]
+    pub max_in_flight: Option<u32>,
+    /// `whsec_` + base64 of 24 to 64 bytes; generated when absent.
+    #[serde(default)]
+    pub secret: Option<String>,
+}
+
+fn invalid(message: String) -> ApiError {
+    ApiError::new(ErrorCode::InvalidHandler, message)
+}
+
+fn in_range<T: PartialOrd + std::fmt::Display>(
+    field: &str,
+    v: T,
+    range: &RangeInclusive<T>,
+) -> Result<T, ApiError> {
+    if range.contains(&v) {
+        Ok(v)
+    } else {
+        Err(invalid(format!(
+            "{field} {v} must be {} to {}",
+            range.start(),
+            range.end()
+        )))
+    }
+}
+
+/// Checks a webhook URL: parses, scheme `http` or `https`, has a host.
+///
+/// # Errors
+/// `422 invalid_handler` naming the URL.
+pub fn validate_url(raw: &str) -> Result<(), ApiError> {
+    if raw.len() > MAX_URL_BYTES {
+        return Err(invalid(format!(
+            "url of {} bytes exceeds the limit of {MAX_URL_BYTES} bytes",
+            raw.len()
+        )));
+    }
+    let url = url::Url::parse(raw).map_err(|e| {
+        invalid(format!(
+            "url {raw:?} does not parse: {}",
+            tidy(&e.to_string())
+        ))
+    })?;
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(invalid(format!(
+            "url {raw:?} has scheme {:?}, expected http or https",
+            url.scheme()
+        )));
+    }
+    if url.host_str().is_none_or(str::is_empty) {
+        return Err(invalid(format!("url {raw:?} has no host")));
+    }
+    Ok(())
+}
+
+/// Checks a signing secret: `whsec_` + standard base64 of 24 to 64 bytes.
+///
+/// # Errors
+/// `422 invalid_handler`; the message does not repeat the secret.
+pub fn validate_secret(secret: &str) -> Result<(), ApiError> {
+    let Some(b64) = secret.strip_prefix("whsec_") else {
+        return Err(invalid("secret must start with \"whsec_\"".to_owned()));
+    };
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(b64)
+        .map_err(|e| {
+            invalid(format!(
+                "secret after \"whsec_\" is not standard base64: {}",
+                tidy(&e.to_string())
+            ))
+        })?;
+    if !SECRET_BYTES.contains(&bytes.len()) {
+        return Err(invalid(format!(
+            "secret decodes to {} bytes, expected {} to {}",
+            bytes.len(),
+            SECRET_BYTES.start(),
+            SECRET_BYTES.end()
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a registration request and fills in defaults (policy, secret).
+///
+/// # Errors
+/// `422 invalid_handler` naming the field and the value that was wrong.
+pub fn validate_handler(req: CreateHandler) -> Result<NewHandler, ApiError> {
+    let chars = req.name.chars().count();
+    if !NAME_CHARS.contains(&chars) {
+        return Err(invalid(format!(
+            "name of {chars} characters must be {} to {} characters",
+            NAME_CHARS.start(),
+            NAME_CHARS.end()
+        )));
+    }
+    if req.name.chars().any(char::is_control) {
+        return Err(invalid(format!(
+            "name {:?} must not hold control characters",
+            req.name
+        )));
+    }
+    validate_url(&req.url)?;
+    if !ROUTES_PER_HANDLER.contains(&req.event_types.len()) {
+        return Err(invalid(format!(
+            "event_types holds {} routes, expected {} to {}",
+            req.event_types.len(),
+            ROUTES_PER_HANDLER.start(),
+            ROUTES_PER_HANDLER.end()
+        )));
+    }
+    for (i, pattern) in req.event_types.iter().enumerate() {
+        route::validate_pattern(pattern)
+            .map_err(|e| invalid(format!("event_types[{i}]: {}", store_message(&e))))?;
+    }
+    let max_attempts = in_range(
+        "max_attempts",
+        req.max_attempts.unwrap_or(handler_defaults::MAX_ATTEMPTS),
+        &MAX_ATTEMPTS,
+    )?;
+    let timeout_ms = in_range(
+        "timeout_ms",
+        req.timeout_ms.unwrap_or(handler_defaults::TIMEOUT_MS),
+        &TIMEOUT_MS,
+    )?;
+    let max_in_flight = in_range(
+        "max_in_flight",
+        req.max_in_flight.unwrap_or(handler_defaults::MAX_IN_FLIGHT),
+        &MAX_IN_FLIGHT,
+    )?;
+    let secret = match req.secret {
+        Some(s) => {
+            validate_secret(&s)?;
+            s
+        }
+        None => generate_secret(),
+    };
+    Ok(NewHandler {
+        name: req.name,
+        url: req.url,
+        event_types: req.event_types,
+        max_attempts,
+        timeout_ms,
+        max_in_flight,
+        secret,
+    })
+}
+
+/// Body of `GET /v1/handlers`.
+#[derive(Debug, Serialize)]
+pub struct HandlerList {
+    /// Every handler, by creation order.
+    pub handlers: Vec<Handler>,
+}
+
+/// Body of `DELETE /v1/handlers/{id}`.
+#[derive(Debug, Serialize)]
+pub struct Deleted {
+    /// Id of the removed handler.
+    pub deleted: String,
+    /// Pending deliveries of the handler that were discarded.
+    pub discarded_deliveries: u64,
+}
+
+/// Handler of `POST /v1/handlers`.
+pub(crate) async fn create(
+    State(state): State<ApiState>,
+    Json(req): Json<CreateHandler>,
+) -> Result<(StatusCode, axum::Json<Handler>), ApiError> {
+    let new = validate_handler(req)?;
+    let handler = state.store.create_handler(new).await?;
+    tracing::info!(handler_id = %handler.id, name = %handler.name, url = %handler.url, "handler created");
+    state.node.handlers_changed();
+    Ok((StatusCode::CREATED, axum::Json(handler)))
+}
+
+/// Handler of `GET /v1/handlers`.
+pub(crate) async fn list(
+    State(state): State<ApiState>,
+) -> Result<axum::Json<HandlerList>, ApiError> {
+    Ok(axum::Json(HandlerList {
+        handlers: state.store.list_handlers().await?,
+    }))
+}
+
+/// Handler of `GET /v1/handlers/{id}`.
+pub(crate) async fn get(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+) -> Result<axum::Json<Handler>, ApiError> {
+    Ok(axum::Json(
+        state
+            .store
+            .get_handler(&id)
+            .await
+            .map_err(|e| not_found(e, &id))?,
+    ))
+}
+
+/// Handler of `DELETE /v1/handlers/{id}`.
+pub(crate) async fn delete(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+) -> Result<axum::Json<Deleted>, ApiError> {
+    let discarded = state
+        .store
+        .delete_handler(&id)
+        .await
+        .map_err(|e| not_found(e, &id))?;
+    tracing::info!(handler_id = %id, discarded_deliveries = discarded, "handler deleted");
+    metrics::counter!("lanebus_deliveries_discarded_total").increment(discarded);
+    state.node.handlers_changed();
+    Ok(axum::Json(Deleted {
+        deleted: id,
+        discarded_deliveries: discarded,
+    }))
+}
+
+/// A store `NotFound` for handler `id` as a message naming the id.
+pub(crate) fn not_found(e: lanebus_store::StoreError, id: &str) -> ApiError {
+    match e {
+        lanebus_store::StoreError::NotFound(_) => {
+            ApiError::new(ErrorCode::NotFound, format!("handler {id:?} not found"))
+        }
+        other => other.into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(json: serde_json::Value) -> CreateHandler {
+        serde_json::from_value(json).expect("test request parses")
+    }
+
+    #[test]
+    fn defaults_and_generated_secret() {
+        let h = validate_handler(req(serde_json::json!({
+            "name": "n", "url": "https://example.com/hook", "event_types": ["issues.*"]
+        })))
+        .expect("valid");
+        assert_eq!(h.max_attempts, handler_defaults::MAX_ATTEMPTS);
+        assert_eq!(h.timeout_ms, handler_defaults::TIMEOUT_MS);
+        assert!(validate_secret(&h.secret).is_ok(), "{}", h.secret);
+    }
+
+    #[test]
+    fn bad_urls_are_refused() {
+        for url in [
+            "not a url",
+            "ftp://example.com/x",
+            "file:///etc/passwd",
+            "mailto:a@b.c",
+            "http://",
+            "/relative",
+        ] {
+            assert!(validate_url(url).is_err(), "{url} was accepted");
+        }
+        assert!(validate_url("http://127.0.0.1:9000/x").is_ok());
+    }
+
+    #[test]
+    fn secrets_need_prefix_base64_and_length() {
+        let b64 = |n: usize| base64::engine::general_purpose::STANDARD.encode(vec![7u8; n]);
+        assert!(validate_secret(&format!("whsec_{}", b64(24))).is_ok());
+        assert!(validate_secret(&format!("whsec_{}", b64(64))).is_ok());
+        assert!(validate_secret(&format!("whsec_{}", b64(23))).is_err());
+        assert!(validate_secret(&format!("whsec_{}", b64(65))).is_err());
+        assert!(validate_secret(&b64(32)).is_err());
+        assert!(validate_secret("whsec_!!!").is_err());
+    }
+
+    #[test]
+    fn policy_ranges() {
+        let base = serde_json::json!({"name": "n", "url": "http://h/", "event_types": ["*"]});
+        for (field, bad) in [
+            ("max_attempts", 0),
+            ("max_attempts", 101),
+            ("timeout_ms", 99),
+            ("timeout_ms", 300_001),
+            ("max_in_flight", 0),
+            ("max_in_flight", 10_001),
+        ] {
+            let mut v = base.clone();
+            v[field] = serde_json::json!(bad);
+            let e = validate_handler(req(v)).unwrap_err();
+            assert!(
+                e.message.contains(field) && e.message.contains(&bad.to_string()),
+                "{}",
+                e.message
+            );
+        }
+    }
+}

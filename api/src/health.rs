@@ -1,0 +1,53 @@
+//! `GET /metrics`, `GET /healthz`, `GET /readyz`.
+//!
+//! - `/metrics`: 200, Prometheus text (`text/plain; version=0.0.4`) from
+//!   [`crate::NodeView::render_metrics`].
+//! - `/healthz`: liveness, 200 `{"status": "ok"}` while the process serves.
+//! - `/readyz`: readiness, 200 `{"status": "ready"}` when the node says it is
+//!   ready and the store answers a ping; else `503 not_ready` or
+//!   `503 store_unavailable`.
+
+use axum::extract::State;
+use axum::http::{header, HeaderValue};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+
+use crate::error::{ApiError, ErrorCode};
+use crate::ApiState;
+
+/// Content type of the Prometheus text exposition format 0.0.4.
+pub const PROMETHEUS_CONTENT_TYPE: &str = "text/plain; version=0.0.4";
+
+#[derive(Debug, Serialize)]
+pub(crate) struct Status {
+    status: &'static str,
+}
+
+pub(crate) async fn metrics(State(state): State<ApiState>) -> Response {
+    let mut res = state.node.render_metrics().into_response();
+    res.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static(PROMETHEUS_CONTENT_TYPE),
+    );
+    res
+}
+
+pub(crate) async fn healthz() -> axum::Json<Status> {
+    axum::Json(Status { status: "ok" })
+}
+
+pub(crate) async fn readyz(State(state): State<ApiState>) -> Result<axum::Json<Status>, ApiError> {
+    if !state.node.ready().await {
+        return Err(ApiError::new(
+            ErrorCode::NotReady,
+            format!("node {} is not ready", state.node.node_id()),
+        ));
+    }
+    state.store.ping().await.map_err(|e| {
+        ApiError::new(
+            ErrorCode::StoreUnavailable,
+            format!("{} store does not answer: {e}", state.store.backend()),
+        )
+    })?;
+    Ok(axum::Json(Status { status: "ready" }))
+}

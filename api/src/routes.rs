@@ -1,0 +1,216 @@
+//! The route table: the one list of paths the API serves, and the router
+//! built from it.
+//!
+//! [`ROUTES`] is the single source: [`router`] registers exactly its entries
+//! (a test checks every entry answers with something other than 404/405), so
+//! a later check can compare it with an OpenAPI document by
+//! ([`RouteSpec::method`], [`RouteSpec::path`], [`Operation::id`]).
+
+use axum::extract::DefaultBodyLimit;
+use axum::http::{header, Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post, MethodRouter};
+use axum::Router;
+
+use crate::error::{error_response, ApiError, ErrorCode};
+use crate::{admin, events, handlers, health, ApiState};
+
+/// What a route does; one variant per (method, path).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Operation {
+    /// `POST /v1/events`: publish a batch of events (202).
+    PublishEvents,
+    /// `POST /v1/handlers`: register a handler (201).
+    CreateHandler,
+    /// `GET /v1/handlers`: list handlers.
+    ListHandlers,
+    /// `GET /v1/handlers/{id}`: one handler.
+    GetHandler,
+    /// `DELETE /v1/handlers/{id}`: remove a handler, discarding its pending
+    /// deliveries.
+    DeleteHandler,
+    /// `GET /admin/dead-letters`: list dead letters.
+    ListDeadLetters,
+    /// `POST /admin/dead-letters/{id}/replay`: replay one dead letter.
+    ReplayDeadLetter,
+    /// `POST /admin/dead-letters/replay`: replay dead letters by handler or ids.
+    ReplayDeadLetters,
+    /// `GET /admin/lanes`: the lane table.
+    ListLanes,
+    /// `GET /admin/cluster`: the cluster membership.
+    GetCluster,
+    /// `GET /metrics`: Prometheus text.
+    Metrics,
+    /// `GET /healthz`: liveness.
+    Healthz,
+    /// `GET /readyz`: readiness.
+    Readyz,
+}
+
+impl Operation {
+    /// Stable operation id (`publishEvents`, ...), as an OpenAPI
+    /// `operationId` would name it.
+    pub fn id(self) -> &'static str {
+        match self {
+            Operation::PublishEvents => "publishEvents",
+            Operation::CreateHandler => "createHandler",
+            Operation::ListHandlers => "listHandlers",
+            Operation::GetHandler => "getHandler",
+            Operation::DeleteHandler => "deleteHandler",
+            Operation::ListDeadLetters => "listDeadLetters",
+            Operation::ReplayDeadLetter => "replayDeadLetter",
+            Operation::ReplayDeadLetters => "replayDeadLetters",
+            Operation::ListLanes => "listLanes",
+            Operation::GetCluster => "getCluster",
+            Operation::Metrics => "metrics",
+            Operation::Healthz => "healthz",
+            Operation::Readyz => "readyz",
+        }
+    }
+
+    /// The axum handler serving this operation.
+    fn method_router(self) -> MethodRouter<ApiState> {
+        match self {
+            Operation::PublishEvents => post(events::publish),
+            Operation::CreateHandler => post(handlers::create),
+            Operation::ListHandlers => get(handlers::list),
+            Operation::GetHandler => get(handlers::get),
+            Operation::DeleteHandler => delete(handlers::delete),
+            Operation::ListDeadLetters => get(admin::list_dead_letters),
+            Operation::ReplayDeadLetter => post(admin::replay_one),
+            Operation::ReplayDeadLetters => post(admin::replay_bulk),
+            Operation::ListLanes => get(admin::lanes),
+            Operation::GetCluster => get(admin::cluster),
+            Operation::Metrics => get(health::metrics),
+            Operation::Healthz => get(health::healthz),
+            Operation::Readyz => get(health::readyz),
+        }
+    }
+}
+
+/// One entry of the route table.
+#[derive(Debug, Clone)]
+pub struct RouteSpec {
+    /// HTTP method.
+    pub method: Method,
+    /// Path in axum 0.8 syntax (`/v1/handlers/{id}`), which is also
+    /// OpenAPI's path template syntax.
+    pub path: &'static str,
+    /// What it does.
+    pub operation: Operation,
+}
+
+const fn spec(method: Method, path: &'static str, operation: Operation) -> RouteSpec {
+    RouteSpec {
+        method,
+        path,
+        operation,
+    }
+}
+
+/// Every path the API serves (DESIGN.md section 4), in one place.
+pub const ROUTES: &[RouteSpec] = &[
+    spec(Method::POST, "/v1/events", Operation::PublishEvents),
+    spec(Method::POST, "/v1/handlers", Operation::CreateHandler),
+    spec(Method::GET, "/v1/handlers", Operation::ListHandlers),
+    spec(Method::GET, "/v1/handlers/{id}", Operation::GetHandler),
+    spec(
+        Method::DELETE,
+        "/v1/handlers/{id}",
+        Operation::DeleteHandler,
+    ),
+    spec(
+        Method::GET,
+        "/admin/dead-letters",
+        Operation::ListDeadLetters,
+    ),
+    spec(
+        Method::POST,
+        "/admin/dead-letters/{id}/replay",
+        Operation::ReplayDeadLetter,
+    ),
+    spec(
+        Method::POST,
+        "/admin/dead-letters/replay",
+        Operation::ReplayDeadLetters,
+    ),
+    spec(Method::GET, "/admin/lanes", Operation::ListLanes),
+    spec(Method::GET, "/admin/cluster", Operation::GetCluster),
+    spec(Method::GET, "/metrics", Operation::Metrics),
+    spec(Method::GET, "/healthz", Operation::Healthz),
+    spec(Method::GET, "/readyz", Operation::Readyz),
+];
+
+/// The API router: every entry of [`ROUTES`], a JSON 404 for unknown paths,
+/// a JSON 405 for unknown methods (with `allow`), the body limit of
+/// [`crate::Limits::max_body_bytes`] (413 JSON), and a safety net that turns
+/// any other non-JSON error answer into the JSON error shape.
+///
+/// Serve it with `axum::serve(listener, router(state))`.
+pub fn router(state: ApiState) -> Router {
+    let max_body = state.limits.max_body_bytes;
+    ROUTES
+        .iter()
+        .fold(Router::new(), |r, spec| {
+            r.route(spec.path, spec.operation.method_router())
+        })
+        .method_not_allowed_fallback(method_not_allowed)
+        .fallback(path_not_found)
+        .layer(DefaultBodyLimit::max(max_body))
+        .layer(axum::middleware::map_response(ensure_json_errors))
+        .with_state(state)
+}
+
+async fn path_not_found(method: Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::new(
+        ErrorCode::PathNotFound,
+        format!("no path {method} {}", uri.path()),
+    )
+}
+
+async fn method_not_allowed(method: Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::new(
+        ErrorCode::MethodNotAllowed,
+        format!("method {method} is not allowed on {}", uri.path()),
+    )
+}
+
+/// The safety net: an error answer that is not JSON (from a layer or an
+/// axum default we did not wrap) gets the JSON error shape, keeping its
+/// status and headers such as `allow`.
+async fn ensure_json_errors(res: Response) -> Response {
+    let status = res.status();
+    let is_json = res
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return res;
+    }
+    let (code, message) = match status {
+        StatusCode::NOT_FOUND => (ErrorCode::PathNotFound.as_str(), "no such path"),
+        StatusCode::METHOD_NOT_ALLOWED => (
+            ErrorCode::MethodNotAllowed.as_str(),
+            "method not allowed on this path",
+        ),
+        StatusCode::PAYLOAD_TOO_LARGE => {
+            (ErrorCode::BodyTooLarge.as_str(), "request body too large")
+        }
+        StatusCode::UNSUPPORTED_MEDIA_TYPE => (
+            ErrorCode::UnsupportedMediaType.as_str(),
+            "content-type must be application/json",
+        ),
+        s if s.is_server_error() => (ErrorCode::Internal.as_str(), "internal error"),
+        _ => ("bad_request", "request refused"),
+    };
+    let (mut parts, _) = res.into_parts();
+    let fresh = error_response(status, code, message);
+    parts.headers.remove(header::CONTENT_LENGTH);
+    parts.headers.insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
+    let (_, body) = fresh.into_parts();
+    Response::from_parts(parts, body).into_response()
+}

@@ -1,0 +1,319 @@
+//! Test harness: the router in-process (`tower::ServiceExt::oneshot`) over a
+//! real store (a SQLite temp file, or a fresh PostgreSQL database per test in
+//! the server named by `LANEBUS_TEST_POSTGRES_URL`), with a stub node.
+
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use axum::body::Body;
+use axum::http::{header, HeaderMap, Method, Request, StatusCode};
+use axum::Router;
+use lanebus_api::{router, ApiState, LaneView, Limits, NodeView};
+use lanebus_store::{
+    lane_of_event, DeadLetterRequest, Handler, Lane, LaneClaim, NewEvent, Store, StoreCounts,
+};
+use serde_json::Value;
+use tower::ServiceExt as _;
+
+/// Limits small enough to breach cheaply in tests.
+pub const TEST_LIMITS: Limits = Limits {
+    max_body_bytes: 64 << 10,
+    max_payload_bytes: 1 << 10,
+    max_batch: 10,
+};
+
+/// A node that records what the API tells it.
+#[derive(Default)]
+pub struct StubNode {
+    pub not_ready: AtomicBool,
+    pub published: Mutex<Vec<Vec<Lane>>>,
+    pub handlers_changed: AtomicUsize,
+    pub lanes: Vec<LaneView>,
+}
+
+#[async_trait]
+impl NodeView for StubNode {
+    fn node_id(&self) -> String {
+        "n1".into()
+    }
+    async fn lanes(&self) -> Vec<LaneView> {
+        self.lanes.clone()
+    }
+    fn published(&self, lanes: &[Lane]) {
+        self.published.lock().expect("lock").push(lanes.to_vec());
+    }
+    fn handlers_changed(&self) {
+        self.handlers_changed.fetch_add(1, Ordering::SeqCst);
+    }
+    async fn ready(&self) -> bool {
+        !self.not_ready.load(Ordering::SeqCst)
+    }
+    fn render_metrics(&self) -> String {
+        "# TYPE lanebus_up gauge\nlanebus_up 1\n".into()
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+/// Where a test's store lives, to remove it afterwards.
+enum Place {
+    File(std::path::PathBuf),
+    Database { admin_url: String, name: String },
+}
+
+pub struct TestApp {
+    pub app: Router,
+    pub store: Arc<dyn Store>,
+    pub node: Arc<StubNode>,
+}
+
+/// A response: status, headers, raw body, and the body as JSON when it is.
+pub struct Res {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub bytes: Vec<u8>,
+    pub json: Value,
+}
+
+impl std::fmt::Debug for Res {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} {}",
+            self.status,
+            String::from_utf8_lossy(&self.bytes)
+        )
+    }
+}
+
+impl TestApp {
+    /// Sends one request through the router.
+    pub async fn call(
+        &self,
+        method: Method,
+        path: &str,
+        content_type: Option<&str>,
+        body: Vec<u8>,
+    ) -> Res {
+        let mut req = Request::builder().method(method).uri(path);
+        if let Some(ct) = content_type {
+            req = req.header(header::CONTENT_TYPE, ct);
+        }
+        let req = req.body(Body::from(body)).expect("request builds");
+        let res = self
+            .app
+            .clone()
+            .oneshot(req)
+            .await
+            .expect("router is infallible");
+        let status = res.status();
+        let headers = res.headers().clone();
+        let bytes = axum::body::to_bytes(res.into_body(), usize::MAX)
+            .await
+            .expect("body reads")
+            .to_vec();
+        let json = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        Res {
+            status,
+            headers,
+            bytes,
+            json,
+        }
+    }
+
+    pub async fn get(&self, path: &str) -> Res {
+        self.call(Method::GET, path, None, Vec::new()).await
+    }
+
+    pub async fn delete(&self, path: &str) -> Res {
+        self.call(Method::DELETE, path, None, Vec::new()).await
+    }
+
+    pub async fn post(&self, path: &str, body: Value) -> Res {
+        self.call(
+            Method::POST,
+            path,
+            Some("application/json"),
+            body.to_string().into_bytes(),
+        )
+        .await
+    }
+
+    /// What invariant 6 protects: the store's totals and the handler catalog.
+    pub async fn snapshot(&self) -> (StoreCounts, Vec<Handler>) {
+        (
+            self.store.counts().await.expect("counts"),
+            self.store.list_handlers().await.expect("list handlers"),
+        )
+    }
+
+    /// Registers a handler through the API; returns its id.
+    pub async fn create_handler(&self, name: &str, routes: &[&str]) -> String {
+        let res = self
+            .post("/v1/handlers", serde_json::json!({"name": name, "url": "http://127.0.0.1:9/hook", "event_types": routes}))
+            .await;
+        assert_eq!(res.status, StatusCode::CREATED, "{res:?}");
+        res.json["id"].as_str().expect("id").to_owned()
+    }
+
+    /// Publishes `n` events of `event_type` with `key` straight to the store
+    /// and turns their deliveries into dead letters; returns the dead-letter
+    /// count afterwards.
+    pub async fn make_dead_letters(&self, event_type: &str, key: &str, n: usize) -> i64 {
+        let events = (0..n)
+            .map(|i| NewEvent {
+                id: Some(format!("dl-{key}-{i}")),
+                event_type: event_type.into(),
+                key: Some(key.into()),
+                payload: b"{}".to_vec(),
+            })
+            .collect();
+        self.store.publish(events).await.expect("publish");
+        let lane = lane_of_event(Some(key), "", self.store.lanes());
+        assert!(
+            self.store.fence(lane, "test", 1).await.expect("fence"),
+            "fence lane {lane}"
+        );
+        let batches = self
+            .store
+            .claim(&[LaneClaim {
+                lane,
+                epoch: 1,
+                after: 0,
+                limit: 1000,
+            }])
+            .await
+            .expect("claim");
+        let dead: Vec<DeadLetterRequest> = batches
+            .iter()
+            .flat_map(|b| &b.deliveries)
+            .map(|d| DeadLetterRequest {
+                id: d.id,
+                lane,
+                epoch: 1,
+                attempts: 3,
+                last_error: "boom".into(),
+            })
+            .collect();
+        self.store.dead_letter(&dead).await.expect("dead letter");
+        self.store.counts().await.expect("counts").dead_letters
+    }
+}
+
+fn postgres_admin_url() -> String {
+    match std::env::var("LANEBUS_TEST_POSTGRES_URL") {
+        Ok(url) if !url.is_empty() => url,
+        _ => panic!(
+            "LANEBUS_TEST_POSTGRES_URL is not set: run the tests with scripts/test, which starts a throwaway \
+             PostgreSQL (or set it to a server you run, e.g. postgres://postgres@127.0.0.1:55432/postgres)"
+        ),
+    }
+}
+
+async fn open(backend: Backend) -> (Arc<dyn Store>, Place) {
+    let tag = uuid::Uuid::new_v4().simple().to_string();
+    match backend {
+        Backend::Sqlite => {
+            let path = std::env::temp_dir().join(format!("lanebus-api-{tag}.db"));
+            let store = lanebus_store::open(&format!("sqlite://{}", path.display()))
+                .await
+                .expect("open sqlite store");
+            (store, Place::File(path))
+        }
+        Backend::Postgres => {
+            use sqlx::Connection as _;
+            let admin_url = postgres_admin_url();
+            let name = format!("lanebus_t_{tag}");
+            let mut conn = sqlx::PgConnection::connect(&admin_url)
+                .await
+                .expect("connect to LANEBUS_TEST_POSTGRES_URL");
+            sqlx::query(&format!("CREATE DATABASE {name}"))
+                .execute(&mut conn)
+                .await
+                .expect("create database");
+            let mut url = url::Url::parse(&admin_url).expect("postgres url parses");
+            url.set_path(&format!("/{name}"));
+            let store = lanebus_store::open(url.as_str())
+                .await
+                .expect("open postgres store");
+            (store, Place::Database { admin_url, name })
+        }
+    }
+}
+
+async fn remove(place: Place) {
+    match place {
+        Place::File(path) => {
+            for suffix in ["", "-wal", "-shm"] {
+                let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+            }
+        }
+        Place::Database { admin_url, name } => {
+            use sqlx::Connection as _;
+            if let Ok(mut conn) = sqlx::PgConnection::connect(&admin_url).await {
+                let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                    .execute(&mut conn)
+                    .await;
+            }
+        }
+    }
+}
+
+/// Builds an app on `backend` with `limits` and `node`, runs `test`, then
+/// removes the store (only when the test passed, so a failure can be looked at).
+pub async fn run_with<F, Fut>(backend: Backend, limits: Limits, node: StubNode, test: F)
+where
+    F: FnOnce(TestApp) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    let (store, place) = open(backend).await;
+    let node = Arc::new(node);
+    let app = router(ApiState {
+        store: store.clone(),
+        node: node.clone(),
+        limits,
+    });
+    test(TestApp { app, store, node }).await;
+    remove(place).await;
+}
+
+/// [`run_with`] with [`TEST_LIMITS`] and a default stub node.
+pub async fn run<F, Fut>(backend: Backend, test: F)
+where
+    F: FnOnce(TestApp) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    run_with(backend, TEST_LIMITS, StubNode::default(), test).await
+}
+
+/// Generates each listed `async fn name(app: TestApp)` as a test on both
+/// backends: `sqlite::name` and `postgres::name`.
+#[macro_export]
+macro_rules! on_every_backend {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    $crate::common::run($crate::common::Backend::Sqlite, super::$name).await
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    $crate::common::run($crate::common::Backend::Postgres, super::$name).await
+                }
+            )*
+        }
+    };
+}

@@ -1,0 +1,435 @@
+//! Happy paths: publish, duplicates, handler CRUD, dead letters, admin,
+//! metrics and health, and that the route table is served.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+
+use axum::http::{Method, StatusCode};
+use common::{run_with, Backend, StubNode, TestApp, TEST_LIMITS};
+use lanebus_api::{LaneView, ROUTES};
+use lanebus_store::{lane_of_event, LaneClaim};
+use serde_json::{json, Value};
+
+async fn publish_returns_ids_and_counts(app: TestApp) {
+    let res = app
+        .post(
+            "/v1/events",
+            json!({"events": [
+                {"id": "evt_1", "type": "issues.opened", "key": "repo-1", "payload": {"n": 1}},
+                {"type": "issues.closed", "key": "repo-1", "payload": [1, 2]},
+                {"type": "push", "payload": "text"},
+            ]}),
+        )
+        .await;
+    assert_eq!(res.status, StatusCode::ACCEPTED, "{res:?}");
+    assert_eq!(res.json["accepted"], 3);
+    assert_eq!(res.json["duplicates"], 0);
+    let ids: Vec<String> = res.json["ids"]
+        .as_array()
+        .expect("ids")
+        .iter()
+        .map(|v| v.as_str().expect("id").to_owned())
+        .collect();
+    assert_eq!(ids.len(), 3);
+    assert_eq!(ids[0], "evt_1");
+    assert!(
+        ids[1] != ids[2] && ids[1].len() == 36,
+        "generated ids: {ids:?}"
+    );
+    assert_eq!(app.store.counts().await.expect("counts").events, 3);
+
+    let n = app.store.lanes();
+    let mut lanes = vec![
+        lane_of_event(Some("repo-1"), "", n),
+        lane_of_event(None, &ids[2], n),
+    ];
+    lanes.sort_unstable();
+    lanes.dedup();
+    assert_eq!(*app.node.published.lock().expect("lock"), vec![lanes]);
+}
+
+async fn duplicates_are_reported_and_not_stored_again(app: TestApp) {
+    let body = json!({"events": [{"id": "a", "type": "t", "payload": 1}, {"id": "b", "type": "t", "payload": 2}]});
+    let res = app.post("/v1/events", body).await;
+    assert_eq!(
+        (res.json["accepted"].clone(), res.json["duplicates"].clone()),
+        (json!(2), json!(0)),
+        "{res:?}"
+    );
+    let res = app
+        .post("/v1/events", json!({"events": [{"id": "a", "type": "t", "payload": 1}, {"id": "c", "type": "t", "payload": 3}]}))
+        .await;
+    assert_eq!(res.status, StatusCode::ACCEPTED, "{res:?}");
+    assert_eq!(res.json["accepted"], 1);
+    assert_eq!(res.json["duplicates"], 1);
+    assert_eq!(res.json["ids"], json!(["a", "c"]));
+    assert_eq!(app.store.counts().await.expect("counts").events, 3);
+}
+
+async fn payload_is_stored_byte_for_byte(app: TestApp) {
+    app.create_handler("all", &["*"]).await;
+    let payload = r#"{"z" : 1,"a":[1, 2.50, "é\u00e9"],  "n":null}"#;
+    let body = format!(
+        r#"{{"events":[{{"id":"raw-1","type":"t.raw","key":"raw","payload":{payload}}}]}}"#
+    );
+    let res = app
+        .call(
+            Method::POST,
+            "/v1/events",
+            Some("application/json"),
+            body.into_bytes(),
+        )
+        .await;
+    assert_eq!(res.status, StatusCode::ACCEPTED, "{res:?}");
+    let lane = lane_of_event(Some("raw"), "", app.store.lanes());
+    assert!(app.store.fence(lane, "test", 1).await.expect("fence"));
+    let batches = app
+        .store
+        .claim(&[LaneClaim {
+            lane,
+            epoch: 1,
+            after: 0,
+            limit: 10,
+        }])
+        .await
+        .expect("claim");
+    let delivery = batches
+        .iter()
+        .flat_map(|b| &b.deliveries)
+        .next()
+        .expect("one delivery");
+    assert_eq!(&delivery.payload[..], payload.as_bytes());
+}
+
+async fn handler_crud_round_trips(app: TestApp) {
+    let secret = format!("whsec_{}", "QUJD".repeat(8)); // base64 of 24 bytes
+    let res = app
+        .post(
+            "/v1/handlers",
+            json!({"name": "billing", "url": "https://example.com/hooks?x=1", "event_types": ["invoice.*", "push"],
+                   "max_attempts": 3, "timeout_ms": 2500, "max_in_flight": 7, "secret": secret}),
+        )
+        .await;
+    assert_eq!(res.status, StatusCode::CREATED, "{res:?}");
+    let h = res.json.clone();
+    assert!(
+        h["id"].as_str().is_some_and(|id| id.starts_with("hdl_")),
+        "{h}"
+    );
+    assert_eq!(h["name"], "billing");
+    assert_eq!(h["url"], "https://example.com/hooks?x=1");
+    assert_eq!(h["event_types"], json!(["invoice.*", "push"]));
+    assert_eq!(
+        (
+            h["max_attempts"].clone(),
+            h["timeout_ms"].clone(),
+            h["max_in_flight"].clone()
+        ),
+        (json!(3), json!(2500), json!(7))
+    );
+    assert_eq!(h["secret"], secret.as_str());
+    assert_eq!(h["state"], "enabled");
+    assert!(h["created_at"].is_string(), "{h}");
+
+    let res = app
+        .post(
+            "/v1/handlers",
+            json!({"name": "defaults", "url": "http://10.0.0.1:8080/", "event_types": ["*"]}),
+        )
+        .await;
+    assert_eq!(res.status, StatusCode::CREATED, "{res:?}");
+    let d = res.json.clone();
+    assert!(
+        lanebus_api::handlers::validate_secret(d["secret"].as_str().expect("secret")).is_ok(),
+        "{d}"
+    );
+    assert_eq!(
+        (
+            d["max_attempts"].clone(),
+            d["timeout_ms"].clone(),
+            d["max_in_flight"].clone()
+        ),
+        (json!(8), json!(10_000), json!(64))
+    );
+
+    let id = h["id"].as_str().expect("id");
+    let got = app.get(&format!("/v1/handlers/{id}")).await;
+    assert_eq!((got.status, &got.json), (StatusCode::OK, &h));
+    let list = app.get("/v1/handlers").await;
+    assert_eq!(list.status, StatusCode::OK);
+    assert_eq!(list.json["handlers"], json!([h, d]));
+
+    let del = app.delete(&format!("/v1/handlers/{id}")).await;
+    assert_eq!(del.status, StatusCode::OK, "{del:?}");
+    assert_eq!(del.json, json!({"deleted": id, "discarded_deliveries": 0}));
+    let gone = app.get(&format!("/v1/handlers/{id}")).await;
+    assert_eq!(
+        (gone.status, gone.json["error"]["code"].clone()),
+        (StatusCode::NOT_FOUND, json!("not_found"))
+    );
+    assert_eq!(app.get("/v1/handlers").await.json["handlers"], json!([d]));
+    assert_eq!(app.node.handlers_changed.load(Ordering::SeqCst), 3);
+}
+
+async fn delete_discards_and_counts_pending_deliveries(app: TestApp) {
+    let orders = app.create_handler("orders", &["order.*"]).await;
+    let other = app.create_handler("other", &["push"]).await;
+    let events: Vec<Value> = (0..3)
+        .map(|i| json!({"type": "order.placed", "key": format!("o{i}"), "payload": i}))
+        .chain([json!({"type": "push", "payload": 0})])
+        .collect();
+    let res = app.post("/v1/events", json!({ "events": events })).await;
+    assert_eq!(res.status, StatusCode::ACCEPTED, "{res:?}");
+    assert_eq!(app.store.counts().await.expect("counts").deliveries, 4);
+    let del = app.delete(&format!("/v1/handlers/{orders}")).await;
+    assert_eq!(
+        del.json,
+        json!({"deleted": orders, "discarded_deliveries": 3}),
+        "{del:?}"
+    );
+    let counts = app.store.counts().await.expect("counts");
+    assert_eq!((counts.events, counts.deliveries), (4, 1));
+    assert_eq!(
+        app.get(&format!("/v1/handlers/{other}")).await.status,
+        StatusCode::OK
+    );
+}
+
+async fn dead_letters_list_page_and_replay(app: TestApp) {
+    let hid = app.create_handler("dl", &["dl.*"]).await;
+    let other = app.create_handler("dl-other", &["zz.*"]).await;
+    assert_eq!(app.make_dead_letters("dl.x", "dl-key", 3).await, 3);
+
+    let all = app.get("/admin/dead-letters").await;
+    assert_eq!(all.status, StatusCode::OK, "{all:?}");
+    let letters = all.json["dead_letters"]
+        .as_array()
+        .expect("dead_letters")
+        .clone();
+    assert_eq!(letters.len(), 3);
+    assert_eq!(all.json["next_after"], Value::Null);
+    let first = &letters[0];
+    assert_eq!(
+        (first["handler_id"].as_str(), first["event_type"].as_str()),
+        (Some(hid.as_str()), Some("dl.x"))
+    );
+    assert_eq!(
+        (first["attempts"].clone(), first["last_error"].clone()),
+        (json!(3), json!("boom"))
+    );
+    let ids: Vec<i64> = letters
+        .iter()
+        .map(|l| l["id"].as_i64().expect("id"))
+        .collect();
+
+    let page = app.get("/admin/dead-letters?limit=2").await;
+    assert_eq!(page.json["dead_letters"].as_array().map(Vec::len), Some(2));
+    assert_eq!(page.json["next_after"], json!(ids[1]));
+    let rest = app
+        .get(&format!("/admin/dead-letters?limit=2&after={}", ids[1]))
+        .await;
+    assert_eq!(
+        rest.json["dead_letters"][0]["id"],
+        json!(ids[2]),
+        "{rest:?}"
+    );
+    assert_eq!(rest.json["next_after"], Value::Null);
+    let filtered = app
+        .get(&format!("/admin/dead-letters?handler_id={other}"))
+        .await;
+    assert_eq!(filtered.json["dead_letters"], json!([]), "{filtered:?}");
+    let filtered = app
+        .get(&format!("/admin/dead-letters?handler_id={hid}"))
+        .await;
+    assert_eq!(
+        filtered.json["dead_letters"].as_array().map(Vec::len),
+        Some(3)
+    );
+
+    let before = app.store.counts().await.expect("counts");
+    let one = app
+        .call(
+            Method::POST,
+            &format!("/admin/dead-letters/{}/replay", ids[0]),
+            None,
+            Vec::new(),
+        )
+        .await;
+    assert_eq!(
+        (one.status, one.json.clone()),
+        (StatusCode::OK, json!({"replayed": 1})),
+        "{one:?}"
+    );
+    let after = app.store.counts().await.expect("counts");
+    assert_eq!(
+        (after.dead_letters, after.deliveries),
+        (before.dead_letters - 1, before.deliveries + 1)
+    );
+    let again = app
+        .call(
+            Method::POST,
+            &format!("/admin/dead-letters/{}/replay", ids[0]),
+            None,
+            Vec::new(),
+        )
+        .await;
+    assert_eq!(
+        (again.status, again.json["error"]["code"].clone()),
+        (StatusCode::NOT_FOUND, json!("not_found"))
+    );
+
+    let by_id = app
+        .post(
+            "/admin/dead-letters/replay",
+            json!({"ids": [ids[1], 999_999]}),
+        )
+        .await;
+    assert_eq!(
+        (by_id.status, by_id.json.clone()),
+        (StatusCode::OK, json!({"replayed": 1})),
+        "{by_id:?}"
+    );
+    let by_handler = app
+        .post("/admin/dead-letters/replay", json!({"handler_id": hid}))
+        .await;
+    assert_eq!(
+        (by_handler.status, by_handler.json.clone()),
+        (StatusCode::OK, json!({"replayed": 1})),
+        "{by_handler:?}"
+    );
+    let counts = app.store.counts().await.expect("counts");
+    assert_eq!(
+        (counts.dead_letters, counts.deliveries),
+        (0, before.deliveries + 3)
+    );
+    assert_eq!(app.node.handlers_changed.load(Ordering::SeqCst), 2 + 3);
+}
+
+async fn every_route_in_the_table_is_served(app: TestApp) {
+    for spec in ROUTES {
+        let path = spec.path.replace("{id}", "1");
+        let res = app.call(spec.method.clone(), &path, None, Vec::new()).await;
+        let code = res.json["error"]["code"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        assert!(
+            code != "path_not_found" && code != "method_not_allowed",
+            "{} {} ({}) is not served: {res:?}",
+            spec.method,
+            spec.path,
+            spec.operation.id()
+        );
+    }
+}
+
+async fn health_and_metrics(app: TestApp) {
+    let res = app.get("/healthz").await;
+    assert_eq!(
+        (res.status, res.json.clone()),
+        (StatusCode::OK, json!({"status": "ok"}))
+    );
+    let res = app.get("/readyz").await;
+    assert_eq!(
+        (res.status, res.json.clone()),
+        (StatusCode::OK, json!({"status": "ready"})),
+        "{res:?}"
+    );
+    let res = app.get("/metrics").await;
+    assert_eq!(res.status, StatusCode::OK);
+    assert_eq!(
+        res.headers
+            .get("content-type")
+            .and_then(|v| v.to_str().ok()),
+        Some("text/plain; version=0.0.4")
+    );
+    assert!(String::from_utf8_lossy(&res.bytes).contains("lanebus_up 1"));
+
+    app.node.not_ready.store(true, Ordering::SeqCst);
+    let res = app.get("/readyz").await;
+    assert_eq!(res.status, StatusCode::SERVICE_UNAVAILABLE, "{res:?}");
+    assert_eq!(res.json["error"]["code"], "not_ready");
+}
+
+on_every_backend!(
+    publish_returns_ids_and_counts,
+    duplicates_are_reported_and_not_stored_again,
+    payload_is_stored_byte_for_byte,
+    handler_crud_round_trips,
+    delete_discards_and_counts_pending_deliveries,
+    dead_letters_list_page_and_replay,
+    every_route_in_the_table_is_served,
+    health_and_metrics,
+);
+
+fn lane(lane: u16, owner: Option<&str>) -> LaneView {
+    LaneView {
+        lane,
+        owner: owner.map(str::to_owned),
+        epoch: 4,
+        state: if owner.is_some() {
+            "active"
+        } else {
+            "unassigned"
+        }
+        .into(),
+        lease_expires_in_ms: owner.map(|_| 1_500),
+        backlog: 2,
+        in_flight: 1,
+    }
+}
+
+async fn admin_lanes_and_cluster(backend: Backend) {
+    let node = StubNode {
+        lanes: vec![lane(0, Some("n1")), lane(1, Some("n1")), lane(2, None)],
+        ..StubNode::default()
+    };
+    run_with(backend, TEST_LIMITS, node, |app| async move {
+        let res = app.get("/admin/lanes").await;
+        assert_eq!(res.status, StatusCode::OK, "{res:?}");
+        assert_eq!(
+            res.json["lanes"][0],
+            json!({"lane": 0, "owner": "n1", "epoch": 4, "state": "active", "lease_expires_in_ms": 1500, "backlog": 2, "in_flight": 1})
+        );
+        assert_eq!(res.json["lanes"].as_array().map(Vec::len), Some(3));
+        let res = app.get("/admin/cluster").await;
+        assert_eq!(
+            res.json,
+            json!({"node_id": "n1", "leader": "n1", "term": 0, "nodes": [
+                {"id": "n1", "raft_addr": null, "http_addr": null, "voter": true, "alive": true, "lanes": 2}
+            ]})
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn sqlite_admin_lanes_and_cluster() {
+    admin_lanes_and_cluster(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn postgres_admin_lanes_and_cluster() {
+    admin_lanes_and_cluster(Backend::Postgres).await;
+}
+
+/// The default limits (8 MiB body, 1 MiB payload) let a 900 KiB payload through.
+#[tokio::test]
+async fn sqlite_default_limits_accept_large_payloads() {
+    run_with(
+        Backend::Sqlite,
+        lanebus_api::Limits::default(),
+        StubNode::default(),
+        |app| async move {
+            let res = app
+                .post(
+                    "/v1/events",
+                    json!({"events": [{"type": "big", "payload": "x".repeat(900 << 10)}]}),
+                )
+                .await;
+            assert_eq!(res.status, StatusCode::ACCEPTED, "{res:?}");
+        },
+    )
+    .await;
+}
