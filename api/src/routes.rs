@@ -214,3 +214,77 @@ async fn ensure_json_errors(res: Response) -> Response {
     let (_, body) = fresh.into_parts();
     Response::from_parts(parts, body).into_response()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn body_json(res: Response) -> serde_json::Value {
+        let bytes = axum::body::to_bytes(res.into_body(), usize::MAX)
+            .await
+            .unwrap_or_default();
+        serde_json::from_slice(&bytes).unwrap_or_default()
+    }
+
+    #[tokio::test]
+    async fn safety_net_turns_plain_errors_into_json_and_keeps_headers() {
+        let mut plain = (StatusCode::METHOD_NOT_ALLOWED, "nope").into_response();
+        plain
+            .headers_mut()
+            .insert(header::ALLOW, header::HeaderValue::from_static("GET,HEAD"));
+        let res = ensure_json_errors(plain).await;
+        assert_eq!(res.status(), StatusCode::METHOD_NOT_ALLOWED);
+        assert_eq!(
+            res.headers()
+                .get(header::ALLOW)
+                .and_then(|v| v.to_str().ok()),
+            Some("GET,HEAD")
+        );
+        assert_eq!(
+            res.headers()
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok()),
+            Some("application/json")
+        );
+        let body = body_json(res).await;
+        assert_eq!(body["error"]["code"], "method_not_allowed");
+
+        let res =
+            ensure_json_errors((StatusCode::PAYLOAD_TOO_LARGE, "too big").into_response()).await;
+        assert_eq!(body_json(res).await["error"]["code"], "body_too_large");
+        let res = ensure_json_errors((StatusCode::BAD_GATEWAY, "x").into_response()).await;
+        assert_eq!(body_json(res).await["error"]["code"], "internal");
+    }
+
+    #[tokio::test]
+    async fn safety_net_leaves_successes_and_json_errors_alone() {
+        let ok = ensure_json_errors((StatusCode::OK, "fine").into_response()).await;
+        let bytes = axum::body::to_bytes(ok.into_body(), usize::MAX)
+            .await
+            .unwrap_or_default();
+        assert_eq!(&bytes[..], b"fine");
+        let api = ensure_json_errors(
+            ApiError::new(ErrorCode::NotFound, "handler \"x\" not found").into_response(),
+        )
+        .await;
+        assert_eq!(
+            body_json(api).await["error"]["message"],
+            "handler \"x\" not found"
+        );
+    }
+
+    #[test]
+    fn route_table_has_unique_method_path_pairs_and_operations() {
+        for (i, a) in ROUTES.iter().enumerate() {
+            for b in &ROUTES[i + 1..] {
+                assert!(
+                    !(a.method == b.method && a.path == b.path),
+                    "{} {} twice",
+                    a.method,
+                    a.path
+                );
+                assert_ne!(a.operation, b.operation, "{} used twice", a.operation.id());
+            }
+        }
+    }
+}
