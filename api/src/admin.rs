@@ -113,8 +113,7 @@ pub(crate) async fn replay_one(
             format!("dead letter {id} not found"),
         ));
     }
-    tracing::info!(dead_letter_id = id, "dead letter replayed");
-    metrics::counter!("lanebus_dead_letters_replayed_total").increment(replayed);
+    crate::telemetry::dead_letters_replayed(None, &[id], replayed);
     state.node.handlers_changed();
     Ok(axum::Json(Replayed { replayed }))
 }
@@ -150,8 +149,7 @@ pub(crate) async fn replay_bulk(
         .store
         .replay_dead_letters(&ids, req.handler_id.as_deref())
         .await?;
-    tracing::info!(handler_id = ?req.handler_id, ids = ids.len(), replayed, "dead letters replayed");
-    metrics::counter!("lanebus_dead_letters_replayed_total").increment(replayed);
+    crate::telemetry::dead_letters_replayed(req.handler_id.as_deref(), &ids, replayed);
     if replayed > 0 {
         state.node.handlers_changed();
     }

@@ -199,7 +199,7 @@ impl IntoResponse for ApiError {
         } else {
             tracing::debug!(code = self.code.as_str(), message = %self.message, "request refused");
         }
-        metrics::counter!("lanebus_api_errors_total", "code" => self.code.as_str()).increment(1);
+        crate::telemetry::api_error(self.code.as_str());
         error_response(status, self.code.as_str(), &self.message)
     }
 }

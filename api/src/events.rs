@@ -119,8 +119,7 @@ pub(crate) async fn publish(
     let keys: Vec<Option<String>> = events.iter().map(|e| e.key.clone()).collect();
     let outcome = state.store.publish(events).await?;
 
-    metrics::counter!("lanebus_events_published_total").increment(outcome.accepted as u64);
-    metrics::counter!("lanebus_events_duplicates_total").increment(outcome.duplicates as u64);
+    crate::telemetry::events_published(outcome.accepted, outcome.duplicates);
     if outcome.accepted > 0 {
         let n = state.store.lanes();
         // Duplicates' lanes are woken too: harmless, and the outcome does not
@@ -134,11 +133,6 @@ pub(crate) async fn publish(
         lanes.dedup();
         state.node.published(&lanes);
     }
-    tracing::debug!(
-        accepted = outcome.accepted,
-        duplicates = outcome.duplicates,
-        "events published"
-    );
     Ok((StatusCode::ACCEPTED, axum::Json(outcome)))
 }
 

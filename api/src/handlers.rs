@@ -269,8 +269,7 @@ pub(crate) async fn delete(
         .delete_handler(&id)
         .await
         .map_err(|e| not_found(e, &id))?;
-    tracing::info!(handler_id = %id, discarded_deliveries = discarded, "handler deleted");
-    metrics::counter!("lanebus_deliveries_discarded_total").increment(discarded);
+    crate::telemetry::handler_deleted(&id, discarded);
     state.node.handlers_changed();
     Ok(axum::Json(Deleted {
         deleted: id,

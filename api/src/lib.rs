@@ -24,6 +24,13 @@
 //! request writes nothing: a publish batch with one bad event is refused
 //! whole.
 //!
+//! # Metrics
+//!
+//! Listed in the `telemetry` module: `lanebus_events_published_total`,
+//! `lanebus_events_duplicates_total`, `lanebus_api_errors_total{code}`,
+//! `lanebus_deliveries_discarded_total`, `lanebus_dead_letters_replayed_total`;
+//! [`describe_metrics`] gives them help text.
+//!
 //! # Routes
 //!
 //! The single list of paths is [`ROUTES`]; [`router`] serves exactly those.
@@ -43,11 +50,13 @@ pub mod extract;
 pub mod handlers;
 mod health;
 mod routes;
+mod telemetry;
 
 pub use admin::{DEFAULT_PAGE, MAX_PAGE, MAX_REPLAY_IDS};
 pub use error::{ApiError, ErrorCode};
 pub use health::PROMETHEUS_CONTENT_TYPE;
 pub use routes::{router, Operation, RouteSpec, ROUTES};
+pub use telemetry::describe_metrics;
 
 /// One lane as the node sees it (`GET /admin/lanes`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
