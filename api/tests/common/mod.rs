@@ -218,16 +218,11 @@ fn postgres_admin_url() -> String {
     }
 }
 
-async fn open(backend: Backend) -> (Arc<dyn Store>, Place) {
+/// Makes room for a fresh store: a temp file name, or a new database.
+async fn place(backend: Backend) -> Place {
     let tag = uuid::Uuid::new_v4().simple().to_string();
     match backend {
-        Backend::Sqlite => {
-            let path = std::env::temp_dir().join(format!("lanebus-api-{tag}.db"));
-            let store = lanebus_store::open(&format!("sqlite://{}", path.display()))
-                .await
-                .expect("open sqlite store");
-            (store, Place::File(path))
-        }
+        Backend::Sqlite => Place::File(std::env::temp_dir().join(format!("lanebus-api-{tag}.db"))),
         Backend::Postgres => {
             use sqlx::Connection as _;
             let admin_url = postgres_admin_url();
@@ -239,14 +234,24 @@ async fn open(backend: Backend) -> (Arc<dyn Store>, Place) {
                 .execute(&mut conn)
                 .await
                 .expect("create database");
-            let mut url = url::Url::parse(&admin_url).expect("postgres url parses");
-            url.set_path(&format!("/{name}"));
-            let store = lanebus_store::open(url.as_str())
-                .await
-                .expect("open postgres store");
-            (store, Place::Database { admin_url, name })
+            Place::Database { admin_url, name }
         }
     }
+}
+
+/// Opens the store at `place` through `lanebus_store::open`, as the node does.
+async fn open(place: &Place) -> Arc<dyn Store> {
+    let url = match place {
+        Place::File(path) => format!("sqlite://{}", path.display()),
+        Place::Database { admin_url, name } => {
+            let mut url = url::Url::parse(admin_url).expect("postgres url parses");
+            url.set_path(&format!("/{name}"));
+            url.to_string()
+        }
+    };
+    lanebus_store::open(&url)
+        .await
+        .unwrap_or_else(|e| panic!("open store {url}: {e}"))
 }
 
 async fn remove(place: Place) {
@@ -268,21 +273,30 @@ async fn remove(place: Place) {
 }
 
 /// Builds an app on `backend` with `limits` and `node`, runs `test`, then
-/// removes the store (only when the test passed, so a failure can be looked at).
+/// removes the store, whether the test passed or not.
 pub async fn run_with<F, Fut>(backend: Backend, limits: Limits, node: StubNode, test: F)
 where
     F: FnOnce(TestApp) -> Fut,
     Fut: Future<Output = ()>,
 {
-    let (store, place) = open(backend).await;
-    let node = Arc::new(node);
-    let app = router(ApiState {
-        store: store.clone(),
-        node: node.clone(),
-        limits,
-    });
-    test(TestApp { app, store, node }).await;
+    use futures::FutureExt as _;
+    let place = place(backend).await;
+    let outcome = std::panic::AssertUnwindSafe(async {
+        let store = open(&place).await;
+        let node = Arc::new(node);
+        let app = router(ApiState {
+            store: store.clone(),
+            node: node.clone(),
+            limits,
+        });
+        test(TestApp { app, store, node }).await;
+    })
+    .catch_unwind()
+    .await;
     remove(place).await;
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
 }
 
 /// [`run_with`] with [`TEST_LIMITS`] and a default stub node.
