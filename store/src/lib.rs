@@ -46,6 +46,8 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
+mod common;
+pub use common::MAX_BATCH;
 pub mod lane;
 pub mod postgres;
 pub mod route;
@@ -476,6 +478,20 @@ pub trait Store: Send + Sync + 'static {
     async fn list_handlers(&self) -> Result<Vec<Handler>>;
     /// One handler; [`StoreError::NotFound`] if absent.
     async fn get_handler(&self, id: &str) -> Result<Handler>;
+    /// Enables or disables a handler (a `410 Gone` answer disables it), and
+    /// returns it. Disabling keeps its pending deliveries; publishes made
+    /// while it is disabled create none for it.
+    ///
+    /// # Errors
+    /// [`StoreError::NotFound`] if absent. The default implementation (for
+    /// test doubles) answers [`StoreError::Invalid`].
+    async fn set_handler_state(&self, id: &str, state: HandlerState) -> Result<Handler> {
+        let _ = (id, state);
+        Err(StoreError::Invalid(format!(
+            "{} store cannot change handler state",
+            self.backend()
+        )))
+    }
     /// Removes a handler and discards its pending deliveries, returning how
     /// many were discarded; [`StoreError::NotFound`] if absent.
     async fn delete_handler(&self, id: &str) -> Result<u64>;

@@ -1,27 +1,254 @@
-//! SQLite backend (being written; this stub only keeps the workspace compiling).
+//! SQLite backend: the embedded default (`sqlite://PATH`, created if missing).
+//!
+//! # Choices
+//!
+//! - **One file, several processes.** The database runs in WAL mode with
+//!   `synchronous=NORMAL` (a commit is durable against a process crash; a
+//!   power loss may lose the last commits, as WAL mode documents), a busy
+//!   timeout ([`BUSY_TIMEOUT`]) and foreign keys off. Readers never block the
+//!   writer. Every write transaction starts with `BEGIN IMMEDIATE`, so it
+//!   takes the file's write lock up front and waits for it through the busy
+//!   timeout; a deferred transaction that upgrades from read to write could
+//!   instead fail at once with `SQLITE_BUSY_SNAPSHOT`. Within one process the
+//!   writers also queue on an async mutex first, so they wait without
+//!   SQLite's sleep-and-retry busy handler. A write that still cannot get the
+//!   lock after the busy timeout fails with [`StoreError::Unavailable`].
+//! - **Claim cursor = delivery id.** SQLite has one writer at a time, and a
+//!   writer holds the lock from its first write to its commit, so
+//!   `AUTOINCREMENT` ids are handed out in commit order: a claim reads
+//!   `id > after ORDER BY id` per lane (index `(lane, id)`) and returns the
+//!   last id read as the next cursor. A late-committing transaction cannot
+//!   exist here: it would hold the write lock, and nobody else could insert.
+//! - **Claims write nothing**: all requested lanes are read in one read
+//!   transaction (one `UNION ALL` statement per 64 lanes plus one epoch read).
+//! - **Delete on complete**, an append-only `completions` table without key or
+//!   foreign key, dead letters in their own table; as in PostgreSQL, so both
+//!   backends behave alike.
+//! - **Routes are matched in SQL** at publish (`json_each` over the handler's
+//!   `event_types`), so handlers registered by another process are seen.
+//! - Times are stored as INTEGER microseconds since the Unix epoch.
+//! - Migrations are plain idempotent SQL files (`store/migrations/sqlite/`),
+//!   applied in one `BEGIN IMMEDIATE` transaction and recorded in
+//!   `meta.schema_version`, so several processes opening one new file at once
+//!   are safe.
+
+mod catalog;
+mod dispatch;
+mod publish;
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
+use sqlx::{Sqlite, SqliteConnection, Transaction};
+use tokio::sync::{Mutex, MutexGuard};
 
+use crate::common::PublishPlan;
 use crate::*;
 
-/// The SQLite store (stub: every call fails with [`StoreError::Unavailable`]).
-#[derive(Debug)]
+/// How long a write waits for another process's write lock before failing.
+pub const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Connections in the pool (readers run in parallel; writers queue).
+const POOL_SIZE: u32 = 8;
+
+/// Schema migrations, applied in order; version `i + 1` is `MIGRATIONS[i]`.
+const MIGRATIONS: &[&str] = &[include_str!("../../migrations/sqlite/0001_init.sql")];
+
+/// The SQLite store. Cheap to clone: clones share the pool.
+#[derive(Debug, Clone)]
 pub struct SqliteStore {
+    pool: SqlitePool,
     lanes: u16,
+    write_lock: Arc<Mutex<()>>,
 }
 
-fn todo_err() -> StoreError {
-    StoreError::Unavailable("the sqlite backend is not implemented yet".into())
+/// SQLite result codes that mean "locked by someone else": SQLITE_BUSY and
+/// its extended codes, SQLITE_LOCKED.
+fn is_busy(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(db) => db
+            .code()
+            .and_then(|c| c.parse::<i32>().ok())
+            .is_some_and(|c| c & 0xff == 5 || c & 0xff == 6),
+        _ => false,
+    }
+}
+
+/// Maps a sqlx error, turning lock timeouts into [`StoreError::Unavailable`].
+pub(crate) fn map_err(e: sqlx::Error) -> StoreError {
+    if is_busy(&e) {
+        StoreError::Unavailable(format!("sqlite database is locked by another writer: {e}"))
+    } else {
+        StoreError::from(e)
+    }
 }
 
 impl SqliteStore {
-    /// Connects and migrates (stub: always fails).
+    /// Opens (creating if missing) the database at `url` (`sqlite://PATH` or
+    /// `sqlite:PATH`), applies migrations and, for a new file, creates
+    /// [`DEFAULT_LANES`] lanes.
     ///
     /// # Errors
-    /// Always [`StoreError::Unavailable`] for now.
-    pub async fn connect(_url: &str) -> Result<Self> {
-        Err(todo_err())
+    /// [`StoreError::Invalid`] for a malformed URL; [`StoreError::Unavailable`]
+    /// when the file cannot be opened or stays locked; [`StoreError::Database`]
+    /// for a failed migration.
+    pub async fn connect(url: &str) -> Result<Self> {
+        Self::connect_with_lanes(url, DEFAULT_LANES).await
     }
+
+    /// As [`SqliteStore::connect`], creating `lanes` lanes if the store is new.
+    /// An existing store keeps the lane count it was created with.
+    ///
+    /// # Errors
+    /// As [`SqliteStore::connect`]; [`StoreError::Invalid`] if `lanes` is 0.
+    pub async fn connect_with_lanes(url: &str, lanes: u16) -> Result<Self> {
+        if lanes == 0 {
+            return Err(StoreError::Invalid(
+                "a store needs at least one lane".into(),
+            ));
+        }
+        let options = SqliteConnectOptions::from_str(url)
+            .map_err(|e| StoreError::Invalid(format!("sqlite url {url:?}: {e}")))?
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Normal)
+            .busy_timeout(BUSY_TIMEOUT)
+            .foreign_keys(false);
+        let pool = SqlitePoolOptions::new()
+            .max_connections(POOL_SIZE)
+            .min_connections(1)
+            .connect_with(options)
+            .await
+            .map_err(|e| {
+                StoreError::Unavailable(format!("cannot open sqlite database {url:?}: {e}"))
+            })?;
+        let mut store = SqliteStore {
+            pool,
+            lanes,
+            write_lock: Arc::new(Mutex::new(())),
+        };
+        store.lanes = store.migrate_with_lanes(lanes).await?;
+        Ok(store)
+    }
+
+    /// Applies pending migrations (idempotent; safe while other processes use
+    /// the file). Returns nothing; the lane count is never changed.
+    ///
+    /// # Errors
+    /// [`StoreError::Unavailable`] if the write lock cannot be had;
+    /// [`StoreError::Database`] for a failing migration (nothing is applied).
+    pub async fn migrate(&self) -> Result<()> {
+        self.migrate_with_lanes(self.lanes).await.map(|_| ())
+    }
+
+    async fn migrate_with_lanes(&self, lanes: u16) -> Result<u16> {
+        let (_guard, mut tx) = self.begin_write().await?;
+        sqlx::query("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID")
+            .execute(&mut *tx)
+            .await
+            .map_err(map_err)?;
+        let version: i64 = meta_get(&mut tx, "schema_version")
+            .await?
+            .map_or(Ok(0), |v| {
+                v.parse().map_err(|_| {
+                    StoreError::Database(format!("meta.schema_version {v:?} is not a number"))
+                })
+            })?;
+        let known = MIGRATIONS.len() as i64;
+        if version > known {
+            return Err(StoreError::Database(format!(
+                "database schema version {version} is newer than this build knows ({known})"
+            )));
+        }
+        for (i, sql) in MIGRATIONS.iter().enumerate().skip(version as usize) {
+            sqlx::query(sql).execute(&mut *tx).await.map_err(map_err)?;
+            meta_set(&mut tx, "schema_version", &(i + 1).to_string()).await?;
+        }
+        let lanes = match meta_get(&mut tx, "lanes").await? {
+            Some(v) => v.parse::<u16>().ok().filter(|&l| l > 0).ok_or_else(|| {
+                StoreError::Database(format!("meta.lanes {v:?} is not a lane count"))
+            })?,
+            None => {
+                meta_set(&mut tx, "lanes", &lanes.to_string()).await?;
+                sqlx::query(
+                    "WITH RECURSIVE n(lane) AS (SELECT 0 UNION ALL SELECT lane + 1 FROM n WHERE lane + 1 < ?1) \
+                     INSERT OR IGNORE INTO lanes (lane, owner, epoch) SELECT lane, NULL, 0 FROM n",
+                )
+                .bind(i64::from(lanes))
+                .execute(&mut *tx)
+                .await
+                .map_err(map_err)?;
+                lanes
+            }
+        };
+        tx.commit().await.map_err(map_err)?;
+        Ok(lanes)
+    }
+
+    /// The connection pool, for callers that publish inside their own
+    /// transaction ([`SqliteStore::publish_in`]).
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    /// Publishes `events` inside the caller's transaction: the same writes as
+    /// [`Store::publish`], which exist if and only if the caller commits.
+    ///
+    /// Begin the transaction with `pool.begin_with("BEGIN IMMEDIATE")`: a
+    /// deferred transaction that read before it writes may fail with
+    /// `SQLITE_BUSY_SNAPSHOT` when another process wrote in between. While the
+    /// transaction is open it holds the file's write lock, so other publishers
+    /// (and completions) wait: keep it short.
+    ///
+    /// # Errors
+    /// [`StoreError::Invalid`] for an event breaking [`NewEvent::validate`]
+    /// (nothing is written and the transaction stays usable);
+    /// [`StoreError::Unavailable`] when the write lock cannot be had;
+    /// [`StoreError::Database`] otherwise (roll the transaction back).
+    pub async fn publish_in(
+        &self,
+        tx: &mut Transaction<'_, Sqlite>,
+        events: Vec<NewEvent>,
+    ) -> Result<PublishOutcome> {
+        let plan = PublishPlan::new(events, self.lanes)?;
+        publish::write(tx, plan).await
+    }
+
+    /// Starts a write transaction: the in-process write queue, then
+    /// `BEGIN IMMEDIATE` (which waits up to [`BUSY_TIMEOUT`] for other
+    /// processes).
+    async fn begin_write(&self) -> Result<(MutexGuard<'_, ()>, Transaction<'static, Sqlite>)> {
+        let guard = self.write_lock.lock().await;
+        let tx = self
+            .pool
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(map_err)?;
+        Ok((guard, tx))
+    }
+}
+
+async fn meta_get(conn: &mut SqliteConnection, key: &str) -> Result<Option<String>> {
+    sqlx::query_scalar("SELECT value FROM meta WHERE key = ?1")
+        .bind(key)
+        .fetch_optional(conn)
+        .await
+        .map_err(map_err)
+}
+
+async fn meta_set(conn: &mut SqliteConnection, key: &str, value: &str) -> Result<()> {
+    sqlx::query("INSERT INTO meta (key, value) VALUES (?1, ?2) ON CONFLICT (key) DO UPDATE SET value = excluded.value")
+        .bind(key)
+        .bind(value)
+        .execute(conn)
+        .await
+        .map_err(map_err)?;
+    Ok(())
 }
 
 #[async_trait]
@@ -29,55 +256,137 @@ impl Store for SqliteStore {
     fn backend(&self) -> &'static str {
         "sqlite"
     }
+
     fn lanes(&self) -> u16 {
         self.lanes
     }
-    async fn publish(&self, _events: Vec<NewEvent>) -> Result<PublishOutcome> {
-        Err(todo_err())
+
+    async fn publish(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
+        let plan = PublishPlan::new(events, self.lanes)?;
+        let (_guard, mut tx) = self.begin_write().await?;
+        let outcome = publish::write(&mut tx, plan).await?;
+        tx.commit().await.map_err(map_err)?;
+        Ok(outcome)
     }
-    async fn fence(&self, _lane: Lane, _owner: &str, _epoch: Epoch) -> Result<bool> {
-        Err(todo_err())
+
+    async fn fence(&self, lane: Lane, owner: &str, epoch: Epoch) -> Result<bool> {
+        let (_guard, mut tx) = self.begin_write().await?;
+        let held = dispatch::fence(&mut tx, lane, owner, epoch).await?;
+        tx.commit().await.map_err(map_err)?;
+        Ok(held)
     }
-    async fn claim(&self, _lanes: &[LaneClaim]) -> Result<Vec<LaneBatch>> {
-        Err(todo_err())
+
+    async fn claim(&self, lanes: &[LaneClaim]) -> Result<Vec<LaneBatch>> {
+        if lanes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut tx = self.pool.begin().await.map_err(map_err)?;
+        let batches = dispatch::claim(&mut tx, lanes).await?;
+        tx.commit().await.map_err(map_err)?;
+        Ok(batches)
     }
-    async fn complete(&self, _done: &[DeliveryRef]) -> Result<Vec<i64>> {
-        Err(todo_err())
+
+    async fn complete(&self, done: &[DeliveryRef]) -> Result<Vec<i64>> {
+        if done.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (_guard, mut tx) = self.begin_write().await?;
+        let ids = dispatch::complete(&mut tx, done).await?;
+        tx.commit().await.map_err(map_err)?;
+        Ok(ids)
     }
-    async fn reschedule(&self, _items: &[Reschedule]) -> Result<Vec<i64>> {
-        Err(todo_err())
+
+    async fn reschedule(&self, items: &[Reschedule]) -> Result<Vec<i64>> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (_guard, mut tx) = self.begin_write().await?;
+        let ids = dispatch::reschedule(&mut tx, items).await?;
+        tx.commit().await.map_err(map_err)?;
+        Ok(ids)
     }
-    async fn dead_letter(&self, _items: &[DeadLetterRequest]) -> Result<Vec<i64>> {
-        Err(todo_err())
+
+    async fn dead_letter(&self, items: &[DeadLetterRequest]) -> Result<Vec<i64>> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (_guard, mut tx) = self.begin_write().await?;
+        let ids = dispatch::dead_letter(&mut tx, items).await?;
+        tx.commit().await.map_err(map_err)?;
+        Ok(ids)
     }
-    async fn create_handler(&self, _handler: NewHandler) -> Result<Handler> {
-        Err(todo_err())
+
+    async fn create_handler(&self, handler: NewHandler) -> Result<Handler> {
+        let handler = handler.normalized()?;
+        let (_guard, mut tx) = self.begin_write().await?;
+        let created = catalog::create_handler(&mut tx, handler).await?;
+        tx.commit().await.map_err(map_err)?;
+        Ok(created)
     }
+
     async fn list_handlers(&self) -> Result<Vec<Handler>> {
-        Err(todo_err())
+        catalog::list_handlers(&self.pool).await
     }
-    async fn get_handler(&self, _id: &str) -> Result<Handler> {
-        Err(todo_err())
+
+    async fn get_handler(&self, id: &str) -> Result<Handler> {
+        catalog::get_handler(&self.pool, id).await
     }
-    async fn delete_handler(&self, _id: &str) -> Result<u64> {
-        Err(todo_err())
+
+    async fn set_handler_state(&self, id: &str, state: HandlerState) -> Result<Handler> {
+        let (_guard, mut tx) = self.begin_write().await?;
+        catalog::set_handler_state(&mut tx, id, state).await?;
+        tx.commit().await.map_err(map_err)?;
+        catalog::get_handler(&self.pool, id).await
     }
-    async fn list_dead_letters(&self, _filter: &DeadLetterFilter) -> Result<Vec<DeadLetter>> {
-        Err(todo_err())
+
+    async fn delete_handler(&self, id: &str) -> Result<u64> {
+        let (_guard, mut tx) = self.begin_write().await?;
+        let discarded = catalog::delete_handler(&mut tx, id).await?;
+        tx.commit().await.map_err(map_err)?;
+        Ok(discarded)
     }
-    async fn replay_dead_letters(&self, _ids: &[i64], _handler_id: Option<&str>) -> Result<u64> {
-        Err(todo_err())
+
+    async fn list_dead_letters(&self, filter: &DeadLetterFilter) -> Result<Vec<DeadLetter>> {
+        catalog::list_dead_letters(&self.pool, filter).await
     }
+
+    async fn replay_dead_letters(&self, ids: &[i64], handler_id: Option<&str>) -> Result<u64> {
+        if ids.is_empty() && handler_id.is_none() {
+            return Ok(0);
+        }
+        let (_guard, mut tx) = self.begin_write().await?;
+        let n = dispatch::replay_dead_letters(&mut tx, ids, handler_id).await?;
+        tx.commit().await.map_err(map_err)?;
+        Ok(n)
+    }
+
     async fn lane_rows(&self) -> Result<Vec<LaneRow>> {
-        Err(todo_err())
+        catalog::lane_rows(&self.pool).await
     }
+
     async fn counts(&self) -> Result<StoreCounts> {
-        Err(todo_err())
+        catalog::counts(&self.pool).await
     }
+
     async fn ping(&self) -> Result<()> {
-        Err(todo_err())
+        sqlx::query("SELECT 1")
+            .execute(&self.pool)
+            .await
+            .map_err(map_err)?;
+        Ok(())
     }
+
     async fn wakeups(&self) -> Result<Wakeups> {
-        Err(todo_err())
+        Ok(Wakeups::Poll)
+    }
+}
+
+#[cfg(test)]
+mod send_check {
+    fn assert_send<T: Send>(_: &T) {}
+    #[allow(dead_code)]
+    fn futures_are_send(s: &super::SqliteStore) {
+        assert_send(&super::SqliteStore::connect("sqlite://x"));
+        assert_send(&s.migrate());
     }
 }

@@ -1,0 +1,288 @@
+//! Backend-neutral helpers shared by the SQL backends: publish planning
+//! (validation, id generation, in-batch duplicates, lanes, per-key sequence
+//! offsets), handler validation, and time conversions.
+
+use std::collections::{BTreeMap, HashSet};
+
+use chrono::{DateTime, TimeZone, Utc};
+
+use crate::{
+    generate_event_id, generate_secret, lane_of_event, route, Lane, NewEvent, NewHandler, Result,
+    StoreError,
+};
+
+/// Most events accepted in one publish call.
+pub const MAX_BATCH: usize = 10_000;
+
+/// An event that passed validation and is not a duplicate within its batch.
+#[derive(Debug, Clone)]
+pub(crate) struct PlannedEvent {
+    pub id: String,
+    pub event_type: String,
+    pub key: Option<String>,
+    pub lane: Lane,
+    pub payload: Vec<u8>,
+    /// Whether the id came from the client (only those can already be stored).
+    pub client_id: bool,
+}
+
+/// A validated publish batch.
+#[derive(Debug, Clone)]
+pub(crate) struct PublishPlan {
+    /// Every input event's id, in input order (the answer's `ids`).
+    pub ids: Vec<String>,
+    /// Events still to be written, in batch order.
+    pub fresh: Vec<PlannedEvent>,
+    /// Duplicates found so far (within the batch, then already stored).
+    pub duplicates: usize,
+}
+
+impl PublishPlan {
+    /// Validates every event (nothing is written when one fails), generates
+    /// missing ids, computes lanes and drops ids repeated within the batch.
+    pub fn new(events: Vec<NewEvent>, lanes: u16) -> Result<Self> {
+        if events.len() > MAX_BATCH {
+            return Err(StoreError::Invalid(format!(
+                "a publish holds at most {MAX_BATCH} events, got {}",
+                events.len()
+            )));
+        }
+        for (i, e) in events.iter().enumerate() {
+            e.validate().map_err(|err| {
+                StoreError::Invalid(format!("event {i}: {}", strip_invalid(&err)))
+            })?;
+        }
+        let mut seen = HashSet::with_capacity(events.len());
+        let mut ids = Vec::with_capacity(events.len());
+        let mut fresh = Vec::with_capacity(events.len());
+        let mut duplicates = 0;
+        for e in events {
+            let client_id = e.id.is_some();
+            let id = e.id.unwrap_or_else(generate_event_id);
+            ids.push(id.clone());
+            if !seen.insert(id.clone()) {
+                duplicates += 1;
+                continue;
+            }
+            let lane = lane_of_event(e.key.as_deref(), &id, lanes);
+            fresh.push(PlannedEvent {
+                id,
+                event_type: e.event_type,
+                key: e.key,
+                lane,
+                payload: e.payload,
+                client_id,
+            });
+        }
+        Ok(PublishPlan {
+            ids,
+            fresh,
+            duplicates,
+        })
+    }
+
+    /// Client-supplied ids still to be written (those that may already be stored).
+    pub fn client_ids(&self) -> Vec<String> {
+        self.fresh
+            .iter()
+            .filter(|e| e.client_id)
+            .map(|e| e.id.clone())
+            .collect()
+    }
+
+    /// Drops events whose id is in `stored`, counting them as duplicates.
+    pub fn drop_stored(&mut self, stored: &HashSet<String>) {
+        if stored.is_empty() {
+            return;
+        }
+        let before = self.fresh.len();
+        self.fresh.retain(|e| !stored.contains(&e.id));
+        self.duplicates += before - self.fresh.len();
+    }
+
+    /// The batch's keys, sorted (the lock order), with how many fresh events
+    /// each has.
+    pub fn key_counts(&self) -> (Vec<String>, Vec<i64>) {
+        let mut m: BTreeMap<&str, i64> = BTreeMap::new();
+        for e in &self.fresh {
+            if let Some(k) = &e.key {
+                *m.entry(k).or_default() += 1;
+            }
+        }
+        m.into_iter().map(|(k, n)| (k.to_owned(), n)).unzip()
+    }
+
+    /// Per fresh event: how many later events of the batch share its key
+    /// (0 for the last one and for unkeyed events). After the key's counter
+    /// was raised by the key's count to `top`, the event's sequence number is
+    /// `top - offset`.
+    pub fn seq_offsets(&self) -> Vec<i64> {
+        let mut remaining: BTreeMap<&str, i64> = BTreeMap::new();
+        for e in &self.fresh {
+            if let Some(k) = &e.key {
+                *remaining.entry(k).or_default() += 1;
+            }
+        }
+        self.fresh
+            .iter()
+            .map(|e| match &e.key {
+                Some(k) => {
+                    let r = remaining.get_mut(k.as_str()).map_or(0, |r| {
+                        *r -= 1;
+                        *r
+                    });
+                    r
+                }
+                None => 0,
+            })
+            .collect()
+    }
+}
+
+fn strip_invalid(e: &StoreError) -> String {
+    match e {
+        StoreError::Invalid(m) => m.clone(),
+        other => other.to_string(),
+    }
+}
+
+impl NewHandler {
+    /// Checks a handler registration: non-empty name (up to 200 bytes), an
+    /// `http`/`https` URL (up to 2,048 bytes), 1 to 64 valid routes
+    /// ([`route::validate_pattern`]), `max_attempts`, `timeout_ms` and
+    /// `max_in_flight` at least 1, and a secret that is empty (one is then
+    /// generated by [`NewHandler::normalized`]) or `whsec_` + base64 of 24 to
+    /// 64 bytes.
+    ///
+    /// # Errors
+    /// [`StoreError::Invalid`] naming the field and the rule it breaks.
+    pub fn validate(&self) -> Result<()> {
+        use base64::Engine as _;
+        if self.name.trim().is_empty() || self.name.len() > 200 {
+            return Err(StoreError::Invalid(
+                "handler name must be 1 to 200 bytes".into(),
+            ));
+        }
+        let url_ok = (self.url.starts_with("http://") || self.url.starts_with("https://"))
+            && self.url.len() <= 2048
+            && !self
+                .url
+                .bytes()
+                .any(|b| b.is_ascii_whitespace() || b.is_ascii_control());
+        if !url_ok {
+            return Err(StoreError::Invalid(format!(
+                "handler url {:?} must be an http:// or https:// URL of at most 2048 bytes",
+                self.url
+            )));
+        }
+        if self.event_types.is_empty() || self.event_types.len() > 64 {
+            return Err(StoreError::Invalid(
+                "a handler needs 1 to 64 event_types".into(),
+            ));
+        }
+        for p in &self.event_types {
+            route::validate_pattern(p)?;
+        }
+        if self.max_attempts == 0 || self.max_attempts > 1_000 {
+            return Err(StoreError::Invalid("max_attempts must be 1 to 1000".into()));
+        }
+        if self.timeout_ms == 0 || self.timeout_ms > 3_600_000 {
+            return Err(StoreError::Invalid(
+                "timeout_ms must be 1 to 3600000".into(),
+            ));
+        }
+        if self.max_in_flight == 0 || self.max_in_flight > 100_000 {
+            return Err(StoreError::Invalid(
+                "max_in_flight must be 1 to 100000".into(),
+            ));
+        }
+        if !self.secret.is_empty() {
+            let decoded = self
+                .secret
+                .strip_prefix("whsec_")
+                .and_then(|b| base64::engine::general_purpose::STANDARD.decode(b).ok());
+            match decoded {
+                Some(bytes) if (24..=64).contains(&bytes.len()) => {}
+                _ => {
+                    return Err(StoreError::Invalid(
+                        "secret must be whsec_ followed by base64 of 24 to 64 bytes".into(),
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Validates and fills in a generated secret when none was given.
+    ///
+    /// # Errors
+    /// As [`NewHandler::validate`].
+    pub fn normalized(mut self) -> Result<Self> {
+        self.validate()?;
+        if self.secret.is_empty() {
+            self.secret = generate_secret();
+        }
+        Ok(self)
+    }
+}
+
+/// Microseconds since the Unix epoch (the SQLite time representation).
+pub(crate) fn to_micros(t: DateTime<Utc>) -> i64 {
+    t.timestamp_micros()
+}
+
+/// Inverse of [`to_micros`]; out-of-range values clamp to the epoch.
+pub(crate) fn from_micros(us: i64) -> DateTime<Utc> {
+    Utc.timestamp_micros(us).single().unwrap_or_default()
+}
+
+/// Converts a stored non-negative integer to `u32`, clamping on overflow.
+pub(crate) fn to_u32(v: i64) -> u32 {
+    u32::try_from(v.max(0)).unwrap_or(u32::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev(id: Option<&str>, key: Option<&str>) -> NewEvent {
+        NewEvent {
+            id: id.map(Into::into),
+            event_type: "t".into(),
+            key: key.map(Into::into),
+            payload: b"{}".to_vec(),
+        }
+    }
+
+    #[test]
+    fn plan_dedups_within_batch_and_offsets_count_later_events_of_the_key() {
+        let plan = PublishPlan::new(
+            vec![
+                ev(Some("a"), Some("k")),
+                ev(Some("a"), Some("k")),
+                ev(None, Some("k")),
+                ev(None, None),
+                ev(Some("b"), Some("j")),
+                ev(Some("c"), Some("k")),
+            ],
+            16,
+        )
+        .expect("valid");
+        assert_eq!(plan.ids.len(), 6);
+        assert_eq!(plan.duplicates, 1);
+        assert_eq!(plan.fresh.len(), 5);
+        assert_eq!(
+            plan.key_counts(),
+            (vec!["j".to_string(), "k".to_string()], vec![1, 3])
+        );
+        assert_eq!(plan.seq_offsets(), vec![2, 1, 0, 0, 0]);
+        assert_eq!(plan.client_ids(), vec!["a", "b", "c"]);
+    }
+
+    #[test]
+    fn plan_refuses_a_batch_with_one_bad_event() {
+        let err = PublishPlan::new(vec![ev(Some("ok"), None), ev(Some("has space"), None)], 16)
+            .unwrap_err();
+        assert!(matches!(err, StoreError::Invalid(m) if m.starts_with("event 1")));
+    }
+}

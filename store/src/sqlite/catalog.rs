@@ -1,0 +1,203 @@
+//! Handler catalog, dead-letter listing, lane rows and counters.
+
+use chrono::Utc;
+use sqlx::sqlite::SqliteRow;
+use sqlx::{Row, SqliteConnection, SqlitePool};
+
+use super::map_err;
+use super::publish::json;
+use crate::common::{from_micros, to_micros, to_u32};
+use crate::*;
+
+/// Default page size when [`DeadLetterFilter::limit`] is 0.
+const DEFAULT_DEAD_LETTER_PAGE: u32 = 100;
+
+const HANDLER_COLUMNS: &str =
+    "id, name, url, event_types, max_attempts, timeout_ms, max_in_flight, secret, state, created_at";
+
+pub(super) async fn create_handler(conn: &mut SqliteConnection, h: NewHandler) -> Result<Handler> {
+    let handler = Handler {
+        id: generate_handler_id(),
+        name: h.name,
+        url: h.url,
+        event_types: h.event_types,
+        max_attempts: h.max_attempts,
+        timeout_ms: h.timeout_ms,
+        max_in_flight: h.max_in_flight,
+        secret: h.secret,
+        state: HandlerState::Enabled,
+        // Stored with microsecond precision: truncate so the answer equals a later read.
+        created_at: from_micros(to_micros(Utc::now())),
+    };
+    sqlx::query(
+        "INSERT INTO handlers (id, name, url, event_types, max_attempts, timeout_ms, max_in_flight, secret, state, created_at) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+    )
+    .bind(&handler.id)
+    .bind(&handler.name)
+    .bind(&handler.url)
+    .bind(json(&handler.event_types)?)
+    .bind(i64::from(handler.max_attempts))
+    .bind(i64::try_from(handler.timeout_ms).unwrap_or(i64::MAX))
+    .bind(i64::from(handler.max_in_flight))
+    .bind(&handler.secret)
+    .bind(handler.state.as_str())
+    .bind(to_micros(handler.created_at))
+    .execute(conn)
+    .await
+    .map_err(map_err)?;
+    Ok(handler)
+}
+
+fn handler_from_row(row: &SqliteRow) -> Result<Handler> {
+    let types: String = row.try_get("event_types").map_err(map_err)?;
+    let state: String = row.try_get("state").map_err(map_err)?;
+    let timeout_ms: i64 = row.try_get("timeout_ms").map_err(map_err)?;
+    Ok(Handler {
+        id: row.try_get("id").map_err(map_err)?,
+        name: row.try_get("name").map_err(map_err)?,
+        url: row.try_get("url").map_err(map_err)?,
+        event_types: serde_json::from_str(&types).map_err(|e| {
+            StoreError::Database(format!(
+                "handlers.event_types is not a JSON array of strings: {e}"
+            ))
+        })?,
+        max_attempts: to_u32(row.try_get("max_attempts").map_err(map_err)?),
+        timeout_ms: u64::try_from(timeout_ms.max(0)).unwrap_or_default(),
+        max_in_flight: to_u32(row.try_get("max_in_flight").map_err(map_err)?),
+        secret: row.try_get("secret").map_err(map_err)?,
+        state: HandlerState::parse(&state),
+        created_at: from_micros(row.try_get("created_at").map_err(map_err)?),
+    })
+}
+
+pub(super) async fn list_handlers(pool: &SqlitePool) -> Result<Vec<Handler>> {
+    sqlx::query(&format!(
+        "SELECT {HANDLER_COLUMNS} FROM handlers ORDER BY rowid"
+    ))
+    .fetch_all(pool)
+    .await
+    .map_err(map_err)?
+    .iter()
+    .map(handler_from_row)
+    .collect()
+}
+
+pub(super) async fn get_handler(pool: &SqlitePool, id: &str) -> Result<Handler> {
+    let row = sqlx::query(&format!(
+        "SELECT {HANDLER_COLUMNS} FROM handlers WHERE id = ?1"
+    ))
+    .bind(id)
+    .fetch_optional(pool)
+    .await
+    .map_err(map_err)?
+    .ok_or_else(|| StoreError::NotFound(format!("handler {id}")))?;
+    handler_from_row(&row)
+}
+
+/// Deletes the handler's deliveries, then the handler; the caller's
+/// transaction is dropped (rolled back) on [`StoreError::NotFound`].
+pub(super) async fn delete_handler(conn: &mut SqliteConnection, id: &str) -> Result<u64> {
+    let discarded = sqlx::query("DELETE FROM deliveries WHERE handler_id = ?1")
+        .bind(id)
+        .execute(&mut *conn)
+        .await
+        .map_err(map_err)?
+        .rows_affected();
+    let removed = sqlx::query("DELETE FROM handlers WHERE id = ?1")
+        .bind(id)
+        .execute(&mut *conn)
+        .await
+        .map_err(map_err)?
+        .rows_affected();
+    if removed == 0 {
+        return Err(StoreError::NotFound(format!("handler {id}")));
+    }
+    Ok(discarded)
+}
+
+pub(super) async fn list_dead_letters(
+    pool: &SqlitePool,
+    filter: &DeadLetterFilter,
+) -> Result<Vec<DeadLetter>> {
+    let limit = if filter.limit == 0 {
+        DEFAULT_DEAD_LETTER_PAGE
+    } else {
+        filter.limit
+    };
+    let rows = sqlx::query(include_str!("sql/list_dead_letters.sql"))
+        .bind(&filter.handler_id)
+        .bind(filter.after_id.unwrap_or(0))
+        .bind(i64::from(limit))
+        .fetch_all(pool)
+        .await
+        .map_err(map_err)?;
+    rows.iter()
+        .map(|row| {
+            Ok(DeadLetter {
+                id: row.try_get("id").map_err(map_err)?,
+                handler_id: row.try_get("handler_id").map_err(map_err)?,
+                event_id: row.try_get("event_id").map_err(map_err)?,
+                event_type: row.try_get("type").map_err(map_err)?,
+                key: row.try_get("key").map_err(map_err)?,
+                seq: row.try_get("seq").map_err(map_err)?,
+                attempts: to_u32(row.try_get("attempts").map_err(map_err)?),
+                last_error: row.try_get("last_error").map_err(map_err)?,
+                failed_at: from_micros(row.try_get("failed_at").map_err(map_err)?),
+            })
+        })
+        .collect()
+}
+
+pub(super) async fn lane_rows(pool: &SqlitePool) -> Result<Vec<LaneRow>> {
+    let rows: Vec<(i64, Option<String>, i64, i64)> =
+        sqlx::query_as(include_str!("sql/lane_rows.sql"))
+            .fetch_all(pool)
+            .await
+            .map_err(map_err)?;
+    rows.into_iter()
+        .map(|(lane, owner, epoch, backlog)| {
+            Ok(LaneRow {
+                lane: Lane::try_from(lane)
+                    .map_err(|_| StoreError::Database(format!("lane {lane} out of range")))?,
+                owner,
+                epoch,
+                backlog,
+            })
+        })
+        .collect()
+}
+
+pub(super) async fn counts(pool: &SqlitePool) -> Result<StoreCounts> {
+    let (events, deliveries, completions, dead_letters): (i64, i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM events), (SELECT count(*) FROM deliveries), \
+                (SELECT count(*) FROM completions), (SELECT count(*) FROM dead_letters)",
+    )
+    .fetch_one(pool)
+    .await
+    .map_err(map_err)?;
+    Ok(StoreCounts {
+        events,
+        deliveries,
+        completions,
+        dead_letters,
+    })
+}
+
+pub(super) async fn set_handler_state(
+    conn: &mut SqliteConnection,
+    id: &str,
+    state: HandlerState,
+) -> Result<()> {
+    let n = sqlx::query("UPDATE handlers SET state = ?1 WHERE id = ?2")
+        .bind(state.as_str())
+        .bind(id)
+        .execute(conn)
+        .await
+        .map_err(map_err)?
+        .rows_affected();
+    if n == 0 {
+        return Err(StoreError::NotFound(format!("handler {id}")));
+    }
+    Ok(())
+}

@@ -1,0 +1,235 @@
+//! Dispatch: fencing, claims, completions, reschedules, dead letters, replay.
+//!
+//! Every write is conditioned on the lane's epoch by a join with `lanes` in
+//! the same statement; the batched inputs travel as one JSON array parameter
+//! (`json_each`), so each operation is one or two statements whatever the
+//! batch size.
+
+use std::collections::{HashMap, HashSet};
+
+use chrono::Utc;
+use sqlx::sqlite::SqliteRow;
+use sqlx::{Row, SqliteConnection};
+
+use super::map_err;
+use super::publish::json;
+use crate::common::{from_micros, to_micros, to_u32};
+use crate::*;
+
+/// Lanes per claim statement (3 parameters and one `UNION ALL` member each;
+/// SQLite allows 500 members).
+const CLAIM_CHUNK: usize = 64;
+
+pub(super) async fn fence(
+    conn: &mut SqliteConnection,
+    lane: Lane,
+    owner: &str,
+    epoch: Epoch,
+) -> Result<bool> {
+    sqlx::query("UPDATE lanes SET epoch = ?1, owner = ?2 WHERE lane = ?3 AND epoch < ?1")
+        .bind(epoch)
+        .bind(owner)
+        .bind(i64::from(lane))
+        .execute(&mut *conn)
+        .await
+        .map_err(map_err)?;
+    let row: Option<(Option<String>, i64)> =
+        sqlx::query_as("SELECT owner, epoch FROM lanes WHERE lane = ?1")
+            .bind(i64::from(lane))
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(map_err)?;
+    Ok(matches!(row, Some((Some(o), e)) if o == owner && e == epoch))
+}
+
+/// Reads the requested lanes inside the caller's read transaction.
+pub(super) async fn claim(
+    conn: &mut SqliteConnection,
+    claims: &[LaneClaim],
+) -> Result<Vec<LaneBatch>> {
+    let lanes: Vec<i64> = claims.iter().map(|c| i64::from(c.lane)).collect();
+    let epochs: HashMap<i64, i64> = sqlx::query_as(
+        "SELECT lane, epoch FROM lanes WHERE lane IN (SELECT value FROM json_each(?1))",
+    )
+    .bind(json(&lanes)?)
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(map_err)?
+    .into_iter()
+    .collect();
+    let mut batches: Vec<LaneBatch> = claims
+        .iter()
+        .map(|c| LaneBatch {
+            lane: c.lane,
+            owned: epochs.get(&i64::from(c.lane)) == Some(&c.epoch),
+            deliveries: Vec::new(),
+            next_after: c.after,
+        })
+        .collect();
+    let owned: Vec<(usize, &LaneClaim)> = claims
+        .iter()
+        .enumerate()
+        .filter(|(i, c)| batches[*i].owned && c.limit > 0)
+        .collect();
+    let slot: HashMap<Lane, usize> = owned.iter().map(|(i, c)| (c.lane, *i)).collect();
+    for chunk in owned.chunks(CLAIM_CHUNK) {
+        let member = include_str!("sql/claim_member.sql");
+        let mut sql = String::with_capacity(chunk.len() * (member.len() + 12));
+        for i in 0..chunk.len() {
+            if i > 0 {
+                sql.push_str("\nUNION ALL\n");
+            }
+            sql.push_str(member);
+        }
+        let mut q = sqlx::query(&sql);
+        for (_, c) in chunk {
+            q = q
+                .bind(i64::from(c.lane))
+                .bind(c.after)
+                .bind(i64::from(c.limit));
+        }
+        for row in q.fetch_all(&mut *conn).await.map_err(map_err)? {
+            let d = delivery_from_row(&row)?;
+            if let Some(&i) = slot.get(&d.lane) {
+                batches[i].next_after = batches[i].next_after.max(d.id);
+                batches[i].deliveries.push(d);
+            }
+        }
+    }
+    for b in &mut batches {
+        b.deliveries.sort_by_key(|d| d.id);
+    }
+    Ok(batches)
+}
+
+fn delivery_from_row(row: &SqliteRow) -> Result<Delivery> {
+    let lane: i64 = row.try_get("lane").map_err(map_err)?;
+    let payload: Vec<u8> = row.try_get("payload").map_err(map_err)?;
+    Ok(Delivery {
+        id: row.try_get("id").map_err(map_err)?,
+        lane: Lane::try_from(lane)
+            .map_err(|_| StoreError::Database(format!("lane {lane} out of range")))?,
+        handler_id: row.try_get("handler_id").map_err(map_err)?,
+        event_id: row.try_get("event_id").map_err(map_err)?,
+        event_type: row.try_get("type").map_err(map_err)?,
+        key: row.try_get("key").map_err(map_err)?,
+        seq: row.try_get("seq").map_err(map_err)?,
+        attempts: to_u32(row.try_get("attempts").map_err(map_err)?),
+        due_at: from_micros(row.try_get("due_at").map_err(map_err)?),
+        last_error: row.try_get("last_error").map_err(map_err)?,
+        payload: payload.into(),
+        published_at: from_micros(row.try_get("published_at").map_err(map_err)?),
+    })
+}
+
+/// Keeps the first occurrence of each id (a repeated ref would otherwise
+/// append two completion rows).
+fn first_by_id<T, F: Fn(&T) -> i64>(items: &[T], id: F) -> Vec<&T> {
+    let mut seen = HashSet::with_capacity(items.len());
+    items.iter().filter(|i| seen.insert(id(i))).collect()
+}
+
+pub(super) async fn complete(
+    conn: &mut SqliteConnection,
+    done: &[DeliveryRef],
+) -> Result<Vec<i64>> {
+    let refs: Vec<(i64, Lane, Epoch, u32)> = first_by_id(done, |r| r.id)
+        .into_iter()
+        .map(|r| (r.id, r.lane, r.epoch, r.attempts))
+        .collect();
+    let refs = json(&refs)?;
+    sqlx::query(include_str!("sql/complete_insert.sql"))
+        .bind(&refs)
+        .bind(to_micros(Utc::now()))
+        .execute(&mut *conn)
+        .await
+        .map_err(map_err)?;
+    delete_fenced(conn, &refs).await
+}
+
+async fn delete_fenced(conn: &mut SqliteConnection, refs_json: &str) -> Result<Vec<i64>> {
+    let mut ids: Vec<i64> = sqlx::query_scalar(include_str!("sql/delete_fenced.sql"))
+        .bind(refs_json)
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(map_err)?;
+    ids.sort_unstable();
+    Ok(ids)
+}
+
+pub(super) async fn reschedule(
+    conn: &mut SqliteConnection,
+    items: &[Reschedule],
+) -> Result<Vec<i64>> {
+    let rows: Vec<(i64, Lane, Epoch, u32, i64, &str)> = first_by_id(items, |r| r.id)
+        .into_iter()
+        .map(|r| {
+            (
+                r.id,
+                r.lane,
+                r.epoch,
+                r.attempts,
+                to_micros(r.due_at),
+                r.last_error.as_str(),
+            )
+        })
+        .collect();
+    let mut ids: Vec<i64> = sqlx::query_scalar(include_str!("sql/reschedule.sql"))
+        .bind(json(&rows)?)
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(map_err)?;
+    ids.sort_unstable();
+    Ok(ids)
+}
+
+pub(super) async fn dead_letter(
+    conn: &mut SqliteConnection,
+    items: &[DeadLetterRequest],
+) -> Result<Vec<i64>> {
+    let rows: Vec<(i64, Lane, Epoch, u32, &str)> = first_by_id(items, |r| r.id)
+        .into_iter()
+        .map(|r| (r.id, r.lane, r.epoch, r.attempts, r.last_error.as_str()))
+        .collect();
+    let rows = json(&rows)?;
+    sqlx::query(include_str!("sql/dead_letter_insert.sql"))
+        .bind(&rows)
+        .bind(to_micros(Utc::now()))
+        .execute(&mut *conn)
+        .await
+        .map_err(map_err)?;
+    delete_fenced(conn, &rows).await
+}
+
+pub(super) async fn replay_dead_letters(
+    conn: &mut SqliteConnection,
+    ids: &[i64],
+    handler_id: Option<&str>,
+) -> Result<u64> {
+    let ids = if ids.is_empty() {
+        None
+    } else {
+        Some(json(ids)?)
+    };
+    let replayed = sqlx::query(include_str!("sql/replay_insert.sql"))
+        .bind(&ids)
+        .bind(handler_id)
+        .bind(to_micros(Utc::now()))
+        .execute(&mut *conn)
+        .await
+        .map_err(map_err)?
+        .rows_affected();
+    let removed = sqlx::query(include_str!("sql/replay_delete.sql"))
+        .bind(&ids)
+        .bind(handler_id)
+        .execute(&mut *conn)
+        .await
+        .map_err(map_err)?
+        .rows_affected();
+    if removed != replayed {
+        return Err(StoreError::Database(format!(
+            "replay moved {replayed} dead letters but removed {removed}"
+        )));
+    }
+    Ok(replayed)
+}

@@ -1,0 +1,116 @@
+//! Publish: duplicates, per-key sequence numbers, event rows, deliveries.
+//!
+//! Statements per publish (inside one `BEGIN IMMEDIATE` transaction): one
+//! stored-id check (only when the batch has client-supplied ids), one
+//! key-counter upsert (only when the batch has keys), one multi-row event
+//! insert per [`EVENT_CHUNK`] events, and one delivery insert.
+
+use std::collections::{HashMap, HashSet};
+
+use chrono::Utc;
+use sqlx::SqliteConnection;
+
+use super::map_err;
+use crate::common::{to_micros, PublishPlan};
+use crate::{PublishOutcome, Result, StoreError};
+
+/// Events per multi-row insert (7 parameters each; SQLite allows 32,766).
+const EVENT_CHUNK: usize = 500;
+
+/// Writes a validated batch on `conn`, which must be inside a write
+/// transaction. Returns the outcome; the caller commits.
+pub(super) async fn write(
+    conn: &mut SqliteConnection,
+    mut plan: PublishPlan,
+) -> Result<PublishOutcome> {
+    let client_ids = plan.client_ids();
+    if !client_ids.is_empty() {
+        let stored: Vec<String> = sqlx::query_scalar(include_str!("sql/stored_ids.sql"))
+            .bind(json(&client_ids)?)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(map_err)?;
+        plan.drop_stored(&stored.into_iter().collect::<HashSet<_>>());
+    }
+    let accepted = plan.fresh.len();
+    if accepted > 0 {
+        let seqs = assign_seqs(conn, &plan).await?;
+        insert_events(conn, &plan, &seqs).await?;
+        let ids: Vec<&str> = plan.fresh.iter().map(|e| e.id.as_str()).collect();
+        sqlx::query(include_str!("sql/insert_deliveries.sql"))
+            .bind(json(&ids)?)
+            .bind(to_micros(Utc::now()))
+            .execute(&mut *conn)
+            .await
+            .map_err(map_err)?;
+    }
+    Ok(PublishOutcome {
+        accepted,
+        duplicates: plan.duplicates,
+        ids: plan.ids,
+    })
+}
+
+/// Raises the batch's key counters and returns each fresh event's sequence
+/// number (`None` when unkeyed), in batch order.
+async fn assign_seqs(conn: &mut SqliteConnection, plan: &PublishPlan) -> Result<Vec<Option<i64>>> {
+    let (keys, counts) = plan.key_counts();
+    if keys.is_empty() {
+        return Ok(vec![None; plan.fresh.len()]);
+    }
+    let pairs: Vec<(&String, i64)> = keys.iter().zip(counts.iter().copied()).collect();
+    let rows: Vec<(String, i64)> = sqlx::query_as(include_str!("sql/bump_key_seqs.sql"))
+        .bind(json(&pairs)?)
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(map_err)?;
+    let tops: HashMap<String, i64> = rows.into_iter().collect();
+    plan.fresh
+        .iter()
+        .zip(plan.seq_offsets())
+        .map(|(e, off)| match &e.key {
+            Some(k) => tops.get(k).map(|top| Some(top - off)).ok_or_else(|| {
+                StoreError::Database(format!("key counter for {k:?} was not returned"))
+            }),
+            None => Ok(None),
+        })
+        .collect()
+}
+
+async fn insert_events(
+    conn: &mut SqliteConnection,
+    plan: &PublishPlan,
+    seqs: &[Option<i64>],
+) -> Result<()> {
+    let now = to_micros(Utc::now());
+    for (chunk, chunk_seqs) in plan.fresh.chunks(EVENT_CHUNK).zip(seqs.chunks(EVENT_CHUNK)) {
+        let mut sql = String::from(
+            "INSERT INTO events (id, type, key, lane, seq, payload, published_at) VALUES ",
+        );
+        for i in 0..chunk.len() {
+            sql.push_str(if i == 0 {
+                "(?,?,?,?,?,?,?)"
+            } else {
+                ",(?,?,?,?,?,?,?)"
+            });
+        }
+        let mut q = sqlx::query(&sql);
+        for (e, seq) in chunk.iter().zip(chunk_seqs) {
+            q = q
+                .bind(&e.id)
+                .bind(&e.event_type)
+                .bind(&e.key)
+                .bind(i64::from(e.lane))
+                .bind(*seq)
+                .bind(&e.payload)
+                .bind(now);
+        }
+        q.execute(&mut *conn).await.map_err(map_err)?;
+    }
+    Ok(())
+}
+
+pub(super) fn json<T: serde::Serialize + ?Sized>(v: &T) -> Result<String> {
+    serde_json::to_string(v)
+        .map_err(|e| StoreError::Database(format!("encoding statement parameters: {e}")))
+}

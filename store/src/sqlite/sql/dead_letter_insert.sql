@@ -1,0 +1,13 @@
+-- Copies fenced deliveries into dead_letters; ?1: JSON array of
+-- [id, lane, epoch, attempts, last_error]; ?2: failed_at (µs).
+WITH x (id, lane, epoch, attempts, last_error) AS (
+    SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]'), json_extract(value, '$[2]'),
+           json_extract(value, '$[3]'), json_extract(value, '$[4]')
+    FROM json_each(?1)
+)
+INSERT INTO dead_letters (handler_id, event_id, lane, key, seq, attempts, last_error, failed_at)
+SELECT d.handler_id, d.event_id, d.lane, d.key, d.seq, x.attempts, x.last_error, ?2
+FROM x
+JOIN deliveries d ON d.id = x.id AND d.lane = x.lane
+JOIN lanes l ON l.lane = x.lane AND l.epoch = x.epoch
+ORDER BY d.id

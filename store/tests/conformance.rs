@@ -1,0 +1,1208 @@
+//! The store conformance suite: the same tests against every backend.
+//!
+//! - SQLite: a fresh file in a temporary directory per test.
+//! - PostgreSQL: a fresh database (`lanebus_t_<random>`) per test in the
+//!   server named by `LANEBUS_TEST_POSTGRES_URL` (a superuser URL), so tests
+//!   run in parallel. Without that variable the PostgreSQL tests FAIL: run
+//!   `scripts/test`, or start a server with `scripts/pg-start DIR` and export
+//!   the URL it prints.
+//!
+//! Each test is an async fn taking a [`Harness`]; the `conformance!` macro
+//! instantiates it once per backend (`sqlite::name`, `postgres::name`).
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use lanebus_store::sqlite::SqliteStore;
+use lanebus_store::*;
+
+// ---------------------------------------------------------------------------
+// Harnesses
+// ---------------------------------------------------------------------------
+
+/// One backend instance under test.
+#[async_trait]
+trait Harness: Send + Sync {
+    /// The store.
+    fn store(&self) -> Arc<dyn Store>;
+    /// A second, independent connection to the same store (another "process").
+    async fn reopen(&self) -> Arc<dyn Store>;
+    /// Runs `publish_in` once per batch inside one caller transaction, then
+    /// commits (`commit`) or rolls back.
+    async fn publish_in_many(
+        &self,
+        batches: Vec<Vec<NewEvent>>,
+        commit: bool,
+    ) -> Result<Vec<PublishOutcome>>;
+    /// Removes what the harness created.
+    async fn cleanup(&self);
+}
+
+struct SqliteHarness {
+    dir: PathBuf,
+    url: String,
+    store: Arc<SqliteStore>,
+}
+
+impl SqliteHarness {
+    async fn new() -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "lanebus-conformance-{}",
+            uuid::Uuid::new_v4().simple()
+        ));
+        std::fs::create_dir_all(&dir).expect("create temp dir");
+        let url = format!("sqlite://{}", dir.join("store.db").display());
+        let store = Arc::new(SqliteStore::connect(&url).await.expect("open sqlite store"));
+        SqliteHarness { dir, url, store }
+    }
+}
+
+#[async_trait]
+impl Harness for SqliteHarness {
+    fn store(&self) -> Arc<dyn Store> {
+        self.store.clone()
+    }
+    async fn reopen(&self) -> Arc<dyn Store> {
+        Arc::new(
+            SqliteStore::connect_with_lanes(&self.url, 8)
+                .await
+                .expect("reopen sqlite store"),
+        )
+    }
+    async fn publish_in_many(
+        &self,
+        batches: Vec<Vec<NewEvent>>,
+        commit: bool,
+    ) -> Result<Vec<PublishOutcome>> {
+        let mut tx = self.store.pool().begin_with("BEGIN IMMEDIATE").await?;
+        let mut out = Vec::new();
+        for b in batches {
+            out.push(self.store.publish_in(&mut tx, b).await?);
+        }
+        if commit {
+            tx.commit().await?;
+        } else {
+            tx.rollback().await?;
+        }
+        Ok(out)
+    }
+    async fn cleanup(&self) {
+        self.store.pool().close().await;
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+macro_rules! conformance {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $name() {
+                    let h = super::SqliteHarness::new().await;
+                    super::$name(&h).await;
+                    super::Harness::cleanup(&h).await;
+                }
+            )*
+        }
+    };
+}
+
+conformance!(
+    publish_delivers_once_per_matching_enabled_handler,
+    duplicates_are_counted_and_not_delivered,
+    key_sequences_are_gapless_and_in_publish_order,
+    concurrent_publishers_get_distinct_sequence_numbers,
+    an_invalid_event_fails_the_whole_batch,
+    publish_in_exists_only_if_the_caller_commits,
+    fencing_makes_a_stale_owner_change_nothing,
+    complete_deletes_and_records_completions,
+    reschedule_records_the_failed_attempt,
+    dead_letters_are_listed_and_replayed,
+    delete_handler_discards_its_deliveries,
+    lane_rows_report_owner_epoch_and_backlog,
+    payload_bytes_round_trip_exactly,
+    claim_cursor_and_limit_read_everything_once_in_order,
+    handler_catalog_validates_and_round_trips,
+    reopening_keeps_lanes_and_data,
+);
+
+// ---------------------------------------------------------------------------
+// Helpers
+// ---------------------------------------------------------------------------
+
+fn ev(id: Option<&str>, ty: &str, key: Option<&str>) -> NewEvent {
+    NewEvent {
+        id: id.map(Into::into),
+        event_type: ty.into(),
+        key: key.map(Into::into),
+        payload: br#"{"n":1}"#.to_vec(),
+    }
+}
+
+fn new_handler(name: &str, types: &[&str]) -> NewHandler {
+    NewHandler {
+        name: name.into(),
+        url: format!("http://127.0.0.1:9/{name}"),
+        event_types: types.iter().map(|s| s.to_string()).collect(),
+        max_attempts: handler_defaults::MAX_ATTEMPTS,
+        timeout_ms: handler_defaults::TIMEOUT_MS,
+        max_in_flight: handler_defaults::MAX_IN_FLIGHT,
+        secret: String::new(),
+    }
+}
+
+async fn handler(s: &dyn Store, name: &str, types: &[&str]) -> Handler {
+    s.create_handler(new_handler(name, types))
+        .await
+        .expect("create handler")
+}
+
+/// Claims every lane at its current epoch from the start; deliveries in lane
+/// order, each lane in claim order.
+async fn claim_all(s: &dyn Store) -> Vec<Delivery> {
+    let claims: Vec<LaneClaim> = s
+        .lane_rows()
+        .await
+        .expect("lane rows")
+        .iter()
+        .map(|r| LaneClaim {
+            lane: r.lane,
+            epoch: r.epoch,
+            after: 0,
+            limit: 100_000,
+        })
+        .collect();
+    let batches = s.claim(&claims).await.expect("claim");
+    assert_eq!(batches.len(), claims.len(), "one batch per claimed lane");
+    batches.into_iter().flat_map(|b| b.deliveries).collect()
+}
+
+async fn counts(s: &dyn Store) -> StoreCounts {
+    s.counts().await.expect("counts")
+}
+
+fn seqs_of_key(ds: &[Delivery], key: &str) -> Vec<i64> {
+    ds.iter()
+        .filter(|d| d.key.as_deref() == Some(key))
+        .map(|d| d.seq.expect("keyed delivery has a seq"))
+        .collect()
+}
+
+fn one_lane_claim(lane: Lane, epoch: Epoch, after: i64, limit: u32) -> [LaneClaim; 1] {
+    [LaneClaim {
+        lane,
+        epoch,
+        after,
+        limit,
+    }]
+}
+
+fn dref(d: &Delivery, epoch: Epoch, attempts: u32) -> DeliveryRef {
+    DeliveryRef {
+        id: d.id,
+        lane: d.lane,
+        epoch,
+        attempts,
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Tests
+// ---------------------------------------------------------------------------
+
+async fn publish_delivers_once_per_matching_enabled_handler(h: &dyn Harness) {
+    let s = h.store();
+    let exact = handler(&*s, "exact", &["issues.opened"]).await;
+    let prefix = handler(&*s, "prefix", &["issues.*"]).await;
+    let all = handler(&*s, "all", &["*"]).await;
+    let push = handler(&*s, "push", &["push", "release.published"]).await;
+    let disabled = handler(&*s, "disabled", &["*"]).await;
+    let off = s
+        .set_handler_state(&disabled.id, HandlerState::Disabled)
+        .await
+        .expect("disable");
+    assert_eq!(off.state, HandlerState::Disabled);
+
+    let out = s
+        .publish(vec![
+            ev(Some("e1"), "issues.opened", Some("repo-1")),
+            ev(Some("e2"), "issues.closed", None),
+            ev(Some("e3"), "push", Some("repo-1")),
+            ev(Some("e4"), "issues", None),
+        ])
+        .await
+        .expect("publish");
+    assert_eq!(out.accepted, 4);
+    assert_eq!(out.duplicates, 0);
+    assert_eq!(out.ids, vec!["e1", "e2", "e3", "e4"]);
+
+    let ds = claim_all(&*s).await;
+    let got: HashSet<(String, String)> = ds
+        .iter()
+        .map(|d| (d.event_id.clone(), d.handler_id.clone()))
+        .collect();
+    let want: HashSet<(String, String)> = [
+        ("e1", &exact),
+        ("e1", &prefix),
+        ("e1", &all),
+        ("e2", &prefix),
+        ("e2", &all),
+        ("e3", &all),
+        ("e3", &push),
+        ("e4", &all),
+    ]
+    .into_iter()
+    .map(|(e, h)| (e.to_string(), h.id.clone()))
+    .collect();
+    assert_eq!(
+        ds.len(),
+        8,
+        "one delivery per (event, matching enabled handler): {ds:?}"
+    );
+    assert_eq!(got, want);
+
+    let e1 = ds
+        .iter()
+        .find(|d| d.event_id == "e1")
+        .expect("e1 delivered");
+    assert_eq!(e1.event_type, "issues.opened");
+    assert_eq!(e1.key.as_deref(), Some("repo-1"));
+    assert_eq!(e1.seq, Some(1));
+    assert_eq!(e1.attempts, 0);
+    assert_eq!(e1.last_error, None);
+    assert_eq!(e1.lane, lane_of_key("repo-1", s.lanes()));
+    assert_eq!(&e1.payload[..], br#"{"n":1}"#);
+    let e3 = ds
+        .iter()
+        .find(|d| d.event_id == "e3")
+        .expect("e3 delivered");
+    assert_eq!(e3.seq, Some(2), "second event of key repo-1");
+    let e2 = ds
+        .iter()
+        .find(|d| d.event_id == "e2")
+        .expect("e2 delivered");
+    assert_eq!(e2.seq, None);
+    assert_eq!(e2.lane, lane_of_event(None, "e2", s.lanes()));
+
+    let c = counts(&*s).await;
+    assert_eq!((c.events, c.deliveries), (4, 8));
+
+    // Re-enabled, the handler gets later events (but not the ones it missed).
+    s.set_handler_state(&disabled.id, HandlerState::Enabled)
+        .await
+        .expect("enable");
+    s.publish(vec![ev(Some("e5"), "push", None)])
+        .await
+        .expect("publish");
+    let ds = claim_all(&*s).await;
+    let to_disabled: Vec<&str> = ds
+        .iter()
+        .filter(|d| d.handler_id == disabled.id)
+        .map(|d| d.event_id.as_str())
+        .collect();
+    assert_eq!(to_disabled, vec!["e5"]);
+}
+
+async fn duplicates_are_counted_and_not_delivered(h: &dyn Harness) {
+    let s = h.store();
+    handler(&*s, "all", &["*"]).await;
+    let out = s
+        .publish(vec![
+            ev(Some("a"), "t.x", Some("k")),
+            ev(Some("b"), "t.x", Some("k")),
+            ev(Some("a"), "t.x", Some("k")),
+        ])
+        .await
+        .expect("publish");
+    assert_eq!((out.accepted, out.duplicates), (2, 1));
+    assert_eq!(out.ids, vec!["a", "b", "a"]);
+
+    let out = s
+        .publish(vec![
+            ev(Some("b"), "t.x", Some("k")),
+            ev(Some("c"), "t.x", Some("k")),
+            ev(None, "t.x", None),
+        ])
+        .await
+        .expect("publish");
+    assert_eq!((out.accepted, out.duplicates), (2, 1));
+    assert_eq!(&out.ids[..2], &["b", "c"]);
+    uuid::Uuid::parse_str(&out.ids[2]).expect("generated ids are UUIDs");
+    assert_eq!(
+        uuid::Uuid::parse_str(&out.ids[2])
+            .map(|u| u.get_version_num())
+            .ok(),
+        Some(7),
+        "generated ids are UUIDv7"
+    );
+    let out_generated = out.ids[2].clone();
+
+    // An all-duplicate batch writes nothing.
+    let out = s
+        .publish(vec![ev(Some("a"), "t.x", Some("k"))])
+        .await
+        .expect("publish");
+    assert_eq!((out.accepted, out.duplicates), (0, 1));
+
+    let ds = claim_all(&*s).await;
+    let mut ids: Vec<&str> = ds.iter().map(|d| d.event_id.as_str()).collect();
+    ids.sort_unstable();
+    assert_eq!(ids.len(), 4);
+    assert!(ids.contains(&out_generated.as_str()));
+    ids.retain(|i| i.len() == 1);
+    assert_eq!(ids, vec!["a", "b", "c"]);
+    // Duplicates did not take sequence numbers.
+    assert_eq!(seqs_of_key(&ds, "k"), vec![1, 2, 3]);
+    let c = counts(&*s).await;
+    assert_eq!((c.events, c.deliveries), (4, 4));
+}
+
+async fn key_sequences_are_gapless_and_in_publish_order(h: &dyn Harness) {
+    let s = h.store();
+    handler(&*s, "all", &["*"]).await;
+    handler(&*s, "issues", &["issues.*"]).await;
+    s.publish(vec![
+        ev(Some("1"), "issues.a", Some("k1")),
+        ev(Some("2"), "issues.a", Some("k2")),
+        ev(Some("3"), "issues.a", Some("k1")),
+    ])
+    .await
+    .expect("publish");
+    s.publish(vec![ev(Some("4"), "push", Some("k1"))])
+        .await
+        .expect("publish");
+    s.publish(vec![
+        ev(Some("5"), "issues.b", None),
+        ev(Some("6"), "issues.b", Some("k2")),
+        ev(Some("7"), "issues.b", Some("k1")),
+        ev(Some("7"), "issues.b", Some("k1")),
+    ])
+    .await
+    .expect("publish");
+
+    let ds = claim_all(&*s).await;
+    for hid in ds
+        .iter()
+        .map(|d| d.handler_id.clone())
+        .collect::<HashSet<_>>()
+    {
+        let mine: Vec<Delivery> = ds.iter().filter(|d| d.handler_id == hid).cloned().collect();
+        let k1 = seqs_of_key(&mine, "k1");
+        let k2 = seqs_of_key(&mine, "k2");
+        if k1.len() == 4 {
+            assert_eq!(k1, vec![1, 2, 3, 4], "k1 in claim order");
+        } else {
+            assert_eq!(
+                k1,
+                vec![1, 2, 4],
+                "issues.* does not get the push event (seq 3)"
+            );
+        }
+        assert_eq!(k2, vec![1, 2]);
+        let by_event: HashMap<&str, i64> = mine
+            .iter()
+            .filter_map(|d| d.seq.map(|q| (d.event_id.as_str(), q)))
+            .collect();
+        assert_eq!(by_event.get("1"), Some(&1));
+        assert_eq!(by_event.get("3"), Some(&2));
+        assert_eq!(by_event.get("7"), Some(&4));
+        assert_eq!(by_event.get("6"), Some(&2));
+    }
+}
+
+async fn concurrent_publishers_get_distinct_sequence_numbers(h: &dyn Harness) {
+    const PUBLISHERS: usize = 8;
+    const BATCHES: usize = 10;
+    const KEYS: [&str; 3] = ["hot-0", "hot-1", "hot-2"];
+    let s = h.store();
+    handler(&*s, "all", &["*"]).await;
+    let other = h.reopen().await;
+    let mut tasks = Vec::new();
+    for p in 0..PUBLISHERS {
+        // Half of the publishers use a second, independent connection pool.
+        let st = if p % 2 == 0 { s.clone() } else { other.clone() };
+        tasks.push(tokio::spawn(async move {
+            for b in 0..BATCHES {
+                let batch: Vec<NewEvent> = (0..6)
+                    .map(|i| {
+                        let id = format!("p{p}-b{b}-{i}");
+                        ev(Some(&id), "load.test", Some(KEYS[(p + i) % KEYS.len()]))
+                    })
+                    .collect();
+                let out = st.publish(batch).await.expect("concurrent publish");
+                assert_eq!(out.accepted, 6);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("publisher task");
+    }
+    let ds = claim_all(&*s).await;
+    assert_eq!(ds.len(), PUBLISHERS * BATCHES * 6);
+    for key in KEYS {
+        let seqs = seqs_of_key(&ds, key);
+        let n = seqs.len() as i64;
+        assert!(n > 0);
+        assert_eq!(
+            seqs,
+            (1..=n).collect::<Vec<_>>(),
+            "{key}: gapless, no repeats, in claim order"
+        );
+    }
+    // Within one publisher's batch, a key's events got increasing numbers.
+    let by_id: HashMap<&str, i64> = ds
+        .iter()
+        .map(|d| (d.event_id.as_str(), d.seq.unwrap_or(0)))
+        .collect();
+    for p in 0..PUBLISHERS {
+        for b in 0..BATCHES {
+            for i in 0..3 {
+                let first = by_id[format!("p{p}-b{b}-{i}").as_str()];
+                let second = by_id[format!("p{p}-b{b}-{}", i + 3).as_str()];
+                assert!(first < second, "batch order within a key");
+            }
+        }
+    }
+}
+
+async fn an_invalid_event_fails_the_whole_batch(h: &dyn Harness) {
+    let s = h.store();
+    handler(&*s, "all", &["*"]).await;
+    let bad_batches = vec![
+        vec![
+            ev(Some("ok-1"), "t.x", Some("k")),
+            ev(Some("has space"), "t.x", Some("k")),
+        ],
+        vec![
+            ev(Some("ok-2"), "t.x", Some("k")),
+            ev(None, "bad type", Some("k")),
+        ],
+        vec![
+            ev(Some("ok-3"), "t.x", Some("k")),
+            ev(None, "t.x", Some("")),
+        ],
+        vec![
+            ev(Some("ok-4"), "t.x", Some("k")),
+            ev(Some(&"x".repeat(129)), "t.x", None),
+        ],
+    ];
+    for batch in bad_batches {
+        let err = s.publish(batch).await.expect_err("invalid batch must fail");
+        assert!(matches!(err, StoreError::Invalid(_)), "got {err:?}");
+        let err = h
+            .publish_in_many(
+                vec![vec![
+                    ev(Some("ok-5"), "t.x", None),
+                    ev(Some("bad id"), "t.x", None),
+                ]],
+                true,
+            )
+            .await
+            .expect_err("invalid batch must fail in a caller transaction too");
+        assert!(matches!(err, StoreError::Invalid(_)), "got {err:?}");
+    }
+    assert_eq!(
+        counts(&*s).await,
+        StoreCounts::default(),
+        "nothing was written"
+    );
+    // No sequence number was taken either.
+    s.publish(vec![ev(Some("ok-1"), "t.x", Some("k"))])
+        .await
+        .expect("publish");
+    assert_eq!(seqs_of_key(&claim_all(&*s).await, "k"), vec![1]);
+}
+
+async fn publish_in_exists_only_if_the_caller_commits(h: &dyn Harness) {
+    let s = h.store();
+    handler(&*s, "all", &["*"]).await;
+    let out = h
+        .publish_in_many(vec![vec![ev(Some("rolled-back"), "t.x", Some("k"))]], false)
+        .await
+        .expect("publish_in then rollback");
+    assert_eq!(out[0].accepted, 1);
+    assert_eq!(
+        counts(&*s).await,
+        StoreCounts::default(),
+        "rolled back: nothing stored"
+    );
+
+    s.publish(vec![ev(Some("stored"), "t.x", Some("k"))])
+        .await
+        .expect("publish");
+    // A duplicate of a stored id does not abort the caller's transaction: the
+    // next batch in the same transaction still commits.
+    let out = h
+        .publish_in_many(
+            vec![
+                vec![
+                    ev(Some("stored"), "t.x", Some("k")),
+                    ev(Some("c1"), "t.x", Some("k")),
+                ],
+                vec![
+                    ev(Some("c2"), "t.x", Some("k")),
+                    ev(Some("c1"), "t.x", Some("k")),
+                ],
+            ],
+            true,
+        )
+        .await
+        .expect("publish_in then commit");
+    assert_eq!((out[0].accepted, out[0].duplicates), (1, 1));
+    assert_eq!(
+        (out[1].accepted, out[1].duplicates),
+        (1, 1),
+        "c1 was written earlier in the same tx"
+    );
+
+    let ds = claim_all(&*s).await;
+    let order: Vec<(&str, i64)> = ds
+        .iter()
+        .map(|d| (d.event_id.as_str(), d.seq.unwrap_or(0)))
+        .collect();
+    assert_eq!(
+        order,
+        vec![("stored", 1), ("c1", 2), ("c2", 3)],
+        "the rollback gave its sequence number back"
+    );
+    let c = counts(&*s).await;
+    assert_eq!((c.events, c.deliveries), (3, 3));
+}
+
+async fn fencing_makes_a_stale_owner_change_nothing(h: &dyn Harness) {
+    let s = h.store();
+    handler(&*s, "all", &["*"]).await;
+    let lane = lane_of_key("fenced", s.lanes());
+    assert!(
+        s.fence(lane, "n1", 1).await.expect("fence"),
+        "n1 takes epoch 1"
+    );
+    s.publish(
+        (0..4)
+            .map(|i| ev(Some(&format!("f{i}")), "t.x", Some("fenced")))
+            .collect(),
+    )
+    .await
+    .expect("publish");
+    let b = s
+        .claim(&one_lane_claim(lane, 1, 0, 100))
+        .await
+        .expect("claim");
+    assert!(b[0].owned);
+    let ds = b[0].deliveries.clone();
+    assert_eq!(ds.len(), 4);
+
+    assert!(
+        s.fence(lane, "n2", 2).await.expect("fence"),
+        "n2 takes epoch 2"
+    );
+    assert!(
+        !s.fence(lane, "n1", 2).await.expect("fence"),
+        "same epoch, other owner: refused"
+    );
+    assert!(
+        !s.fence(lane, "n1", 1).await.expect("fence"),
+        "lower epoch: refused"
+    );
+    assert!(
+        s.fence(lane, "n2", 2).await.expect("fence"),
+        "re-fencing at the held epoch is a no-op"
+    );
+    let before = counts(&*s).await;
+
+    // n1, at epoch 1, is fenced out of everything.
+    let b = s
+        .claim(&one_lane_claim(lane, 1, 0, 100))
+        .await
+        .expect("claim");
+    assert!(!b[0].owned, "stale epoch must report owned: false");
+    assert!(b[0].deliveries.is_empty());
+    assert!(s
+        .complete(&[dref(&ds[0], 1, 1)])
+        .await
+        .expect("complete")
+        .is_empty());
+    let resched = Reschedule {
+        id: ds[1].id,
+        lane,
+        epoch: 1,
+        attempts: 5,
+        due_at: Utc::now() + chrono::Duration::hours(1),
+        last_error: "stale".into(),
+    };
+    assert!(s
+        .reschedule(&[resched])
+        .await
+        .expect("reschedule")
+        .is_empty());
+    let dead = DeadLetterRequest {
+        id: ds[2].id,
+        lane,
+        epoch: 1,
+        attempts: 8,
+        last_error: "stale".into(),
+    };
+    assert!(s
+        .dead_letter(&[dead])
+        .await
+        .expect("dead letter")
+        .is_empty());
+    // A ref naming the wrong lane changes nothing either.
+    let wrong_lane = DeliveryRef {
+        id: ds[3].id,
+        lane: (lane + 1) % s.lanes(),
+        epoch: 2,
+        attempts: 1,
+    };
+    assert!(s
+        .complete(&[wrong_lane])
+        .await
+        .expect("complete")
+        .is_empty());
+
+    assert_eq!(counts(&*s).await, before, "nothing changed");
+    let b = s
+        .claim(&one_lane_claim(lane, 2, 0, 100))
+        .await
+        .expect("claim");
+    assert!(b[0].owned);
+    assert_eq!(
+        b[0].deliveries, ds,
+        "rows unchanged (attempts, due, last error)"
+    );
+
+    // n2 can.
+    let done = s.complete(&[dref(&ds[0], 2, 1)]).await.expect("complete");
+    assert_eq!(done, vec![ds[0].id]);
+    let rows = s.lane_rows().await.expect("lane rows");
+    assert_eq!(rows[lane as usize].owner.as_deref(), Some("n2"));
+    assert_eq!(rows[lane as usize].epoch, 2);
+}
+
+async fn complete_deletes_and_records_completions(h: &dyn Harness) {
+    let s = h.store();
+    handler(&*s, "a", &["*"]).await;
+    handler(&*s, "b", &["t.*"]).await;
+    s.publish(vec![
+        ev(Some("x"), "t.x", Some("k")),
+        ev(Some("y"), "t.y", None),
+    ])
+    .await
+    .expect("publish");
+    let ds = claim_all(&*s).await;
+    assert_eq!(ds.len(), 4);
+    let refs: Vec<DeliveryRef> = ds[..3].iter().map(|d| dref(d, 0, 2)).collect();
+    let mut done = s.complete(&refs).await.expect("complete");
+    done.sort_unstable();
+    let mut want: Vec<i64> = ds[..3].iter().map(|d| d.id).collect();
+    want.sort_unstable();
+    assert_eq!(done, want);
+    let c = counts(&*s).await;
+    assert_eq!((c.events, c.deliveries, c.completions), (2, 1, 3));
+    // Completing again (a retried completion) changes nothing.
+    assert!(s.complete(&refs).await.expect("complete").is_empty());
+    assert_eq!(counts(&*s).await.completions, 3);
+    // A repeated ref in one call completes once.
+    let last = dref(&ds[3], 0, 1);
+    assert_eq!(
+        s.complete(&[last, last]).await.expect("complete"),
+        vec![ds[3].id]
+    );
+    let c = counts(&*s).await;
+    assert_eq!((c.deliveries, c.completions), (0, 4));
+    assert!(claim_all(&*s).await.is_empty());
+}
+
+async fn reschedule_records_the_failed_attempt(h: &dyn Harness) {
+    let s = h.store();
+    handler(&*s, "a", &["*"]).await;
+    s.publish(vec![
+        ev(Some("r1"), "t.x", Some("k")),
+        ev(Some("r2"), "t.x", Some("k")),
+    ])
+    .await
+    .expect("publish");
+    let ds = claim_all(&*s).await;
+    let due: DateTime<Utc> = DateTime::from_timestamp_micros(
+        (Utc::now() + chrono::Duration::seconds(90)).timestamp_micros(),
+    )
+    .expect("time");
+    let r = Reschedule {
+        id: ds[0].id,
+        lane: ds[0].lane,
+        epoch: 0,
+        attempts: 3,
+        due_at: due,
+        last_error: "HTTP 500 from endpoint".into(),
+    };
+    assert_eq!(
+        s.reschedule(&[r]).await.expect("reschedule"),
+        vec![ds[0].id]
+    );
+    let after = claim_all(&*s).await;
+    assert_eq!(after.len(), 2, "a rescheduled delivery stays pending");
+    let d = after
+        .iter()
+        .find(|d| d.id == ds[0].id)
+        .expect("still there");
+    assert_eq!(d.attempts, 3);
+    assert_eq!(d.due_at, due);
+    assert_eq!(d.last_error.as_deref(), Some("HTTP 500 from endpoint"));
+    let untouched = after
+        .iter()
+        .find(|d| d.id == ds[1].id)
+        .expect("still there");
+    assert_eq!(untouched, &ds[1]);
+    assert_eq!(counts(&*s).await.deliveries, 2);
+}
+
+async fn dead_letters_are_listed_and_replayed(h: &dyn Harness) {
+    let s = h.store();
+    let a = handler(&*s, "a", &["*"]).await;
+    let b = handler(&*s, "b", &["*"]).await;
+    s.publish(vec![
+        ev(Some("d1"), "t.dead", Some("k")),
+        ev(Some("d2"), "t.dead", None),
+    ])
+    .await
+    .expect("publish");
+    let ds = claim_all(&*s).await;
+    assert_eq!(ds.len(), 4);
+    let lanes_before: Vec<LaneClaim> = s
+        .lane_rows()
+        .await
+        .expect("lane rows")
+        .iter()
+        .map(|r| LaneClaim {
+            lane: r.lane,
+            epoch: r.epoch,
+            after: 0,
+            limit: 1000,
+        })
+        .collect();
+    let cursors = s.claim(&lanes_before).await.expect("claim");
+
+    let reqs: Vec<DeadLetterRequest> = ds
+        .iter()
+        .map(|d| DeadLetterRequest {
+            id: d.id,
+            lane: d.lane,
+            epoch: 0,
+            attempts: 8,
+            last_error: format!("boom {}", d.event_id),
+        })
+        .collect();
+    let mut moved = s.dead_letter(&reqs).await.expect("dead letter");
+    moved.sort_unstable();
+    let mut want: Vec<i64> = ds.iter().map(|d| d.id).collect();
+    want.sort_unstable();
+    assert_eq!(moved, want);
+    let c = counts(&*s).await;
+    assert_eq!((c.deliveries, c.dead_letters, c.completions), (0, 4, 0));
+
+    let all = s
+        .list_dead_letters(&DeadLetterFilter::default())
+        .await
+        .expect("list");
+    assert_eq!(all.len(), 4);
+    assert!(all.windows(2).all(|w| w[0].id < w[1].id), "oldest first");
+    let of_a = s
+        .list_dead_letters(&DeadLetterFilter {
+            handler_id: Some(a.id.clone()),
+            after_id: None,
+            limit: 10,
+        })
+        .await
+        .expect("list");
+    assert_eq!(of_a.len(), 2);
+    let d1 = of_a.iter().find(|d| d.event_id == "d1").expect("d1 dead");
+    assert_eq!(d1.event_type, "t.dead");
+    assert_eq!(d1.key.as_deref(), Some("k"));
+    assert_eq!(d1.seq, Some(1));
+    assert_eq!(d1.attempts, 8);
+    assert_eq!(d1.last_error, "boom d1");
+    let page = s
+        .list_dead_letters(&DeadLetterFilter {
+            handler_id: None,
+            after_id: Some(all[1].id),
+            limit: 1,
+        })
+        .await
+        .expect("list");
+    assert_eq!(
+        page.iter().map(|d| d.id).collect::<Vec<_>>(),
+        vec![all[2].id],
+        "keyset page"
+    );
+
+    // Replay one by id.
+    assert_eq!(
+        s.replay_dead_letters(&[d1.id], None).await.expect("replay"),
+        1
+    );
+    let c = counts(&*s).await;
+    assert_eq!((c.deliveries, c.dead_letters), (1, 3));
+    // The owner's cursor from before sees the replayed delivery (new id).
+    let claims: Vec<LaneClaim> = cursors
+        .iter()
+        .zip(&lanes_before)
+        .map(|(b, c)| LaneClaim {
+            after: b.next_after,
+            ..*c
+        })
+        .collect();
+    let seen: Vec<Delivery> = s
+        .claim(&claims)
+        .await
+        .expect("claim")
+        .into_iter()
+        .flat_map(|b| b.deliveries)
+        .collect();
+    let replayed = seen
+        .iter()
+        .find(|d| d.event_id == "d1")
+        .expect("cursor sees the replay");
+    assert_eq!(replayed.handler_id, a.id);
+    assert_eq!(replayed.attempts, 0);
+    assert_eq!(replayed.last_error, None);
+    assert_eq!(replayed.seq, Some(1));
+    assert!(!ds.iter().any(|d| d.id == replayed.id), "a new delivery id");
+
+    // Replay all of b's.
+    assert_eq!(
+        s.replay_dead_letters(&[], Some(&b.id))
+            .await
+            .expect("replay"),
+        2
+    );
+    let c = counts(&*s).await;
+    assert_eq!((c.deliveries, c.dead_letters), (3, 1));
+    // Nothing to replay: no ids and no handler, or ids already replayed.
+    assert_eq!(s.replay_dead_letters(&[], None).await.expect("replay"), 0);
+    assert_eq!(
+        s.replay_dead_letters(&[d1.id], None).await.expect("replay"),
+        0
+    );
+}
+
+async fn delete_handler_discards_its_deliveries(h: &dyn Harness) {
+    let s = h.store();
+    let a = handler(&*s, "a", &["*"]).await;
+    let b = handler(&*s, "b", &["*"]).await;
+    s.publish(
+        (0..3)
+            .map(|i| ev(Some(&format!("e{i}")), "t.x", Some("k")))
+            .collect(),
+    )
+    .await
+    .expect("publish");
+    assert_eq!(counts(&*s).await.deliveries, 6);
+    assert_eq!(s.delete_handler(&a.id).await.expect("delete"), 3);
+    assert_eq!(counts(&*s).await.deliveries, 3);
+    assert!(matches!(
+        s.get_handler(&a.id).await,
+        Err(StoreError::NotFound(_))
+    ));
+    assert!(matches!(
+        s.delete_handler(&a.id).await,
+        Err(StoreError::NotFound(_))
+    ));
+    assert_eq!(counts(&*s).await.deliveries, 3);
+    s.publish(vec![ev(Some("later"), "t.x", None)])
+        .await
+        .expect("publish");
+    let ds = claim_all(&*s).await;
+    assert_eq!(ds.len(), 4);
+    assert!(ds.iter().all(|d| d.handler_id == b.id));
+    let hs = s.list_handlers().await.expect("list");
+    assert_eq!(
+        hs.iter().map(|h| h.id.clone()).collect::<Vec<_>>(),
+        vec![b.id.clone()]
+    );
+}
+
+async fn lane_rows_report_owner_epoch_and_backlog(h: &dyn Harness) {
+    let s = h.store();
+    handler(&*s, "a", &["*"]).await;
+    let rows = s.lane_rows().await.expect("lane rows");
+    assert_eq!(rows.len(), usize::from(s.lanes()));
+    assert_eq!(s.lanes(), DEFAULT_LANES);
+    assert!(rows
+        .iter()
+        .enumerate()
+        .all(|(i, r)| usize::from(r.lane) == i && r.backlog == 0 && r.epoch == 0));
+    let (ka, kb) = ("alpha", "beta");
+    let (la, lb) = (lane_of_key(ka, s.lanes()), lane_of_key(kb, s.lanes()));
+    assert_ne!(la, lb);
+    s.publish(vec![
+        ev(None, "t.x", Some(ka)),
+        ev(None, "t.x", Some(ka)),
+        ev(None, "t.x", Some(kb)),
+    ])
+    .await
+    .expect("publish");
+    assert!(s.fence(lb, "node-7", 3).await.expect("fence"));
+    let rows = s.lane_rows().await.expect("lane rows");
+    assert_eq!(rows[la as usize].backlog, 2);
+    assert_eq!(rows[lb as usize].backlog, 1);
+    assert_eq!(rows[lb as usize].owner.as_deref(), Some("node-7"));
+    assert_eq!(rows[lb as usize].epoch, 3);
+    assert_eq!(
+        rows.iter().map(|r| r.backlog).sum::<i64>(),
+        counts(&*s).await.deliveries
+    );
+    s.ping().await.expect("ping");
+}
+
+fn github_payloads() -> Vec<(String, Option<String>, Vec<u8>)> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../shared/data/github-webhook-examples.json"
+    );
+    let raw = std::fs::read(path).unwrap_or_else(|e| panic!("read {path}: {e}"));
+    let all: Vec<serde_json::Value> =
+        serde_json::from_slice(&raw).expect("examples file is a JSON array");
+    let mut out = Vec::new();
+    for entry in all.iter().take(12) {
+        let name = entry["name"].as_str().expect("name").to_string();
+        for ex in entry["examples"].as_array().into_iter().flatten().take(2) {
+            let ty = match ex["action"].as_str() {
+                Some(a) => format!("{name}.{a}"),
+                None => name.clone(),
+            };
+            let key = ex["repository"]["full_name"].as_str().map(str::to_string);
+            // Pretty-printed, so whitespace must survive byte for byte too.
+            out.push((ty, key, serde_json::to_vec_pretty(ex).expect("encode")));
+        }
+    }
+    assert!(out.len() >= 10, "expected real payloads");
+    out
+}
+
+async fn payload_bytes_round_trip_exactly(h: &dyn Harness) {
+    let s = h.store();
+    handler(&*s, "a", &["*"]).await;
+    let mut events: Vec<NewEvent> = github_payloads()
+        .into_iter()
+        .enumerate()
+        .map(|(i, (ty, key, payload))| NewEvent {
+            id: Some(format!("gh-{i}")),
+            event_type: ty,
+            key,
+            payload,
+        })
+        .collect();
+    // Bytes that are not even UTF-8 are kept as given.
+    events.push(NewEvent {
+        id: Some("raw".into()),
+        event_type: "raw.bytes".into(),
+        key: None,
+        payload: (0..=255u8).chain([0, 0, 255]).collect(),
+    });
+    let want: HashMap<String, (String, Vec<u8>)> = events
+        .iter()
+        .map(|e| {
+            (
+                e.id.clone().expect("id"),
+                (e.event_type.clone(), e.payload.clone()),
+            )
+        })
+        .collect();
+    let t0 = Utc::now() - chrono::Duration::seconds(5);
+    s.publish(events).await.expect("publish");
+    let ds = claim_all(&*s).await;
+    assert_eq!(ds.len(), want.len());
+    for d in &ds {
+        let (ty, bytes) = &want[&d.event_id];
+        assert_eq!(&d.event_type, ty);
+        assert!(
+            d.payload[..] == bytes[..],
+            "payload of {} differs",
+            d.event_id
+        );
+        assert!(
+            d.published_at >= t0 && d.published_at <= Utc::now() + chrono::Duration::seconds(5)
+        );
+    }
+}
+
+async fn claim_cursor_and_limit_read_everything_once_in_order(h: &dyn Harness) {
+    let s = h.store();
+    handler(&*s, "a", &["*"]).await;
+    let key = "cursor";
+    let lane = lane_of_key(key, s.lanes());
+    for i in 0..10 {
+        s.publish(vec![ev(Some(&format!("c{i}")), "t.x", Some(key))])
+            .await
+            .expect("publish");
+    }
+    // A zero-limit claim reads nothing and keeps the cursor.
+    let b = s
+        .claim(&one_lane_claim(lane, 0, 0, 0))
+        .await
+        .expect("claim");
+    assert!(b[0].owned && b[0].deliveries.is_empty());
+
+    // Claim 3 at a time, completing what was read (as an owner does).
+    let mut after = 0;
+    let mut seen: Vec<i64> = Vec::new();
+    let mut rounds = 0;
+    loop {
+        rounds += 1;
+        assert!(rounds <= 20, "the cursor must make progress");
+        let b = s
+            .claim(&one_lane_claim(lane, 0, after, 3))
+            .await
+            .expect("claim");
+        assert!(b[0].owned);
+        assert!(b[0].next_after >= after, "the cursor never goes back");
+        after = b[0].next_after;
+        let fresh: Vec<&Delivery> = b[0]
+            .deliveries
+            .iter()
+            .filter(|d| !seen.contains(&d.seq.unwrap_or(0)))
+            .collect();
+        if b[0].deliveries.is_empty() {
+            break;
+        }
+        for d in &fresh {
+            seen.push(d.seq.expect("seq"));
+        }
+        let refs: Vec<DeliveryRef> = b[0].deliveries.iter().map(|d| dref(d, 0, 1)).collect();
+        s.complete(&refs).await.expect("complete");
+    }
+    assert_eq!(
+        seen,
+        (1..=10).collect::<Vec<_>>(),
+        "every delivery once, in key order"
+    );
+
+    // Published after the last claim: the cursor sees it.
+    s.publish(vec![ev(Some("c10"), "t.x", Some(key))])
+        .await
+        .expect("publish");
+    let b = s
+        .claim(&one_lane_claim(lane, 0, after, 3))
+        .await
+        .expect("claim");
+    assert_eq!(
+        b[0].deliveries
+            .iter()
+            .map(|d| d.event_id.as_str())
+            .collect::<Vec<_>>(),
+        vec!["c10"]
+    );
+    // Claims for several lanes in one call keep the request order.
+    let other = (lane + 1) % s.lanes();
+    let b = s
+        .claim(&[
+            LaneClaim {
+                lane: other,
+                epoch: 0,
+                after: 0,
+                limit: 10,
+            },
+            LaneClaim {
+                lane,
+                epoch: 0,
+                after: 0,
+                limit: 10,
+            },
+            LaneClaim {
+                lane: other,
+                epoch: 9,
+                after: 0,
+                limit: 10,
+            },
+        ])
+        .await
+        .expect("claim");
+    assert_eq!(
+        b.iter().map(|x| (x.lane, x.owned)).collect::<Vec<_>>(),
+        vec![(other, true), (lane, true), (other, false)]
+    );
+    assert_eq!(b[1].deliveries.len(), 1);
+}
+
+async fn handler_catalog_validates_and_round_trips(h: &dyn Harness) {
+    let s = h.store();
+    let mut nh = new_handler("hooks", &["issues.*", "push"]);
+    nh.max_attempts = 3;
+    nh.timeout_ms = 2_500;
+    nh.max_in_flight = 7;
+    let a = s.create_handler(nh).await.expect("create");
+    assert!(a.id.starts_with("hdl_"));
+    assert!(a.secret.starts_with("whsec_"), "secret generated");
+    assert_eq!(a.state, HandlerState::Enabled);
+    assert_eq!(
+        (a.max_attempts, a.timeout_ms, a.max_in_flight),
+        (3, 2_500, 7)
+    );
+    assert_eq!(s.get_handler(&a.id).await.expect("get"), a);
+
+    let mut with_secret = new_handler("second", &["*"]);
+    with_secret.secret = format!("whsec_{}", "QUJD".repeat(8));
+    let b = s.create_handler(with_secret.clone()).await.expect("create");
+    assert_eq!(b.secret, with_secret.secret);
+    assert_eq!(
+        s.list_handlers().await.expect("list"),
+        vec![a.clone(), b.clone()],
+        "creation order"
+    );
+
+    for bad in [
+        new_handler("bad-route", &["a*b"]),
+        new_handler("no-routes", &[]),
+        NewHandler {
+            url: "ftp://x".into(),
+            ..new_handler("bad-url", &["*"])
+        },
+        NewHandler {
+            max_attempts: 0,
+            ..new_handler("zero", &["*"])
+        },
+        NewHandler {
+            secret: "whsec_short".into(),
+            ..new_handler("short-secret", &["*"])
+        },
+    ] {
+        let err = s.create_handler(bad).await.expect_err("invalid handler");
+        assert!(matches!(err, StoreError::Invalid(_)), "got {err:?}");
+    }
+    assert_eq!(s.list_handlers().await.expect("list").len(), 2);
+    assert!(matches!(
+        s.get_handler("hdl_nope").await,
+        Err(StoreError::NotFound(_))
+    ));
+    assert!(matches!(
+        s.set_handler_state("hdl_nope", HandlerState::Disabled)
+            .await,
+        Err(StoreError::NotFound(_))
+    ));
+}
+
+async fn reopening_keeps_lanes_and_data(h: &dyn Harness) {
+    let s = h.store();
+    let a = handler(&*s, "a", &["*"]).await;
+    s.publish(vec![ev(Some("kept"), "t.x", Some("k"))])
+        .await
+        .expect("publish");
+    // Asking for 8 lanes on an existing store keeps the lanes it was created with.
+    let again = h.reopen().await;
+    assert_eq!(again.lanes(), s.lanes());
+    assert_eq!(again.get_handler(&a.id).await.expect("get"), a);
+    assert_eq!(counts(&*again).await.deliveries, 1);
+    // The second connection sees handlers created through the first at once.
+    let b = handler(&*s, "b", &["*"]).await;
+    again
+        .publish(vec![ev(Some("seen"), "t.x", None)])
+        .await
+        .expect("publish");
+    let ds = claim_all(&*s).await;
+    assert!(ds
+        .iter()
+        .any(|d| d.event_id == "seen" && d.handler_id == b.id));
+}
