@@ -16,7 +16,9 @@ pub mod handler;
 pub mod metrics;
 pub mod node;
 pub mod ordering;
+pub mod receiver;
 pub mod retry;
+pub mod sample_data;
 pub mod webhook;
 
 pub use handler::{Handler, HandlerError};

@@ -1,0 +1,310 @@
+//! `lanebus node` configuration: one typed config, layered
+//! defaults → TOML file (`--config`) → `LANEBUS_*` environment → flags,
+//! validated at load with messages that name the value that was wrong.
+//! Unknown keys in the file are an error.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context as _};
+use clap::Args;
+use figment::providers::{Format, Serialized, Toml};
+use figment::Figment;
+use serde::{Deserialize, Serialize};
+
+/// Flags of `lanebus node`. Every flag also reads `LANEBUS_<NAME>` and the
+/// key `<name>` (snake case) of the `--config` file.
+#[derive(Debug, Clone, Default, Args, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeArgs {
+    /// TOML config file (keys as the flags in snake case; unknown keys are an error).
+    #[arg(long, env = "LANEBUS_CONFIG")]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// Node id, a positive integer unique in the cluster.
+    #[arg(long, env = "LANEBUS_ID")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<u64>,
+    /// HTTP API address, IP:PORT [default: 127.0.0.1:8080].
+    #[arg(long, env = "LANEBUS_HTTP_ADDR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub http_addr: Option<String>,
+    /// Raft address, IP:PORT [default: 127.0.0.1:9080] (validated; unused
+    /// until the cluster release).
+    #[arg(long, env = "LANEBUS_RAFT_ADDR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub raft_addr: Option<String>,
+    /// Directory for the node's files (created if missing).
+    #[arg(long, env = "LANEBUS_DATA_DIR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub data_dir: Option<PathBuf>,
+    /// Store URL: `postgres://...` or `sqlite://PATH` [default: sqlite://<data-dir>/lanebus.db].
+    #[arg(long, env = "LANEBUS_STORE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub store: Option<String>,
+    /// Start a new cluster with this node (accepted; single-node for now).
+    #[arg(long, env = "LANEBUS_BOOTSTRAP", conflicts_with = "join")]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub bootstrap: bool,
+    /// Join the cluster of the node at this URL, http://IP:PORT (accepted;
+    /// single-node for now).
+    #[arg(long, env = "LANEBUS_JOIN")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub join: Option<String>,
+    /// Ceiling of the first retry delay, in milliseconds [default: 500].
+    #[arg(long, env = "LANEBUS_RETRY_BASE_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry_base_ms: Option<u64>,
+    /// Largest delay between two retries, in milliseconds [default: 600000].
+    #[arg(long, env = "LANEBUS_RETRY_CAP_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry_cap_ms: Option<u64>,
+    /// Claim without wake-up at least this often, in milliseconds
+    /// [default: 100 without store push, 1000 with].
+    #[arg(long, env = "LANEBUS_POLL_INTERVAL_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub poll_interval_ms: Option<u64>,
+    /// Most deliveries held per lane (queued + in flight) [default: 1000].
+    #[arg(long, env = "LANEBUS_LANE_BUFFER")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lane_buffer: Option<usize>,
+    /// Store actor flush interval, in milliseconds [default: 2].
+    #[arg(long, env = "LANEBUS_FLUSH_INTERVAL_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub flush_interval_ms: Option<u64>,
+}
+
+/// The validated configuration of a node.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeConfig {
+    pub id: u64,
+    pub http_addr: SocketAddr,
+    pub raft_addr: SocketAddr,
+    pub data_dir: PathBuf,
+    pub store: String,
+    pub bootstrap: bool,
+    pub join: Option<String>,
+    pub retry_base: Duration,
+    pub retry_cap: Duration,
+    pub poll_interval: Option<Duration>,
+    pub lane_buffer: usize,
+    pub flush_interval: Duration,
+}
+
+impl NodeConfig {
+    pub fn node_options(&self) -> lanebus_node::NodeOptions {
+        let mut o = lanebus_node::NodeOptions::new(
+            self.id.to_string(),
+            lanebus_node::StoreSource::Url(self.store.clone()),
+        );
+        o.http_addr = self.http_addr;
+        o.lane.retry.base = self.retry_base;
+        o.lane.retry.cap = self.retry_cap;
+        o.lane.buffer_cap = self.lane_buffer;
+        o.poll_interval = self.poll_interval;
+        o.store_actor.flush_interval = self.flush_interval;
+        o
+    }
+}
+
+/// Merges the file under the flags and environment, then validates.
+pub fn load(args: NodeArgs) -> anyhow::Result<NodeConfig> {
+    let mut fig = Figment::new();
+    if let Some(path) = &args.config {
+        if !path.is_file() {
+            bail!("config file {} does not exist", path.display());
+        }
+        fig = fig.merge(Toml::file(path));
+    }
+    let merged: NodeArgs = fig
+        .merge(Serialized::defaults(&args))
+        .extract()
+        .map_err(|e| anyhow::anyhow!("config: {e}"))?;
+    validate(merged)
+}
+
+fn addr(name: &str, value: Option<&str>, default: &str) -> anyhow::Result<SocketAddr> {
+    let v = value.unwrap_or(default);
+    v.parse()
+        .with_context(|| format!("{name} {v:?} must be IP:PORT, such as 127.0.0.1:8080"))
+}
+
+/// Checks every value and fills defaults.
+pub fn validate(a: NodeArgs) -> anyhow::Result<NodeConfig> {
+    let id = match a.id {
+        Some(0) => bail!("id must be a positive integer, got 0"),
+        Some(id) => id,
+        None => {
+            bail!("missing node id: pass --id N, set LANEBUS_ID, or put `id` in the config file")
+        }
+    };
+    let http_addr = addr("http_addr", a.http_addr.as_deref(), "127.0.0.1:8080")?;
+    let raft_addr = addr("raft_addr", a.raft_addr.as_deref(), "127.0.0.1:9080")?;
+    if http_addr == raft_addr && http_addr.port() != 0 {
+        bail!("http_addr and raft_addr must differ, both are {http_addr}");
+    }
+    let Some(data_dir) = a.data_dir else {
+        bail!("missing data dir: pass --data-dir DIR, set LANEBUS_DATA_DIR, or put `data_dir` in the config file")
+    };
+    let store = match a.store {
+        Some(s) => s,
+        None => format!("sqlite://{}", data_dir.join("lanebus.db").display()),
+    };
+    if store.starts_with("mongodb://") || store.starts_with("mongodb+srv://") {
+        bail!(
+            "store {:?}: the MongoDB backend is not available yet; use postgres:// or sqlite://",
+            redact(&store)
+        );
+    }
+    if !(store.starts_with("postgres://")
+        || store.starts_with("postgresql://")
+        || store.starts_with("sqlite:"))
+    {
+        bail!(
+            "store {:?} must start with postgres://, postgresql:// or sqlite://",
+            redact(&store)
+        );
+    }
+    let bootstrap = a.bootstrap;
+    if bootstrap && a.join.is_some() {
+        bail!("--bootstrap and --join exclude each other: a node either starts a cluster or joins one");
+    }
+    if let Some(j) = &a.join {
+        let u = url::Url::parse(j)
+            .with_context(|| format!("join {j:?} must be a URL such as http://127.0.0.1:8080"))?;
+        if u.scheme() != "http" && u.scheme() != "https" || u.host().is_none() {
+            bail!("join {j:?} must be an http:// or https:// URL with a host");
+        }
+    }
+    let retry_base_ms = a.retry_base_ms.unwrap_or(500);
+    if !(1..=600_000).contains(&retry_base_ms) {
+        bail!("retry_base_ms must be 1 to 600000, got {retry_base_ms}");
+    }
+    let retry_cap_ms = a.retry_cap_ms.unwrap_or(600_000);
+    if retry_cap_ms < retry_base_ms {
+        bail!("retry_cap_ms ({retry_cap_ms}) must be at least retry_base_ms ({retry_base_ms})");
+    }
+    if let Some(p) = a.poll_interval_ms {
+        if !(1..=60_000).contains(&p) {
+            bail!("poll_interval_ms must be 1 to 60000, got {p}");
+        }
+    }
+    let lane_buffer = a.lane_buffer.unwrap_or(1_000);
+    if !(1..=100_000).contains(&lane_buffer) {
+        bail!("lane_buffer must be 1 to 100000, got {lane_buffer}");
+    }
+    let flush_ms = a.flush_interval_ms.unwrap_or(2);
+    if flush_ms > 1_000 {
+        bail!("flush_interval_ms must be 0 to 1000, got {flush_ms}");
+    }
+    Ok(NodeConfig {
+        id,
+        http_addr,
+        raft_addr,
+        data_dir,
+        store,
+        bootstrap,
+        join: a.join,
+        retry_base: Duration::from_millis(retry_base_ms),
+        retry_cap: Duration::from_millis(retry_cap_ms),
+        poll_interval: a.poll_interval_ms.map(Duration::from_millis),
+        lane_buffer,
+        flush_interval: Duration::from_millis(flush_ms),
+    })
+}
+
+/// The URL with its password replaced by `***`, for logs and messages.
+pub fn redact(store: &str) -> String {
+    match url::Url::parse(store) {
+        Ok(mut u) if u.password().is_some() => {
+            let _ = u.set_password(Some("***"));
+            u.to_string()
+        }
+        _ => store.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> NodeArgs {
+        NodeArgs {
+            id: Some(1),
+            data_dir: Some("/tmp/x".into()),
+            ..NodeArgs::default()
+        }
+    }
+
+    #[test]
+    fn defaults_fill_in_and_store_defaults_to_the_data_dir() {
+        let c = validate(base()).unwrap();
+        assert_eq!(c.store, "sqlite:///tmp/x/lanebus.db");
+        assert_eq!(c.http_addr, "127.0.0.1:8080".parse().unwrap());
+        assert_eq!(c.retry_base, Duration::from_millis(500));
+    }
+
+    #[test]
+    fn bad_values_name_themselves() {
+        let err = |a: NodeArgs| validate(a).unwrap_err().to_string();
+        assert!(err(NodeArgs { id: None, ..base() }).contains("missing node id"));
+        assert!(err(NodeArgs {
+            http_addr: Some("localhost".into()),
+            ..base()
+        })
+        .contains("\"localhost\""));
+        assert!(err(NodeArgs {
+            store: Some("redis://x".into()),
+            ..base()
+        })
+        .contains("redis://x"));
+        assert!(err(NodeArgs {
+            bootstrap: true,
+            join: Some("http://1.2.3.4:1".into()),
+            ..base()
+        })
+        .contains("exclude"));
+        assert!(err(NodeArgs {
+            join: Some("ftp://x".into()),
+            ..base()
+        })
+        .contains("http://"));
+        assert!(err(NodeArgs {
+            store: Some("postgres://u:secret@h/db".into()),
+            lane_buffer: Some(0),
+            ..base()
+        })
+        .contains("lane_buffer"));
+        assert!(!redact("postgres://u:secret@h/db").contains("secret"));
+    }
+
+    #[test]
+    fn file_values_sit_under_flags_and_unknown_keys_fail() {
+        let dir = std::env::temp_dir().join(format!("lanebus-config-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("node.toml");
+        std::fs::write(
+            &path,
+            "id = 7\ndata_dir = \"/tmp/y\"\nhttp_addr = \"127.0.0.1:9999\"\n",
+        )
+        .unwrap();
+        let c = load(NodeArgs {
+            config: Some(path.clone()),
+            http_addr: Some("127.0.0.1:7777".into()),
+            ..NodeArgs::default()
+        })
+        .unwrap();
+        assert_eq!((c.id, c.http_addr.port()), (7, 7777));
+        assert_eq!(c.data_dir, PathBuf::from("/tmp/y"));
+        std::fs::write(&path, "id = 7\ndata_dir = \"/tmp/y\"\nhttp_adr = \"x\"\n").unwrap();
+        let e = load(NodeArgs {
+            config: Some(path),
+            ..NodeArgs::default()
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("http_adr"), "{e}");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}

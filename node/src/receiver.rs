@@ -1,0 +1,520 @@
+//! A webhook receiver for tests, the demo and chaos runs (modelled on Svix's
+//! `TestReceiver`): an HTTP server on `127.0.0.1:0` that records every
+//! request, verifies its signature, answers as the test tells it, and checks
+//! the invariants of DESIGN.md section 2 over what it received.
+//!
+//! Webhook URLs are `{base}/hook/{name}`; `name` identifies the handler.
+//!
+//! ```text
+//!  POST /hook/{name} ──▶ rules (first match by handler/key) ──▶ delay? status
+//!                     └─▶ record {handler, event id, key, sequence, attempt,
+//!                                 arrival, answer, body, headers, signature ok}
+//! ```
+//!
+//! [`Receiver::verdict`] compares the record with what was published: lost,
+//! duplicated (accepted more than once), out of order per (handler, key),
+//! bad signatures.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::post;
+use axum::Router;
+use serde::Serialize;
+use tokio::sync::Notify;
+
+use crate::webhook;
+
+/// What the receiver does with matching requests.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// Answer `status` to the first `n` attempts of each event, then 200.
+    FailFirst {
+        /// Failing attempts per event.
+        n: u32,
+        /// Status of the failures.
+        status: u16,
+    },
+    /// Always answer `status` (with `retry_after` as `Retry-After` if set).
+    Status {
+        /// The status.
+        status: u16,
+        /// `Retry-After` value, in seconds.
+        retry_after: Option<u64>,
+    },
+    /// Wait, then answer 200.
+    Delay(Duration),
+}
+
+/// A behaviour for requests of a handler and/or key (`None` matches any).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rule {
+    /// Handler name (the URL's last segment), or any.
+    pub handler: Option<String>,
+    /// Event key (`lanebus-key`), or any.
+    pub key: Option<String>,
+    /// What to do.
+    pub action: Action,
+}
+
+/// One recorded request.
+#[derive(Debug, Clone, Serialize)]
+pub struct Received {
+    /// Handler name from the URL.
+    pub handler: String,
+    /// `webhook-id`.
+    pub event_id: String,
+    /// `lanebus-key`.
+    pub key: Option<String>,
+    /// `lanebus-sequence`.
+    pub sequence: Option<i64>,
+    /// `lanebus-attempt`.
+    pub attempt: u32,
+    /// Milliseconds since the receiver started, at arrival.
+    pub arrived_ms: f64,
+    /// Milliseconds since the receiver started, when answered.
+    pub answered_ms: f64,
+    /// The status answered.
+    pub status: u16,
+    /// Whether the signature verified (`None`: no secret known for the handler).
+    pub signature_ok: Option<bool>,
+    /// The body as received (UTF-8, lossy).
+    pub body: String,
+    /// All headers, lower-case names.
+    pub headers: BTreeMap<String, String>,
+}
+
+impl Received {
+    /// Whether the answer completed the delivery.
+    pub fn accepted(&self) -> bool {
+        (200..300).contains(&self.status)
+    }
+}
+
+/// An event the receiver should get, for [`Receiver::verdict`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Expected {
+    /// Handler name.
+    pub handler: String,
+    /// Event id.
+    pub event_id: String,
+    /// Event key.
+    pub key: Option<String>,
+}
+
+/// The exactness check over what was received.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Verdict {
+    /// Expected deliveries.
+    pub expected: usize,
+    /// Distinct expected deliveries accepted.
+    pub delivered: usize,
+    /// Expected but never accepted.
+    pub lost: usize,
+    /// Accepted again after being accepted (repeats).
+    pub duplicated: usize,
+    /// Accepted although not expected.
+    pub unexpected: usize,
+    /// (handler, key) orders broken: a lower sequence after a higher one, or
+    /// a higher one before the lower one was accepted.
+    pub out_of_order: usize,
+    /// Requests whose signature did not verify.
+    pub bad_signatures: usize,
+    /// Examples of problems, for messages.
+    pub problems: Vec<String>,
+}
+
+impl Verdict {
+    /// No loss, no duplicate, nothing unexpected, order kept, signatures fine.
+    pub fn exact(&self) -> bool {
+        self.lost == 0
+            && self.duplicated == 0
+            && self.unexpected == 0
+            && self.out_of_order == 0
+            && self.bad_signatures == 0
+    }
+}
+
+#[derive(Default)]
+struct Inner {
+    rules: Vec<Rule>,
+    secrets: HashMap<String, String>,
+    log: Vec<Received>,
+    /// Attempts seen per (handler, event id), for `FailFirst`.
+    seen: HashMap<(String, String), u32>,
+}
+
+struct Shared {
+    inner: Mutex<Inner>,
+    changed: Notify,
+    start: Instant,
+}
+
+/// The receiver. Cheap to clone; the server stops when the runtime it was
+/// started on ends.
+#[derive(Clone)]
+pub struct Receiver {
+    shared: Arc<Shared>,
+    addr: SocketAddr,
+}
+
+impl Receiver {
+    /// Starts a receiver on `127.0.0.1:0` (on the current tokio runtime).
+    ///
+    /// # Errors
+    /// The bind error.
+    pub async fn start() -> std::io::Result<Receiver> {
+        let shared = Arc::new(Shared {
+            inner: Mutex::default(),
+            changed: Notify::new(),
+            start: Instant::now(),
+        });
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await?;
+        let addr = listener.local_addr()?;
+        let app = Router::new()
+            .route("/hook/{name}", post(hook))
+            .with_state(shared.clone());
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Ok(Receiver { shared, addr })
+    }
+
+    /// `http://127.0.0.1:PORT`.
+    pub fn base_url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// The webhook URL for handler `name`.
+    pub fn url(&self, name: &str) -> String {
+        format!("http://{}/hook/{name}", self.addr)
+    }
+
+    /// Sets the signing secret of handler `name`, to verify its requests.
+    pub fn set_secret(&self, name: &str, secret: &str) {
+        self.lock()
+            .secrets
+            .insert(name.to_string(), secret.to_string());
+    }
+
+    /// Adds a rule (later rules are looked at after earlier ones).
+    pub fn add_rule(&self, rule: Rule) {
+        self.lock().rules.push(rule);
+    }
+
+    /// Removes every rule: from now on every request gets 200.
+    pub fn clear_rules(&self) {
+        self.lock().rules.clear();
+    }
+
+    /// A copy of every request recorded so far, in arrival order.
+    pub fn requests(&self) -> Vec<Received> {
+        self.lock().log.clone()
+    }
+
+    /// Distinct (handler, event id) pairs accepted so far.
+    pub fn accepted_distinct(&self) -> usize {
+        let inner = self.lock();
+        let mut set = std::collections::HashSet::new();
+        for r in inner.log.iter().filter(|r| r.accepted()) {
+            set.insert((r.handler.as_str(), r.event_id.as_str()));
+        }
+        set.len()
+    }
+
+    /// Waits until `cond` holds over the log, or `timeout` passes; returns
+    /// whether it held.
+    pub async fn wait_until(
+        &self,
+        timeout: Duration,
+        mut cond: impl FnMut(&[Received]) -> bool,
+    ) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.shared.changed.notified();
+            if cond(&self.lock().log) {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return cond(&self.lock().log);
+            }
+        }
+    }
+
+    /// Waits until `n` distinct (handler, event id) pairs were accepted.
+    pub async fn wait_accepted(&self, n: usize, timeout: Duration) -> bool {
+        self.wait_until(timeout, |log| {
+            let mut set = std::collections::HashSet::new();
+            for r in log.iter().filter(|r| r.accepted()) {
+                set.insert((r.handler.as_str(), r.event_id.as_str()));
+            }
+            set.len() >= n
+        })
+        .await
+    }
+
+    /// Checks the record against what should have arrived.
+    pub fn verdict(&self, expected: &[Expected]) -> Verdict {
+        verdict(&self.lock().log, expected)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.shared.inner.lock().expect("not poisoned")
+    }
+}
+
+/// The exactness check of [`Receiver::verdict`] over a log in arrival order.
+pub fn verdict(log: &[Received], expected: &[Expected]) -> Verdict {
+    let mut v = Verdict {
+        expected: expected.len(),
+        ..Verdict::default()
+    };
+    let want: std::collections::HashSet<(&str, &str)> = expected
+        .iter()
+        .map(|e| (e.handler.as_str(), e.event_id.as_str()))
+        .collect();
+    let mut accepted: HashMap<(&str, &str), usize> = HashMap::new();
+    for r in log {
+        if r.signature_ok == Some(false) {
+            v.bad_signatures += 1;
+            if v.problems.len() < 10 {
+                v.problems
+                    .push(format!("bad signature: {} {}", r.handler, r.event_id));
+            }
+        }
+        if r.accepted() {
+            *accepted
+                .entry((r.handler.as_str(), r.event_id.as_str()))
+                .or_default() += 1;
+        }
+    }
+    for (k, n) in &accepted {
+        if want.contains(k) {
+            v.delivered += 1;
+        } else {
+            v.unexpected += 1;
+            if v.problems.len() < 10 {
+                v.problems.push(format!("unexpected: {} {}", k.0, k.1));
+            }
+        }
+        if *n > 1 {
+            v.duplicated += n - 1;
+            if v.problems.len() < 10 {
+                v.problems
+                    .push(format!("accepted {n} times: {} {}", k.0, k.1));
+            }
+        }
+    }
+    for e in expected {
+        if !accepted.contains_key(&(e.handler.as_str(), e.event_id.as_str())) {
+            v.lost += 1;
+            if v.problems.len() < 10 {
+                v.problems
+                    .push(format!("lost: {} {}", e.handler, e.event_id));
+            }
+        }
+    }
+    // Per (handler, key): sequences never go down, and a higher sequence
+    // arrives only after the previous one was accepted.
+    let mut last: HashMap<(&str, &str), (i64, bool)> = HashMap::new();
+    for r in log {
+        let (Some(key), Some(seq)) = (r.key.as_deref(), r.sequence) else {
+            continue;
+        };
+        let slot = (r.handler.as_str(), key);
+        match last.get(&slot) {
+            Some(&(prev, prev_ok)) if seq < prev || (seq > prev && !prev_ok) => {
+                v.out_of_order += 1;
+                if v.problems.len() < 10 {
+                    v.problems.push(format!(
+                        "order: {} key {key}: sequence {seq} after {prev}{}",
+                        r.handler,
+                        if prev_ok { "" } else { " (not accepted)" }
+                    ));
+                }
+            }
+            _ => {}
+        }
+        let entry = last.entry(slot).or_insert((seq, false));
+        if seq >= entry.0 {
+            *entry = (
+                seq,
+                if seq == entry.0 {
+                    entry.1 || r.accepted()
+                } else {
+                    r.accepted()
+                },
+            );
+        }
+    }
+    v
+}
+
+async fn hook(
+    State(shared): State<Arc<Shared>>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> (StatusCode, HeaderMap) {
+    let arrived = shared.start.elapsed();
+    let h = |n: &str| {
+        headers
+            .get(n)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    let event_id = h("webhook-id").unwrap_or_default();
+    let key = h("lanebus-key");
+    let (action, signature_ok) = {
+        let mut inner = shared.inner.lock().expect("not poisoned");
+        let n = inner
+            .seen
+            .entry((name.clone(), event_id.clone()))
+            .or_default();
+        *n += 1;
+        let attempt_here = *n;
+        let action = inner
+            .rules
+            .iter()
+            .find(|r| {
+                r.handler.as_ref().is_none_or(|x| *x == name)
+                    && r.key.as_ref().is_none_or(|k| Some(k) == key.as_ref())
+            })
+            .map(|r| (r.action.clone(), attempt_here));
+        let signature_ok = inner.secrets.get(&name).map(|secret| {
+            webhook::verify(
+                secret,
+                &event_id,
+                &h("webhook-timestamp").unwrap_or_default(),
+                &h("webhook-signature").unwrap_or_default(),
+                &body,
+            )
+        });
+        (action, signature_ok)
+    };
+    let mut out_headers = HeaderMap::new();
+    let status = match action {
+        None => 200,
+        Some((Action::FailFirst { n, status }, seen)) => {
+            if seen <= n {
+                status
+            } else {
+                200
+            }
+        }
+        Some((
+            Action::Status {
+                status,
+                retry_after,
+            },
+            _,
+        )) => {
+            if let Some(s) = retry_after {
+                out_headers.insert("retry-after", s.to_string().parse().expect("digits"));
+            }
+            status
+        }
+        Some((Action::Delay(d), _)) => {
+            tokio::time::sleep(d).await;
+            200
+        }
+    };
+    let rec = Received {
+        handler: name,
+        event_id,
+        key,
+        sequence: h("lanebus-sequence").and_then(|s| s.parse().ok()),
+        attempt: h("lanebus-attempt")
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0),
+        arrived_ms: arrived.as_secs_f64() * 1e3,
+        answered_ms: shared.start.elapsed().as_secs_f64() * 1e3,
+        status,
+        signature_ok,
+        body: String::from_utf8_lossy(&body).into_owned(),
+        headers: headers
+            .iter()
+            .map(|(k, v)| {
+                (
+                    k.as_str().to_string(),
+                    String::from_utf8_lossy(v.as_bytes()).into_owned(),
+                )
+            })
+            .collect(),
+    };
+    shared.inner.lock().expect("not poisoned").log.push(rec);
+    shared.changed.notify_waiters();
+    (
+        StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+        out_headers,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(handler: &str, id: &str, key: &str, seq: i64, status: u16) -> Received {
+        Received {
+            handler: handler.into(),
+            event_id: id.into(),
+            key: Some(key.into()),
+            sequence: Some(seq),
+            attempt: 1,
+            arrived_ms: 0.0,
+            answered_ms: 0.0,
+            status,
+            signature_ok: Some(true),
+            body: String::new(),
+            headers: BTreeMap::new(),
+        }
+    }
+
+    fn exp(handler: &str, id: &str) -> Expected {
+        Expected {
+            handler: handler.into(),
+            event_id: id.into(),
+            key: Some("k".into()),
+        }
+    }
+
+    #[test]
+    fn an_exact_run_passes() {
+        let log = vec![
+            rec("h", "a", "k", 1, 500),
+            rec("h", "a", "k", 1, 200),
+            rec("h", "b", "k", 2, 200),
+        ];
+        let v = verdict(&log, &[exp("h", "a"), exp("h", "b")]);
+        assert!(v.exact(), "{v:?}");
+        assert_eq!(v.delivered, 2);
+    }
+
+    #[test]
+    fn loss_duplicates_and_disorder_are_counted() {
+        let log = vec![
+            rec("h", "b", "k", 2, 200),
+            rec("h", "a", "k", 1, 200),
+            rec("h", "a", "k", 1, 200),
+        ];
+        let v = verdict(&log, &[exp("h", "a"), exp("h", "b"), exp("h", "c")]);
+        assert_eq!((v.lost, v.duplicated, v.out_of_order), (1, 1, 2), "{v:?}");
+        assert!(!v.exact());
+    }
+
+    #[test]
+    fn next_sequence_before_the_previous_was_accepted_is_disorder() {
+        let log = vec![
+            rec("h", "a", "k", 1, 500),
+            rec("h", "b", "k", 2, 200),
+            rec("h", "a", "k", 1, 200),
+        ];
+        let v = verdict(&log, &[exp("h", "a"), exp("h", "b")]);
+        assert_eq!(v.out_of_order, 2, "{v:?}");
+    }
+}
