@@ -67,6 +67,8 @@ pub(crate) struct BulkReplay {
     ids: Option<Vec<i64>>,
 }
 
+/// Handler of `GET /admin/dead-letters`: `400 invalid_parameter` for a bad
+/// or unknown parameter, `404 not_found` for an unknown `handler_id`.
 pub(crate) async fn list_dead_letters(
     State(state): State<ApiState>,
     Query(q): Query<DeadLetterQuery>,
@@ -102,6 +104,8 @@ pub(crate) async fn list_dead_letters(
     }))
 }
 
+/// Handler of `POST /admin/dead-letters/{id}/replay`: `404 not_found` when
+/// no dead letter has that id.
 pub(crate) async fn replay_one(
     State(state): State<ApiState>,
     Path(id): Path<i64>,
@@ -118,6 +122,9 @@ pub(crate) async fn replay_one(
     Ok(axum::Json(Replayed { replayed }))
 }
 
+/// Handler of `POST /admin/dead-letters/replay`: `422 invalid_input` when
+/// neither `handler_id` nor `ids` is given, `404 not_found` for an unknown
+/// `handler_id`.
 pub(crate) async fn replay_bulk(
     State(state): State<ApiState>,
     Json(req): Json<BulkReplay>,
@@ -162,12 +169,14 @@ pub(crate) struct LaneList {
     lanes: Vec<LaneView>,
 }
 
+/// Handler of `GET /admin/lanes`, from [`crate::NodeView::lanes`].
 pub(crate) async fn lanes(State(state): State<ApiState>) -> axum::Json<LaneList> {
     axum::Json(LaneList {
         lanes: state.node.lanes().await,
     })
 }
 
+/// Handler of `GET /admin/cluster`, from [`crate::NodeView::cluster`].
 pub(crate) async fn cluster(State(state): State<ApiState>) -> axum::Json<ClusterView> {
     axum::Json(state.node.cluster().await)
 }

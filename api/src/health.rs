@@ -18,11 +18,13 @@ use crate::ApiState;
 /// Content type of the Prometheus text exposition format 0.0.4.
 pub const PROMETHEUS_CONTENT_TYPE: &str = "text/plain; version=0.0.4";
 
+/// Body of `/healthz` and `/readyz` when they succeed.
 #[derive(Debug, Serialize)]
 pub(crate) struct Status {
     status: &'static str,
 }
 
+/// Handler of `GET /metrics`.
 pub(crate) async fn metrics(State(state): State<ApiState>) -> Response {
     let mut res = state.node.render_metrics().into_response();
     res.headers_mut().insert(
@@ -32,10 +34,12 @@ pub(crate) async fn metrics(State(state): State<ApiState>) -> Response {
     res
 }
 
+/// Handler of `GET /healthz`.
 pub(crate) async fn healthz() -> axum::Json<Status> {
     axum::Json(Status { status: "ok" })
 }
 
+/// Handler of `GET /readyz`.
 pub(crate) async fn readyz(State(state): State<ApiState>) -> Result<axum::Json<Status>, ApiError> {
     if !state.node.ready().await {
         return Err(ApiError::new(
