@@ -1,0 +1,296 @@
+//! Shared harness of the node's integration tests: a fresh database per test
+//! on either backend, a node in-process, the HTTP API client, real payloads.
+//!
+//! PostgreSQL tests need `LANEBUS_TEST_POSTGRES_URL` (a server where the test
+//! may create databases); `scripts/test` starts a throwaway one and sets it.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context as _};
+use lanebus_node::receiver::Expected;
+use lanebus_node::sample_data::{self, Sample};
+use lanebus_node::{NodeHandle, NodeOptions, StoreSource};
+use serde_json::Value;
+use sqlx::Connection as _;
+
+/// The two backends every applicable test runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+/// A fresh, empty database for one test.
+pub struct TestDb {
+    pub backend: Backend,
+    pub url: String,
+    dir: Option<PathBuf>,
+    pg: Option<(String, String)>,
+}
+
+fn unique(name: &str) -> String {
+    format!(
+        "{name}_{}",
+        &uuid::Uuid::now_v7().simple().to_string()[18..]
+    )
+}
+
+impl TestDb {
+    /// A new database named after the test.
+    pub async fn new(backend: Backend, name: &str) -> anyhow::Result<TestDb> {
+        let name = unique(name);
+        match backend {
+            Backend::Sqlite => {
+                let dir = std::env::temp_dir().join(format!("lanebus-test-{name}"));
+                std::fs::create_dir_all(&dir)?;
+                let url = format!("sqlite://{}", dir.join("lanebus.db").display());
+                Ok(TestDb {
+                    backend,
+                    url,
+                    dir: Some(dir),
+                    pg: None,
+                })
+            }
+            Backend::Postgres => {
+                let Ok(admin) = std::env::var("LANEBUS_TEST_POSTGRES_URL") else {
+                    bail!(
+                        "LANEBUS_TEST_POSTGRES_URL is not set: run the tests with scripts/test, which starts \
+                         a throwaway PostgreSQL, or set it to a server where tests may create databases"
+                    );
+                };
+                let db = format!("lanebus_{name}").to_lowercase();
+                let mut conn = sqlx::PgConnection::connect(&admin).await.with_context(|| {
+                    format!("cannot connect to LANEBUS_TEST_POSTGRES_URL {admin}")
+                })?;
+                sqlx::query(&format!("CREATE DATABASE \"{db}\""))
+                    .execute(&mut conn)
+                    .await?;
+                conn.close().await.ok();
+                let mut u = url::Url::parse(&admin)?;
+                u.set_path(&format!("/{db}"));
+                Ok(TestDb {
+                    backend,
+                    url: u.to_string(),
+                    dir: None,
+                    pg: Some((admin, db)),
+                })
+            }
+        }
+    }
+
+    /// Removes the database (best effort).
+    pub async fn drop_db(self) {
+        if let Some(dir) = &self.dir {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        if let Some((admin, db)) = &self.pg {
+            if let Ok(mut conn) = sqlx::PgConnection::connect(admin).await {
+                let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS \"{db}\" WITH (FORCE)"))
+                    .execute(&mut conn)
+                    .await;
+            }
+        }
+    }
+}
+
+/// Node options for tests: short retries and polls.
+pub fn test_options(url: &str) -> NodeOptions {
+    let mut o = NodeOptions::new("test-1", StoreSource::Url(url.to_string()));
+    o.lane.retry.base = Duration::from_millis(100);
+    o.lane.retry.cap = Duration::from_secs(2);
+    o.poll_interval = Some(Duration::from_millis(50));
+    o.catalog_refresh = Duration::from_secs(1);
+    o
+}
+
+/// Starts a node on `url` with [`test_options`].
+pub async fn start_node(url: &str) -> anyhow::Result<NodeHandle> {
+    Ok(lanebus_node::start(test_options(url)).await?)
+}
+
+/// A registered handler.
+#[derive(Debug, Clone)]
+pub struct Registered {
+    pub id: String,
+    pub name: String,
+    pub secret: String,
+    pub routes: Vec<String>,
+}
+
+/// Client of a node's HTTP API.
+#[derive(Clone)]
+pub struct Api {
+    pub base: String,
+    http: reqwest::Client,
+}
+
+impl Api {
+    pub fn new(base: &str) -> Api {
+        lanebus_node::webhook::install_crypto_provider();
+        Api {
+            base: base.trim_end_matches('/').to_string(),
+            http: reqwest::Client::new(),
+        }
+    }
+
+    async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> anyhow::Result<(u16, Value)> {
+        let mut req = self
+            .http
+            .request(method.clone(), format!("{}{path}", self.base));
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        let resp = req
+            .send()
+            .await
+            .with_context(|| format!("{method} {path}"))?;
+        let status = resp.status().as_u16();
+        let text = resp.text().await?;
+        let v = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        Ok((status, v))
+    }
+
+    pub async fn create_handler(
+        &self,
+        name: &str,
+        url: &str,
+        routes: &[&str],
+        max_attempts: u32,
+    ) -> anyhow::Result<Registered> {
+        let (status, body) = self
+            .call(
+                reqwest::Method::POST,
+                "/v1/handlers",
+                Some(serde_json::json!({"name": name, "url": url, "event_types": routes, "max_attempts": max_attempts, "timeout_ms": 5000})),
+            )
+            .await?;
+        if status != 201 {
+            bail!("create handler {name}: {status} {body}");
+        }
+        Ok(Registered {
+            id: body["id"].as_str().context("id")?.to_string(),
+            name: name.to_string(),
+            secret: body["secret"].as_str().context("secret")?.to_string(),
+            routes: routes.iter().map(|s| s.to_string()).collect(),
+        })
+    }
+
+    /// Publishes in batches of `batch`.
+    pub async fn publish(&self, events: &[Value], batch: usize) -> anyhow::Result<()> {
+        for chunk in events.chunks(batch) {
+            let (status, body) = self
+                .call(
+                    reqwest::Method::POST,
+                    "/v1/events",
+                    Some(serde_json::json!({ "events": chunk })),
+                )
+                .await?;
+            if status != 202 {
+                bail!("publish: {status} {body}");
+            }
+        }
+        Ok(())
+    }
+
+    pub async fn dead_letters(&self, handler_id: &str) -> anyhow::Result<Vec<Value>> {
+        let (status, body) = self
+            .call(
+                reqwest::Method::GET,
+                &format!("/admin/dead-letters?handler_id={handler_id}&limit=1000"),
+                None,
+            )
+            .await?;
+        if status != 200 {
+            bail!("dead letters: {status} {body}");
+        }
+        Ok(body["dead_letters"].as_array().cloned().unwrap_or_default())
+    }
+
+    pub async fn replay(&self, handler_id: &str) -> anyhow::Result<u64> {
+        let (status, body) = self
+            .call(
+                reqwest::Method::POST,
+                "/admin/dead-letters/replay",
+                Some(serde_json::json!({"handler_id": handler_id})),
+            )
+            .await?;
+        if status != 200 {
+            bail!("replay: {status} {body}");
+        }
+        body["replayed"].as_u64().context("replayed")
+    }
+
+    pub async fn get(&self, path: &str) -> anyhow::Result<(u16, Value)> {
+        self.call(reqwest::Method::GET, path, None).await
+    }
+}
+
+/// The real payloads of `shared/data`.
+pub fn samples() -> Vec<Sample> {
+    let path = sample_data::find(None).expect("shared/data/github-webhook-examples.json");
+    sample_data::load(&path).expect("examples load")
+}
+
+/// One published event as the tests track it.
+#[derive(Debug, Clone)]
+pub struct Published {
+    pub id: String,
+    pub event_type: String,
+    pub key: Option<String>,
+    pub payload: String,
+}
+
+/// `n` events drawn round-robin from the samples, keys `repo-<i % keys>`
+/// (`keys == 0`: unkeyed), ids `{prefix}-{i}`.
+pub fn real_events(
+    samples: &[Sample],
+    n: usize,
+    keys: usize,
+    prefix: &str,
+) -> (Vec<Value>, Vec<Published>) {
+    let mut json = Vec::with_capacity(n);
+    let mut tracked = Vec::with_capacity(n);
+    for i in 0..n {
+        let s = &samples[i % samples.len()];
+        let key = (keys > 0).then(|| format!("repo-{}", i % keys));
+        let id = format!("{prefix}-{i}");
+        let payload: Value = serde_json::from_str(&s.payload).expect("json");
+        let mut e = serde_json::json!({"id": id, "type": s.event_type, "payload": payload});
+        if let Some(k) = &key {
+            e["key"] = Value::String(k.clone());
+        }
+        json.push(e);
+        tracked.push(Published {
+            id,
+            event_type: s.event_type.clone(),
+            key,
+            payload: s.payload.clone(),
+        });
+    }
+    (json, tracked)
+}
+
+/// The deliveries the receiver should get for `events` over `handlers`.
+pub fn expected(events: &[Published], handlers: &[Registered]) -> Vec<Expected> {
+    let mut out = Vec::new();
+    for e in events {
+        for h in handlers {
+            if lanebus_store::route::any_matches(&h.routes, &e.event_type) {
+                out.push(Expected {
+                    handler: h.name.clone(),
+                    event_id: e.id.clone(),
+                    key: e.key.clone(),
+                });
+            }
+        }
+    }
+    out
+}

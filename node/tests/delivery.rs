@@ -1,0 +1,384 @@
+//! End-to-end delivery through a real node (in-process), its HTTP API, a
+//! real webhook receiver and a real database, on SQLite and PostgreSQL.
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Context as _};
+use common::{expected, real_events, samples, start_node, Api, Backend, TestDb};
+use lanebus_node::receiver::{Action, Expected, Receiver, Rule};
+use serde_json::Value;
+
+/// The issue's real-input run: the 329 GitHub payloads ten times over, 20
+/// keys, handlers `issues.*` and `*`. Every matching delivery arrives once,
+/// in `lanebus-sequence` order per (handler, key), signed per the spec, with
+/// the payload bytes unchanged.
+async fn real_input_ten_fold(backend: Backend) -> anyhow::Result<()> {
+    let db = TestDb::new(backend, "real_input").await?;
+    let rx = Receiver::start().await?;
+    let node = start_node(&db.url).await?;
+    let api = Api::new(&node.base_url());
+    let issues = api
+        .create_handler("issues", &rx.url("issues"), &["issues.*"], 8)
+        .await?;
+    let all = api.create_handler("all", &rx.url("all"), &["*"], 8).await?;
+    rx.set_secret("issues", &issues.secret);
+    rx.set_secret("all", &all.secret);
+
+    let samples = samples();
+    let (json, events) = real_events(&samples, samples.len() * 10, 20, "real");
+    let exp = expected(&events, &[issues.clone(), all.clone()]);
+    assert!(exp.len() > events.len(), "issues.* must match some events");
+
+    let t0 = Instant::now();
+    api.publish(&json, 100).await?;
+    let published = t0.elapsed();
+    let arrived = rx.wait_accepted(exp.len(), Duration::from_secs(180)).await;
+    let secs = t0.elapsed().as_secs_f64();
+    let v = rx.verdict(&exp);
+    ensure!(
+        arrived,
+        "only {} of {} deliveries arrived: {v:?}",
+        rx.accepted_distinct(),
+        exp.len()
+    );
+    println!(
+        "{backend:?}: {} events, {} deliveries in {secs:.2} s ({:.0} deliveries/s; publish took {:.2} s)",
+        events.len(),
+        exp.len(),
+        exp.len() as f64 / secs,
+        published.as_secs_f64()
+    );
+    ensure!(v.exact(), "{v:?}");
+
+    // Contract of DESIGN.md section 5, request by request.
+    let by_id: HashMap<&str, &common::Published> =
+        events.iter().map(|e| (e.id.as_str(), e)).collect();
+    let reqs = rx.requests();
+    ensure!(
+        reqs.len() == exp.len(),
+        "{} requests for {} deliveries: repeats without a cause",
+        reqs.len(),
+        exp.len()
+    );
+    for r in &reqs {
+        let e = by_id
+            .get(r.event_id.as_str())
+            .context("unknown webhook-id")?;
+        ensure!(r.signature_ok == Some(true), "signature of {}", r.event_id);
+        ensure!(r.attempt == 1, "attempt {} of {}", r.attempt, r.event_id);
+        ensure!(r.headers.get("content-type").map(String::as_str) == Some("application/json"));
+        ensure!(r.key == e.key, "lanebus-key of {}", r.event_id);
+        let prefix = format!(
+            "{{\"type\":{},\"timestamp\":\"",
+            serde_json::to_string(&e.event_type)?
+        );
+        ensure!(
+            r.body.starts_with(&prefix),
+            "body start of {}: {}",
+            r.event_id,
+            &r.body[..80.min(r.body.len())]
+        );
+        ensure!(
+            r.body.ends_with(&format!(",\"data\":{}}}", e.payload)),
+            "payload bytes of {} changed",
+            r.event_id
+        );
+        let body: Value = serde_json::from_str(&r.body)?;
+        chrono::DateTime::parse_from_rfc3339(body["timestamp"].as_str().context("timestamp")?)?;
+        let ts: i64 = r.headers["webhook-timestamp"].parse()?;
+        ensure!(
+            (chrono::Utc::now().timestamp() - ts).abs() < 300,
+            "webhook-timestamp {ts} is not now"
+        );
+    }
+    // Sequences grow per key.
+    let mut last: BTreeMap<(String, String), i64> = BTreeMap::new();
+    for r in &reqs {
+        let seq = r.sequence.context("lanebus-sequence")?;
+        let k = (r.handler.clone(), r.key.clone().unwrap_or_default());
+        ensure!(
+            last.get(&k).is_none_or(|&p| p < seq),
+            "sequence {seq} after {:?} for {k:?}",
+            last.get(&k)
+        );
+        last.insert(k, seq);
+    }
+    let counts = node.store().counts().await?;
+    ensure!(
+        counts.deliveries == 0 && counts.completions == exp.len() as i64,
+        "store counts {counts:?}"
+    );
+
+    if let Ok(python) = std::env::var("LANEBUS_TEST_PYTHON") {
+        cross_check_with_python(&python, &rx, &[issues, all])?;
+    } else {
+        println!("LANEBUS_TEST_PYTHON unset: skipping the standardwebhooks cross-check (scripts/test sets it)");
+    }
+    node.shutdown().await?;
+    db.drop_db().await;
+    Ok(())
+}
+
+/// Verifies some received requests with the official Python
+/// `standardwebhooks` package (`node/tests/verify_standardwebhooks.py`).
+fn cross_check_with_python(
+    python: &str,
+    rx: &Receiver,
+    handlers: &[common::Registered],
+) -> anyhow::Result<()> {
+    let secrets: HashMap<&str, &str> = handlers
+        .iter()
+        .map(|h| (h.name.as_str(), h.secret.as_str()))
+        .collect();
+    let reqs = rx.requests();
+    let picked: Vec<Value> = reqs
+        .iter()
+        .step_by((reqs.len() / 60).max(1))
+        .map(|r| serde_json::json!({"secret": secrets[r.handler.as_str()], "body": r.body, "headers": r.headers}))
+        .collect();
+    let path = std::env::temp_dir().join(format!(
+        "lanebus-swh-{}.json",
+        uuid::Uuid::now_v7().simple()
+    ));
+    std::fs::write(&path, serde_json::to_vec(&picked)?)?;
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/verify_standardwebhooks.py"
+    );
+    let out = std::process::Command::new(python)
+        .arg(script)
+        .arg(&path)
+        .output()
+        .context("run python")?;
+    let _ = std::fs::remove_file(&path);
+    ensure!(
+        out.status.success(),
+        "standardwebhooks rejected signatures: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!(
+        "standardwebhooks: {}",
+        String::from_utf8_lossy(&out.stdout).trim()
+    );
+    Ok(())
+}
+
+/// Keys whose receiver fails the first two attempts arrive in order with
+/// `lanebus-attempt` 3, and do not hold up the other keys.
+async fn failing_keys_retry_without_holding_up_others(backend: Backend) -> anyhow::Result<()> {
+    let db = TestDb::new(backend, "retry").await?;
+    let rx = Receiver::start().await?;
+    let node = start_node(&db.url).await?;
+    let api = Api::new(&node.base_url());
+    let all = api.create_handler("all", &rx.url("all"), &["*"], 8).await?;
+    rx.set_secret("all", &all.secret);
+    let failing = ["repo-0", "repo-1"];
+    for k in failing {
+        rx.add_rule(Rule {
+            handler: None,
+            key: Some(k.into()),
+            action: Action::FailFirst { n: 2, status: 500 },
+        });
+    }
+    let (json, events) = real_events(&samples(), 80, 10, "retry");
+    let exp = expected(&events, std::slice::from_ref(&all));
+    api.publish(&json, 100).await?;
+    ensure!(
+        rx.wait_accepted(exp.len(), Duration::from_secs(60)).await,
+        "not all delivered: {:?}",
+        rx.verdict(&exp)
+    );
+    let v = rx.verdict(&exp);
+    ensure!(v.exact(), "{v:?}");
+
+    let reqs = rx.requests();
+    let is_failing = |k: &Option<String>| k.as_deref().is_some_and(|k| failing.contains(&k));
+    let mut last_other: f64 = 0.0;
+    let mut last_failing: f64 = 0.0;
+    for r in reqs.iter().filter(|r| r.accepted()) {
+        if is_failing(&r.key) {
+            ensure!(
+                r.attempt == 3,
+                "{} of a failing key accepted at attempt {}",
+                r.event_id,
+                r.attempt
+            );
+            last_failing = last_failing.max(r.answered_ms);
+        } else {
+            ensure!(
+                r.attempt == 1,
+                "{} of a healthy key at attempt {}",
+                r.event_id,
+                r.attempt
+            );
+            last_other = last_other.max(r.answered_ms);
+        }
+    }
+    // Each failing delivery was tried exactly three times, attempts 1, 2, 3.
+    let mut attempts: HashMap<&str, Vec<u32>> = HashMap::new();
+    for r in reqs.iter().filter(|r| is_failing(&r.key)) {
+        attempts
+            .entry(r.event_id.as_str())
+            .or_default()
+            .push(r.attempt);
+    }
+    ensure!(
+        attempts.values().all(|a| a == &[1, 2, 3]),
+        "attempt headers: {attempts:?}"
+    );
+    ensure!(
+        last_other < last_failing,
+        "healthy keys finished at {last_other:.0} ms, failing keys at {last_failing:.0} ms: healthy keys were held up"
+    );
+    node.shutdown().await?;
+    db.drop_db().await;
+    Ok(())
+}
+
+/// A handler whose receiver always fails: its deliveries become dead letters
+/// after `max_attempts`, in order per key; after the receiver recovers, a
+/// replay delivers them all.
+async fn dead_letters_then_replay(backend: Backend) -> anyhow::Result<()> {
+    let db = TestDb::new(backend, "dead").await?;
+    let rx = Receiver::start().await?;
+    let node = start_node(&db.url).await?;
+    let api = Api::new(&node.base_url());
+    let bad = api.create_handler("bad", &rx.url("bad"), &["*"], 3).await?;
+    rx.set_secret("bad", &bad.secret);
+    rx.add_rule(Rule {
+        handler: Some("bad".into()),
+        key: None,
+        action: Action::Status {
+            status: 500,
+            retry_after: None,
+        },
+    });
+    let (json, events) = real_events(&samples(), 12, 3, "dead");
+    api.publish(&json, 100).await?;
+
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let letters = loop {
+        let letters = api.dead_letters(&bad.id).await?;
+        if letters.len() >= events.len() {
+            break letters;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "only {} of {} dead letters",
+            letters.len(),
+            events.len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    ensure!(
+        letters.len() == events.len(),
+        "{} dead letters",
+        letters.len()
+    );
+    for l in &letters {
+        ensure!(l["attempts"] == 3, "attempts of {l}");
+        ensure!(
+            l["last_error"].as_str().is_some_and(|e| e.contains("500")),
+            "last_error of {l}"
+        );
+    }
+    let reqs = rx.requests();
+    ensure!(
+        reqs.len() == events.len() * 3,
+        "{} requests for {} events x 3 attempts",
+        reqs.len(),
+        events.len()
+    );
+    // Per key, n+1 is tried only after n was dead-lettered: all three
+    // attempts of n come before the first of n+1.
+    let mut per_key: HashMap<String, Vec<i64>> = HashMap::new();
+    for r in &reqs {
+        per_key
+            .entry(r.key.clone().unwrap_or_default())
+            .or_default()
+            .push(r.sequence.unwrap_or(0));
+    }
+    for (k, seqs) in &per_key {
+        ensure!(
+            seqs.windows(2).all(|w| w[0] <= w[1]),
+            "key {k}: attempts interleaved {seqs:?}"
+        );
+    }
+
+    rx.clear_rules();
+    let replayed = api.replay(&bad.id).await?;
+    ensure!(replayed == events.len() as u64, "replayed {replayed}");
+    let exp: Vec<Expected> = events
+        .iter()
+        .map(|e| Expected {
+            handler: "bad".into(),
+            event_id: e.id.clone(),
+            key: e.key.clone(),
+        })
+        .collect();
+    ensure!(
+        rx.wait_accepted(exp.len(), Duration::from_secs(30)).await,
+        "replay did not deliver: {:?}",
+        rx.verdict(&exp)
+    );
+    let v = rx.verdict(&exp);
+    ensure!(
+        v.lost == 0 && v.duplicated == 0 && v.bad_signatures == 0,
+        "{v:?}"
+    );
+    ensure!(
+        api.dead_letters(&bad.id).await?.is_empty(),
+        "dead letters left after replay"
+    );
+    let accepted: Vec<u32> = rx
+        .requests()
+        .iter()
+        .filter(|r| r.accepted())
+        .map(|r| r.attempt)
+        .collect();
+    ensure!(
+        accepted.iter().all(|&a| a == 1),
+        "replayed deliveries start again at attempt 1: {accepted:?}"
+    );
+    node.shutdown().await?;
+    db.drop_db().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_input_ten_fold_sqlite() {
+    real_input_ten_fold(Backend::Sqlite).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_input_ten_fold_postgres() {
+    real_input_ten_fold(Backend::Postgres).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_keys_retry_without_holding_up_others_sqlite() {
+    failing_keys_retry_without_holding_up_others(Backend::Sqlite)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_keys_retry_without_holding_up_others_postgres() {
+    failing_keys_retry_without_holding_up_others(Backend::Postgres)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_then_replay_sqlite() {
+    dead_letters_then_replay(Backend::Sqlite).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_then_replay_postgres() {
+    dead_letters_then_replay(Backend::Postgres).await.unwrap();
+}
