@@ -212,6 +212,12 @@ impl Receiver {
         self.lock().rules.clear();
     }
 
+    /// Milliseconds since the receiver started (the time base of
+    /// [`Received::arrived_ms`]).
+    pub fn now_ms(&self) -> f64 {
+        self.shared.start.elapsed().as_secs_f64() * 1e3
+    }
+
     /// A copy of every request recorded so far, in arrival order.
     pub fn requests(&self) -> Vec<Received> {
         self.lock().log.clone()
