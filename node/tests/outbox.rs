@@ -1,0 +1,105 @@
+//! The transactional outbox (DESIGN.md section 7, invariant 5): events
+//! published inside the caller's transaction are delivered if and only if
+//! the caller commits, and a transaction that commits late is not skipped by
+//! the lane owners' claim cursor.
+
+mod common;
+
+use std::time::Duration;
+
+use anyhow::ensure;
+use common::{start_node, Api, Backend, TestDb};
+use lanebus_node::receiver::Receiver;
+use lanebus_store::NewEvent;
+
+fn event(id: &str, key: &str) -> NewEvent {
+    NewEvent {
+        id: Some(id.into()),
+        event_type: "invoice.paid".into(),
+        key: Some(key.into()),
+        payload: br#"{"n":1}"#.to_vec(),
+    }
+}
+
+fn api_events(prefix: &str, n: usize, key: &str) -> Vec<serde_json::Value> {
+    (0..n)
+        .map(|i| serde_json::json!({"id": format!("{prefix}-{i}"), "type": "invoice.created", "key": key, "payload": {"i": i}}))
+        .collect()
+}
+
+fn got(rx: &Receiver, id: &str) -> bool {
+    rx.requests()
+        .iter()
+        .any(|r| r.event_id == id && r.accepted())
+}
+
+/// SQLite: a transaction holds the file's write lock while open, so other
+/// publishers wait for it (documented on `SqliteStore::publish_in`); what is
+/// checked here is commit → delivered, rollback → never.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_in_delivers_on_commit_only_sqlite() {
+    run_sqlite().await.unwrap();
+}
+
+async fn run_sqlite() -> anyhow::Result<()> {
+    let db = TestDb::new(Backend::Sqlite, "outbox").await?;
+    let rx = Receiver::start().await?;
+    let node = start_node(&db.url).await?;
+    let api = Api::new(&node.base_url());
+    let h = api.create_handler("all", &rx.url("all"), &["*"], 8).await?;
+    rx.set_secret("all", &h.secret);
+    // The application's own connection pool on the same file.
+    let app = lanebus_store::sqlite::SqliteStore::connect(&db.url).await?;
+
+    api.publish(&api_events("before", 10, "k-before"), 100)
+        .await?;
+    ensure!(
+        rx.wait_accepted(10, Duration::from_secs(30)).await,
+        "events before the transaction"
+    );
+
+    let mut tx = app.pool().begin_with("BEGIN IMMEDIATE").await?;
+    app.publish_in(&mut tx, vec![event("late-commit", "k-late")])
+        .await?;
+    // While the transaction is open the event does not exist for anyone.
+    let early = rx
+        .wait_until(Duration::from_secs(1), |log| {
+            log.iter().any(|r| r.event_id == "late-commit")
+        })
+        .await;
+    ensure!(!early, "an event of an open transaction was delivered");
+    tx.commit().await?;
+    ensure!(
+        rx.wait_until(Duration::from_secs(30), |log| log
+            .iter()
+            .any(|r| r.event_id == "late-commit" && r.accepted()))
+            .await,
+        "committed event not delivered"
+    );
+
+    let mut tx = app.pool().begin_with("BEGIN IMMEDIATE").await?;
+    app.publish_in(&mut tx, vec![event("rolled-back", "k-late")])
+        .await?;
+    tx.rollback().await?;
+    api.publish(&api_events("after", 1, "k-late"), 100).await?;
+    ensure!(
+        rx.wait_until(Duration::from_secs(30), |log| log
+            .iter()
+            .any(|r| r.event_id == "after-0" && r.accepted()))
+            .await,
+        "event after the rollback not delivered"
+    );
+    ensure!(
+        !got(&rx, "rolled-back"),
+        "a rolled-back event was delivered"
+    );
+    let counts = node.store().counts().await?;
+    ensure!(
+        counts.events == 12,
+        "store holds {} events, expected 12 (the rolled-back one must not exist)",
+        counts.events
+    );
+    node.shutdown().await?;
+    db.drop_db().await;
+    Ok(())
+}
