@@ -406,13 +406,8 @@ async fn hook(
     let mut out_headers = HeaderMap::new();
     let status = match action {
         None => 200,
-        Some((Action::FailFirst { n, status }, seen)) => {
-            if seen <= n {
-                status
-            } else {
-                200
-            }
-        }
+        Some((Action::FailFirst { n, status }, seen)) if seen <= n => status,
+        Some((Action::FailFirst { .. }, _)) => 200,
         Some((
             Action::Status {
                 status,

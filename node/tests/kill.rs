@@ -142,7 +142,9 @@ async fn killed_and_restarted(backend: Backend) -> anyhow::Result<()> {
 
     // Repeats: only deliveries in flight at the kill, at most one per
     // (handler, key), first accepted before the kill, again after it.
-    let mut accepted: HashMap<(String, String), Vec<(f64, Option<String>)>> = HashMap::new();
+    // (handler, event id) -> (arrival in ms, key) of each acceptance.
+    type Acceptances = HashMap<(String, String), Vec<(f64, Option<String>)>>;
+    let mut accepted: Acceptances = HashMap::new();
     for r in rx.requests().iter().filter(|r| r.accepted()) {
         accepted
             .entry((r.handler.clone(), r.event_id.clone()))
