@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
+use lanebus_store::postgres::PgStore;
 use lanebus_store::sqlite::SqliteStore;
 use lanebus_store::*;
 
@@ -95,6 +96,103 @@ impl Harness for SqliteHarness {
     }
 }
 
+const PG_URL_VAR: &str = "LANEBUS_TEST_POSTGRES_URL";
+
+fn pg_admin_url() -> String {
+    std::env::var(PG_URL_VAR).unwrap_or_else(|_| {
+        panic!(
+            "{PG_URL_VAR} is not set: the PostgreSQL conformance tests need a server. Run `scripts/test` \
+             (it starts a throwaway PostgreSQL), or start one with `scripts/pg-start DIR` and export \
+             {PG_URL_VAR}=<the URL it prints>"
+        )
+    })
+}
+
+/// `url` with its database name replaced by `db`.
+fn with_database(url: &str, db: &str) -> String {
+    let (base, query) = match url.find('?') {
+        Some(i) => (&url[..i], &url[i..]),
+        None => (url, ""),
+    };
+    let scheme_end = base.find("://").map_or(0, |i| i + 3);
+    let host_end = base[scheme_end..]
+        .find('/')
+        .map_or(base.len(), |i| scheme_end + i);
+    format!("{}/{db}{query}", &base[..host_end])
+}
+
+struct PgHarness {
+    admin_url: String,
+    db: String,
+    url: String,
+    store: Arc<PgStore>,
+}
+
+impl PgHarness {
+    async fn new() -> Self {
+        use sqlx::Connection as _;
+        let admin_url = pg_admin_url();
+        let db = format!("lanebus_t_{}", uuid::Uuid::new_v4().simple());
+        let mut admin = sqlx::PgConnection::connect(&admin_url)
+            .await
+            .unwrap_or_else(|e| panic!("cannot connect to {PG_URL_VAR}={admin_url}: {e}"));
+        sqlx::query(&format!("CREATE DATABASE {db}"))
+            .execute(&mut admin)
+            .await
+            .expect("create test database");
+        let _ = admin.close().await;
+        let url = with_database(&admin_url, &db);
+        let store = Arc::new(PgStore::connect(&url).await.expect("open postgres store"));
+        PgHarness {
+            admin_url,
+            db,
+            url,
+            store,
+        }
+    }
+}
+
+#[async_trait]
+impl Harness for PgHarness {
+    fn store(&self) -> Arc<dyn Store> {
+        self.store.clone()
+    }
+    async fn reopen(&self) -> Arc<dyn Store> {
+        Arc::new(
+            PgStore::connect_with_lanes(&self.url, 8)
+                .await
+                .expect("reopen postgres store"),
+        )
+    }
+    async fn publish_in_many(
+        &self,
+        batches: Vec<Vec<NewEvent>>,
+        commit: bool,
+    ) -> Result<Vec<PublishOutcome>> {
+        let mut tx = self.store.pool().begin().await?;
+        let mut out = Vec::new();
+        for b in batches {
+            out.push(self.store.publish_in(&mut tx, b).await?);
+        }
+        if commit {
+            tx.commit().await?;
+        } else {
+            tx.rollback().await?;
+        }
+        Ok(out)
+    }
+    async fn cleanup(&self) {
+        use sqlx::Connection as _;
+        self.store.pool().close().await;
+        if let Ok(mut admin) = sqlx::PgConnection::connect(&self.admin_url).await {
+            let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.db))
+                .execute(&mut admin)
+                .await;
+            let _ = admin.close().await;
+        }
+    }
+}
+
 macro_rules! conformance {
     ($($name:ident),* $(,)?) => {
         mod sqlite {
@@ -102,6 +200,16 @@ macro_rules! conformance {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
                 async fn $name() {
                     let h = super::SqliteHarness::new().await;
+                    super::$name(&h).await;
+                    super::Harness::cleanup(&h).await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $name() {
+                    let h = super::PgHarness::new().await;
                     super::$name(&h).await;
                     super::Harness::cleanup(&h).await;
                 }

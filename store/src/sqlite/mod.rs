@@ -380,13 +380,3 @@ impl Store for SqliteStore {
         Ok(Wakeups::Poll)
     }
 }
-
-#[cfg(test)]
-mod send_check {
-    fn assert_send<T: Send>(_: &T) {}
-    #[allow(dead_code)]
-    fn futures_are_send(s: &super::SqliteStore) {
-        assert_send(&super::SqliteStore::connect("sqlite://x"));
-        assert_send(&s.migrate());
-    }
-}

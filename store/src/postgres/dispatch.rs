@@ -1,0 +1,208 @@
+//! Dispatch: fencing, claims, completions, reschedules, dead letters, replay.
+//! Each is one statement whatever the batch size; the batch travels as
+//! arrays (`unnest`), and every write joins `lanes` on (lane, epoch).
+
+use std::collections::HashSet;
+
+use chrono::{DateTime, Utc};
+use sqlx::postgres::PgRow;
+use sqlx::{PgPool, Row};
+
+use super::map_err;
+use crate::common::to_u32;
+use crate::*;
+
+pub(super) async fn fence(pool: &PgPool, lane: Lane, owner: &str, epoch: Epoch) -> Result<bool> {
+    let row: Option<(Option<String>, i64)> = sqlx::query_as(
+        "WITH u AS (UPDATE lanes SET epoch = $3, owner = $2 WHERE lane = $1 AND epoch < $3 RETURNING owner, epoch) \
+         SELECT owner, epoch FROM u \
+         UNION ALL \
+         SELECT owner, epoch FROM lanes WHERE lane = $1 AND NOT EXISTS (SELECT 1 FROM u)",
+    )
+    .bind(i32::from(lane))
+    .bind(owner)
+    .bind(epoch)
+    .fetch_optional(pool)
+    .await
+    .map_err(map_err)?;
+    Ok(matches!(row, Some((Some(o), e)) if o == owner && e == epoch))
+}
+
+pub(super) async fn claim(pool: &PgPool, claims: &[LaneClaim]) -> Result<Vec<LaneBatch>> {
+    let lanes: Vec<i32> = claims.iter().map(|c| i32::from(c.lane)).collect();
+    let epochs: Vec<i64> = claims.iter().map(|c| c.epoch).collect();
+    let afters: Vec<i64> = claims.iter().map(|c| c.after).collect();
+    let limits: Vec<i32> = claims
+        .iter()
+        .map(|c| i32::try_from(c.limit).unwrap_or(i32::MAX))
+        .collect();
+    let rows = sqlx::query(include_str!("sql/claim.sql"))
+        .bind(&lanes)
+        .bind(&epochs)
+        .bind(&afters)
+        .bind(&limits)
+        .fetch_all(pool)
+        .await
+        .map_err(map_err)?;
+
+    let mut batches: Vec<LaneBatch> = claims
+        .iter()
+        .map(|c| LaneBatch {
+            lane: c.lane,
+            owned: false,
+            deliveries: Vec::new(),
+            next_after: c.after,
+        })
+        .collect();
+    // Per lane: the snapshot's xmin and the largest xid returned.
+    let mut xmin = 0i64;
+    let mut max_xid: Vec<Option<i64>> = vec![None; claims.len()];
+    for row in &rows {
+        let ord: i64 = row.try_get("ord").map_err(map_err)?;
+        let i = usize::try_from(ord - 1)
+            .ok()
+            .filter(|&i| i < batches.len())
+            .ok_or_else(|| StoreError::Database(format!("claim returned lane position {ord}")))?;
+        batches[i].owned = row.try_get("owned").map_err(map_err)?;
+        xmin = row.try_get("xmin").map_err(map_err)?;
+        let xid: Option<i64> = row.try_get("xid").map_err(map_err)?;
+        if let Some(xid) = xid {
+            max_xid[i] = Some(max_xid[i].map_or(xid, |m| m.max(xid)));
+            batches[i]
+                .deliveries
+                .push(delivery_from_row(row, claims[i].lane)?);
+        }
+    }
+    for ((b, c), top) in batches.iter_mut().zip(claims).zip(max_xid) {
+        if !b.owned {
+            continue;
+        }
+        // Everything below xmin was visible to this claim and has been read,
+        // except past a limit cut: then only up to the last xid read (whose
+        // rows all came back, WITH TIES).
+        let cut = b.deliveries.len() >= c.limit as usize;
+        let next = match top {
+            Some(top) if cut => xmin.min(top.saturating_add(1)),
+            // A zero limit read nothing: keep the cursor.
+            None if cut => c.after,
+            _ => xmin,
+        };
+        b.next_after = next.max(c.after);
+    }
+    Ok(batches)
+}
+
+fn delivery_from_row(row: &PgRow, lane: Lane) -> Result<Delivery> {
+    let need = |what: &str| StoreError::Database(format!("claim row without {what}"));
+    let attempts: Option<i32> = row.try_get("attempts").map_err(map_err)?;
+    let payload: Option<Vec<u8>> = row.try_get("payload").map_err(map_err)?;
+    let due_at: Option<DateTime<Utc>> = row.try_get("due_at").map_err(map_err)?;
+    let published_at: Option<DateTime<Utc>> = row.try_get("published_at").map_err(map_err)?;
+    Ok(Delivery {
+        id: row
+            .try_get::<Option<i64>, _>("id")
+            .map_err(map_err)?
+            .ok_or_else(|| need("id"))?,
+        lane,
+        handler_id: row
+            .try_get::<Option<String>, _>("handler_id")
+            .map_err(map_err)?
+            .ok_or_else(|| need("handler_id"))?,
+        event_id: row
+            .try_get::<Option<String>, _>("event_id")
+            .map_err(map_err)?
+            .ok_or_else(|| need("event_id"))?,
+        event_type: row
+            .try_get::<Option<String>, _>("type")
+            .map_err(map_err)?
+            .ok_or_else(|| need("type"))?,
+        key: row.try_get("key").map_err(map_err)?,
+        seq: row.try_get("seq").map_err(map_err)?,
+        attempts: to_u32(i64::from(attempts.ok_or_else(|| need("attempts"))?)),
+        due_at: due_at.ok_or_else(|| need("due_at"))?,
+        last_error: row.try_get("last_error").map_err(map_err)?,
+        payload: payload.ok_or_else(|| need("payload"))?.into(),
+        published_at: published_at.ok_or_else(|| need("published_at"))?,
+    })
+}
+
+/// Keeps the first occurrence of each id.
+fn first_by_id<T, F: Fn(&T) -> i64>(items: &[T], id: F) -> Vec<&T> {
+    let mut seen = HashSet::with_capacity(items.len());
+    items.iter().filter(|i| seen.insert(id(i))).collect()
+}
+
+fn i32_of(v: u32) -> i32 {
+    i32::try_from(v).unwrap_or(i32::MAX)
+}
+
+pub(super) async fn complete(pool: &PgPool, done: &[DeliveryRef]) -> Result<Vec<i64>> {
+    let refs = first_by_id(done, |r| r.id);
+    let ids: Vec<i64> = refs.iter().map(|r| r.id).collect();
+    let lanes: Vec<i32> = refs.iter().map(|r| i32::from(r.lane)).collect();
+    let epochs: Vec<i64> = refs.iter().map(|r| r.epoch).collect();
+    let attempts: Vec<i32> = refs.iter().map(|r| i32_of(r.attempts)).collect();
+    sqlx::query_scalar(include_str!("sql/complete.sql"))
+        .bind(&ids)
+        .bind(&lanes)
+        .bind(&epochs)
+        .bind(&attempts)
+        .fetch_all(pool)
+        .await
+        .map_err(map_err)
+}
+
+pub(super) async fn reschedule(pool: &PgPool, items: &[Reschedule]) -> Result<Vec<i64>> {
+    let items = first_by_id(items, |r| r.id);
+    let ids: Vec<i64> = items.iter().map(|r| r.id).collect();
+    let lanes: Vec<i32> = items.iter().map(|r| i32::from(r.lane)).collect();
+    let epochs: Vec<i64> = items.iter().map(|r| r.epoch).collect();
+    let attempts: Vec<i32> = items.iter().map(|r| i32_of(r.attempts)).collect();
+    let due: Vec<DateTime<Utc>> = items.iter().map(|r| r.due_at).collect();
+    let errors: Vec<&str> = items.iter().map(|r| r.last_error.as_str()).collect();
+    let mut out: Vec<i64> = sqlx::query_scalar(include_str!("sql/reschedule.sql"))
+        .bind(&ids)
+        .bind(&lanes)
+        .bind(&epochs)
+        .bind(&attempts)
+        .bind(&due)
+        .bind(&errors)
+        .fetch_all(pool)
+        .await
+        .map_err(map_err)?;
+    out.sort_unstable();
+    Ok(out)
+}
+
+pub(super) async fn dead_letter(pool: &PgPool, items: &[DeadLetterRequest]) -> Result<Vec<i64>> {
+    let items = first_by_id(items, |r| r.id);
+    let ids: Vec<i64> = items.iter().map(|r| r.id).collect();
+    let lanes: Vec<i32> = items.iter().map(|r| i32::from(r.lane)).collect();
+    let epochs: Vec<i64> = items.iter().map(|r| r.epoch).collect();
+    let attempts: Vec<i32> = items.iter().map(|r| i32_of(r.attempts)).collect();
+    let errors: Vec<&str> = items.iter().map(|r| r.last_error.as_str()).collect();
+    sqlx::query_scalar(include_str!("sql/dead_letter.sql"))
+        .bind(&ids)
+        .bind(&lanes)
+        .bind(&epochs)
+        .bind(&attempts)
+        .bind(&errors)
+        .fetch_all(pool)
+        .await
+        .map_err(map_err)
+}
+
+pub(super) async fn replay_dead_letters(
+    pool: &PgPool,
+    ids: &[i64],
+    handler_id: Option<&str>,
+) -> Result<u64> {
+    let ids: Option<&[i64]> = if ids.is_empty() { None } else { Some(ids) };
+    let (replayed, _notified): (i64, i64) = sqlx::query_as(include_str!("sql/replay.sql"))
+        .bind(ids)
+        .bind(handler_id)
+        .fetch_one(pool)
+        .await
+        .map_err(map_err)?;
+    Ok(u64::try_from(replayed).unwrap_or_default())
+}

@@ -1,0 +1,99 @@
+//! Publish: one statement (`sql/publish.sql`) per batch.
+//!
+//! The statement checks client-supplied ids against `events`, raises the
+//! batch's key counters (row locks taken in key order), inserts the events
+//! and one delivery per matching enabled handler, and sends one NOTIFY. It
+//! runs in autocommit for [`Store::publish`](crate::Store::publish) (so a
+//! publish is one round trip: no BEGIN/COMMIT), or inside the caller's
+//! transaction for [`PgStore::publish_in`](super::PgStore::publish_in).
+
+use sqlx::PgConnection;
+
+use super::map_err;
+use crate::common::PublishPlan;
+use crate::{PublishOutcome, Result};
+
+/// Attempts of a publish that lost a race (a concurrent publisher of the same
+/// id, or a deadlock between two publishers inserting each other's ids).
+pub(super) const PUBLISH_ATTEMPTS: usize = 5;
+
+/// Whether `e` is worth retrying the whole publish for: unique violation
+/// (`23505`), deadlock (`40P01`) or serialization failure (`40001`).
+pub(super) fn is_retryable(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(db) => {
+            matches!(db.code().as_deref(), Some("23505" | "40P01" | "40001"))
+        }
+        _ => false,
+    }
+}
+
+/// The statement's parameters, borrowed from the plan.
+pub(super) struct PublishArgs<'a> {
+    ids: Vec<&'a str>,
+    types: Vec<&'a str>,
+    keys: Vec<Option<&'a str>>,
+    lanes: Vec<i32>,
+    payloads: Vec<&'a [u8]>,
+    client: Vec<bool>,
+}
+
+impl<'a> PublishArgs<'a> {
+    pub(super) fn new(plan: &'a PublishPlan) -> Self {
+        let n = plan.fresh.len();
+        let mut a = PublishArgs {
+            ids: Vec::with_capacity(n),
+            types: Vec::with_capacity(n),
+            keys: Vec::with_capacity(n),
+            lanes: Vec::with_capacity(n),
+            payloads: Vec::with_capacity(n),
+            client: Vec::with_capacity(n),
+        };
+        for e in &plan.fresh {
+            a.ids.push(&e.id);
+            a.types.push(&e.event_type);
+            a.keys.push(e.key.as_deref());
+            a.lanes.push(i32::from(e.lane));
+            a.payloads.push(&e.payload);
+            a.client.push(e.client_id);
+        }
+        a
+    }
+}
+
+/// Runs the publish statement once on `conn`. Returns the number of events
+/// accepted. Errors are raw sqlx errors so the caller can decide to retry.
+pub(super) async fn run(
+    conn: &mut PgConnection,
+    args: &PublishArgs<'_>,
+) -> Result<usize, sqlx::Error> {
+    if args.ids.is_empty() {
+        return Ok(0);
+    }
+    let (accepted, _deliveries, _notified): (i64, i64, i64) =
+        sqlx::query_as(include_str!("sql/publish.sql"))
+            .bind(&args.ids)
+            .bind(&args.types)
+            .bind(&args.keys)
+            .bind(&args.lanes)
+            .bind(&args.payloads)
+            .bind(&args.client)
+            .fetch_one(conn)
+            .await?;
+    Ok(usize::try_from(accepted).unwrap_or_default())
+}
+
+/// The outcome of a plan whose statement accepted `accepted` events.
+pub(super) fn outcome(plan: PublishPlan, accepted: usize) -> PublishOutcome {
+    let stored_duplicates = plan.fresh.len().saturating_sub(accepted);
+    PublishOutcome {
+        accepted,
+        duplicates: plan.duplicates + stored_duplicates,
+        ids: plan.ids,
+    }
+}
+
+/// Maps a final (not retried) publish error.
+pub(super) fn final_error(e: sqlx::Error) -> crate::StoreError {
+    map_err(e)
+}

@@ -1,0 +1,64 @@
+-- One publish, one statement (DESIGN.md section 3: one statement per
+-- publish). Parameters, one array element per event not repeated within the
+-- batch, in batch order:
+--   $1 ids text[], $2 types text[], $3 keys text[] (NULL = unkeyed),
+--   $4 lanes int[], $5 payloads bytea[], $6 client-supplied id? bool[]
+-- Returns accepted (new events) and deliveries (rows created).
+WITH input AS (
+    -- Ids already stored are duplicates. Only client-supplied ids are looked
+    -- up (generated UUIDv7s are new). A concurrent publisher of the same id
+    -- makes the events insert fail with a unique violation; the caller
+    -- retries the whole statement, which then sees the stored row.
+    SELECT i.*
+    FROM unnest($1::text[], $2::text[], $3::text[], $4::int[], $5::bytea[], $6::bool[])
+         WITH ORDINALITY AS i (id, type, key, lane, payload, client, ord)
+    WHERE NOT (i.client AND EXISTS (SELECT 1 FROM events x WHERE x.id = i.id))
+),
+ks AS (
+    -- Raise each key's counter by its count in the batch, locking the key
+    -- rows in key order (no deadlock between publishers). A rollback gives
+    -- the numbers back. xid: the key's cursor value, never lower than a
+    -- previous transaction's for the same key (claim order = seq order).
+    INSERT INTO key_seqs AS k (key, seq, xid)
+    SELECT key, count(*), pg_current_xact_id()::text::bigint
+    FROM input
+    WHERE key IS NOT NULL
+    GROUP BY key
+    ORDER BY key
+    ON CONFLICT (key) DO UPDATE SET seq = k.seq + excluded.seq, xid = greatest(k.xid, excluded.xid)
+    RETURNING k.key, k.seq, k.xid
+),
+ev AS (
+    -- The batch's numbers for a key are seq - count + 1 ..= seq, in batch order.
+    INSERT INTO events (id, type, key, lane, seq, payload)
+    SELECT i.id, i.type, i.key, i.lane,
+           ks.seq - count(*) OVER (PARTITION BY i.key) + row_number() OVER (PARTITION BY i.key ORDER BY i.ord),
+           i.payload
+    FROM input i
+    LEFT JOIN ks ON ks.key = i.key
+    ORDER BY i.id
+    RETURNING id, type, key, lane, seq
+),
+dl AS (
+    -- One delivery per enabled handler whose route matches: the exact type,
+    -- or a pattern ending in '*' whose prefix starts the type. Matched here so
+    -- handlers registered by other nodes count without a cache. Inserted in
+    -- sequence order so a key's delivery ids follow its sequence numbers.
+    INSERT INTO deliveries (xid, lane, handler_id, event_id, key, seq)
+    SELECT coalesce(ks.xid, pg_current_xact_id()::text::bigint), ev.lane, h.id, ev.id, ev.key, ev.seq
+    FROM ev
+    LEFT JOIN ks ON ks.key = ev.key
+    JOIN handlers h
+      ON h.state = 'enabled'
+     AND EXISTS (
+            SELECT 1 FROM unnest(h.event_types) AS p
+            WHERE p = ev.type OR (right(p, 1) = '*' AND starts_with(ev.type, left(p, -1)))
+         )
+    ORDER BY ev.seq, ev.id, h.pos
+    RETURNING 1
+)
+SELECT
+    (SELECT count(*) FROM ev) AS accepted,
+    (SELECT count(*) FROM dl) AS deliveries,
+    -- One wake-up per transaction at most (and none when nothing is to deliver).
+    (SELECT count(*) FROM (SELECT pg_notify('lanebus', '') FROM (SELECT 1 FROM dl LIMIT 1) AS one) AS n) AS notified

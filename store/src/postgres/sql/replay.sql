@@ -1,0 +1,19 @@
+-- Replays dead letters, one statement: delete them and insert fresh
+-- deliveries (attempts 0, due now, new ids; the default xid is this
+-- transaction's, so the lane owner's cursor sees them). Dead letters of a
+-- deleted handler stay.
+--   $1 dead-letter ids bigint[] (NULL: any), $2 handler id (NULL: any)
+WITH dl AS (
+    DELETE FROM dead_letters
+    WHERE ($1::bigint[] IS NULL OR id = ANY ($1::bigint[]))
+      AND ($2::text IS NULL OR handler_id = $2::text)
+      AND handler_id IN (SELECT id FROM handlers)
+    RETURNING id, handler_id, event_id, lane, key, seq
+),
+ins AS (
+    INSERT INTO deliveries (lane, handler_id, event_id, key, seq)
+    SELECT lane, handler_id, event_id, key, seq FROM dl ORDER BY id
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM ins) AS replayed,
+       (SELECT count(*) FROM (SELECT pg_notify('lanebus', '') FROM (SELECT 1 FROM ins LIMIT 1) AS one) AS n) AS notified
