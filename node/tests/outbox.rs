@@ -103,3 +103,82 @@ async fn run_sqlite() -> anyhow::Result<()> {
     db.drop_db().await;
     Ok(())
 }
+
+/// PostgreSQL: a transaction held open for 3 s while other events publish
+/// and are delivered; its event is delivered after the commit (the claim
+/// cursor re-reads from the oldest open transaction, so a late commit is not
+/// skipped), and a rolled-back event never is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_in_delivers_on_commit_only_postgres() {
+    run_postgres().await.unwrap();
+}
+
+async fn run_postgres() -> anyhow::Result<()> {
+    let db = TestDb::new(Backend::Postgres, "outbox").await?;
+    let rx = Receiver::start().await?;
+    let node = start_node(&db.url).await?;
+    let api = Api::new(&node.base_url());
+    let h = api.create_handler("all", &rx.url("all"), &["*"], 8).await?;
+    rx.set_secret("all", &h.secret);
+    let app = lanebus_store::postgres::PgStore::connect(&db.url).await?;
+
+    let opened = std::time::Instant::now();
+    let mut tx = app.pool().begin().await?;
+    app.publish_in(&mut tx, vec![event("late-commit", "k-late")])
+        .await?;
+    let mut tx_rb = app.pool().begin().await?;
+    app.publish_in(&mut tx_rb, vec![event("rolled-back", "k-rb")])
+        .await?;
+
+    // Meanwhile, other events (other keys) publish and are delivered.
+    let mut others = Vec::new();
+    for k in 0..5 {
+        others.extend(api_events(&format!("during-{k}"), 10, &format!("k-{k}")));
+    }
+    api.publish(&others, 10).await?;
+    ensure!(
+        rx.wait_accepted(others.len(), Duration::from_secs(30))
+            .await,
+        "events published during the open transaction"
+    );
+    ensure!(
+        opened.elapsed() < Duration::from_secs(3),
+        "the others took too long to prove anything"
+    );
+    ensure!(
+        !got(&rx, "late-commit"),
+        "an event of an open transaction was delivered"
+    );
+
+    tokio::time::sleep(Duration::from_secs(3).saturating_sub(opened.elapsed())).await;
+    tx.commit().await?;
+    tx_rb.rollback().await?;
+    ensure!(
+        rx.wait_until(Duration::from_secs(30), |log| log
+            .iter()
+            .any(|r| r.event_id == "late-commit" && r.accepted()))
+            .await,
+        "the late commit was not delivered"
+    );
+    api.publish(&api_events("after", 1, "k-rb"), 100).await?;
+    ensure!(
+        rx.wait_until(Duration::from_secs(30), |log| log
+            .iter()
+            .any(|r| r.event_id == "after-0" && r.accepted()))
+            .await,
+        "event after the rollback not delivered"
+    );
+    ensure!(
+        !got(&rx, "rolled-back"),
+        "a rolled-back event was delivered"
+    );
+    let counts = node.store().counts().await?;
+    ensure!(
+        counts.events == 52,
+        "store holds {} events, expected 52",
+        counts.events
+    );
+    node.shutdown().await?;
+    db.drop_db().await;
+    Ok(())
+}
