@@ -235,6 +235,7 @@ conformance!(
     claim_cursor_and_limit_read_everything_once_in_order,
     handler_catalog_validates_and_round_trips,
     reopening_keeps_lanes_and_data,
+    concurrent_publishes_of_one_id_store_it_once,
 );
 
 // ---------------------------------------------------------------------------
@@ -1313,4 +1314,300 @@ async fn reopening_keeps_lanes_and_data(h: &dyn Harness) {
     assert!(ds
         .iter()
         .any(|d| d.event_id == "seen" && d.handler_id == b.id));
+}
+
+async fn concurrent_publishes_of_one_id_store_it_once(h: &dyn Harness) {
+    let s = h.store();
+    handler(&*s, "all", &["*"]).await;
+    let mut tasks = Vec::new();
+    for p in 0..8 {
+        let st = if p % 2 == 0 {
+            s.clone()
+        } else {
+            h.reopen().await
+        };
+        tasks.push(tokio::spawn(async move {
+            let mut accepted = 0;
+            for i in 0..10 {
+                let batch = vec![
+                    ev(Some(&format!("same-{i}")), "t.x", Some("k")),
+                    ev(Some(&format!("same-{}", (i + 1) % 10)), "t.x", Some("k")),
+                ];
+                let out = st.publish(batch).await.expect("publish");
+                assert_eq!(out.accepted + out.duplicates, 2);
+                accepted += out.accepted;
+            }
+            accepted
+        }));
+    }
+    let mut accepted = 0;
+    for t in tasks {
+        accepted += t.await.expect("publisher task");
+    }
+    assert_eq!(accepted, 10, "each id accepted exactly once");
+    let c = counts(&*s).await;
+    assert_eq!((c.events, c.deliveries), (10, 10));
+    assert_eq!(
+        seqs_of_key(&claim_all(&*s).await, "k"),
+        (1..=10).collect::<Vec<_>>()
+    );
+}
+
+/// Tests of PostgreSQL-only behaviour: commit-ordered cursor, NOTIFY.
+mod postgres_only {
+    use super::*;
+    use sqlx::Connection as _;
+
+    fn lane_cursor(lane: Lane, after: i64, limit: u32) -> [LaneClaim; 1] {
+        one_lane_claim(lane, 0, after, limit)
+    }
+
+    /// The late-commit pitfall: a publish transaction that got its id before
+    /// another publish committed, and commits after a claim read the other.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn claim_cursor_does_not_skip_a_late_commit() {
+        let h = PgHarness::new().await;
+        let s = h.store();
+        handler(&*s, "all", &["*"]).await;
+        // Unkeyed events whose ids hash to the same lane.
+        let lane = lane_of_event(None, "late", s.lanes());
+        let early_id = (0..)
+            .map(|i| format!("early-{i}"))
+            .find(|id| lane_of_event(None, id, s.lanes()) == lane)
+            .expect("an id in the lane");
+
+        let mut held = h.store.pool().begin().await.expect("begin");
+        let out = h
+            .store
+            .publish_in(&mut held, vec![ev(Some("late"), "t.x", None)])
+            .await
+            .expect("publish_in");
+        assert_eq!(out.accepted, 1);
+        s.publish(vec![ev(Some(&early_id), "t.x", None)])
+            .await
+            .expect("publish");
+
+        let first = s.claim(&lane_cursor(lane, 0, 100)).await.expect("claim");
+        let ids: Vec<&str> = first[0]
+            .deliveries
+            .iter()
+            .map(|d| d.event_id.as_str())
+            .collect();
+        assert_eq!(
+            ids,
+            vec![early_id.as_str()],
+            "the held publish is not visible yet"
+        );
+
+        held.commit().await.expect("commit the late publish");
+        let second = s
+            .claim(&lane_cursor(lane, first[0].next_after, 100))
+            .await
+            .expect("claim");
+        assert!(
+            second[0].deliveries.iter().any(|d| d.event_id == "late"),
+            "the claim cursor skipped a late-committing publish: {:?}",
+            second[0].deliveries
+        );
+        // And once read, later cursors move past both.
+        let third = s
+            .claim(&lane_cursor(lane, second[0].next_after, 100))
+            .await
+            .expect("claim");
+        let again: Vec<&str> = third[0]
+            .deliveries
+            .iter()
+            .map(|d| d.event_id.as_str())
+            .collect();
+        assert!(
+            !again.contains(&early_id.as_str()) || again.len() <= 2,
+            "bounded re-reads"
+        );
+        h.cleanup().await;
+    }
+
+    /// Transaction ids follow first writes, not key-lock order: a publisher
+    /// with an older transaction id can take a key's next number after a
+    /// younger one. Claim order (and limit cuts) must still follow sequence order.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_keys_claim_order_follows_sequence_order_not_transaction_ids() {
+        let h = PgHarness::new().await;
+        let s = h.store();
+        handler(&*s, "all", &["*"]).await;
+        let key = "inverted";
+        let lane = lane_of_key(key, s.lanes());
+
+        // Old transaction: gets its id now, by writing something unrelated.
+        let mut old = h.store.pool().begin().await.expect("begin");
+        h.store
+            .publish_in(
+                &mut old,
+                vec![ev(Some("unrelated"), "t.x", Some("elsewhere"))],
+            )
+            .await
+            .expect("publish_in");
+        // Younger transaction publishes the key first: seq 1.
+        s.publish(vec![ev(Some("first"), "t.x", Some(key))])
+            .await
+            .expect("publish");
+        // The old transaction publishes the key next: seq 2.
+        h.store
+            .publish_in(&mut old, vec![ev(Some("second"), "t.x", Some(key))])
+            .await
+            .expect("publish_in");
+        old.commit().await.expect("commit");
+
+        let b = s.claim(&lane_cursor(lane, 0, 1)).await.expect("claim");
+        let got: Vec<(&str, Option<i64>)> = b[0]
+            .deliveries
+            .iter()
+            .filter(|d| d.key.as_deref() == Some(key))
+            .map(|d| (d.event_id.as_str(), d.seq))
+            .collect();
+        assert_eq!(
+            got.first(),
+            Some(&("first", Some(1))),
+            "seq 1 comes first: {got:?}"
+        );
+        let all = s.claim(&lane_cursor(lane, 0, 100)).await.expect("claim");
+        let seqs = seqs_of_key(&all[0].deliveries, key);
+        assert_eq!(seqs, vec![1, 2]);
+        h.cleanup().await;
+    }
+
+    /// One transaction with more rows in a lane than the claim limit must not
+    /// stall the cursor: its rows come back together.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_big_transaction_does_not_stall_a_limited_claim() {
+        let h = PgHarness::new().await;
+        let s = h.store();
+        handler(&*s, "all", &["*"]).await;
+        let lane = lane_of_key("big", s.lanes());
+        s.publish(
+            (0..10)
+                .map(|i| ev(Some(&format!("b{i}")), "t.x", Some("big")))
+                .collect(),
+        )
+        .await
+        .expect("publish");
+        s.publish(vec![ev(Some("after"), "t.x", Some("big"))])
+            .await
+            .expect("publish");
+        let b = s.claim(&lane_cursor(lane, 0, 3)).await.expect("claim");
+        assert_eq!(
+            seqs_of_key(&b[0].deliveries, "big"),
+            (1..=10).collect::<Vec<_>>()
+        );
+        let next = s
+            .claim(&lane_cursor(lane, b[0].next_after, 3))
+            .await
+            .expect("claim");
+        let ids: Vec<&str> = next[0]
+            .deliveries
+            .iter()
+            .map(|d| d.event_id.as_str())
+            .collect();
+        assert!(ids.contains(&"after"), "the cursor moved on: {ids:?}");
+        h.cleanup().await;
+    }
+
+    /// publish_in with a client id that a concurrent transaction is inserting:
+    /// the caller's transaction survives and counts it as a duplicate.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn publish_in_survives_a_concurrent_publisher_of_the_same_id() {
+        let h = PgHarness::new().await;
+        let s = h.store();
+        handler(&*s, "all", &["*"]).await;
+        let mut first = h.store.pool().begin().await.expect("begin");
+        h.store
+            .publish_in(&mut first, vec![ev(Some("contested"), "t.x", Some("k"))])
+            .await
+            .expect("publish_in");
+        let store = h.store.clone();
+        let second = tokio::spawn(async move {
+            let mut tx = store.pool().begin().await.expect("begin");
+            let out = store
+                .publish_in(
+                    &mut tx,
+                    vec![
+                        ev(Some("contested"), "t.x", Some("k")),
+                        ev(Some("mine"), "t.x", Some("k")),
+                    ],
+                )
+                .await
+                .expect("publish_in must absorb the race");
+            tx.commit()
+                .await
+                .expect("the caller's transaction is still usable");
+            out
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        first.commit().await.expect("commit");
+        let out = second.await.expect("task");
+        assert_eq!((out.accepted, out.duplicates), (1, 1));
+        let c = counts(&*s).await;
+        assert_eq!((c.events, c.deliveries), (2, 2));
+        assert_eq!(seqs_of_key(&claim_all(&*s).await, "k"), vec![1, 2]);
+        h.cleanup().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn publish_wakes_listeners_once_per_transaction() {
+        let h = PgHarness::new().await;
+        let s = h.store();
+        handler(&*s, "all", &["*"]).await;
+        let Wakeups::Push(mut rx) = s.wakeups().await.expect("wakeups") else {
+            panic!("postgres pushes wake-ups");
+        };
+        let other = h.reopen().await;
+        other
+            .publish(
+                (0..50)
+                    .map(|i| ev(Some(&format!("w{i}")), "t.x", None))
+                    .collect(),
+            )
+            .await
+            .expect("publish");
+        tokio::time::timeout(std::time::Duration::from_secs(5), rx.recv())
+            .await
+            .expect("a wake-up within 5 s")
+            .expect("channel open");
+        // One transaction, one notification: nothing else is queued.
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        assert!(rx.try_recv().is_err(), "coalesced to one wake-up");
+        // A listener whose connection is killed reconnects and wakes up.
+        let mut admin = sqlx::PgConnection::connect(&h.url).await.expect("connect");
+        sqlx::query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE datname = current_database() AND query ILIKE 'LISTEN%'",
+        )
+        .execute(&mut admin)
+        .await
+        .expect("terminate listener");
+        tokio::time::timeout(std::time::Duration::from_secs(10), rx.recv())
+            .await
+            .expect("a wake-up after reconnecting")
+            .expect("channel open");
+        s.publish(vec![ev(Some("after-reconnect"), "t.x", None)])
+            .await
+            .expect("publish");
+        tokio::time::timeout(std::time::Duration::from_secs(5), rx.recv())
+            .await
+            .expect("wake-ups flow again after reconnecting")
+            .expect("channel open");
+        let _ = admin.close().await;
+        h.cleanup().await;
+    }
+}
+
+/// Tests of SQLite-only behaviour.
+mod sqlite_only {
+    use super::*;
+
+    #[tokio::test]
+    async fn sqlite_polls() {
+        let h = SqliteHarness::new().await;
+        assert!(matches!(h.store().wakeups().await, Ok(Wakeups::Poll)));
+        h.cleanup().await;
+    }
 }
