@@ -1,9 +1,12 @@
 //! Handlers: webhooks and in-process Rust handlers behind one attempt path.
 //!
 //! A registered handler (the store's [`HandlerConfig`]) whose URL is
-//! `inproc://NAME` is served by the in-process [`Handler`] registered under
-//! `NAME` when the node starts (DESIGN.md section 7); every other URL is a
-//! webhook. Both go through the same key handlers, ordering, retries and
+//! `http://inproc.invalid/NAME` (or `inproc://NAME`, where the store accepts
+//! it) is served by the in-process [`Handler`] registered under `NAME` when
+//! the node starts (DESIGN.md section 7); every other URL is a webhook. The
+//! `.invalid` top-level domain is reserved (RFC 2606) and never resolves, so
+//! such a handler cannot be sent over the network by a node that lacks it:
+//! those attempts fail and end as dead letters, with the reason kept. Both go through the same key handlers, ordering, retries and
 //! dead letters: only the final hand-over differs.
 
 use std::collections::HashMap;
@@ -16,8 +19,16 @@ use lanebus_store::{Delivery, Handler as HandlerConfig};
 use crate::retry::AttemptOutcome;
 use crate::webhook::WebhookSender;
 
-/// URL scheme of in-process handlers: `inproc://NAME`.
+/// URL prefix of in-process handlers: `http://inproc.invalid/NAME`.
+pub const IN_PROCESS_PREFIX: &str = "http://inproc.invalid/";
+/// Alternative URL scheme of in-process handlers: `inproc://NAME`.
 pub const IN_PROCESS_SCHEME: &str = "inproc://";
+
+/// The in-process handler name of a handler URL, if it names one.
+pub fn in_process_name(url: &str) -> Option<&str> {
+    url.strip_prefix(IN_PROCESS_PREFIX)
+        .or_else(|| url.strip_prefix(IN_PROCESS_SCHEME))
+}
 
 /// A failed in-process hand-over; it counts as a failed attempt.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -75,7 +86,7 @@ impl Dispatcher {
         delivery: &Delivery,
         attempt: u32,
     ) -> AttemptOutcome {
-        if let Some(name) = handler.url.strip_prefix(IN_PROCESS_SCHEME) {
+        if let Some(name) = in_process_name(&handler.url) {
             let Some(h) = self.in_process.get(name) else {
                 return AttemptOutcome::Failed {
                     error: format!("no in-process handler named {name:?} on this node"),

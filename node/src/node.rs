@@ -28,7 +28,7 @@ use lanebus_store::{Epoch, Lane, Store, StoreError, Wakeups};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::sync::{oneshot, watch};
 
-use crate::actors::lane_owner::{LaneDeps, StopLane, Wake};
+use crate::actors::lane_owner::{Drain, LaneDeps, StopLane, Wake};
 use crate::actors::{LaneBoard, LaneConfig, LaneOwner, LaneState, StoreActor, StoreActorConfig};
 use crate::assignment::{AssignmentError, LaneAssignment, LocalAssignment, OwnedLanes};
 use crate::catalog::HandlerCatalog;
@@ -88,10 +88,14 @@ pub struct NodeOptions {
     pub store_actor: StoreActorConfig,
     /// Reload the handler catalog at least this often (default 5 s).
     pub catalog_refresh: Duration,
-    /// In-process handlers, served for handlers whose URL is `inproc://NAME`.
+    /// In-process handlers, served for handlers whose URL is
+    /// `http://inproc.invalid/NAME` (see [`crate::handler`]).
     pub in_process: HashMap<String, Arc<dyn Handler>>,
     /// HTTP API request limits.
     pub limits: Limits,
+    /// At shutdown, how long to wait for in-flight attempts to finish
+    /// before abandoning them (default 5 s).
+    pub drain_timeout: Duration,
 }
 
 impl NodeOptions {
@@ -107,6 +111,7 @@ impl NodeOptions {
             catalog_refresh: Duration::from_secs(5),
             in_process: HashMap::new(),
             limits: Limits::default(),
+            drain_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -214,9 +219,10 @@ impl NodeHandle {
         self.state.store.clone()
     }
 
-    /// Stops the node (abandoning in-flight attempts: their deliveries stay
-    /// in the store and are attempted again by the lane's next owner) and
-    /// waits for its thread to end.
+    /// Stops the node and waits for its thread to end: lanes stop claiming,
+    /// in-flight attempts get [`NodeOptions::drain_timeout`] to finish and be
+    /// recorded; what is still in flight then is abandoned (its deliveries
+    /// stay in the store and are attempted again by the lane's next owner).
     ///
     /// # Errors
     /// [`NodeError::Runtime`] if the node thread panicked.
@@ -302,6 +308,7 @@ async fn run(
     started: oneshot::Sender<Started>,
     shutdown: oneshot::Receiver<()>,
 ) -> Result<(), NodeError> {
+    let drain_timeout = opts.drain_timeout;
     let (state, addr) = match boot(opts).await {
         Ok(v) => v,
         Err(e) => {
@@ -320,6 +327,26 @@ async fn run(
             .into_values()
             .map(|(_, a)| a)
             .collect();
+    for a in &owners {
+        a.do_send(Drain);
+    }
+    let deadline = tokio::time::Instant::now() + drain_timeout;
+    while owners.iter().any(|a| a.connected()) && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let abandoned: usize = state
+        .board
+        .snapshot()
+        .values()
+        .filter(|s| s.state == LaneState::Active)
+        .map(|s| s.in_flight)
+        .sum();
+    if abandoned > 0 {
+        tracing::warn!(
+            abandoned,
+            "drain timed out: in-flight deliveries left to the next owner"
+        );
+    }
     for a in owners {
         a.do_send(StopLane);
     }

@@ -52,6 +52,16 @@ async fn real_input_ten_fold(backend: Backend) -> anyhow::Result<()> {
         published.as_secs_f64()
     );
     ensure!(v.exact(), "{v:?}");
+    let (status, metrics) = api.get("/metrics").await?;
+    let metrics = metrics.as_str().unwrap_or_default().to_string();
+    ensure!(status == 200, "/metrics answered {status}");
+    for name in [
+        "lanebus_deliveries_total",
+        "lanebus_commit_to_handler_seconds",
+        "lanebus_lane_backlog",
+    ] {
+        ensure!(metrics.contains(name), "/metrics lacks {name}");
+    }
 
     // Contract of DESIGN.md section 5, request by request.
     let by_id: HashMap<&str, &common::Published> =
@@ -257,6 +267,10 @@ async fn dead_letters_then_replay(backend: Backend) -> anyhow::Result<()> {
             retry_after: None,
         },
     });
+    // An endpoint nobody listens on: transport errors are failed attempts.
+    let down = api
+        .create_handler("down", "http://127.0.0.1:9/hook/down", &["*"], 2)
+        .await?;
     let (json, events) = real_events(&samples(), 12, 3, "dead");
     api.publish(&json, 100).await?;
 
@@ -285,6 +299,26 @@ async fn dead_letters_then_replay(backend: Backend) -> anyhow::Result<()> {
             l["last_error"].as_str().is_some_and(|e| e.contains("500")),
             "last_error of {l}"
         );
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let letters = api.dead_letters(&down.id).await?;
+        if letters.len() == events.len() {
+            for l in &letters {
+                let err = l["last_error"].as_str().unwrap_or_default();
+                ensure!(
+                    l["attempts"] == 2 && !err.is_empty() && !err.starts_with("http "),
+                    "transport error kept: {l}"
+                );
+            }
+            break;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "only {} dead letters of the unreachable handler",
+            letters.len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let reqs = rx.requests();
     ensure!(

@@ -41,7 +41,9 @@ use crate::retry::RetryPolicy;
 /// Tuning of a lane owner.
 #[derive(Debug, Clone, Copy)]
 pub struct LaneConfig {
-    /// Most deliveries held (queued + in flight) per lane (default 1,000).
+    /// Most deliveries held (queued + in flight) per lane (default 128). It
+    /// bounds the node's memory: lanes × buffer × payload size (256 lanes ×
+    /// 128 × 8 KB ≈ 256 MB at worst with GitHub-sized payloads).
     pub buffer_cap: usize,
     /// Claim at least this often without a wake-up (default 100 ms for
     /// stores without push wake-ups, 1 s with).
@@ -53,7 +55,7 @@ pub struct LaneConfig {
 impl Default for LaneConfig {
     fn default() -> Self {
         LaneConfig {
-            buffer_cap: 1_000,
+            buffer_cap: 128,
             poll_interval: Duration::from_millis(100),
             retry: RetryPolicy::default(),
         }
@@ -133,7 +135,15 @@ pub struct Wake;
 #[rtype(result = "()")]
 pub struct CatalogChanged;
 
-/// Command: stop the lane (ownership moved or the node shuts down).
+/// Command: stop claiming and handing out; the lane owner stops once
+/// nothing of the lane is in flight (graceful shutdown). Deliveries waiting
+/// for a retry count as in flight: the caller bounds the wait and then sends
+/// [`StopLane`]; their failed attempts are already recorded in the store.
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "()")]
+pub struct Drain;
+
+/// Command: stop the lane now (ownership moved, or a drain took too long).
 #[derive(Debug, Clone, Copy, Message)]
 #[rtype(result = "()")]
 pub struct StopLane;
@@ -192,6 +202,8 @@ pub struct LaneOwner {
     claim_errors: u32,
     /// The last claim was cut by its limit: more may be waiting.
     more_waiting: bool,
+    /// Stop once nothing is in flight; claim and hand out nothing more.
+    draining: bool,
 }
 
 impl LaneOwner {
@@ -212,6 +224,7 @@ impl LaneOwner {
             due_timer: None,
             claim_errors: 0,
             more_waiting: false,
+            draining: false,
         }
     }
 
@@ -220,6 +233,9 @@ impl LaneOwner {
     }
 
     fn claim(&mut self, ctx: &mut Context<Self>) {
+        if self.draining {
+            return;
+        }
         if self.claiming {
             self.claim_again = true;
             return;
@@ -328,6 +344,13 @@ impl LaneOwner {
     }
 
     fn dispatch(&mut self, ctx: &mut Context<Self>) {
+        if self.draining {
+            self.publish_status();
+            if self.queue.in_flight() == 0 {
+                ctx.stop();
+            }
+            return;
+        }
         if self.suspect {
             self.publish_status();
             return;
@@ -456,6 +479,15 @@ impl Handler<CatalogChanged> for LaneOwner {
         if !self.reloading {
             self.drop_unknown_handlers();
         }
+        self.dispatch(ctx);
+    }
+}
+
+impl Handler<Drain> for LaneOwner {
+    type Result = ();
+
+    fn handle(&mut self, _: Drain, ctx: &mut Self::Context) {
+        self.draining = true;
         self.dispatch(ctx);
     }
 }

@@ -1,0 +1,109 @@
+//! In-process handlers (DESIGN.md section 7) go through the same path as
+//! webhooks: per-key order, retries with the attempt count, completion.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::ensure;
+use async_trait::async_trait;
+use common::{test_options, Api, Backend, TestDb};
+use lanebus_node::{Handler, HandlerError};
+use lanebus_store::{Delivery, NewHandler};
+
+/// Records every hand-over; fails the first attempt of keys in `fail_keys`.
+#[derive(Default)]
+struct Recorder {
+    log: Mutex<Vec<(String, Option<String>, Option<i64>, u32)>>,
+    fail_keys: Vec<String>,
+}
+
+#[async_trait]
+impl Handler for Recorder {
+    async fn handle(&self, d: &Delivery) -> Result<(), HandlerError> {
+        self.log
+            .lock()
+            .unwrap()
+            .push((d.event_id.clone(), d.key.clone(), d.seq, d.attempts));
+        if d.attempts == 0 && d.key.as_ref().is_some_and(|k| self.fail_keys.contains(k)) {
+            return Err(HandlerError::new("first attempt fails on purpose"));
+        }
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_process_handlers_keep_order_and_retry_sqlite() {
+    run().await.unwrap();
+}
+
+async fn run() -> anyhow::Result<()> {
+    let db = TestDb::new(Backend::Sqlite, "inproc").await?;
+    let recorder = Arc::new(Recorder {
+        fail_keys: vec!["k-0".into()],
+        ..Recorder::default()
+    });
+    let mut opts = test_options(&db.url);
+    opts.in_process
+        .insert("recorder".into(), recorder.clone() as Arc<dyn Handler>);
+    let node = lanebus_node::start(opts).await?;
+    // In-process handlers are registered from Rust, through the store.
+    node.store()
+        .create_handler(NewHandler {
+            name: "recorder".into(),
+            url: "http://inproc.invalid/recorder".into(),
+            event_types: vec!["*".into()],
+            max_attempts: 3,
+            timeout_ms: 1_000,
+            max_in_flight: 16,
+            secret: lanebus_store::generate_secret(),
+        })
+        .await?;
+    lanebus_api::NodeView::handlers_changed(&*node.state);
+    let api = Api::new(&node.base_url());
+    let events: Vec<serde_json::Value> = (0..100)
+        .map(|i| serde_json::json!({"id": format!("ip-{i}"), "type": "order.placed", "key": format!("k-{}", i % 5), "payload": {"i": i}}))
+        .collect();
+    api.publish(&events, 50).await?;
+
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while node.store().counts().await?.completions < 100 {
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "in-process deliveries did not complete"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let log = recorder.log.lock().unwrap().clone();
+    let mut per_key: HashMap<String, Vec<(i64, u32)>> = HashMap::new();
+    for (_, key, seq, attempts) in &log {
+        per_key
+            .entry(key.clone().unwrap_or_default())
+            .or_default()
+            .push((seq.unwrap_or(0), *attempts));
+    }
+    for (k, v) in &per_key {
+        ensure!(
+            v.windows(2).all(|w| w[0].0 <= w[1].0),
+            "key {k} out of order: {v:?}"
+        );
+        let expected_calls = if k == "k-0" { 40 } else { 20 };
+        ensure!(
+            v.len() == expected_calls,
+            "key {k}: {} calls, expected {expected_calls}",
+            v.len()
+        );
+        if k == "k-0" {
+            ensure!(
+                v.chunks(2)
+                    .all(|c| c[0].1 == 0 && c[1].1 == 1 && c[0].0 == c[1].0),
+                "k-0 retries: {v:?}"
+            );
+        }
+    }
+    node.shutdown().await?;
+    db.drop_db().await;
+    Ok(())
+}
