@@ -13,10 +13,13 @@ use common::{test_options, Api, Backend, TestDb};
 use lanebus_node::{Handler, HandlerError};
 use lanebus_store::{Delivery, NewHandler};
 
+/// (event id, key, sequence, attempts made before this one).
+type Call = (String, Option<String>, Option<i64>, u32);
+
 /// Records every hand-over; fails the first attempt of keys in `fail_keys`.
 #[derive(Default)]
 struct Recorder {
-    log: Mutex<Vec<(String, Option<String>, Option<i64>, u32)>>,
+    log: Mutex<Vec<Call>>,
     fail_keys: Vec<String>,
 }
 
