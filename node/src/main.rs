@@ -95,7 +95,8 @@ fn init_tracing(filter: &str, format: LogFormat) {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),
@@ -136,6 +137,7 @@ async fn run_node(args: NodeArgs) -> anyhow::Result<ExitCode> {
     let cfg = config::load(args)?;
     std::fs::create_dir_all(&cfg.data_dir)
         .with_context(|| format!("cannot create data dir {}", cfg.data_dir.display()))?;
+    config::create_sqlite_dir(&cfg.store)?;
     tracing::info!(
         id = cfg.id,
         http_addr = %cfg.http_addr,
@@ -166,6 +168,7 @@ async fn wait_for_signal() -> anyhow::Result<()> {
 }
 
 async fn migrate(args: MigrateArgs) -> anyhow::Result<ExitCode> {
+    config::create_sqlite_dir(&args.store)?;
     let store = lanebus_store::open(&args.store)
         .await
         .with_context(|| format!("cannot open store {}", config::redact(&args.store)))?;
