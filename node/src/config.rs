@@ -217,14 +217,20 @@ pub fn validate(a: NodeArgs) -> anyhow::Result<NodeConfig> {
 /// Creates the directory of a `sqlite://PATH` store if it is missing (SQLite
 /// creates the file but not its directory); other URLs are left alone.
 pub fn create_sqlite_dir(store: &str) -> anyhow::Result<()> {
-    let Some(rest) = store.strip_prefix("sqlite:") else { return Ok(()) };
+    let Some(rest) = store.strip_prefix("sqlite:") else {
+        return Ok(());
+    };
     let path = rest.trim_start_matches("//");
     let path = path.split('?').next().unwrap_or(path);
     if path.is_empty() || path == ":memory:" {
         return Ok(());
     }
-    if let Some(dir) = std::path::Path::new(path).parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| format!("cannot create directory {}", dir.display()))?;
+    if let Some(dir) = std::path::Path::new(path)
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+    {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create directory {}", dir.display()))?;
     }
     Ok(())
 }

@@ -39,6 +39,8 @@ pub enum Action {
         n: u32,
         /// Status of the failures.
         status: u16,
+        /// `Retry-After` value of the failures, in seconds.
+        retry_after: Option<u64>,
     },
     /// Always answer `status` (with `retry_after` as `Retry-After` if set).
     Status {
@@ -406,7 +408,19 @@ async fn hook(
     let mut out_headers = HeaderMap::new();
     let status = match action {
         None => 200,
-        Some((Action::FailFirst { n, status }, seen)) if seen <= n => status,
+        Some((
+            Action::FailFirst {
+                n,
+                status,
+                retry_after,
+            },
+            seen,
+        )) if seen <= n => {
+            if let Some(s) = retry_after {
+                out_headers.insert("retry-after", s.to_string().parse().expect("digits"));
+            }
+            status
+        }
         Some((Action::FailFirst { .. }, _)) => 200,
         Some((
             Action::Status {

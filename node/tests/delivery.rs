@@ -191,7 +191,11 @@ async fn failing_keys_retry_without_holding_up_others(backend: Backend) -> anyho
         rx.add_rule(Rule {
             handler: None,
             key: Some(k.into()),
-            action: Action::FailFirst { n: 2, status: 500 },
+            action: Action::FailFirst {
+                n: 2,
+                status: 500,
+                retry_after: None,
+            },
         });
     }
     let (json, events) = real_events(&samples(), 80, 10, "retry");
@@ -381,6 +385,123 @@ async fn dead_letters_then_replay(backend: Backend) -> anyhow::Result<()> {
     node.shutdown().await?;
     db.drop_db().await;
     Ok(())
+}
+
+/// A `503` with `Retry-After: 1` pushes the next attempt back by a second,
+/// over the (much shorter) backoff of the tests.
+async fn retry_after_defers_the_next_attempt(backend: Backend) -> anyhow::Result<()> {
+    let db = TestDb::new(backend, "retry_after").await?;
+    let rx = Receiver::start().await?;
+    let node = start_node(&db.url).await?;
+    let api = Api::new(&node.base_url());
+    let h = api
+        .create_handler("busy", &rx.url("busy"), &["*"], 8)
+        .await?;
+    rx.set_secret("busy", &h.secret);
+    rx.add_rule(Rule {
+        handler: None,
+        key: None,
+        action: Action::FailFirst {
+            n: 1,
+            status: 503,
+            retry_after: Some(1),
+        },
+    });
+    let (json, events) = real_events(&samples(), 3, 3, "busy");
+    api.publish(&json, 100).await?;
+    let exp = expected(&events, std::slice::from_ref(&h));
+    ensure!(
+        rx.wait_accepted(exp.len(), Duration::from_secs(30)).await,
+        "{:?}",
+        rx.verdict(&exp)
+    );
+    let reqs = rx.requests();
+    for e in &events {
+        let tries: Vec<_> = reqs.iter().filter(|r| r.event_id == e.id).collect();
+        ensure!(tries.len() == 2, "{}: {} attempts", e.id, tries.len());
+        let gap = tries[1].arrived_ms - tries[0].answered_ms;
+        ensure!(
+            gap >= 950.0,
+            "{}: retried {gap:.0} ms after a Retry-After of 1 s",
+            e.id
+        );
+    }
+    node.shutdown().await?;
+    db.drop_db().await;
+    Ok(())
+}
+
+/// Deleting a handler drops its queued deliveries on the node and in the
+/// store, including one waiting for a retry.
+async fn deleted_handler_drops_its_deliveries(backend: Backend) -> anyhow::Result<()> {
+    let db = TestDb::new(backend, "deleted").await?;
+    let rx = Receiver::start().await?;
+    let node = start_node(&db.url).await?;
+    let api = Api::new(&node.base_url());
+    let h = api
+        .create_handler("gone", &rx.url("gone"), &["*"], 8)
+        .await?;
+    rx.add_rule(Rule {
+        handler: None,
+        key: None,
+        action: Action::Status {
+            status: 500,
+            retry_after: None,
+        },
+    });
+    let (json, _) = real_events(&samples(), 30, 2, "gone");
+    api.publish(&json, 100).await?;
+    ensure!(
+        rx.wait_until(Duration::from_secs(30), |log| log.len() >= 2)
+            .await,
+        "no attempts"
+    );
+    let (status, body) = api.delete(&format!("/v1/handlers/{}", h.id)).await?;
+    ensure!(status == 200, "delete answered {status} {body}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let held = node.state.board().held();
+        let pending = node.store().counts().await?.deliveries;
+        if held == 0 && pending == 0 {
+            break;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "after delete: {held} held on the node, {pending} in the store"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    node.shutdown().await?;
+    db.drop_db().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_after_defers_the_next_attempt_sqlite() {
+    retry_after_defers_the_next_attempt(Backend::Sqlite)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_after_defers_the_next_attempt_postgres() {
+    retry_after_defers_the_next_attempt(Backend::Postgres)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleted_handler_drops_its_deliveries_sqlite() {
+    deleted_handler_drops_its_deliveries(Backend::Sqlite)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleted_handler_drops_its_deliveries_postgres() {
+    deleted_handler_drops_its_deliveries(Backend::Postgres)
+        .await
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -228,6 +228,10 @@ impl Api {
         body["replayed"].as_u64().context("replayed")
     }
 
+    pub async fn delete(&self, path: &str) -> anyhow::Result<(u16, Value)> {
+        self.call(reqwest::Method::DELETE, path, None).await
+    }
+
     pub async fn get(&self, path: &str) -> anyhow::Result<(u16, Value)> {
         self.call(reqwest::Method::GET, path, None).await
     }
