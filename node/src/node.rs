@@ -275,7 +275,15 @@ pub async fn start(opts: NodeOptions) -> Result<NodeHandle, NodeError> {
                     .build()
                     .expect("tokio runtime")
             });
+            let handle = system.block_on(async { tokio::runtime::Handle::current() });
             let res = system.block_on(run(opts, started_tx, shutdown_rx));
+            // Actors still holding a pooled database connection are dropped
+            // with the system; returning the connection spawns a task, which
+            // needs a tokio context even while the runtime shuts down.
+            {
+                let _context = handle.enter();
+                drop(system);
+            }
             let _ = exited_tx.send(());
             res
         })
