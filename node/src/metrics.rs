@@ -14,7 +14,9 @@
 //! | `lanebus_lane_in_flight` | gauge | `lane` |
 //! | `lanebus_store_fenced_out_total` | counter | `op` = `claim`, `complete`, `reschedule`, `dead_letter` |
 //! | `lanebus_store_errors_total` | counter | `op` |
-//! | `lanebus_events_published_total` | counter | (incremented by the API) |
+//!
+//! The API's own metrics (`lanebus_events_published_total`, ...) are listed
+//! in `lanebus_api::telemetry`; they go to the same recorder.
 
 use std::sync::OnceLock;
 
@@ -43,6 +45,7 @@ pub fn install_recorder() -> PrometheusHandle {
                 );
             }
             describe();
+            lanebus_api::describe_metrics();
             handle
         })
         .clone()
@@ -70,10 +73,6 @@ fn describe() {
     metrics::describe_counter!(
         "lanebus_store_errors_total",
         "failed store calls by operation"
-    );
-    metrics::describe_counter!(
-        "lanebus_events_published_total",
-        "events accepted by publish"
     );
 }
 
