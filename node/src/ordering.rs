@@ -189,10 +189,12 @@ impl LaneQueue {
         out
     }
 
-    /// Earliest `due_at` among queued deliveries that wait for their time
-    /// and are not blocked behind an in-flight delivery of their key: when
-    /// the owner should look again.
-    pub fn next_due(&self) -> Option<DateTime<Utc>> {
+    /// Earliest `due_at` later than `now` among queued deliveries that wait
+    /// for their time and are not blocked behind an in-flight delivery of
+    /// their key: when the owner should look again. Deliveries already due
+    /// but held back (handler limit, disabled or unknown handler) are not
+    /// counted: a settlement or a catalog change releases them, not the clock.
+    pub fn next_due(&self, now: DateTime<Utc>) -> Option<DateTime<Utc>> {
         self.slots
             .iter()
             .filter_map(|(k, s)| {
@@ -200,9 +202,17 @@ impl LaneQueue {
                     if !s.in_flight.is_empty() {
                         return None;
                     }
-                    s.pending.values().next().map(|d| d.due_at)
+                    s.pending
+                        .values()
+                        .next()
+                        .map(|d| d.due_at)
+                        .filter(|&at| at > now)
                 } else {
-                    s.pending.values().map(|d| d.due_at).min()
+                    s.pending
+                        .values()
+                        .map(|d| d.due_at)
+                        .filter(|&at| at > now)
+                        .min()
                 }
             })
             .min()
@@ -413,14 +423,16 @@ mod tests {
             vec![late, d(2, "h", Some("a"), 2), d(3, "h", Some("b"), 1)],
         );
         assert_eq!(ids(&q.next_ready(t0(), open)), vec![3]);
-        assert_eq!(q.next_due(), Some(t0() + Duration::seconds(5)));
+        assert_eq!(q.next_due(t0()), Some(t0() + Duration::seconds(5)));
+        // A due head held back by its handler does not ask for a timer.
+        assert_eq!(q.next_due(t0() + Duration::seconds(5)), None);
         assert!(q.next_ready(t0() + Duration::seconds(4), open).is_empty());
         assert_eq!(
             ids(&q.next_ready(t0() + Duration::seconds(5), open)),
             vec![1]
         );
         assert_eq!(
-            q.next_due(),
+            q.next_due(t0()),
             None,
             "key a is blocked behind its in-flight head"
         );

@@ -386,7 +386,7 @@ impl LaneOwner {
     }
 
     fn arm_due_timer(&mut self, ctx: &mut Context<Self>) {
-        let Some(due) = self.queue.next_due() else {
+        let Some(due) = self.queue.next_due(Utc::now()) else {
             return;
         };
         if let Some((at, handle)) = self.due_timer {
