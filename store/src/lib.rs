@@ -27,10 +27,14 @@
 //! skip a row whose transaction commits late, so the cursor is
 //! commit-ordered and backend-specific:
 //! - PostgreSQL: each delivery row records the inserting transaction's id
-//!   (`pg_current_xact_id()`); a claim reads rows with `xid >= after` and
-//!   returns `pg_snapshot_xmin` of its own snapshot as the next cursor, so a
-//!   transaction still open at the claim is read again next time. Rows read
-//!   twice are de-duplicated by the owner by [`Delivery::id`].
+//!   (`pg_current_xact_id()`; for a keyed row, at least the key's previous
+//!   value, so a key's rows are read in sequence order); a claim reads rows
+//!   with `xid >= after` and returns `pg_snapshot_xmin` of its own snapshot
+//!   as the next cursor, so a transaction still open at the claim is read
+//!   again next time. Rows read twice are de-duplicated by the owner by
+//!   [`Delivery::id`]. A claim cut by its limit returns the rest of the last
+//!   transaction's rows too, so the cursor can move past that transaction
+//!   (see the `postgres` module docs).
 //! - SQLite: one writer at a time, so `AUTOINCREMENT` ids are commit-ordered
 //!   and the cursor is the last id read.
 //!
@@ -299,7 +303,9 @@ pub struct LaneClaim {
     /// Commit-ordered cursor from the previous [`LaneBatch::next_after`]; `0`
     /// reads the lane from its start.
     pub after: i64,
-    /// Most deliveries to return for this lane.
+    /// Most deliveries to return for this lane. PostgreSQL may return more:
+    /// the rest of the last publishing transaction's rows in the lane (so a
+    /// transaction larger than the limit cannot stall the cursor).
     pub limit: u32,
 }
 

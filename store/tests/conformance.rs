@@ -1409,20 +1409,6 @@ mod postgres_only {
             "the claim cursor skipped a late-committing publish: {:?}",
             second[0].deliveries
         );
-        // And once read, later cursors move past both.
-        let third = s
-            .claim(&lane_cursor(lane, second[0].next_after, 100))
-            .await
-            .expect("claim");
-        let again: Vec<&str> = third[0]
-            .deliveries
-            .iter()
-            .map(|d| d.event_id.as_str())
-            .collect();
-        assert!(
-            !again.contains(&early_id.as_str()) || again.len() <= 2,
-            "bounded re-reads"
-        );
         h.cleanup().await;
     }
 
@@ -1498,6 +1484,11 @@ mod postgres_only {
             seqs_of_key(&b[0].deliveries, "big"),
             (1..=10).collect::<Vec<_>>()
         );
+        // Complete them, as the owner does: a transaction still running
+        // elsewhere in the cluster (other tests) may hold xmin back, and then
+        // the cursor re-reads until the rows are gone.
+        let refs: Vec<DeliveryRef> = b[0].deliveries.iter().map(|d| dref(d, 0, 1)).collect();
+        assert_eq!(s.complete(&refs).await.expect("complete").len(), 10);
         let next = s
             .claim(&lane_cursor(lane, b[0].next_after, 3))
             .await
@@ -1609,5 +1600,21 @@ mod sqlite_only {
         let h = SqliteHarness::new().await;
         assert!(matches!(h.store().wakeups().await, Ok(Wakeups::Poll)));
         h.cleanup().await;
+    }
+
+    #[tokio::test]
+    async fn an_in_memory_store_works_on_one_connection() {
+        let s = SqliteStore::connect("sqlite::memory:").await.expect("open");
+        handler(&s, "all", &["*"]).await;
+        s.publish(vec![ev(Some("m"), "t.x", Some("k"))])
+            .await
+            .expect("publish");
+        let ds = claim_all(&s).await;
+        assert_eq!(ds.len(), 1);
+        assert_eq!(
+            s.complete(&[dref(&ds[0], 0, 1)]).await.expect("complete"),
+            vec![ds[0].id]
+        );
+        assert_eq!(counts(&s).await.completions, 1);
     }
 }

@@ -91,7 +91,9 @@ pub(crate) fn map_err(e: sqlx::Error) -> StoreError {
 impl SqliteStore {
     /// Opens (creating if missing) the database at `url` (`sqlite://PATH` or
     /// `sqlite:PATH`), applies migrations and, for a new file, creates
-    /// [`DEFAULT_LANES`] lanes.
+    /// [`DEFAULT_LANES`] lanes. `sqlite::memory:` gives a private in-memory
+    /// store on a single connection (tests only: operations queue on it, and a
+    /// caller holding a [`SqliteStore::publish_in`] transaction blocks the rest).
     ///
     /// # Errors
     /// [`StoreError::Invalid`] for a malformed URL; [`StoreError::Unavailable`]
@@ -119,14 +121,23 @@ impl SqliteStore {
             .synchronous(SqliteSynchronous::Normal)
             .busy_timeout(BUSY_TIMEOUT)
             .foreign_keys(false);
-        let pool = SqlitePoolOptions::new()
-            .max_connections(POOL_SIZE)
-            .min_connections(1)
-            .connect_with(options)
-            .await
-            .map_err(|e| {
-                StoreError::Unavailable(format!("cannot open sqlite database {url:?}: {e}"))
-            })?;
+        // An in-memory database lives as long as its one connection: keep
+        // exactly one, forever (for tests; nothing survives the process).
+        let in_memory = url.contains(":memory:") || url.contains("mode=memory");
+        let pool = if in_memory {
+            SqlitePoolOptions::new()
+                .max_connections(1)
+                .min_connections(1)
+                .idle_timeout(None)
+                .max_lifetime(None)
+        } else {
+            SqlitePoolOptions::new()
+                .max_connections(POOL_SIZE)
+                .min_connections(1)
+        };
+        let pool = pool.connect_with(options).await.map_err(|e| {
+            StoreError::Unavailable(format!("cannot open sqlite database {url:?}: {e}"))
+        })?;
         let mut store = SqliteStore {
             pool,
             lanes,
