@@ -10,11 +10,12 @@
 //! dead letters: only the final hand-over differs.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use lanebus_store::{Delivery, Handler as HandlerConfig};
+use tokio::sync::Semaphore;
 
 use crate::retry::AttemptOutcome;
 use crate::webhook::WebhookSender;
@@ -64,11 +65,19 @@ pub trait Handler: Send + Sync + 'static {
 }
 
 /// Hands a delivery over to its handler: webhook or in-process.
+///
+/// A handler's `max_in_flight` bounds its concurrent attempts on this node:
+/// an attempt waits for one of the handler's permits before it is sent (the
+/// delivery counts as in flight meanwhile; its timeout starts with the send).
 #[derive(Clone)]
 pub struct Dispatcher {
     webhook: WebhookSender,
     in_process: Arc<HashMap<String, Arc<dyn Handler>>>,
+    permits: Arc<Mutex<Permits>>,
 }
+
+/// Per handler id: its `max_in_flight` and the semaphore enforcing it.
+type Permits = HashMap<String, (u32, Arc<Semaphore>)>;
 
 impl Dispatcher {
     /// A dispatcher with the given in-process handlers, by name.
@@ -76,6 +85,22 @@ impl Dispatcher {
         Dispatcher {
             webhook,
             in_process: Arc::new(in_process),
+            permits: Arc::default(),
+        }
+    }
+
+    /// The handler's semaphore, re-created when its limit changed (attempts
+    /// holding permits of the old one finish under the old limit).
+    fn semaphore(&self, handler: &HandlerConfig) -> Arc<Semaphore> {
+        let limit = handler.max_in_flight.max(1);
+        let mut permits = self.permits.lock().expect("not poisoned");
+        match permits.get(&handler.id) {
+            Some((l, sem)) if *l == limit => sem.clone(),
+            _ => {
+                let sem = Arc::new(Semaphore::new(limit as usize));
+                permits.insert(handler.id.clone(), (limit, sem.clone()));
+                sem
+            }
         }
     }
 
@@ -86,6 +111,12 @@ impl Dispatcher {
         delivery: &Delivery,
         attempt: u32,
     ) -> AttemptOutcome {
+        let Ok(_permit) = self.semaphore(handler).acquire_owned().await else {
+            return AttemptOutcome::Failed {
+                error: "node shutting down".into(),
+                retry_after: None,
+            };
+        };
         if let Some(name) = in_process_name(&handler.url) {
             let Some(h) = self.in_process.get(name) else {
                 return AttemptOutcome::Failed {
