@@ -1589,6 +1589,45 @@ mod postgres_only {
         let _ = admin.close().await;
         h.cleanup().await;
     }
+
+    /// Several nodes connecting to one new database at once: the migration
+    /// runs once (advisory lock), all agree on the lanes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_connects_to_a_new_database_agree() {
+        let h = PgHarness::new().await;
+        let db = format!("lanebus_t_{}", uuid::Uuid::new_v4().simple());
+        let mut admin = sqlx::PgConnection::connect(&h.admin_url)
+            .await
+            .expect("connect");
+        sqlx::query(&format!("CREATE DATABASE {db}"))
+            .execute(&mut admin)
+            .await
+            .expect("create database");
+        let url = with_database(&h.admin_url, &db);
+        let opens: Vec<_> = (0..4)
+            .map(|_| {
+                let url = url.clone();
+                tokio::spawn(async move { PgStore::connect_with_lanes(&url, 32).await })
+            })
+            .collect();
+        let mut stores = Vec::new();
+        for o in opens {
+            stores.push(o.await.expect("task").expect("connect"));
+        }
+        for s in &stores {
+            assert_eq!(s.lanes(), 32);
+            assert_eq!(s.lane_rows().await.expect("lane rows").len(), 32);
+            s.migrate().await.expect("migrate again is a no-op");
+        }
+        for s in &stores {
+            s.pool().close().await;
+        }
+        let _ = sqlx::query(&format!("DROP DATABASE {db} WITH (FORCE)"))
+            .execute(&mut admin)
+            .await;
+        let _ = admin.close().await;
+        h.cleanup().await;
+    }
 }
 
 /// Tests of SQLite-only behaviour.
@@ -1616,5 +1655,37 @@ mod sqlite_only {
             vec![ds[0].id]
         );
         assert_eq!(counts(&s).await.completions, 1);
+    }
+
+    /// Several processes opening one new file at once (the demo's three
+    /// nodes): one creates the schema and the lanes, all agree.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_opens_of_a_new_file_agree() {
+        let dir =
+            std::env::temp_dir().join(format!("lanebus-open-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let url = format!("sqlite://{}", dir.join("shared.db").display());
+        let opens: Vec<_> = (0..4)
+            .map(|_| {
+                let url = url.clone();
+                tokio::spawn(async move { SqliteStore::connect(&url).await })
+            })
+            .collect();
+        let mut stores = Vec::new();
+        for o in opens {
+            stores.push(o.await.expect("task").expect("open"));
+        }
+        for s in &stores {
+            assert_eq!(s.lanes(), DEFAULT_LANES);
+            assert_eq!(
+                s.lane_rows().await.expect("lane rows").len(),
+                usize::from(DEFAULT_LANES)
+            );
+            s.migrate().await.expect("migrate again is a no-op");
+        }
+        for s in &stores {
+            s.pool().close().await;
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
