@@ -24,9 +24,9 @@ async fn fenced_out_node_stops_and_changes_nothing(backend: Backend) -> anyhow::
     rx.add_rule(Rule {
         handler: None,
         key: None,
-        action: Action::Delay(Duration::from_millis(30)),
+        action: Action::Delay(Duration::from_millis(50)),
     });
-    let (json, events) = real_events(&samples(), 400, 40, "fence");
+    let (json, events) = real_events(&samples(), 800, 40, "fence");
     api.publish(&json, 100).await?;
     ensure!(
         rx.wait_until(Duration::from_secs(30), |log| log.len() >= 40)
@@ -61,8 +61,8 @@ async fn fenced_out_node_stops_and_changes_nothing(backend: Backend) -> anyhow::
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    // Attempts in flight at the fence finish (the receiver answers within
-    // 30 ms) and try to complete: give them time to, then check that the
+    // Attempts in flight at the fence finish (the receiver answers after
+    // 50 ms) and try to complete: give them time to, then check that the
     // store refused them. This wait checks an absence; it asserts no speed.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let counts = other.counts().await?;

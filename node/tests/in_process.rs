@@ -110,3 +110,76 @@ async fn run() -> anyhow::Result<()> {
     db.drop_db().await;
     Ok(())
 }
+
+/// Counts concurrent hand-overs.
+#[derive(Default)]
+struct Gauge {
+    now: std::sync::atomic::AtomicUsize,
+    max: std::sync::atomic::AtomicUsize,
+    done: std::sync::atomic::AtomicUsize,
+}
+
+#[async_trait]
+impl Handler for Gauge {
+    async fn handle(&self, _: &Delivery) -> Result<(), HandlerError> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let n = self.now.fetch_add(1, SeqCst) + 1;
+        self.max.fetch_max(n, SeqCst);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        self.now.fetch_sub(1, SeqCst);
+        self.done.fetch_add(1, SeqCst);
+        Ok(())
+    }
+}
+
+/// `max_in_flight` bounds a handler's concurrent attempts on the node, across
+/// lanes and keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_in_flight_bounds_concurrency_across_lanes_sqlite() {
+    max_in_flight().await.unwrap();
+}
+
+async fn max_in_flight() -> anyhow::Result<()> {
+    let db = TestDb::new(Backend::Sqlite, "inflight").await?;
+    let gauge = Arc::new(Gauge::default());
+    let mut opts = test_options(&db.url);
+    opts.in_process
+        .insert("gauge".into(), gauge.clone() as Arc<dyn Handler>);
+    let node = lanebus_node::start(opts).await?;
+    node.store()
+        .create_handler(NewHandler {
+            name: "gauge".into(),
+            url: "http://inproc.invalid/gauge".into(),
+            event_types: vec!["*".into()],
+            max_attempts: 3,
+            timeout_ms: 1_000,
+            max_in_flight: 3,
+            secret: lanebus_store::generate_secret(),
+        })
+        .await?;
+    lanebus_api::NodeView::handlers_changed(&*node.state);
+    // Unkeyed events spread over the lanes, plus many keys.
+    let events: Vec<serde_json::Value> = (0..200)
+        .map(|i| {
+            let mut e = serde_json::json!({"id": format!("mf-{i}"), "type": "t.x", "payload": {}});
+            if i % 2 == 0 {
+                e["key"] = serde_json::json!(format!("k-{i}"));
+            }
+            e
+        })
+        .collect();
+    Api::new(&node.base_url()).publish(&events, 100).await?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while gauge.done.load(std::sync::atomic::Ordering::SeqCst) < 200 {
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "deliveries did not complete"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let max = gauge.max.load(std::sync::atomic::Ordering::SeqCst);
+    ensure!((1..=3).contains(&max), "{max} concurrent attempts, limit 3");
+    node.shutdown().await?;
+    db.drop_db().await;
+    Ok(())
+}
