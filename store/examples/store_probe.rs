@@ -1,17 +1,22 @@
-//! Measures the PostgreSQL store's WAL bytes and time per delivery for a
-//! publish phase and a drain phase (claim + bulk complete), the way DESIGN.md
-//! section 3 counts them. Not a benchmark harness (see bench/): a quick probe
-//! for store changes.
+//! Measures a store's publish and drain (claim + bulk complete) rates and,
+//! on PostgreSQL, WAL bytes and full-page images per delivery, the way
+//! DESIGN.md section 3 counts them. Not the benchmark harness (see bench/):
+//! a quick probe for store changes.
 //!
 //! ```text
-//! cargo run --release -p lanebus-store --example pg_wal_probe -- \
-//!     postgres://postgres@127.0.0.1:55432/postgres [events] [fan_out] [keys] [payload_bytes]
+//! cargo run --release -p lanebus-store --example store_probe -- \
+//!     URL [events] [fan_out] [keys] [payload_bytes]
 //! ```
-//! Creates and drops a scratch database `lanebus_probe_<random>`.
+//! `URL` is `postgres://...` (a scratch database `lanebus_probe_<random>` is
+//! created and dropped; WAL counters are cluster-wide, so use a server nobody
+//! else is using, e.g. `scripts/pg-start DIR`) or `sqlite://PATH` (a new file
+//! is created at PATH and left there).
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use lanebus_store::postgres::PgStore;
+use lanebus_store::sqlite::SqliteStore;
 use lanebus_store::*;
 use sqlx::Connection as _;
 
@@ -22,9 +27,18 @@ fn arg(i: usize, default: usize) -> usize {
         .unwrap_or(default)
 }
 
+struct Shape {
+    events: usize,
+    fan_out: usize,
+    keys: usize,
+    payload_len: usize,
+}
+
 /// The WAL insert position (bytes) and full-page images written so far.
-/// Both are cluster-wide: run the probe on a server nobody else uses.
-async fn wal_lsn(conn: &mut sqlx::PgConnection) -> anyhow::Result<(i64, i64)> {
+async fn wal(conn: &mut Option<sqlx::PgConnection>) -> anyhow::Result<(i64, i64)> {
+    let Some(conn) = conn.as_mut() else {
+        return Ok((0, 0));
+    };
     Ok(sqlx::query_as(
         "SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint, (SELECT wal_fpi FROM pg_stat_wal)",
     )
@@ -34,31 +48,34 @@ async fn wal_lsn(conn: &mut sqlx::PgConnection) -> anyhow::Result<(i64, i64)> {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let admin_url = std::env::args()
-        .nth(1)
-        .or_else(|| std::env::var("LANEBUS_TEST_POSTGRES_URL").ok())
-        .ok_or_else(|| {
-            anyhow::anyhow!(
-                "usage: pg_wal_probe POSTGRES_URL [events] [fan_out] [keys] [payload_bytes]"
-            )
-        })?;
-    let events = arg(2, 20_000);
-    let fan_out = arg(3, 1);
-    let keys = arg(4, 1_000);
-    let payload_len = arg(5, 2_000);
-
+    let url = std::env::args().nth(1).ok_or_else(|| {
+        anyhow::anyhow!("usage: store_probe URL [events] [fan_out] [keys] [payload_bytes]")
+    })?;
+    let shape = Shape {
+        events: arg(2, 20_000),
+        fan_out: arg(3, 1),
+        keys: arg(4, 1_000),
+        payload_len: arg(5, 2_000),
+    };
+    if url.starts_with("sqlite:") {
+        let store = Arc::new(SqliteStore::connect(&url).await?);
+        return run(store, None, &shape).await;
+    }
     let db = format!("lanebus_probe_{}", uuid::Uuid::new_v4().simple());
-    let mut admin = sqlx::PgConnection::connect(&admin_url).await?;
+    let mut admin = sqlx::PgConnection::connect(&url).await?;
     sqlx::query(&format!("CREATE DATABASE {db}"))
         .execute(&mut admin)
         .await?;
-    let url = match admin_url.rfind('/') {
-        Some(i) => format!("{}/{db}", &admin_url[..i]),
+    let db_url = match url.rfind('/') {
+        Some(i) => format!("{}/{db}", &url[..i]),
         None => anyhow::bail!("url without a database part"),
     };
-    let result = run(&url, events, fan_out, keys, payload_len).await;
-    admin.close().await?;
-    let mut admin = sqlx::PgConnection::connect(&admin_url).await?;
+    let result = async {
+        let store = Arc::new(PgStore::connect(&db_url).await?);
+        let probe = sqlx::PgConnection::connect(&db_url).await?;
+        run(store, Some(probe), &shape).await
+    }
+    .await;
     sqlx::query(&format!("DROP DATABASE {db} WITH (FORCE)"))
         .execute(&mut admin)
         .await?;
@@ -66,14 +83,16 @@ async fn main() -> anyhow::Result<()> {
 }
 
 async fn run(
-    url: &str,
-    events: usize,
-    fan_out: usize,
-    keys: usize,
-    payload_len: usize,
+    store: Arc<dyn Store>,
+    mut probe: Option<sqlx::PgConnection>,
+    shape: &Shape,
 ) -> anyhow::Result<()> {
-    let store = PgStore::connect(url).await?;
-    let mut probe = sqlx::PgConnection::connect(url).await?;
+    let Shape {
+        events,
+        fan_out,
+        keys,
+        payload_len,
+    } = *shape;
     for i in 0..fan_out {
         store
             .create_handler(NewHandler {
@@ -93,8 +112,10 @@ async fn run(
         .collect();
     let payload = format!(r#"{{"action":"opened","body":"{noise}"}}"#).into_bytes();
 
-    sqlx::query("CHECKPOINT").execute(&mut probe).await?;
-    let w0 = wal_lsn(&mut probe).await?;
+    if let Some(p) = probe.as_mut() {
+        sqlx::query("CHECKPOINT").execute(p).await?;
+    }
+    let w0 = wal(&mut probe).await?;
     let t0 = Instant::now();
     for chunk in 0..events.div_ceil(100) {
         let batch: Vec<NewEvent> = (0..100.min(events - chunk * 100))
@@ -108,7 +129,7 @@ async fn run(
         store.publish(batch).await?;
     }
     let publish_time = t0.elapsed();
-    let w1 = wal_lsn(&mut probe).await?;
+    let w1 = wal(&mut probe).await?;
     let deliveries = (events * fan_out) as f64;
 
     let t1 = Instant::now();
@@ -139,23 +160,33 @@ async fn run(
         }
     }
     let drain_time = t1.elapsed();
-    let w2 = wal_lsn(&mut probe).await?;
+    let w2 = wal(&mut probe).await?;
     println!(
-        "events {events}, fan-out {fan_out}, keys {keys}, payload {} B",
+        "{}: events {events}, fan-out {fan_out}, keys {keys}, payload {} B",
+        store.backend(),
         payload.len()
     );
+    let has_wal = probe.is_some();
+    let wal_note = |from: (i64, i64), to: (i64, i64), per: f64| {
+        if has_wal {
+            format!(
+                ", WAL {:.0} B/delivery, {} full-page images",
+                (to.0 - from.0) as f64 / per,
+                to.1 - from.1
+            )
+        } else {
+            String::new()
+        }
+    };
     println!(
-        "publish: {:.0} events/s, WAL {:.0} B/event, {:.0} B/delivery, {} full-page images",
+        "publish: {:.0} events/s{}",
         events as f64 / publish_time.as_secs_f64(),
-        (w1.0 - w0.0) as f64 / events as f64,
-        (w1.0 - w0.0) as f64 / deliveries,
-        w1.1 - w0.1
+        wal_note(w0, w1, deliveries)
     );
     println!(
-        "drain:   {:.0} deliveries/s, WAL {:.0} B/delivery (claim + complete), {} full-page images",
+        "drain:   {:.0} deliveries/s (claim + complete){}",
         deliveries / drain_time.as_secs_f64(),
-        (w2.0 - w1.0) as f64 / deliveries,
-        w2.1 - w1.1
+        wal_note(w1, w2, deliveries)
     );
     let c = store.counts().await?;
     anyhow::ensure!(
