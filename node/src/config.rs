@@ -110,18 +110,32 @@ impl NodeConfig {
 
 /// Merges the file under the flags and environment, then validates.
 pub fn load(args: NodeArgs) -> anyhow::Result<NodeConfig> {
+    let file = args.config.clone();
+    validate(layered(&args, file.as_deref())?)
+}
+
+/// Layers a subcommand's flags (already merged with `LANEBUS_*` by clap)
+/// over the TOML `file`: values set by flag or environment win, the file
+/// fills the rest. `T` must skip unset fields when serialized and reject
+/// unknown keys when deserialized.
+///
+/// # Errors
+/// A missing file, bad TOML, an unknown key or a value of the wrong type,
+/// naming the key.
+pub fn layered<T: Serialize + serde::de::DeserializeOwned>(
+    flags: &T,
+    file: Option<&std::path::Path>,
+) -> anyhow::Result<T> {
     let mut fig = Figment::new();
-    if let Some(path) = &args.config {
+    if let Some(path) = file {
         if !path.is_file() {
             bail!("config file {} does not exist", path.display());
         }
         fig = fig.merge(Toml::file(path));
     }
-    let merged: NodeArgs = fig
-        .merge(Serialized::defaults(&args))
+    fig.merge(Serialized::defaults(flags))
         .extract()
-        .map_err(|e| anyhow::anyhow!("config: {e}"))?;
-    validate(merged)
+        .map_err(|e| anyhow::anyhow!("config: {e}"))
 }
 
 fn addr(name: &str, value: Option<&str>, default: &str) -> anyhow::Result<SocketAddr> {

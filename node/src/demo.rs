@@ -22,27 +22,80 @@ use lanebus_node::receiver::{Expected, Receiver};
 use lanebus_node::{sample_data, NodeOptions, StoreSource};
 use serde_json::value::RawValue;
 
-/// Flags of `lanebus demo`.
-#[derive(Debug, Args)]
-pub struct DemoArgs {
+/// Flags of `lanebus demo`; each also reads `LANEBUS_*` and the key of the
+/// same name in the `--config` file.
+#[derive(Debug, Default, Args, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DemoFlags {
+    /// TOML config file (keys as the flags in snake case; unknown keys are an error).
+    #[arg(long, env = "LANEBUS_DEMO_CONFIG")]
+    #[serde(skip)]
+    config: Option<PathBuf>,
     /// Store URL [default: a temporary SQLite file, removed afterwards].
     #[arg(long, env = "LANEBUS_STORE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     store: Option<String>,
-    /// Events to publish.
-    #[arg(long, env = "LANEBUS_DEMO_EVENTS", default_value_t = 3290)]
-    events: usize,
-    /// Distinct keys (`repo-0` .. `repo-<K-1>`).
-    #[arg(long, env = "LANEBUS_DEMO_KEYS", default_value_t = 20)]
-    keys: usize,
+    /// Events to publish [default: 3290, the real payloads ten times].
+    #[arg(long, env = "LANEBUS_DEMO_EVENTS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    events: Option<usize>,
+    /// Distinct keys, `repo-0` .. `repo-<K-1>` [default: 20].
+    #[arg(long, env = "LANEBUS_DEMO_KEYS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    keys: Option<usize>,
     /// Path of github-webhook-examples.json [default: looked up in shared/data].
     #[arg(long, env = "LANEBUS_DATA")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     data: Option<PathBuf>,
-    /// Events per publish call.
-    #[arg(long, env = "LANEBUS_DEMO_BATCH", default_value_t = 100)]
+    /// Events per publish call [default: 100].
+    #[arg(long, env = "LANEBUS_DEMO_BATCH")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    batch: Option<usize>,
+    /// Give up waiting for deliveries after this many seconds [default: 120].
+    #[arg(long, env = "LANEBUS_DEMO_TIMEOUT_SECS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    timeout_secs: Option<u64>,
+}
+
+/// The demo's settings after layering and defaults.
+#[derive(Debug)]
+struct DemoArgs {
+    store: Option<String>,
+    events: usize,
+    keys: usize,
+    data: Option<PathBuf>,
     batch: usize,
-    /// Give up waiting for deliveries after this many seconds.
-    #[arg(long, env = "LANEBUS_DEMO_TIMEOUT_SECS", default_value_t = 120)]
     timeout_secs: u64,
+}
+
+impl DemoArgs {
+    fn resolve(flags: DemoFlags) -> anyhow::Result<DemoArgs> {
+        let file = flags.config.clone();
+        let f = crate::config::layered(&flags, file.as_deref())?;
+        let a = DemoArgs {
+            store: f.store,
+            events: f.events.unwrap_or(3290),
+            keys: f.keys.unwrap_or(20),
+            data: f.data,
+            batch: f.batch.unwrap_or(100),
+            timeout_secs: f.timeout_secs.unwrap_or(120),
+        };
+        if a.events == 0 || a.keys == 0 || a.batch == 0 {
+            bail!(
+                "events, keys and batch must be at least 1, got {}, {} and {}",
+                a.events,
+                a.keys,
+                a.batch
+            );
+        }
+        if a.batch > 1_000 {
+            bail!(
+                "batch must be at most 1000 (the API's limit), got {}",
+                a.batch
+            );
+        }
+        Ok(a)
+    }
 }
 
 #[derive(serde::Serialize)]
@@ -54,10 +107,8 @@ struct EventOut<'a> {
     payload: &'a RawValue,
 }
 
-pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
-    if args.events == 0 || args.keys == 0 || args.batch == 0 {
-        bail!("--events, --keys and --batch must be at least 1");
-    }
+pub async fn run(flags: DemoFlags) -> anyhow::Result<ExitCode> {
+    let args = DemoArgs::resolve(flags)?;
     let data = sample_data::find(args.data.as_deref())?;
     let samples = sample_data::load(&data)?;
     let raws: Vec<Box<RawValue>> = samples

@@ -58,7 +58,7 @@ enum Command {
     Migrate(MigrateArgs),
     /// Self-contained demo: a node, a webhook receiver, real GitHub payloads,
     /// and the exactness verdict (exits non-zero if an invariant broke).
-    Demo(demo::DemoArgs),
+    Demo(demo::DemoFlags),
     /// Reads a running node's admin API.
     Admin(AdminArgs),
 }
@@ -70,19 +70,27 @@ struct MigrateArgs {
     store: String,
 }
 
-#[derive(Debug, Args)]
+#[derive(Debug, Args, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 struct AdminArgs {
     /// What to show.
     #[arg(value_enum)]
+    #[serde(skip)]
     what: AdminWhat,
-    /// Base URL of any node's HTTP API.
-    #[arg(long, env = "LANEBUS_NODE", default_value = "http://127.0.0.1:8080")]
-    node: String,
+    /// TOML config file (key `node`; unknown keys are an error).
+    #[arg(long, env = "LANEBUS_ADMIN_CONFIG")]
+    #[serde(skip)]
+    config: Option<std::path::PathBuf>,
+    /// Base URL of any node's HTTP API [default: http://127.0.0.1:8080].
+    #[arg(long, env = "LANEBUS_NODE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    node: Option<String>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum)]
 enum AdminWhat {
     /// Lanes as ranges per owner, with epoch and backlog.
+    #[default]
     Lanes,
     /// Cluster members and leader.
     Cluster,
@@ -183,8 +191,14 @@ async fn migrate(args: MigrateArgs) -> anyhow::Result<ExitCode> {
 
 async fn admin(args: AdminArgs) -> anyhow::Result<ExitCode> {
     lanebus_node::webhook::install_crypto_provider();
-    let base = args.node.trim_end_matches('/');
-    let path = match args.what {
+    let what = args.what;
+    let file = args.config.clone();
+    let args: AdminArgs = config::layered(&args, file.as_deref())?;
+    let node = args
+        .node
+        .unwrap_or_else(|| "http://127.0.0.1:8080".to_string());
+    let base = node.trim_end_matches('/');
+    let path = match what {
         AdminWhat::Lanes => "/admin/lanes",
         AdminWhat::Cluster => "/admin/cluster",
         AdminWhat::Handlers => "/v1/handlers",
@@ -200,7 +214,7 @@ async fn admin(args: AdminArgs) -> anyhow::Result<ExitCode> {
     if !status.is_success() {
         anyhow::bail!("{base}{path} answered {status}: {body}");
     }
-    match args.what {
+    match what {
         AdminWhat::Lanes => print!("{}", lanes_table(&body)),
         AdminWhat::Handlers => print!("{}", handlers_table(&body)),
         AdminWhat::Cluster => println!("{}", serde_json::to_string_pretty(&body)?),
