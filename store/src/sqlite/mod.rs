@@ -135,9 +135,28 @@ impl SqliteStore {
                 .max_connections(POOL_SIZE)
                 .min_connections(1)
         };
-        let pool = pool.connect_with(options).await.map_err(|e| {
-            StoreError::Unavailable(format!("cannot open sqlite database {url:?}: {e}"))
-        })?;
+        // Switching a new file to WAL mode needs an exclusive lock that the
+        // busy timeout does not wait for: when several processes open a new
+        // file at once, the losers retry until the file is in WAL mode.
+        let started = std::time::Instant::now();
+        let mut attempt: u32 = 0;
+        let pool = loop {
+            match pool.clone().connect_with(options.clone()).await {
+                Ok(pool) => break pool,
+                Err(e) if is_busy(&e) && started.elapsed() < BUSY_TIMEOUT => {
+                    attempt += 1;
+                    let jitter = u64::from(rand::random::<u8>() % 20);
+                    let wait = Duration::from_millis(10 * u64::from(attempt.min(10)) + jitter);
+                    tracing::debug!(attempt, error = %e, "sqlite database locked while opening; retrying");
+                    tokio::time::sleep(wait).await;
+                }
+                Err(e) => {
+                    return Err(StoreError::Unavailable(format!(
+                        "cannot open sqlite database {url:?}: {e}"
+                    )))
+                }
+            }
+        };
         let mut store = SqliteStore {
             pool,
             lanes,
