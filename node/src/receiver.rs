@@ -149,6 +149,9 @@ struct Inner {
     log: Vec<Received>,
     /// Attempts seen per (handler, event id), for `FailFirst`.
     seen: HashMap<(String, String), u32>,
+    /// Distinct (handler, event id) pairs accepted, kept up to date so that
+    /// waiting for a count costs nothing per request.
+    accepted: std::collections::HashSet<(String, String)>,
 }
 
 struct Shared {
@@ -227,12 +230,7 @@ impl Receiver {
 
     /// Distinct (handler, event id) pairs accepted so far.
     pub fn accepted_distinct(&self) -> usize {
-        let inner = self.lock();
-        let mut set = std::collections::HashSet::new();
-        for r in inner.log.iter().filter(|r| r.accepted()) {
-            set.insert((r.handler.as_str(), r.event_id.as_str()));
-        }
-        set.len()
+        self.lock().accepted.len()
     }
 
     /// Waits until `cond` holds over the log, or `timeout` passes; returns
@@ -256,14 +254,16 @@ impl Receiver {
 
     /// Waits until `n` distinct (handler, event id) pairs were accepted.
     pub async fn wait_accepted(&self, n: usize, timeout: Duration) -> bool {
-        self.wait_until(timeout, |log| {
-            let mut set = std::collections::HashSet::new();
-            for r in log.iter().filter(|r| r.accepted()) {
-                set.insert((r.handler.as_str(), r.event_id.as_str()));
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.shared.changed.notified();
+            if self.accepted_distinct() >= n {
+                return true;
             }
-            set.len() >= n
-        })
-        .await
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return self.accepted_distinct() >= n;
+            }
+        }
     }
 
     /// Checks the record against what should have arrived.
@@ -462,7 +462,15 @@ async fn hook(
             })
             .collect(),
     };
-    shared.inner.lock().expect("not poisoned").log.push(rec);
+    {
+        let mut inner = shared.inner.lock().expect("not poisoned");
+        if rec.accepted() {
+            inner
+                .accepted
+                .insert((rec.handler.clone(), rec.event_id.clone()));
+        }
+        inner.log.push(rec);
+    }
     shared.changed.notify_waiters();
     (
         StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
