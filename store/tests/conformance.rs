@@ -1688,4 +1688,88 @@ mod sqlite_only {
         }
         let _ = std::fs::remove_dir_all(&dir);
     }
+
+    const CHILD_DB: &str = "LANEBUS_TEST_CHILD_SQLITE_URL";
+    const CHILD_NAME: &str = "LANEBUS_TEST_CHILD_NAME";
+
+    /// Three processes publishing into one file at once (the demo's three
+    /// nodes share one): every write waits for the file lock, sequences stay
+    /// gapless. The test binary runs itself as the child processes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn several_processes_share_one_file() {
+        if let (Ok(url), Ok(name)) = (std::env::var(CHILD_DB), std::env::var(CHILD_NAME)) {
+            // Child: publish 20 batches of 10 events over three keys.
+            let s = SqliteStore::connect(&url).await.expect("child open");
+            for b in 0..20 {
+                let batch = (0..10)
+                    .map(|i| {
+                        ev(
+                            Some(&format!("{name}-{b}-{i}")),
+                            "t.x",
+                            Some(&format!("shared-{}", i % 3)),
+                        )
+                    })
+                    .collect();
+                assert_eq!(s.publish(batch).await.expect("child publish").accepted, 10);
+            }
+            return;
+        }
+        let dir =
+            std::env::temp_dir().join(format!("lanebus-procs-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let url = format!("sqlite://{}", dir.join("shared.db").display());
+        let s = SqliteStore::connect(&url).await.expect("open");
+        handler(&s, "all", &["*"]).await;
+        let exe = std::env::current_exe().expect("test binary");
+        let children: Vec<_> = (0..3)
+            .map(|n| {
+                std::process::Command::new(&exe)
+                    .args([
+                        "--exact",
+                        "sqlite_only::several_processes_share_one_file",
+                        "--test-threads",
+                        "1",
+                    ])
+                    .env(CHILD_DB, &url)
+                    .env(CHILD_NAME, format!("proc{n}"))
+                    .stdout(std::process::Stdio::null())
+                    .spawn()
+                    .expect("spawn child")
+            })
+            .collect();
+        // Meanwhile this process completes what it claims, as a node would.
+        let mut completed = 0;
+        for mut child in children {
+            let status = tokio::task::spawn_blocking(move || child.wait())
+                .await
+                .expect("join")
+                .expect("wait");
+            assert!(status.success(), "child process failed: {status}");
+            let ds = claim_all(&s).await;
+            let refs: Vec<DeliveryRef> = ds.iter().map(|d| dref(d, 0, 1)).collect();
+            completed += s.complete(&refs).await.expect("complete").len();
+        }
+        let c = counts(&s).await;
+        assert_eq!(c.events, 600);
+        assert_eq!(c.completions + c.deliveries, 600);
+        assert_eq!(completed as i64, c.completions);
+        // Sequence numbers per key: gapless, each once, across processes.
+        let seqs: Vec<(Option<String>, Option<i64>)> =
+            sqlx::query_as("SELECT key, seq FROM events ORDER BY key, seq")
+                .fetch_all(s.pool())
+                .await
+                .expect("read events");
+        for k in 0..3 {
+            let key = format!("shared-{k}");
+            let mine: Vec<i64> = seqs
+                .iter()
+                .filter(|(kk, _)| kk.as_deref() == Some(&key))
+                .filter_map(|(_, q)| *q)
+                .collect();
+            let per_batch = (0..10).filter(|i| i % 3 == k).count() as i64;
+            assert_eq!(mine, (1..=3 * 20 * per_batch).collect::<Vec<_>>(), "{key}");
+        }
+        s.pool().close().await;
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
