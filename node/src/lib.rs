@@ -5,7 +5,19 @@
 //!
 //! Pure decisions live in [`retry`], [`ordering`] and [`assignment`] (with
 //! unit tests, no IO); [`actors`] carry them out; [`node`] wires a running
-//! node (see `shared/DESIGN.md` section 3).
+//! node (see `shared/DESIGN.md` section 3). [`webhook`] is the request
+//! contract of DESIGN.md section 5; [`handler`] puts in-process handlers on
+//! the same path; [`receiver`] is the test webhook target with the
+//! exactness verdict; [`sample_data`] loads the real GitHub payloads.
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), lanebus_node::NodeError> {
+//! use lanebus_node::{NodeOptions, StoreSource};
+//! let node = lanebus_node::start(NodeOptions::new("1", StoreSource::Url("sqlite:///tmp/lanebus.db".into()))).await?;
+//! println!("API on {}", node.base_url());
+//! node.shutdown().await?;
+//! # Ok(()) }
+//! ```
 
 #![warn(missing_docs)]
 

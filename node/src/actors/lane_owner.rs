@@ -41,9 +41,15 @@ use crate::retry::RetryPolicy;
 /// Tuning of a lane owner.
 #[derive(Debug, Clone, Copy)]
 pub struct LaneConfig {
-    /// Most deliveries held (queued + in flight) per lane (default 128). It
-    /// bounds the node's memory: lanes × buffer × payload size (256 lanes ×
-    /// 128 × 8 KB ≈ 256 MB at worst with GitHub-sized payloads).
+    /// Held deliveries (queued + in flight) at which a lane stops claiming
+    /// (default 128). A claim asks for up to this many, because rows already
+    /// held may come back (PostgreSQL cursor), so a lane holds at most twice
+    /// this. It bounds the node's memory: lanes × 2 × buffer × payload size
+    /// (256 × 256 × 8 KB ≈ 512 MB at worst with GitHub-sized payloads).
+    ///
+    /// Known limit: the buffer is shared by the lane's keys, so a key whose
+    /// head keeps failing while its own backlog fills the buffer holds up
+    /// the lane's other keys until it drains or dead-letters.
     pub buffer_cap: usize,
     /// Claim at least this often without a wake-up (default 100 ms for
     /// stores without push wake-ups, 1 s with).
