@@ -18,7 +18,7 @@
 //!   without a conflict, so events are inserted plainly after an in-statement
 //!   `NOT EXISTS` check of client-supplied ids; a concurrent publisher of the
 //!   same id makes the insert fail with a unique violation, and the publish is
-//!   retried ([`publish::PUBLISH_ATTEMPTS`]). The only upsert is the per-key
+//!   retried (up to five times). The only upsert is the per-key
 //!   counter (`key_seqs`), which must create a key's row the first time.
 //! - **Completions are an append-only log**: no primary key (a b-tree splits
 //!   mid-index), no foreign key to `events` (it would lock and dirty the
