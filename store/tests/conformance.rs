@@ -1226,14 +1226,23 @@ async fn claim_cursor_and_limit_read_everything_once_in_order(h: &dyn Harness) {
                 after: 0,
                 limit: 10,
             },
+            // The same lane twice is answered twice.
+            LaneClaim {
+                lane,
+                epoch: 0,
+                after: 0,
+                limit: 10,
+            },
         ])
         .await
         .expect("claim");
     assert_eq!(
         b.iter().map(|x| (x.lane, x.owned)).collect::<Vec<_>>(),
-        vec![(other, true), (lane, true), (other, false)]
+        vec![(other, true), (lane, true), (other, false), (lane, true)]
     );
     assert_eq!(b[1].deliveries.len(), 1);
+    assert_eq!(b[3].deliveries, b[1].deliveries);
+    assert!(b[2].deliveries.is_empty());
 }
 
 async fn handler_catalog_validates_and_round_trips(h: &dyn Harness) {

@@ -71,7 +71,6 @@ pub(super) async fn claim(
         .enumerate()
         .filter(|(i, c)| batches[*i].owned && c.limit > 0)
         .collect();
-    let slot: HashMap<Lane, usize> = owned.iter().map(|(i, c)| (c.lane, *i)).collect();
     for chunk in owned.chunks(CLAIM_CHUNK) {
         let member = include_str!("sql/claim_member.sql");
         let mut sql = String::with_capacity(chunk.len() * (member.len() + 12));
@@ -82,18 +81,22 @@ pub(super) async fn claim(
             sql.push_str(member);
         }
         let mut q = sqlx::query(&sql);
-        for (_, c) in chunk {
+        for (i, c) in chunk {
             q = q
+                .bind(*i as i64)
                 .bind(i64::from(c.lane))
                 .bind(c.after)
                 .bind(i64::from(c.limit));
         }
         for row in q.fetch_all(&mut *conn).await.map_err(map_err)? {
+            let slot: i64 = row.try_get("slot").map_err(map_err)?;
+            let b = usize::try_from(slot)
+                .ok()
+                .and_then(|i| batches.get_mut(i))
+                .ok_or_else(|| StoreError::Database(format!("claim row for slot {slot}")))?;
             let d = delivery_from_row(&row)?;
-            if let Some(&i) = slot.get(&d.lane) {
-                batches[i].next_after = batches[i].next_after.max(d.id);
-                batches[i].deliveries.push(d);
-            }
+            b.next_after = b.next_after.max(d.id);
+            b.deliveries.push(d);
         }
     }
     for b in &mut batches {

@@ -1,4 +1,4 @@
-SELECT * FROM (
+SELECT ? AS slot, * FROM (
     SELECT d.id, d.lane, d.handler_id, d.event_id, e.type, d.key, d.seq, d.attempts,
            d.due_at, d.last_error, e.payload, e.published_at
     FROM deliveries d JOIN events e ON e.id = d.event_id
