@@ -233,7 +233,9 @@ impl SqliteStore {
     /// deferred transaction that read before it writes may fail with
     /// `SQLITE_BUSY_SNAPSHOT` when another process wrote in between. While the
     /// transaction is open it holds the file's write lock, so other publishers
-    /// (and completions) wait: keep it short.
+    /// (and completions) wait: keep it short, and do not call the store's own
+    /// writing methods from the task holding it (they would wait for it, up
+    /// to [`BUSY_TIMEOUT`], and fail).
     ///
     /// # Errors
     /// [`StoreError::Invalid`] for an event breaking [`NewEvent::validate`]
