@@ -1781,4 +1781,40 @@ mod sqlite_only {
         s.pool().close().await;
         let _ = std::fs::remove_dir_all(&dir);
     }
+
+    /// SQLite's answer to the late-commit pitfall: a held publish transaction
+    /// holds the write lock, so a second publish waits for it (and does not
+    /// fail), and ids follow commit order.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_held_publish_in_makes_other_writers_wait() {
+        let h = SqliteHarness::new().await;
+        let s = h.store.clone();
+        handler(&*s, "all", &["*"]).await;
+        let mut held = s.pool().begin_with("BEGIN IMMEDIATE").await.expect("begin");
+        s.publish_in(&mut held, vec![ev(Some("held"), "t.x", Some("k"))])
+            .await
+            .expect("publish_in");
+        let other = s.clone();
+        let waiting = tokio::spawn(async move {
+            other
+                .publish(vec![ev(Some("waiting"), "t.x", Some("k"))])
+                .await
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        assert!(
+            !waiting.is_finished(),
+            "the second publish waits for the write lock"
+        );
+        held.commit().await.expect("commit");
+        let out = waiting
+            .await
+            .expect("task")
+            .expect("the waiting publish succeeds");
+        assert_eq!(out.accepted, 1);
+        let ds = claim_all(&*s).await;
+        let order: Vec<(&str, Option<i64>)> =
+            ds.iter().map(|d| (d.event_id.as_str(), d.seq)).collect();
+        assert_eq!(order, vec![("held", Some(1)), ("waiting", Some(2))]);
+        h.cleanup().await;
+    }
 }
