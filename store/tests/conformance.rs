@@ -1421,6 +1421,57 @@ mod postgres_only {
         h.cleanup().await;
     }
 
+    /// A deposed owner's completion that meets a fence in progress waits for
+    /// it and then changes nothing (invariant 4), although its statement
+    /// began while the old epoch was still the committed one. Without the
+    /// `FOR SHARE` lock on the lane row the completion would read the old
+    /// epoch from its snapshot and delete the delivery.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_completion_meeting_a_fence_in_progress_changes_nothing() {
+        let h = PgHarness::new().await;
+        let s = h.store();
+        handler(&*s, "all", &["*"]).await;
+        let lane = lane_of_key("race", s.lanes());
+        assert!(s.fence(lane, "n1", 1).await.expect("fence"));
+        s.publish(vec![ev(Some("r1"), "t.x", Some("race"))])
+            .await
+            .expect("publish");
+        let b = s
+            .claim(&one_lane_claim(lane, 1, 0, 10))
+            .await
+            .expect("claim");
+        let d = b[0].deliveries[0].clone();
+
+        let mut fence_tx = h.store.pool().begin().await.expect("begin");
+        sqlx::query("UPDATE lanes SET epoch = 2, owner = 'n2' WHERE lane = $1")
+            .bind(i32::from(lane))
+            .execute(&mut *fence_tx)
+            .await
+            .expect("fence in a held transaction");
+        let stale = {
+            let s = s.clone();
+            tokio::spawn(async move {
+                s.complete(&[DeliveryRef {
+                    id: d.id,
+                    lane,
+                    epoch: 1,
+                    attempts: 1,
+                }])
+                .await
+            })
+        };
+        // Give the completion time to start and take its snapshot.
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        fence_tx.commit().await.expect("commit the fence");
+        let done = stale.await.expect("join").expect("complete");
+        assert!(
+            done.is_empty(),
+            "a completion at epoch 1 changed rows after epoch 2 committed: {done:?}"
+        );
+        assert_eq!(counts(&*s).await.deliveries, 1, "the delivery must remain");
+        h.cleanup().await;
+    }
+
     /// Transaction ids follow first writes, not key-lock order: a publisher
     /// with an older transaction id can take a key's next number after a
     /// younger one. Claim order (and limit cuts) must still follow sequence order.

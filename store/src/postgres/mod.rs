@@ -78,8 +78,14 @@
 //!
 //! Every claim, completion, reschedule and dead letter joins `lanes` on
 //! `(lane, epoch)` in the same statement, so a stale owner changes nothing.
-//! The check reads the statement's snapshot: a fence that commits while such
-//! a statement runs does not stop that one statement. Leases (Raft) keep a
+//! Completions, reschedules and dead letters lock the lane rows they rely on
+//! `FOR SHARE` (one lock per lane per batch, not per delivery): a fence is an
+//! `UPDATE` of the lane row, so it either waits for the writer's transaction
+//! or, having committed first, makes PostgreSQL re-check the locked row
+//! (READ COMMITTED's re-evaluation of the newest row version), which then
+//! fails the epoch test. So a writer whose statement started before the fence
+//! committed changes nothing either. Claims only read and need no lock: rows
+//! a deposed owner reads cannot be completed by it. Leases (Raft) keep a
 //! deposed owner from running at all; fencing is the last line behind them.
 //!
 //! # Handler deletion

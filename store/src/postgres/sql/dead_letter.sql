@@ -1,14 +1,26 @@
 -- Bulk dead letter, one statement: delete the fenced deliveries and insert
 -- their dead-letter rows.
 --   $1 ids bigint[], $2 lanes int[], $3 epochs bigint[], $4 attempts int[], $5 last_error text[]
+-- The lane rows are locked FOR SHARE at the claimed epoch, so a fence (an
+-- UPDATE of the lane row) either waits for this statement's transaction or,
+-- if it committed first, makes the re-checked row fail the epoch test: a
+-- deposed owner changes nothing even when its statement started before the
+-- fence committed (invariant 4).
 WITH x AS (
     SELECT * FROM unnest($1::bigint[], $2::int[], $3::bigint[], $4::int[], $5::text[])
         AS x (id, lane, epoch, attempts, last_error)
 ),
+fenced AS MATERIALIZED (
+    SELECT l.lane, l.epoch
+    FROM lanes l
+    JOIN (SELECT DISTINCT lane, epoch FROM x) y ON l.lane = y.lane AND l.epoch = y.epoch
+    ORDER BY l.lane
+    FOR SHARE OF l
+),
 del AS (
     DELETE FROM deliveries d
-    USING x, lanes l
-    WHERE d.id = x.id AND d.lane = x.lane AND l.lane = x.lane AND l.epoch = x.epoch
+    USING x, fenced f
+    WHERE d.id = x.id AND d.lane = x.lane AND f.lane = x.lane AND f.epoch = x.epoch
     RETURNING d.id, d.handler_id, d.event_id, d.lane, d.key, d.seq, x.attempts, x.last_error
 ),
 ins AS (
