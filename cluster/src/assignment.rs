@@ -86,11 +86,20 @@ pub enum Change {
 }
 
 /// The node a lane counts for when balancing: the target of a handover in
-/// progress, else the live owner; `None` for an orphan.
-fn effective_owner(entry: &LaneEntry, live: &BTreeSet<NodeId>) -> Option<NodeId> {
+/// progress (its owner still alive to release it), else the alive owner;
+/// `None` for an orphan. A handover whose owner died counts as an orphan: it
+/// will never be released, and the owner has stopped by its own lease.
+fn effective_owner(
+    entry: &LaneEntry,
+    live: &BTreeSet<NodeId>,
+    draining: &BTreeSet<NodeId>,
+) -> Option<NodeId> {
+    let alive = |n: &NodeId| live.contains(n) || draining.contains(n);
     match (entry.state, entry.owner) {
-        (LaneState::Releasing { to }, _) if live.contains(&to) => Some(to),
-        (LaneState::Releasing { .. } | LaneState::Active, Some(owner)) if live.contains(&owner) => {
+        (LaneState::Releasing { to }, Some(owner)) if alive(&owner) && live.contains(&to) => {
+            Some(to)
+        }
+        (LaneState::Releasing { .. } | LaneState::Active, Some(owner)) if alive(&owner) => {
             Some(owner)
         }
         _ => None,
@@ -101,14 +110,32 @@ fn effective_owner(entry: &LaneEntry, live: &BTreeSet<NodeId>) -> Option<NodeId>
 /// docs). Returns nothing when `live` is empty or the table is balanced.
 /// Lanes in a handover whose target is live are left alone.
 pub fn plan(lanes: &[LaneEntry], live: &BTreeSet<NodeId>) -> Vec<Change> {
+    plan_draining(lanes, live, &BTreeSet::new())
+}
+
+/// [`plan`] with nodes being removed on purpose: `draining` nodes are alive
+/// (their lanes are not orphans, so they are handed over gracefully rather
+/// than assigned at once) but their quota is zero, and no lane is handed to
+/// them. A node in both sets counts as draining.
+pub fn plan_draining(
+    lanes: &[LaneEntry],
+    live: &BTreeSet<NodeId>,
+    draining: &BTreeSet<NodeId>,
+) -> Vec<Change> {
+    let live: BTreeSet<NodeId> = live.difference(draining).copied().collect();
+    let live = &live;
     if live.is_empty() || lanes.is_empty() {
         return Vec::new();
     }
-    let mut owned: BTreeMap<NodeId, Vec<u16>> = live.iter().map(|&n| (n, Vec::new())).collect();
+    let mut owned: BTreeMap<NodeId, Vec<u16>> = live
+        .iter()
+        .chain(draining)
+        .map(|&n| (n, Vec::new()))
+        .collect();
     let mut orphans = Vec::new();
     for (lane, entry) in lanes.iter().enumerate() {
-        match effective_owner(entry, live) {
-            Some(node) => owned.get_mut(&node).expect("live node").push(lane as u16),
+        match effective_owner(entry, live, draining) {
+            Some(node) => owned.get_mut(&node).expect("alive node").push(lane as u16),
             None => orphans.push(lane as u16),
         }
     }
@@ -122,6 +149,7 @@ pub fn plan(lanes: &[LaneEntry], live: &BTreeSet<NodeId>) -> Vec<Change> {
         .iter()
         .enumerate()
         .map(|(i, &node)| (node, base + usize::from(i < extra)))
+        .chain(draining.iter().map(|&node| (node, 0)))
         .collect();
 
     // Surplus of over-quota nodes: only active lanes move, highest first.
@@ -141,7 +169,7 @@ pub fn plan(lanes: &[LaneEntry], live: &BTreeSet<NodeId>) -> Vec<Change> {
     let next_receiver = |counts: &mut BTreeMap<NodeId, usize>| -> Option<NodeId> {
         let node = counts
             .iter()
-            .filter(|(node, &c)| c < quota[*node])
+            .filter(|(node, &c)| c < quota[*node] && live.contains(*node))
             .min_by_key(|(node, &c)| (c, **node))
             .map(|(&node, _)| node)?;
         *counts.get_mut(&node).expect("known node") += 1;
@@ -153,7 +181,8 @@ pub fn plan(lanes: &[LaneEntry], live: &BTreeSet<NodeId>) -> Vec<Change> {
         .enumerate()
         .filter(|(_, e)| {
             matches!(e.state, LaneState::Releasing { to } if !live.contains(&to))
-                && e.owner.is_some_and(|o| live.contains(&o))
+                && e.owner
+                    .is_some_and(|o| live.contains(&o) || draining.contains(&o))
         })
         .map(|(lane, _)| Change::CancelHandover { lane: lane as u16 })
         .collect();
@@ -362,6 +391,50 @@ mod tests {
             .iter()
             .all(|e| e.state == LaneState::Active && e.owner == Some(1)));
         assert!(plan(&lanes, &live(&[1])).is_empty());
+    }
+
+    #[test]
+    fn handover_whose_owner_died_is_assigned_at_once() {
+        let mut lanes = vec![LaneEntry::UNASSIGNED; 4];
+        settle(&mut lanes, &live(&[1]));
+        for c in plan(&lanes, &live(&[1, 2])) {
+            apply(&mut lanes, c);
+        }
+        // Node 1 died while handing lanes 2 and 3 over: it will never
+        // release them, so they are assigned (epoch + 1) without waiting.
+        let changes = plan(&lanes, &live(&[2]));
+        let assigned: Vec<_> = changes
+            .iter()
+            .filter_map(|c| match *c {
+                Change::Assign { lane, to: 2, epoch } => Some((lane, epoch)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(assigned, vec![(0, 2), (1, 2), (2, 2), (3, 2)], "{changes:?}");
+    }
+
+    #[test]
+    fn draining_node_hands_everything_over_and_receives_nothing() {
+        let mut lanes = vec![LaneEntry::UNASSIGNED; 9];
+        settle(&mut lanes, &live(&[1, 2, 3]));
+        let draining = live(&[2]);
+        let changes = plan_draining(&lanes, &live(&[1, 2, 3]), &draining);
+        assert_eq!(changes.len(), 3, "{changes:?}");
+        assert!(changes
+            .iter()
+            .all(|c| matches!(c, Change::Handover { from: 2, to, .. } if *to != 2)));
+        for &c in &changes {
+            apply(&mut lanes, c);
+        }
+        assert!(plan_draining(&lanes, &live(&[1, 3]), &draining).is_empty());
+        for c in changes {
+            if let Change::Handover { lane, from, .. } = c {
+                assert!(apply_release(&mut lanes, lane, from));
+            }
+        }
+        let c = counts(&lanes);
+        assert_eq!(c.get(&2), None);
+        assert!(plan_draining(&lanes, &live(&[1, 3]), &draining).is_empty());
     }
 
     #[test]

@@ -1,15 +1,65 @@
-//! lanebus cluster: the lane assignment policy and the lease arithmetic, as
-//! pure code that unit tests drive without Raft, actors or IO.
+//! lanebus cluster: which node owns which lane, decided through Raft
+//! (openraft 0.9, `storage-v2`).
 //!
-//! The openraft glue (log and state machine storage, TCP transport) arrives
-//! with the cluster issue and only *carries out* what these functions decide:
-//! the leader runs [`assignment::plan`] over the replicated lane table and
-//! proposes the result; every node checks its own lease with [`lease`].
+//! Decisions are pure code that unit tests drive without Raft, actors or IO:
+//! [`assignment`] (the leader's plan over the lane table) and [`lease`] (the
+//! holder's and the leader's lease arithmetic). The rest only carries them
+//! out:
+//!
+//! - [`state`]: the replicated state machine (members, leases, lane table)
+//!   and its [`Command`]s;
+//! - [`storage`]: the Raft log and state machine on disk (redb), snapshots;
+//! - [`network`]: the TCP + bincode transport and RPC server;
+//! - [`cluster`]: [`Cluster`], the API the node uses: start, bootstrap,
+//!   join, the lanes this node may work, the cluster view.
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), lanebus_cluster::ClusterError> {
+//! use lanebus_cluster::{Cluster, ClusterConfig};
+//! let cluster = Cluster::start(ClusterConfig::new(
+//!     1, "127.0.0.1:7001", "127.0.0.1:8001", "/var/lib/lanebus/1",
+//! ))
+//! .await?;
+//! cluster.bootstrap().await?; // or: on a member, add_node(2, raft_addr, http_addr)
+//! let mut owned = cluster.owned_lanes();
+//! while owned.changed().await.is_ok() {
+//!     let lanes = owned.borrow().clone(); // lane -> epoch: start/stop lane owners
+//!     # let _ = lanes;
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! This crate knows no database: Raft decides owners and epochs; the node
+//! fences them in the store.
 
 #![warn(missing_docs)]
 
+use std::io::Cursor;
+
 pub mod assignment;
+pub mod cluster;
 pub mod lease;
+pub mod network;
+pub mod state;
+pub mod storage;
+
+pub use cluster::{
+    Cluster, ClusterConfig, ClusterError, ClusterView, LaneView, MemberView, RaftTiming,
+};
+pub use lease::LeaseConfig;
+pub use network::NetSwitch;
+pub use state::{Command, CommandResult, Releasing};
 
 /// A node's id in the cluster (the `--id` flag).
 pub type NodeId = u64;
+
+openraft::declare_raft_types!(
+    /// openraft type configuration: [`Command`]s in, [`CommandResult`]s out,
+    /// nodes addressed by their Raft address ([`openraft::BasicNode`]).
+    pub TypeConfig:
+        D = Command,
+        R = CommandResult,
+);
+
+/// The openraft handle of this crate's type configuration.
+pub type Raft = openraft::Raft<TypeConfig>;

@@ -1,0 +1,427 @@
+//! The Raft transport: TCP with length-prefixed bincode frames.
+//!
+//! ```text
+//! frame = u32 big-endian length ‖ bincode(RpcRequest | RpcResponse)
+//!
+//! node A                                     node B (raft_addr)
+//! Transport ── one connection per (peer, channel), reused ──▶ RPC server
+//!   channel Raft:  AppendEntries, Vote, InstallSnapshot       └▶ Raft
+//!   channel Write: ClientWrite(Command)  (forwarded writes)   └▶ Raft::client_write
+//! ```
+//!
+//! One request is in flight per connection (a mutex around it), so answers
+//! need no ids. Forwarded writes use their own connection so that a write
+//! waiting for its commit does not hold up heartbeats or votes. Connecting has
+//! its own timeout ([`CONNECT_TIMEOUT`]); every request has one too (openraft's
+//! `RPCOption::hard_ttl` for Raft RPCs). After any error the connection is
+//! dropped and the next request connects again; a request on a reused
+//! connection that finds it dead is retried once on a fresh one.
+//!
+//! [`NetSwitch`] is the fault-injection hook: when cut, this node neither
+//! sends nor answers anything, as if its network cable were pulled.
+
+use std::collections::HashMap;
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use openraft::error::{InstallSnapshotError, NetworkError, RPCError, RaftError, Unreachable};
+use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
+    VoteRequest, VoteResponse,
+};
+use openraft::BasicNode;
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinSet;
+
+use crate::state::{Command, CommandResult};
+use crate::storage::{decode, encode};
+use crate::{NodeId, Raft, TypeConfig};
+
+/// How long connecting to a peer may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
+/// Largest frame accepted (a snapshot chunk is the largest message).
+pub const MAX_FRAME_BYTES: u32 = 64 << 20;
+/// An idle incoming connection is closed after this long.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// A request on the wire.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) enum RpcRequest {
+    AppendEntries(AppendEntriesRequest<TypeConfig>),
+    Vote(VoteRequest<NodeId>),
+    InstallSnapshot(InstallSnapshotRequest<TypeConfig>),
+    /// A write forwarded by a node that is not the leader.
+    ClientWrite(Command),
+}
+
+/// An answer on the wire. Remote Raft errors travel as text: they are all
+/// fatal conditions of the remote node that the caller can only log.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) enum RpcResponse {
+    AppendEntries(Result<AppendEntriesResponse<NodeId>, String>),
+    Vote(Result<VoteResponse<NodeId>, String>),
+    InstallSnapshot(Result<InstallSnapshotResponse<NodeId>, String>),
+    ClientWrite(Result<CommandResult, WriteRejected>),
+}
+
+/// Why a forwarded write was not carried out by the node it was sent to.
+#[derive(Debug, Clone, Serialize, Deserialize, thiserror::Error)]
+pub enum WriteRejected {
+    /// The receiver is not the leader (any more); `leader` is who it thinks
+    /// leads now.
+    #[error("node is not the leader (leader: {leader:?})")]
+    ForwardToLeader {
+        /// The leader as the receiver knows it.
+        leader: Option<NodeId>,
+    },
+    /// Raft failed on the receiver (shutting down, storage fault).
+    #[error("write failed on the leader: {0}")]
+    Failed(String),
+}
+
+/// Fault injection: cuts this node off the network (both directions) while
+/// set. Cheap to clone; all clones share the switch.
+#[derive(Debug, Clone, Default)]
+pub struct NetSwitch(Arc<AtomicBool>);
+
+impl NetSwitch {
+    /// Cuts (`true`) or restores (`false`) the network.
+    pub fn set_cut(&self, cut: bool) {
+        self.0.store(cut, Ordering::SeqCst);
+    }
+
+    /// Whether the network is cut.
+    pub fn is_cut(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// Which of the two connections to a peer a request uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Channel {
+    Raft,
+    Write,
+}
+
+/// Why a call failed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum CallError {
+    /// Could not connect (or the network is cut): the peer is unreachable.
+    #[error("peer {addr} unreachable: {source}")]
+    Unreachable { addr: String, source: io::Error },
+    /// The connection failed or timed out during the request.
+    #[error("rpc to {addr} failed: {source}")]
+    Network { addr: String, source: io::Error },
+}
+
+type Slot = Arc<tokio::sync::Mutex<Option<TcpStream>>>;
+
+/// Outgoing side: a pool of connections, one per (peer address, channel).
+#[derive(Debug)]
+pub(crate) struct Transport {
+    pool: Mutex<HashMap<(String, Channel), Slot>>,
+    switch: NetSwitch,
+}
+
+async fn write_frame(stream: &mut TcpStream, bytes: &[u8]) -> io::Result<()> {
+    let len = u32::try_from(bytes.len())
+        .ok()
+        .filter(|&l| l <= MAX_FRAME_BYTES)
+        .ok_or_else(|| io::Error::other(format!("frame of {} bytes is too large", bytes.len())))?;
+    stream.write_all(&len.to_be_bytes()).await?;
+    stream.write_all(bytes).await?;
+    stream.flush().await
+}
+
+async fn read_frame(stream: &mut TcpStream) -> io::Result<Vec<u8>> {
+    let mut len = [0u8; 4];
+    stream.read_exact(&mut len).await?;
+    let len = u32::from_be_bytes(len);
+    if len > MAX_FRAME_BYTES {
+        return Err(io::Error::other(format!("frame of {len} bytes is too large")));
+    }
+    let mut buf = vec![0u8; len as usize];
+    stream.read_exact(&mut buf).await?;
+    Ok(buf)
+}
+
+impl Transport {
+    pub(crate) fn new(switch: NetSwitch) -> Self {
+        Transport {
+            pool: Mutex::default(),
+            switch,
+        }
+    }
+
+    fn slot(&self, addr: &str, channel: Channel) -> Slot {
+        let mut pool = self
+            .pool
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        pool.entry((addr.to_owned(), channel)).or_default().clone()
+    }
+
+    /// Sends `req` to `addr` and waits for the answer, at most `timeout`.
+    pub(crate) async fn call(
+        &self,
+        addr: &str,
+        channel: Channel,
+        req: &RpcRequest,
+        timeout: Duration,
+    ) -> Result<RpcResponse, CallError> {
+        let bytes = encode(req).map_err(|e| CallError::Network {
+            addr: addr.to_owned(),
+            source: io::Error::other(e),
+        })?;
+        let slot = self.slot(addr, channel);
+        let mut conn = slot.lock().await;
+        for attempt in 0..2 {
+            if self.switch.is_cut() {
+                return Err(CallError::Unreachable {
+                    addr: addr.to_owned(),
+                    source: io::Error::other("network cut by the test hook"),
+                });
+            }
+            let reused = conn.is_some();
+            if conn.is_none() {
+                let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
+                    .await
+                    .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))
+                    .and_then(|r| r)
+                    .map_err(|source| CallError::Unreachable {
+                        addr: addr.to_owned(),
+                        source,
+                    })?;
+                // Small frames must not wait for Nagle's algorithm.
+                let _ = stream.set_nodelay(true);
+                *conn = Some(stream);
+            }
+            let Some(stream) = conn.as_mut() else {
+                continue;
+            };
+            let result = tokio::time::timeout(timeout, async {
+                write_frame(stream, &bytes).await?;
+                read_frame(stream).await
+            })
+            .await
+            .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "request timed out"))
+            .and_then(|r| r);
+            match result {
+                Ok(answer) => {
+                    return decode(&answer).map_err(|e| {
+                        *conn = None;
+                        CallError::Network {
+                            addr: addr.to_owned(),
+                            source: io::Error::other(e),
+                        }
+                    })
+                }
+                Err(source) => {
+                    *conn = None;
+                    // A pooled connection the peer closed (it restarted):
+                    // one fresh try. A timeout is not retried.
+                    if reused && attempt == 0 && source.kind() != io::ErrorKind::TimedOut {
+                        tracing::debug!(addr, error = %source, "stale raft connection, reconnecting");
+                        continue;
+                    }
+                    return Err(CallError::Network {
+                        addr: addr.to_owned(),
+                        source,
+                    });
+                }
+            }
+        }
+        Err(CallError::Network {
+            addr: addr.to_owned(),
+            source: io::Error::other("no connection"),
+        })
+    }
+}
+
+/// openraft's network factory: hands out [`PeerClient`]s sharing the pool.
+#[derive(Debug, Clone)]
+pub(crate) struct NetworkFactory {
+    pub transport: Arc<Transport>,
+}
+
+impl RaftNetworkFactory<TypeConfig> for NetworkFactory {
+    type Network = PeerClient;
+
+    async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> PeerClient {
+        PeerClient {
+            transport: self.transport.clone(),
+            target,
+            addr: node.addr.clone(),
+        }
+    }
+}
+
+/// The client openraft uses to reach one peer.
+#[derive(Debug)]
+pub(crate) struct PeerClient {
+    transport: Arc<Transport>,
+    target: NodeId,
+    addr: String,
+}
+
+fn rpc_error<E: std::error::Error>(e: CallError) -> RPCError<NodeId, BasicNode, E> {
+    match e {
+        CallError::Unreachable { source, .. } => RPCError::Unreachable(Unreachable::new(&source)),
+        CallError::Network { source, .. } => RPCError::Network(NetworkError::new(&source)),
+    }
+}
+
+fn remote_error<E: std::error::Error>(target: NodeId, msg: String) -> RPCError<NodeId, BasicNode, E> {
+    RPCError::Network(NetworkError::new(&io::Error::other(format!(
+        "node {target} answered with an error: {msg}"
+    ))))
+}
+
+fn unexpected<E: std::error::Error>(target: NodeId) -> RPCError<NodeId, BasicNode, E> {
+    RPCError::Network(NetworkError::new(&io::Error::other(format!(
+        "node {target} answered with the wrong message kind"
+    ))))
+}
+
+impl RaftNetwork<TypeConfig> for PeerClient {
+    async fn append_entries(
+        &mut self,
+        rpc: AppendEntriesRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<AppendEntriesResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
+        let req = RpcRequest::AppendEntries(rpc);
+        match self
+            .transport
+            .call(&self.addr, Channel::Raft, &req, option.hard_ttl())
+            .await
+            .map_err(rpc_error)?
+        {
+            RpcResponse::AppendEntries(r) => r.map_err(|m| remote_error(self.target, m)),
+            _ => Err(unexpected(self.target)),
+        }
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        rpc: InstallSnapshotRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<
+        InstallSnapshotResponse<NodeId>,
+        RPCError<NodeId, BasicNode, RaftError<NodeId, InstallSnapshotError>>,
+    > {
+        let req = RpcRequest::InstallSnapshot(rpc);
+        match self
+            .transport
+            .call(&self.addr, Channel::Raft, &req, option.hard_ttl())
+            .await
+            .map_err(rpc_error)?
+        {
+            RpcResponse::InstallSnapshot(r) => r.map_err(|m| remote_error(self.target, m)),
+            _ => Err(unexpected(self.target)),
+        }
+    }
+
+    async fn vote(
+        &mut self,
+        rpc: VoteRequest<NodeId>,
+        option: RPCOption,
+    ) -> Result<VoteResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
+        let req = RpcRequest::Vote(rpc);
+        match self
+            .transport
+            .call(&self.addr, Channel::Raft, &req, option.hard_ttl())
+            .await
+            .map_err(rpc_error)?
+        {
+            RpcResponse::Vote(r) => r.map_err(|m| remote_error(self.target, m)),
+            _ => Err(unexpected(self.target)),
+        }
+    }
+}
+
+/// Runs the RPC server on `listener` until the task is aborted (which also
+/// aborts every connection it serves).
+pub(crate) async fn serve(listener: TcpListener, raft: Raft, switch: NetSwitch) {
+    let mut conns = JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    if switch.is_cut() {
+                        drop(stream);
+                        continue;
+                    }
+                    let _ = stream.set_nodelay(true);
+                    conns.spawn(serve_conn(stream, raft.clone(), switch.clone(), peer.to_string()));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "raft rpc accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+        }
+    }
+}
+
+async fn serve_conn(mut stream: TcpStream, raft: Raft, switch: NetSwitch, peer: String) {
+    loop {
+        let frame = match tokio::time::timeout(IDLE_TIMEOUT, read_frame(&mut stream)).await {
+            Ok(Ok(f)) => f,
+            Ok(Err(e)) => {
+                if e.kind() != io::ErrorKind::UnexpectedEof {
+                    tracing::debug!(peer, error = %e, "raft rpc connection closed");
+                }
+                return;
+            }
+            Err(_) => return,
+        };
+        if switch.is_cut() {
+            return;
+        }
+        let req: RpcRequest = match decode(&frame) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(peer, error = %e, "undecodable raft rpc frame; closing connection");
+                return;
+            }
+        };
+        let resp = handle(&raft, req).await;
+        if switch.is_cut() {
+            return;
+        }
+        let bytes = match encode(&resp) {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::warn!(peer, error = %e, "could not encode raft rpc answer");
+                return;
+            }
+        };
+        if let Err(e) = write_frame(&mut stream, &bytes).await {
+            tracing::debug!(peer, error = %e, "raft rpc answer not sent");
+            return;
+        }
+    }
+}
+
+async fn handle(raft: &Raft, req: RpcRequest) -> RpcResponse {
+    match req {
+        RpcRequest::AppendEntries(r) => {
+            RpcResponse::AppendEntries(raft.append_entries(r).await.map_err(|e| e.to_string()))
+        }
+        RpcRequest::Vote(r) => RpcResponse::Vote(raft.vote(r).await.map_err(|e| e.to_string())),
+        RpcRequest::InstallSnapshot(r) => RpcResponse::InstallSnapshot(
+            raft.install_snapshot(r).await.map_err(|e| e.to_string()),
+        ),
+        RpcRequest::ClientWrite(cmd) => RpcResponse::ClientWrite(
+            crate::cluster::local_write(raft, cmd)
+                .await
+                .map(|r| r.data),
+        ),
+    }
+}

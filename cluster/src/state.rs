@@ -1,0 +1,357 @@
+//! The replicated state machine: members, node leases and the lane table, and
+//! the [`Command`]s that change them.
+//!
+//! [`ClusterState::apply`] is pure and deterministic (no clock, no IO): every
+//! node applies the same committed commands in the same order and ends with
+//! the same state. Wall-clock or monotonic times never enter it; the leader
+//! keeps *when* it applied each renewal in memory on its own clock (see
+//! [`crate::cluster`] and [`crate::lease`]).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::assignment::{self, Change, LaneEntry, LaneState};
+use crate::NodeId;
+
+/// A cluster member as the state machine records it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Member {
+    /// Address of the member's Raft RPC server (`IP:PORT`).
+    pub raft_addr: String,
+    /// Address of the member's HTTP API (`IP:PORT`), so that other nodes can
+    /// forward requests to it.
+    pub http_addr: String,
+    /// Removal requested ([`Command::RemoveNode`]): the member hands its
+    /// lanes over and receives none; it is forgotten once it owns none.
+    pub leaving: bool,
+}
+
+/// What the state machine knows of a node's lease: only deterministic data.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseRecord {
+    /// Renewals applied so far (0: the node never renewed, so it is not live).
+    pub renewals: u64,
+    /// Log index of the last applied renewal.
+    pub last_index: u64,
+}
+
+/// A command proposed through Raft. Each variant says who sends it and why it
+/// is allowed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Command {
+    /// Record a member and its addresses. Sent by the leader when a node joins
+    /// (before it becomes a Raft learner) and by a bootstrapping node for
+    /// itself. Allowed for a new id, and as a no-op for a known id with the
+    /// same addresses; an address change of a known id is refused (the node
+    /// must be removed first), so a typo cannot steal another node's identity.
+    AddNode {
+        /// The node's id.
+        node: NodeId,
+        /// Raft RPC address.
+        raft_addr: String,
+        /// HTTP API address.
+        http_addr: String,
+    },
+    /// Planned removal of a member: it is marked leaving, the leader hands its
+    /// lanes over (it stays alive meanwhile, see
+    /// [`assignment::plan_draining`]), then removes it from the Raft
+    /// membership and proposes [`Command::Forget`]. Allowed for any member.
+    RemoveNode {
+        /// The node to remove.
+        node: NodeId,
+    },
+    /// Drop a leaving member's record. Sent by the leader; allowed only when
+    /// the member is leaving and owns no lane any more (so no lane is left
+    /// with an owner nobody knows).
+    Forget {
+        /// The node to forget.
+        node: NodeId,
+    },
+    /// A node renews its lease. Sent by every member every
+    /// `renew_interval_ms`; allowed for members only (a stranger cannot keep
+    /// itself live). The leader notes on its own clock when it applied it.
+    RenewLease {
+        /// The renewing node.
+        node: NodeId,
+    },
+    /// Lane changes planned by the leader with [`assignment::plan_draining`]
+    /// over its live set; applied with [`assignment::apply`], which ignores a
+    /// handover whose premise no longer holds.
+    Apply {
+        /// The planned changes, applied in order.
+        changes: Vec<Change>,
+    },
+    /// The old owner of a lane in handover has drained it: the target owns it
+    /// now at `epoch + 1` ([`assignment::apply_release`]). Sent by the old
+    /// owner; allowed only when the lane is being released by `from`.
+    Release {
+        /// The lane.
+        lane: u16,
+        /// The releasing (old) owner.
+        from: NodeId,
+    },
+}
+
+/// The answer of the state machine to one command.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommandResult {
+    /// Whether the command changed (or confirmed) the state; `false` with a
+    /// `reason` when it was refused.
+    pub ok: bool,
+    /// Why the command was refused (lowercase, no final period).
+    pub reason: Option<String>,
+}
+
+impl CommandResult {
+    fn ok() -> Self {
+        CommandResult {
+            ok: true,
+            reason: None,
+        }
+    }
+    fn refused(reason: String) -> Self {
+        CommandResult {
+            ok: false,
+            reason: Some(reason),
+        }
+    }
+}
+
+/// The application part of the replicated state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterState {
+    /// Members by id.
+    pub members: BTreeMap<NodeId, Member>,
+    /// Lease records by node id.
+    pub leases: BTreeMap<NodeId, LeaseRecord>,
+    /// The lane table, indexed by lane number.
+    pub lanes: Vec<LaneEntry>,
+}
+
+impl ClusterState {
+    /// An empty state with `lanes` unassigned lanes.
+    pub fn new(lanes: u16) -> Self {
+        ClusterState {
+            members: BTreeMap::new(),
+            leases: BTreeMap::new(),
+            lanes: vec![LaneEntry::UNASSIGNED; usize::from(lanes)],
+        }
+    }
+
+    /// Lanes owned by `node` (in any state).
+    pub fn lanes_of(&self, node: NodeId) -> usize {
+        self.lanes.iter().filter(|e| e.owner == Some(node)).count()
+    }
+
+    /// Applies one committed command at log index `index`.
+    pub fn apply(&mut self, index: u64, cmd: &Command) -> CommandResult {
+        match cmd {
+            Command::AddNode {
+                node,
+                raft_addr,
+                http_addr,
+            } => match self.members.get(node) {
+                Some(m) if &m.raft_addr == raft_addr && &m.http_addr == http_addr => {
+                    CommandResult::ok()
+                }
+                Some(m) => CommandResult::refused(format!(
+                    "node {node} is already a member with raft_addr {} and http_addr {}",
+                    m.raft_addr, m.http_addr
+                )),
+                None => {
+                    self.members.insert(
+                        *node,
+                        Member {
+                            raft_addr: raft_addr.clone(),
+                            http_addr: http_addr.clone(),
+                            leaving: false,
+                        },
+                    );
+                    CommandResult::ok()
+                }
+            },
+            Command::RemoveNode { node } => match self.members.get_mut(node) {
+                Some(m) => {
+                    m.leaving = true;
+                    CommandResult::ok()
+                }
+                None => CommandResult::refused(format!("node {node} is not a member")),
+            },
+            Command::Forget { node } => match self.members.get(node) {
+                Some(m) if m.leaving && self.lanes_of(*node) == 0 => {
+                    self.members.remove(node);
+                    self.leases.remove(node);
+                    CommandResult::ok()
+                }
+                Some(_) => CommandResult::refused(format!(
+                    "node {node} is not leaving or still owns lanes"
+                )),
+                None => CommandResult::ok(),
+            },
+            Command::RenewLease { node } => {
+                if !self.members.contains_key(node) {
+                    return CommandResult::refused(format!("node {node} is not a member"));
+                }
+                let rec = self.leases.entry(*node).or_default();
+                rec.renewals += 1;
+                rec.last_index = index;
+                CommandResult::ok()
+            }
+            Command::Apply { changes } => {
+                for &change in changes {
+                    let (Change::Assign { lane, .. }
+                    | Change::Handover { lane, .. }
+                    | Change::CancelHandover { lane }) = change;
+                    // A plan made for another lane count changes nothing.
+                    if usize::from(lane) < self.lanes.len() {
+                        assignment::apply(&mut self.lanes, change);
+                    }
+                }
+                CommandResult::ok()
+            }
+            Command::Release { lane, from } => {
+                if usize::from(*lane) >= self.lanes.len() {
+                    return CommandResult::refused(format!("lane {lane} does not exist"));
+                }
+                if assignment::apply_release(&mut self.lanes, *lane, *from) {
+                    CommandResult::ok()
+                } else {
+                    CommandResult::refused(format!("lane {lane} is not being released by node {from}"))
+                }
+            }
+        }
+    }
+
+    /// Lanes `node` owns in state [`LaneState::Active`], with their epochs.
+    pub fn active_lanes(&self, node: NodeId) -> BTreeMap<u16, u64> {
+        self.lanes
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.owner == Some(node) && e.state == LaneState::Active)
+            .map(|(l, e)| (l as u16, e.epoch))
+            .collect()
+    }
+
+    /// Lanes `node` is handing over: lane → (epoch, next owner).
+    pub fn releasing_lanes(&self, node: NodeId) -> BTreeMap<u16, Releasing> {
+        self.lanes
+            .iter()
+            .enumerate()
+            .filter_map(|(l, e)| match (e.owner, e.state) {
+                (Some(o), LaneState::Releasing { to }) if o == node => Some((
+                    l as u16,
+                    Releasing {
+                        epoch: e.epoch,
+                        to,
+                    },
+                )),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+/// A lane this node must hand over: stop claiming, drain (with a bound), then
+/// call [`crate::Cluster::release`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Releasing {
+    /// The lane's current epoch (still this node's while it drains).
+    pub epoch: u64,
+    /// The next owner.
+    pub to: NodeId,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn add(s: &mut ClusterState, node: NodeId) -> CommandResult {
+        s.apply(
+            1,
+            &Command::AddNode {
+                node,
+                raft_addr: format!("127.0.0.1:{node}"),
+                http_addr: format!("127.0.0.1:1{node}"),
+            },
+        )
+    }
+
+    #[test]
+    fn add_node_is_idempotent_and_refuses_an_address_change() {
+        let mut s = ClusterState::new(4);
+        assert!(add(&mut s, 1).ok);
+        assert!(add(&mut s, 1).ok);
+        let r = s.apply(
+            2,
+            &Command::AddNode {
+                node: 1,
+                raft_addr: "127.0.0.1:9".into(),
+                http_addr: "127.0.0.1:10".into(),
+            },
+        );
+        assert!(!r.ok);
+        assert!(r.reason.unwrap().contains("already a member"));
+    }
+
+    #[test]
+    fn only_members_renew_and_renewals_are_counted() {
+        let mut s = ClusterState::new(4);
+        assert!(!s.apply(1, &Command::RenewLease { node: 7 }).ok);
+        add(&mut s, 7);
+        assert!(s.apply(5, &Command::RenewLease { node: 7 }).ok);
+        assert!(s.apply(6, &Command::RenewLease { node: 7 }).ok);
+        assert_eq!(
+            s.leases[&7],
+            LeaseRecord {
+                renewals: 2,
+                last_index: 6
+            }
+        );
+    }
+
+    #[test]
+    fn forget_only_a_leaving_member_without_lanes() {
+        let mut s = ClusterState::new(2);
+        add(&mut s, 1);
+        s.apply(
+            2,
+            &Command::Apply {
+                changes: vec![Change::Assign {
+                    lane: 0,
+                    to: 1,
+                    epoch: 1,
+                }],
+            },
+        );
+        assert!(!s.apply(3, &Command::Forget { node: 1 }).ok);
+        s.apply(4, &Command::RemoveNode { node: 1 });
+        assert!(!s.apply(5, &Command::Forget { node: 1 }).ok, "still owns lane 0");
+        s.lanes[0] = LaneEntry::UNASSIGNED;
+        assert!(s.apply(6, &Command::Forget { node: 1 }).ok);
+        assert!(s.members.is_empty());
+    }
+
+    #[test]
+    fn release_gives_the_target_epoch_plus_one() {
+        let mut s = ClusterState::new(2);
+        let changes = vec![
+            Change::Assign {
+                lane: 1,
+                to: 1,
+                epoch: 1,
+            },
+            Change::Handover {
+                lane: 1,
+                from: 1,
+                to: 2,
+            },
+        ];
+        s.apply(1, &Command::Apply { changes });
+        assert_eq!(s.releasing_lanes(1)[&1], Releasing { epoch: 1, to: 2 });
+        assert!(!s.apply(2, &Command::Release { lane: 1, from: 2 }).ok);
+        assert!(s.apply(3, &Command::Release { lane: 1, from: 1 }).ok);
+        assert_eq!(s.active_lanes(2), BTreeMap::from([(1, 2)]));
+        assert!(!s.apply(4, &Command::Release { lane: 9, from: 1 }).ok);
+    }
+}
