@@ -1,4 +1,4 @@
-//! Admin paths: dead letters, lanes, cluster.
+//! Admin paths: dead letters, lanes, cluster, handler summaries.
 //!
 //! ```text
 //! GET  /admin/dead-letters?handler_id=&after=&limit=
@@ -7,17 +7,30 @@
 //! POST /admin/dead-letters/replay {"handler_id"?, "ids"?}   200 {"replayed": n}
 //! GET  /admin/lanes                           200 {"lanes": [...]}
 //! GET  /admin/cluster                         200 ClusterView
+//! GET  /admin/handlers                        200 {"handlers": [...], "dead_letters_exact": bool}
 //! ```
 //!
 //! A replayed dead letter becomes a fresh delivery again (attempts reset).
+//!
+//! `GET /admin/handlers` is the operator's view of the catalog (the
+//! dashboard polls it every second): each handler's state and dead-letter
+//! count, without its secret. The store has no per-handler count, so the
+//! count pages through the dead letters, at most
+//! [`DEAD_LETTERS_COUNTED_MAX`] of them per call; past that the counts are
+//! lower bounds and `dead_letters_exact` is `false`. This bounds the cost of
+//! a poll whatever the dead-letter table holds.
+
+use std::collections::HashMap;
 
 use axum::extract::State;
+use chrono::{DateTime, Utc};
 use lanebus_store::{DeadLetter, DeadLetterFilter};
 use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
 
 use crate::error::{ApiError, ErrorCode};
 use crate::extract::{Json, Path, Query};
-use crate::handlers::not_found;
+use crate::handlers::{not_found, HandlerStateView};
 use crate::{ApiState, ClusterView, LaneView};
 
 /// Default page size of `GET /admin/dead-letters`.
@@ -26,44 +39,103 @@ pub const DEFAULT_PAGE: u32 = 100;
 pub const MAX_PAGE: u32 = 1_000;
 /// Most ids in one bulk replay.
 pub const MAX_REPLAY_IDS: usize = 10_000;
+/// Most dead letters `GET /admin/handlers` reads to count them per handler.
+pub const DEAD_LETTERS_COUNTED_MAX: u32 = 10_000;
 
 /// Query of `GET /admin/dead-letters`. Unknown parameters are refused.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub(crate) struct DeadLetterQuery {
     /// Only this handler's dead letters (the handler must exist).
     handler_id: Option<String>,
     /// Only ids greater than this (`next_after` of the previous page).
     after: Option<i64>,
     /// Page size, 1 to 1,000 (default 100).
+    #[param(minimum = 1, maximum = 1000)]
     limit: Option<u32>,
 }
 
+/// One dead letter: a delivery that exhausted its handler's attempts.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct DeadLetterView {
+    /// Dead-letter id (for replay).
+    id: i64,
+    /// Handler it was meant for.
+    handler_id: String,
+    /// Event id.
+    event_id: String,
+    /// Event type.
+    event_type: String,
+    /// Ordering key; `null` when unkeyed.
+    key: Option<String>,
+    /// Position of the event within its key; `null` when unkeyed.
+    seq: Option<i64>,
+    /// Attempts made.
+    attempts: u32,
+    /// Error of the last attempt.
+    last_error: String,
+    /// When it became a dead letter (RFC 3339).
+    #[schema(value_type = String, format = DateTime)]
+    failed_at: DateTime<Utc>,
+}
+
+impl From<DeadLetter> for DeadLetterView {
+    fn from(d: DeadLetter) -> Self {
+        // Destructured so a new store field is a compile error here.
+        let DeadLetter {
+            id,
+            handler_id,
+            event_id,
+            event_type,
+            key,
+            seq,
+            attempts,
+            last_error,
+            failed_at,
+        } = d;
+        DeadLetterView {
+            id,
+            handler_id,
+            event_id,
+            event_type,
+            key,
+            seq,
+            attempts,
+            last_error,
+            failed_at,
+        }
+    }
+}
+
 /// Body of `GET /admin/dead-letters`.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct DeadLetterPage {
     /// Dead letters, oldest first.
-    dead_letters: Vec<DeadLetter>,
+    dead_letters: Vec<DeadLetterView>,
     /// `after` for the next page; `null` when this page is the last.
     next_after: Option<i64>,
 }
 
 /// Body of the replay answers.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct Replayed {
     /// Dead letters put back as deliveries.
     replayed: u64,
 }
 
-/// Body of `POST /admin/dead-letters/replay`. Unknown fields are refused.
-#[derive(Debug, Deserialize)]
+/// Body of `POST /admin/dead-letters/replay`: give `handler_id`, `ids`, or
+/// both (then only those ids of that handler). Unknown fields are refused.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct BulkReplay {
     /// Replay this handler's dead letters (all of them when `ids` is absent).
     #[serde(default)]
     handler_id: Option<String>,
-    /// Replay these dead letters (ids unknown are skipped and not counted).
+    /// Replay these dead letters, at most 10,000 (ids unknown are skipped
+    /// and not counted).
     #[serde(default)]
+    #[schema(max_items = 10_000)]
     ids: Option<Vec<i64>>,
 }
 
@@ -99,7 +171,7 @@ pub(crate) async fn list_dead_letters(
         None
     };
     Ok(axum::Json(DeadLetterPage {
-        dead_letters,
+        dead_letters: dead_letters.into_iter().map(Into::into).collect(),
         next_after,
     }))
 }
@@ -164,8 +236,9 @@ pub(crate) async fn replay_bulk(
 }
 
 /// Body of `GET /admin/lanes`.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct LaneList {
+    /// Every lane, by lane number.
     lanes: Vec<LaneView>,
 }
 
@@ -179,4 +252,80 @@ pub(crate) async fn lanes(State(state): State<ApiState>) -> axum::Json<LaneList>
 /// Handler of `GET /admin/cluster`, from [`crate::NodeView::cluster`].
 pub(crate) async fn cluster(State(state): State<ApiState>) -> axum::Json<ClusterView> {
     axum::Json(state.node.cluster().await)
+}
+
+/// One handler in `GET /admin/handlers`: what an operator looks at, without
+/// the signing secret.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct HandlerSummary {
+    /// Handler id.
+    id: String,
+    /// Human-readable name.
+    name: String,
+    /// Webhook URL.
+    url: String,
+    /// Routes.
+    event_types: Vec<String>,
+    /// Enabled or disabled.
+    state: HandlerStateView,
+    /// Dead letters of this handler (a lower bound when
+    /// `dead_letters_exact` is `false`).
+    dead_letters: u64,
+}
+
+/// Body of `GET /admin/handlers`.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct HandlerSummaries {
+    /// Every handler, by creation order.
+    handlers: Vec<HandlerSummary>,
+    /// `false` when counting stopped at its bound of 10,000 dead letters:
+    /// the counts are then lower bounds.
+    dead_letters_exact: bool,
+}
+
+/// Handler of `GET /admin/handlers`: the catalog with dead-letter counts
+/// (see the module docs for the bound on counting).
+pub(crate) async fn handler_summaries(
+    State(state): State<ApiState>,
+) -> Result<axum::Json<HandlerSummaries>, ApiError> {
+    let handlers = state.store.list_handlers().await?;
+    let mut counts: HashMap<String, u64> = HashMap::new();
+    let mut after = None;
+    let mut read = 0u32;
+    let exact = loop {
+        let limit = MAX_PAGE.min(DEAD_LETTERS_COUNTED_MAX - read);
+        if limit == 0 {
+            break false;
+        }
+        let page = state
+            .store
+            .list_dead_letters(&DeadLetterFilter {
+                handler_id: None,
+                after_id: after,
+                limit,
+            })
+            .await?;
+        read += page.len() as u32;
+        for d in &page {
+            *counts.entry(d.handler_id.clone()).or_default() += 1;
+        }
+        if (page.len() as u32) < limit {
+            break true;
+        }
+        after = page.last().map(|d| d.id);
+    };
+    Ok(axum::Json(HandlerSummaries {
+        handlers: handlers
+            .into_iter()
+            .map(|h| HandlerSummary {
+                dead_letters: counts.get(&h.id).copied().unwrap_or(0),
+                id: h.id,
+                name: h.name,
+                url: h.url,
+                event_types: h.event_types,
+                state: h.state.into(),
+            })
+            .collect(),
+        dead_letters_exact: exact,
+    }))
 }

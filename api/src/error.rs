@@ -82,6 +82,61 @@ impl ErrorCode {
         }
     }
 
+    /// Every code, in declaration order.
+    pub const ALL: [ErrorCode; 18] = [
+        ErrorCode::InvalidJson,
+        ErrorCode::InvalidBody,
+        ErrorCode::InvalidParameter,
+        ErrorCode::UnsupportedMediaType,
+        ErrorCode::BodyTooLarge,
+        ErrorCode::PayloadTooLarge,
+        ErrorCode::EmptyBatch,
+        ErrorCode::BatchTooLarge,
+        ErrorCode::InvalidEvent,
+        ErrorCode::InvalidHandler,
+        ErrorCode::InvalidInput,
+        ErrorCode::NotFound,
+        ErrorCode::PathNotFound,
+        ErrorCode::MethodNotAllowed,
+        ErrorCode::Conflict,
+        ErrorCode::NotReady,
+        ErrorCode::StoreUnavailable,
+        ErrorCode::Internal,
+    ];
+
+    /// One line saying when the code is answered (for the OpenAPI
+    /// document; the same text as the variant's doc).
+    pub fn meaning(self) -> &'static str {
+        match self {
+            ErrorCode::InvalidJson => "the body is not well-formed JSON",
+            ErrorCode::InvalidBody => {
+                "the body is JSON of the wrong shape: unknown field, missing field, wrong type"
+            }
+            ErrorCode::InvalidParameter => {
+                "a path or query parameter does not parse, or is unknown"
+            }
+            ErrorCode::UnsupportedMediaType => "the body's content-type is not application/json",
+            ErrorCode::BodyTooLarge => "the request body exceeds the node's body limit",
+            ErrorCode::PayloadTooLarge => "one event's payload exceeds the node's payload limit",
+            ErrorCode::EmptyBatch => "a publish call with no events",
+            ErrorCode::BatchTooLarge => {
+                "a publish call with more events than the node's batch limit"
+            }
+            ErrorCode::InvalidEvent => "an event breaks the id, type or key rules",
+            ErrorCode::InvalidHandler => {
+                "a handler field breaks its rule (name, url, routes, policy, secret)"
+            }
+            ErrorCode::InvalidInput => "any other rule broken",
+            ErrorCode::NotFound => "the handler or dead letter named does not exist",
+            ErrorCode::PathNotFound => "no such path",
+            ErrorCode::MethodNotAllowed => "the path exists, the method does not",
+            ErrorCode::Conflict => "a unique constraint the operation does not absorb",
+            ErrorCode::NotReady => "the node is not ready",
+            ErrorCode::StoreUnavailable => "the store cannot be reached",
+            ErrorCode::Internal => "any other fault",
+        }
+    }
+
     /// The code as it appears in the body (`"invalid_json"`, ...).
     pub fn as_str(self) -> &'static str {
         match self {
@@ -165,14 +220,24 @@ pub(crate) fn tidy(message: &str) -> String {
     }
 }
 
-#[derive(Serialize)]
-struct ErrorBody<'a> {
+/// The body of every error answer: `{"error": {"code", "message"}}`.
+#[derive(Serialize, utoipa::ToSchema)]
+#[schema(as = Error)]
+pub(crate) struct ErrorBody<'a> {
+    /// What went wrong.
     error: ErrorDetail<'a>,
 }
 
-#[derive(Serialize)]
-struct ErrorDetail<'a> {
+/// What went wrong: a stable code for programs, a message for people.
+#[derive(Serialize, utoipa::ToSchema)]
+pub(crate) struct ErrorDetail<'a> {
+    /// Stable snake_case code (`invalid_json`, `not_found`, ...); each
+    /// operation lists the codes it answers with, by status. Clients should
+    /// treat an unknown code by its status.
+    #[schema(example = "invalid_handler")]
     code: &'a str,
+    /// Lowercase text naming the value that was wrong.
+    #[schema(example = "max_attempts 0 must be 1 to 100")]
     message: &'a str,
 }
 
@@ -225,6 +290,37 @@ mod tests {
             let a = ApiError::from(e);
             assert_eq!(a.status().as_u16(), status);
             assert_eq!(a.code.as_str(), code);
+        }
+    }
+
+    #[test]
+    fn all_lists_every_code_once() {
+        let mut names: Vec<&str> = ErrorCode::ALL.iter().map(|c| c.as_str()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), ErrorCode::ALL.len());
+        for code in ErrorCode::ALL {
+            // An exhaustive match: a new variant must be added to ALL too.
+            match code {
+                ErrorCode::InvalidJson
+                | ErrorCode::InvalidBody
+                | ErrorCode::InvalidParameter
+                | ErrorCode::UnsupportedMediaType
+                | ErrorCode::BodyTooLarge
+                | ErrorCode::PayloadTooLarge
+                | ErrorCode::EmptyBatch
+                | ErrorCode::BatchTooLarge
+                | ErrorCode::InvalidEvent
+                | ErrorCode::InvalidHandler
+                | ErrorCode::InvalidInput
+                | ErrorCode::NotFound
+                | ErrorCode::PathNotFound
+                | ErrorCode::MethodNotAllowed
+                | ErrorCode::Conflict
+                | ErrorCode::NotReady
+                | ErrorCode::StoreUnavailable
+                | ErrorCode::Internal => {}
+            }
         }
     }
 

@@ -15,15 +15,16 @@
 use axum::extract::State;
 use axum::http::StatusCode;
 use lanebus_store::{lane_of_event, Lane, NewEvent, PublishOutcome};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
+use utoipa::ToSchema;
 
 use crate::error::{ApiError, ErrorCode};
 use crate::extract::Json;
 use crate::{ApiState, Limits};
 
 /// Body of `POST /v1/events`. Unknown fields are refused.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PublishRequest {
     /// The batch, 1 to [`Limits::max_batch`] events.
@@ -31,20 +32,54 @@ pub struct PublishRequest {
 }
 
 /// One event of a publish request. Unknown fields are refused.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct EventIn {
     /// Client id (1 to 128 printable ASCII characters); a UUIDv7 when absent.
     #[serde(default)]
+    #[schema(min_length = 1, max_length = 128, example = "evt_42")]
     pub id: Option<String>,
     /// Dotted event type such as `issues.opened`.
     #[serde(rename = "type")]
+    #[schema(example = "issues.opened")]
     pub event_type: String,
-    /// Ordering key, up to 256 bytes.
+    /// Ordering key, up to 256 bytes; events with one key are delivered in
+    /// publish order. No key, no ordering.
     #[serde(default)]
+    #[schema(example = "repo-1")]
     pub key: Option<String>,
     /// Any JSON value, kept byte for byte.
+    #[schema(value_type = serde_json::Value)]
     pub payload: Box<RawValue>,
+}
+
+/// Answer of `POST /v1/events` (202).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct PublishAnswer {
+    /// Events newly stored.
+    pub accepted: usize,
+    /// Events whose id was already stored (or repeated in the batch); not
+    /// delivered again.
+    pub duplicates: usize,
+    /// The id of every input event, generated ones included, in input order.
+    pub ids: Vec<String>,
+}
+
+impl From<PublishOutcome> for PublishAnswer {
+    fn from(outcome: PublishOutcome) -> Self {
+        // Destructured so a new store field is a compile error here, not a
+        // silent gap between the answer and its documented schema.
+        let PublishOutcome {
+            accepted,
+            duplicates,
+            ids,
+        } = outcome;
+        PublishAnswer {
+            accepted,
+            duplicates,
+            ids,
+        }
+    }
 }
 
 /// Checks a batch against `limits` and the event rules, and turns it into
@@ -114,7 +149,7 @@ pub(crate) fn store_message(e: &lanebus_store::StoreError) -> String {
 pub(crate) async fn publish(
     State(state): State<ApiState>,
     Json(req): Json<PublishRequest>,
-) -> Result<(StatusCode, axum::Json<PublishOutcome>), ApiError> {
+) -> Result<(StatusCode, axum::Json<PublishAnswer>), ApiError> {
     let events = validate_batch(req, &state.limits)?;
     let keys: Vec<Option<String>> = events.iter().map(|e| e.key.clone()).collect();
     let outcome = state.store.publish(events).await?;
@@ -133,7 +168,7 @@ pub(crate) async fn publish(
         lanes.dedup();
         state.node.published(&lanes);
     }
-    Ok((StatusCode::ACCEPTED, axum::Json(outcome)))
+    Ok((StatusCode::ACCEPTED, axum::Json(outcome.into())))
 }
 
 #[cfg(test)]

@@ -20,8 +20,10 @@ use std::ops::RangeInclusive;
 use axum::extract::State;
 use axum::http::StatusCode;
 use base64::Engine as _;
-use lanebus_store::{generate_secret, handler_defaults, route, Handler, NewHandler};
+use chrono::{DateTime, Utc};
+use lanebus_store::{generate_secret, handler_defaults, route, Handler, HandlerState, NewHandler};
 use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 use crate::error::{tidy, ApiError, ErrorCode};
 use crate::events::store_message;
@@ -44,27 +46,111 @@ pub const MAX_URL_BYTES: usize = 2_048;
 pub const SECRET_BYTES: RangeInclusive<usize> = 24..=64;
 
 /// Body of `POST /v1/handlers`. Unknown fields are refused.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateHandler {
-    /// 1 to 128 characters.
+    /// 1 to 128 characters, no control characters.
+    #[schema(min_length = 1, max_length = 128, example = "billing")]
     pub name: String,
-    /// Absolute `http` or `https` URL with a host.
+    /// Absolute `http` or `https` URL with a host, up to 2,048 bytes.
+    #[schema(example = "https://example.com/hooks")]
     pub url: String,
     /// Routes: 1 to 100 event types or prefixes with a trailing `*`.
+    #[schema(min_items = 1, max_items = 100, example = json!(["invoice.*", "push"]))]
     pub event_types: Vec<String>,
     /// Attempts before dead letter, 1 to 100 (default 8).
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 100)]
     pub max_attempts: Option<u32>,
     /// Per-attempt timeout in milliseconds, 100 to 300,000 (default 10,000).
     #[serde(default)]
+    #[schema(minimum = 100, maximum = 300_000)]
     pub timeout_ms: Option<u64>,
     /// Concurrent attempts per node, 1 to 10,000 (default 64).
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 10_000)]
     pub max_in_flight: Option<u32>,
-    /// `whsec_` + base64 of 24 to 64 bytes; generated when absent.
+    /// `whsec_` + standard base64 of 24 to 64 bytes; generated when absent.
     #[serde(default)]
+    #[schema(pattern = "^whsec_[A-Za-z0-9+/]+={0,2}$")]
     pub secret: Option<String>,
+}
+
+/// Lifecycle of a handler, as answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum HandlerStateView {
+    /// Deliveries are attempted.
+    Enabled,
+    /// Deliveries are kept but not attempted (a `410 Gone` answer disables).
+    Disabled,
+}
+
+impl From<HandlerState> for HandlerStateView {
+    fn from(state: HandlerState) -> Self {
+        match state {
+            HandlerState::Enabled => HandlerStateView::Enabled,
+            HandlerState::Disabled => HandlerStateView::Disabled,
+        }
+    }
+}
+
+/// A registered handler, as `POST /v1/handlers` and `GET /v1/handlers/{id}`
+/// answer it (the store's [`Handler`], secret included).
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct HandlerView {
+    /// Stable id, `hdl_` + 26 characters.
+    #[schema(example = "hdl_01jq3v6m4w8b6k2x9y7t5r3p1n")]
+    pub id: String,
+    /// Human-readable name.
+    pub name: String,
+    /// Webhook URL.
+    pub url: String,
+    /// Routes: event types or prefixes with a trailing `*`.
+    pub event_types: Vec<String>,
+    /// Attempts before dead letter.
+    pub max_attempts: u32,
+    /// Per-attempt timeout, in milliseconds.
+    pub timeout_ms: u64,
+    /// Concurrent attempts per node.
+    pub max_in_flight: u32,
+    /// Signing secret (`whsec_` + base64).
+    pub secret: String,
+    /// Enabled or disabled.
+    pub state: HandlerStateView,
+    /// Registration time (RFC 3339).
+    #[schema(value_type = String, format = DateTime)]
+    pub created_at: DateTime<Utc>,
+}
+
+impl From<Handler> for HandlerView {
+    fn from(h: Handler) -> Self {
+        // Destructured so a new store field is a compile error here.
+        let Handler {
+            id,
+            name,
+            url,
+            event_types,
+            max_attempts,
+            timeout_ms,
+            max_in_flight,
+            secret,
+            state,
+            created_at,
+        } = h;
+        HandlerView {
+            id,
+            name,
+            url,
+            event_types,
+            max_attempts,
+            timeout_ms,
+            max_in_flight,
+            secret,
+            state: state.into(),
+            created_at,
+        }
+    }
 }
 
 fn invalid(message: String) -> ApiError {
@@ -209,14 +295,14 @@ pub fn validate_handler(req: CreateHandler) -> Result<NewHandler, ApiError> {
 }
 
 /// Body of `GET /v1/handlers`.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub struct HandlerList {
     /// Every handler, by creation order.
-    pub handlers: Vec<Handler>,
+    pub handlers: Vec<HandlerView>,
 }
 
 /// Body of `DELETE /v1/handlers/{id}`.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub struct Deleted {
     /// Id of the removed handler.
     pub deleted: String,
@@ -228,12 +314,12 @@ pub struct Deleted {
 pub(crate) async fn create(
     State(state): State<ApiState>,
     Json(req): Json<CreateHandler>,
-) -> Result<(StatusCode, axum::Json<Handler>), ApiError> {
+) -> Result<(StatusCode, axum::Json<HandlerView>), ApiError> {
     let new = validate_handler(req)?;
     let handler = state.store.create_handler(new).await?;
     tracing::info!(handler_id = %handler.id, name = %handler.name, url = %handler.url, "handler created");
     state.node.handlers_changed();
-    Ok((StatusCode::CREATED, axum::Json(handler)))
+    Ok((StatusCode::CREATED, axum::Json(handler.into())))
 }
 
 /// Handler of `GET /v1/handlers`.
@@ -241,7 +327,13 @@ pub(crate) async fn list(
     State(state): State<ApiState>,
 ) -> Result<axum::Json<HandlerList>, ApiError> {
     Ok(axum::Json(HandlerList {
-        handlers: state.store.list_handlers().await?,
+        handlers: state
+            .store
+            .list_handlers()
+            .await?
+            .into_iter()
+            .map(HandlerView::from)
+            .collect(),
     }))
 }
 
@@ -249,13 +341,14 @@ pub(crate) async fn list(
 pub(crate) async fn get(
     State(state): State<ApiState>,
     Path(id): Path<String>,
-) -> Result<axum::Json<Handler>, ApiError> {
+) -> Result<axum::Json<HandlerView>, ApiError> {
     Ok(axum::Json(
         state
             .store
             .get_handler(&id)
             .await
-            .map_err(|e| not_found(e, &id))?,
+            .map_err(|e| not_found(e, &id))?
+            .into(),
     ))
 }
 

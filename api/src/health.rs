@@ -18,9 +18,11 @@ use crate::ApiState;
 /// Content type of the Prometheus text exposition format 0.0.4.
 pub const PROMETHEUS_CONTENT_TYPE: &str = "text/plain; version=0.0.4";
 
-/// Body of `/healthz` and `/readyz` when they succeed.
-#[derive(Debug, Serialize)]
+/// Body of `/healthz` (`ok`) and `/readyz` (`ready`) when they succeed.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub(crate) struct Status {
+    /// `ok` (liveness) or `ready` (readiness).
+    #[schema(value_type = String, example = "ok")]
     status: &'static str,
 }
 

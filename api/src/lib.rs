@@ -33,7 +33,17 @@
 //!
 //! # Routes
 //!
-//! The single list of paths is [`ROUTES`]; [`router`] serves exactly those.
+//! The single list of paths is [`ROUTES`]; [`router`] serves exactly those,
+//! and [`openapi::document`] describes exactly those (served at
+//! `GET /openapi.json`, OpenAPI 3.1, with every operation's request and
+//! answer schemas and its error codes by status).
+//!
+//! # Dashboard
+//!
+//! `GET /ui/` serves a small operator's dashboard (module [`ui`]): the lane
+//! grid coloured by owner, the nodes and the handlers, polled every second
+//! from `/admin/lanes`, `/admin/cluster` and `/admin/handlers`. Its HTML, CSS
+//! and script are embedded in the binary; it fetches nothing else.
 
 #![warn(missing_docs)]
 
@@ -42,6 +52,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use lanebus_store::{Lane, Store};
 use serde::Serialize;
+use utoipa::ToSchema;
 
 mod admin;
 pub mod error;
@@ -49,25 +60,29 @@ pub mod events;
 pub mod extract;
 pub mod handlers;
 mod health;
+pub mod openapi;
 mod routes;
 mod telemetry;
+pub mod ui;
 
-pub use admin::{DEFAULT_PAGE, MAX_PAGE, MAX_REPLAY_IDS};
+pub use admin::{DEAD_LETTERS_COUNTED_MAX, DEFAULT_PAGE, MAX_PAGE, MAX_REPLAY_IDS};
 pub use error::{ApiError, ErrorCode};
 pub use health::PROMETHEUS_CONTENT_TYPE;
 pub use routes::{router, Operation, RouteSpec, ROUTES};
 pub use telemetry::describe_metrics;
 
 /// One lane as the node sees it (`GET /admin/lanes`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
 pub struct LaneView {
     /// Lane number.
+    #[schema(value_type = u16)]
     pub lane: Lane,
     /// Owning node id, if any.
     pub owner: Option<String>,
     /// Current epoch.
     pub epoch: i64,
     /// `active`, `starting`, `draining`, `stopped` or `unassigned`.
+    #[schema(example = "active")]
     pub state: String,
     /// Milliseconds until the owner's lease expires; `None` without leases.
     pub lease_expires_in_ms: Option<i64>,
@@ -85,7 +100,7 @@ pub struct LaneView {
 ///             "http_addr": "10.0.0.1:8080", "voter": true, "alive": true,
 ///             "lanes": 256}]}
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
 pub struct ClusterView {
     /// Id of the node that answered.
     pub node_id: String,
@@ -98,7 +113,7 @@ pub struct ClusterView {
 }
 
 /// One member of the cluster (see [`ClusterView`]).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
 pub struct ClusterNodeView {
     /// Node id.
     pub id: String,

@@ -2,9 +2,15 @@
 //! built from it.
 //!
 //! [`ROUTES`] is the single source: [`router`] registers exactly its entries
-//! (a test checks every entry answers with something other than 404/405), so
-//! a later check can compare it with an OpenAPI document by
-//! ([`RouteSpec::method`], [`RouteSpec::path`], [`Operation::id`]).
+//! (a test checks every entry answers with something other than 404/405),
+//! and [`crate::openapi::document`] describes exactly its entries, keyed by
+//! ([`RouteSpec::method`], [`RouteSpec::path`], [`Operation::id`]). Each
+//! [`Operation`] also names the error codes it can answer with
+//! ([`Operation::errors`]), which the document lists per operation.
+//!
+//! Adding a route means adding an [`Operation`] variant; the exhaustive
+//! matches here and in the `openapi` module then ask for its handler, its
+//! errors and its schemas, so the router and the document cannot drift.
 
 use axum::extract::DefaultBodyLimit;
 use axum::http::{header, Method, StatusCode};
@@ -13,7 +19,7 @@ use axum::routing::{delete, get, post, MethodRouter};
 use axum::Router;
 
 use crate::error::{error_response, ApiError, ErrorCode};
-use crate::{admin, events, handlers, health, ApiState};
+use crate::{admin, events, handlers, health, openapi, ui, ApiState};
 
 /// What a route does; one variant per (method, path).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,13 +45,36 @@ pub enum Operation {
     ListLanes,
     /// `GET /admin/cluster`: the cluster membership.
     GetCluster,
+    /// `GET /admin/handlers`: handlers with their state and dead-letter
+    /// counts, without secrets (the dashboard's handler table).
+    HandlerSummaries,
     /// `GET /metrics`: Prometheus text.
     Metrics,
     /// `GET /healthz`: liveness.
     Healthz,
     /// `GET /readyz`: readiness.
     Readyz,
+    /// `GET /openapi.json`: the OpenAPI 3.1 document of this API.
+    OpenApi,
+    /// `GET /ui`: redirect to `/ui/`.
+    DashboardRedirect,
+    /// `GET /ui/`: the dashboard page.
+    Dashboard,
+    /// `GET /ui/dashboard.js`: the dashboard's script.
+    DashboardScript,
+    /// `GET /ui/dashboard.css`: the dashboard's style sheet.
+    DashboardStyle,
 }
+
+/// Codes of every route that reads a JSON body ([`crate::extract::Json`]).
+const JSON_BODY: [ErrorCode; 4] = [
+    ErrorCode::InvalidJson,
+    ErrorCode::UnsupportedMediaType,
+    ErrorCode::BodyTooLarge,
+    ErrorCode::InvalidBody,
+];
+/// Codes of every route that calls the store (`From<StoreError>`).
+const STORE: [ErrorCode; 2] = [ErrorCode::StoreUnavailable, ErrorCode::Internal];
 
 impl Operation {
     /// Stable operation id (`publishEvents`, ...), as an OpenAPI
@@ -62,10 +91,67 @@ impl Operation {
             Operation::ReplayDeadLetters => "replayDeadLetters",
             Operation::ListLanes => "listLanes",
             Operation::GetCluster => "getCluster",
+            Operation::HandlerSummaries => "listHandlerSummaries",
             Operation::Metrics => "metrics",
             Operation::Healthz => "healthz",
             Operation::Readyz => "readyz",
+            Operation::OpenApi => "openapi",
+            Operation::DashboardRedirect => "dashboardRedirect",
+            Operation::Dashboard => "dashboard",
+            Operation::DashboardScript => "dashboardScript",
+            Operation::DashboardStyle => "dashboardStyle",
         }
+    }
+
+    /// Every error code this operation can answer with (the status follows
+    /// from the code, [`ErrorCode::status`]). Unknown paths (404
+    /// `path_not_found`) and methods (405 `method_not_allowed`) belong to no
+    /// operation and are not listed.
+    pub fn errors(self) -> Vec<ErrorCode> {
+        use ErrorCode as E;
+        let mut codes: Vec<ErrorCode> = match self {
+            Operation::PublishEvents => [
+                &JSON_BODY[..],
+                &[
+                    E::EmptyBatch,
+                    E::BatchTooLarge,
+                    E::PayloadTooLarge,
+                    E::InvalidEvent,
+                    E::InvalidInput,
+                ],
+                &STORE,
+            ]
+            .concat(),
+            Operation::CreateHandler => [
+                &JSON_BODY[..],
+                &[E::InvalidHandler, E::InvalidInput, E::Conflict],
+                &STORE,
+            ]
+            .concat(),
+            Operation::ListHandlers | Operation::HandlerSummaries => STORE.to_vec(),
+            Operation::GetHandler | Operation::DeleteHandler => {
+                [&[E::NotFound][..], &STORE].concat()
+            }
+            Operation::ListDeadLetters | Operation::ReplayDeadLetter => {
+                [&[E::InvalidParameter, E::NotFound][..], &STORE].concat()
+            }
+            Operation::ReplayDeadLetters => {
+                [&JSON_BODY[..], &[E::InvalidInput, E::NotFound], &STORE].concat()
+            }
+            Operation::Readyz => vec![E::NotReady, E::StoreUnavailable],
+            Operation::ListLanes
+            | Operation::GetCluster
+            | Operation::Metrics
+            | Operation::Healthz
+            | Operation::OpenApi
+            | Operation::DashboardRedirect
+            | Operation::Dashboard
+            | Operation::DashboardScript
+            | Operation::DashboardStyle => Vec::new(),
+        };
+        codes.sort_by_key(|c| (c.status().as_u16(), c.as_str()));
+        codes.dedup();
+        codes
     }
 
     /// The axum handler serving this operation.
@@ -81,9 +167,15 @@ impl Operation {
             Operation::ReplayDeadLetters => post(admin::replay_bulk),
             Operation::ListLanes => get(admin::lanes),
             Operation::GetCluster => get(admin::cluster),
+            Operation::HandlerSummaries => get(admin::handler_summaries),
             Operation::Metrics => get(health::metrics),
             Operation::Healthz => get(health::healthz),
             Operation::Readyz => get(health::readyz),
+            Operation::OpenApi => get(openapi::serve),
+            Operation::DashboardRedirect => get(ui::redirect),
+            Operation::Dashboard => get(ui::index),
+            Operation::DashboardScript => get(ui::script),
+            Operation::DashboardStyle => get(ui::style),
         }
     }
 }
@@ -136,9 +228,15 @@ pub const ROUTES: &[RouteSpec] = &[
     ),
     spec(Method::GET, "/admin/lanes", Operation::ListLanes),
     spec(Method::GET, "/admin/cluster", Operation::GetCluster),
+    spec(Method::GET, "/admin/handlers", Operation::HandlerSummaries),
     spec(Method::GET, "/metrics", Operation::Metrics),
     spec(Method::GET, "/healthz", Operation::Healthz),
     spec(Method::GET, "/readyz", Operation::Readyz),
+    spec(Method::GET, "/openapi.json", Operation::OpenApi),
+    spec(Method::GET, "/ui", Operation::DashboardRedirect),
+    spec(Method::GET, "/ui/", Operation::Dashboard),
+    spec(Method::GET, "/ui/dashboard.js", Operation::DashboardScript),
+    spec(Method::GET, "/ui/dashboard.css", Operation::DashboardStyle),
 ];
 
 /// The API router: every entry of [`ROUTES`], a JSON 404 for unknown paths,

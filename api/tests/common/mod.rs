@@ -1,6 +1,12 @@
 //! Test harness: the router in-process (`tower::ServiceExt::oneshot`) over a
 //! real store (a SQLite temp file, or a fresh PostgreSQL database per test in
 //! the server named by `LANEBUS_TEST_POSTGRES_URL`), with a stub node.
+//!
+//! Every answer to a path of the route table is also checked against the
+//! OpenAPI document ([`check_against_document`]): its status must be one the
+//! operation documents, its content type the documented one, and a JSON body
+//! must fit the documented schema (types, required and unknown properties).
+//! So every API test doubles as a conformance test of `/openapi.json`.
 
 #![allow(dead_code)]
 
@@ -103,6 +109,7 @@ impl TestApp {
         content_type: Option<&str>,
         body: Vec<u8>,
     ) -> Res {
+        let method_name = method.to_string();
         let mut req = Request::builder().method(method).uri(path);
         if let Some(ct) = content_type {
             req = req.header(header::CONTENT_TYPE, ct);
@@ -121,12 +128,14 @@ impl TestApp {
             .expect("body reads")
             .to_vec();
         let json = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-        Res {
+        let res = Res {
             status,
             headers,
             bytes,
             json,
-        }
+        };
+        check_against_document(&method_name, path, &res);
+        res
     }
 
     pub async fn get(&self, path: &str) -> Res {
@@ -330,4 +339,150 @@ macro_rules! on_every_backend {
             )*
         }
     };
+}
+
+/// The OpenAPI document, parsed once per test binary.
+pub fn document() -> &'static Value {
+    static DOC: std::sync::OnceLock<Value> = std::sync::OnceLock::new();
+    DOC.get_or_init(|| {
+        serde_json::from_slice(lanebus_api::openapi::document_json()).expect("document is JSON")
+    })
+}
+
+/// Whether `path` (no query) matches the template `template` (`{x}`
+/// segments match any one segment).
+pub fn matches_template(template: &str, path: &str) -> bool {
+    let (t, p): (Vec<&str>, Vec<&str>) = (template.split('/').collect(), path.split('/').collect());
+    t.len() == p.len()
+        && t.iter()
+            .zip(&p)
+            .all(|(t, p)| t == p || (t.starts_with('{') && t.ends_with('}') && !p.is_empty()))
+}
+
+/// Checks one answer against the document: see the module docs. Answers to
+/// paths outside the route table (404/405 of the router) are not checked.
+pub fn check_against_document(method: &str, uri: &str, res: &Res) {
+    let path = uri.split('?').next().unwrap_or(uri);
+    let Some(spec) = lanebus_api::ROUTES
+        .iter()
+        .filter(|r| r.method.as_str() == method && matches_template(r.path, path))
+        // A literal segment beats a template (`/replay` vs `/{id}`).
+        .min_by_key(|r| r.path.matches('{').count())
+    else {
+        return;
+    };
+    let doc = document();
+    let op = &doc["paths"][spec.path][method.to_lowercase()];
+    let status = res.status.as_u16().to_string();
+    let Some(response) = op["responses"].get(&status) else {
+        panic!(
+            "{method} {uri} answered {status}, which {} does not document: {res:?}",
+            spec.operation.id()
+        );
+    };
+    let Some(content) = response.get("content").and_then(Value::as_object) else {
+        return;
+    };
+    let content_type = res
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    let media = content_type.split(';').next().unwrap_or_default().trim();
+    let Some(media_doc) = content.get(media) else {
+        panic!("{method} {uri} {status}: content-type {content_type:?} is not documented");
+    };
+    if media == "application/json" {
+        let mut errors = Vec::new();
+        conforms(doc, &media_doc["schema"], &res.json, "$", &mut errors);
+        assert!(
+            errors.is_empty(),
+            "{method} {uri} {status} does not fit its schema: {errors:?}\n{res:?}"
+        );
+    }
+}
+
+fn resolve<'a>(doc: &'a Value, schema: &'a Value) -> &'a Value {
+    match schema.get("$ref").and_then(Value::as_str) {
+        Some(r) => {
+            let name = r.trim_start_matches("#/components/schemas/");
+            &doc["components"]["schemas"][name]
+        }
+        None => schema,
+    }
+}
+
+fn type_ok(ty: &str, v: &Value) -> bool {
+    match ty {
+        "null" => v.is_null(),
+        "boolean" => v.is_boolean(),
+        "integer" => v.is_i64() || v.is_u64(),
+        "number" => v.is_number(),
+        "string" => v.is_string(),
+        "array" => v.is_array(),
+        "object" => v.is_object(),
+        _ => true,
+    }
+}
+
+/// A small JSON-schema check: `$ref`, `type` (one or a list), `enum`,
+/// `properties`, `required`, `additionalProperties: false`, `items`,
+/// `oneOf` (enums of strings). Enough for the shapes the API answers with.
+fn conforms(doc: &Value, schema: &Value, v: &Value, at: &str, errors: &mut Vec<String>) {
+    let schema = resolve(doc, schema);
+    if let Some(one_of) = schema.get("oneOf").and_then(Value::as_array) {
+        let fits = one_of.iter().any(|s| {
+            let mut e = Vec::new();
+            conforms(doc, s, v, at, &mut e);
+            e.is_empty()
+        });
+        if !fits {
+            errors.push(format!("{at}: fits no oneOf branch: {v}"));
+        }
+        return;
+    }
+    match schema.get("type") {
+        Some(Value::String(t)) if !type_ok(t, v) => {
+            errors.push(format!("{at}: {v} is not {t}"));
+            return;
+        }
+        Some(Value::Array(ts)) if !ts.iter().any(|t| type_ok(t.as_str().unwrap_or(""), v)) => {
+            errors.push(format!("{at}: {v} is none of {ts:?}"));
+            return;
+        }
+        _ => {}
+    }
+    if let Some(values) = schema.get("enum").and_then(Value::as_array) {
+        if !values.contains(v) {
+            errors.push(format!("{at}: {v} is not one of {values:?}"));
+        }
+    }
+    if let (Some(obj), Some(props)) = (
+        v.as_object(),
+        schema.get("properties").and_then(Value::as_object),
+    ) {
+        for name in schema["required"].as_array().into_iter().flatten() {
+            let name = name.as_str().unwrap_or_default();
+            if !obj.contains_key(name) {
+                errors.push(format!("{at}: required {name:?} is missing"));
+            }
+        }
+        for (k, val) in obj {
+            match props.get(k) {
+                Some(s) => conforms(doc, s, val, &format!("{at}.{k}"), errors),
+                None if schema.get("additionalProperties") == Some(&Value::Bool(false))
+                    || !props.is_empty() =>
+                {
+                    // Our answers document every property they have.
+                    errors.push(format!("{at}: undocumented property {k:?}"));
+                }
+                None => {}
+            }
+        }
+    }
+    if let (Some(items), Some(arr)) = (schema.get("items"), v.as_array()) {
+        for (i, item) in arr.iter().enumerate() {
+            conforms(doc, items, item, &format!("{at}[{i}]"), errors);
+        }
+    }
 }

@@ -1,0 +1,647 @@
+//! The OpenAPI 3.1 document of the API, built from the route table and
+//! served at `GET /openapi.json`.
+//!
+//! ```text
+//!  ROUTES ──(method, path, Operation)──▶ document()
+//!    │          Operation::errors() ──▶ error answers, grouped by status
+//!    │          describe(op) ─────────▶ summary, parameters, request body,
+//!    │                                  success answer (ToSchema types)
+//!    ▼
+//!  router() serves the same entries
+//! ```
+//!
+//! The document is generated, not written: every entry of [`ROUTES`] becomes
+//! one operation (its `operationId` is [`Operation::id`]), the request and
+//! answer schemas come from the `utoipa::ToSchema` derives on the very types
+//! the handlers (de)serialize, and the error answers come from
+//! [`Operation::errors`], all with the shape `{"error": {"code", "message"}}`
+//! (component `Error`). [`describe`] matches every [`Operation`]
+//! exhaustively, so a new route does not compile until it is described.
+//!
+//! Invariants the tests check: the document's (path, method) pairs are
+//! exactly [`ROUTES`]'s; every `$ref` resolves; every operation lists each of
+//! its error codes under that code's status; and every status an API test
+//! observes on a route is one its operation documents.
+//!
+//! Built with `utoipa` 5 (minimal features: only its derive macros); no
+//! Swagger UI is bundled: point any OpenAPI viewer at `/openapi.json`.
+
+use std::collections::BTreeMap;
+use std::sync::OnceLock;
+
+use axum::http::{header, HeaderValue, Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use utoipa::openapi::content::ContentBuilder;
+use utoipa::openapi::example::ExampleBuilder;
+use utoipa::openapi::header::HeaderBuilder;
+use utoipa::openapi::info::{InfoBuilder, LicenseBuilder};
+use utoipa::openapi::path::{
+    HttpMethod, OperationBuilder, Parameter, ParameterBuilder, ParameterIn, PathItem,
+};
+use utoipa::openapi::request_body::RequestBodyBuilder;
+use utoipa::openapi::response::ResponseBuilder;
+use utoipa::openapi::schema::{ComponentsBuilder, ObjectBuilder, Schema, Type};
+use utoipa::openapi::tag::TagBuilder;
+use utoipa::openapi::{OpenApi, OpenApiBuilder, PathsBuilder, Ref, RefOr, Required};
+use utoipa::{IntoParams, PartialSchema, ToSchema};
+
+use crate::admin::{
+    BulkReplay, DeadLetterPage, DeadLetterQuery, HandlerSummaries, LaneList, Replayed,
+};
+use crate::error::{ErrorBody, ErrorCode};
+use crate::events::{PublishAnswer, PublishRequest};
+use crate::handlers::{CreateHandler, Deleted, HandlerList, HandlerView};
+use crate::health::Status;
+use crate::routes::{Operation, ROUTES};
+use crate::ClusterView;
+
+/// Media type of JSON bodies.
+const JSON: &str = "application/json";
+
+/// The OpenAPI 3.1 document of every route in [`ROUTES`] (built once).
+pub fn document() -> &'static OpenApi {
+    static DOC: OnceLock<OpenApi> = OnceLock::new();
+    DOC.get_or_init(build)
+}
+
+/// [`document`] as JSON bytes (serialized once).
+pub fn document_json() -> &'static [u8] {
+    static JSON_BYTES: OnceLock<Vec<u8>> = OnceLock::new();
+    JSON_BYTES.get_or_init(|| {
+        serde_json::to_vec(document()).unwrap_or_else(|e| {
+            // Serializing our own structs cannot fail; if it ever did, say so
+            // in a document that still parses.
+            serde_json::json!({"openapi": "3.1.0", "x-error": e.to_string()})
+                .to_string()
+                .into_bytes()
+        })
+    })
+}
+
+/// Handler of `GET /openapi.json`.
+pub(crate) async fn serve() -> Response {
+    let mut res = document_json().into_response();
+    res.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(JSON));
+    res
+}
+
+/// Collects component schemas while operations reference them.
+#[derive(Default)]
+struct Schemas(Vec<(String, RefOr<Schema>)>);
+
+impl Schemas {
+    /// Registers `T` (and the schemas it refers to) and returns a `$ref` to it.
+    fn of<T: ToSchema>(&mut self) -> RefOr<Schema> {
+        self.0.push((T::name().into_owned(), T::schema()));
+        T::schemas(&mut self.0);
+        Ref::from_schema_name(T::name()).into()
+    }
+}
+
+/// What [`describe`] says about one operation, beside its errors.
+struct Described {
+    tag: &'static str,
+    summary: &'static str,
+    description: &'static str,
+    parameters: Vec<Parameter>,
+    body: Option<RefOr<Schema>>,
+    /// Success status, its description, and (media type, schema) if it has a
+    /// body.
+    ok: (
+        StatusCode,
+        &'static str,
+        Option<(&'static str, RefOr<Schema>)>,
+    ),
+}
+
+fn path_id(description: &str, schema: RefOr<Schema>) -> Parameter {
+    ParameterBuilder::new()
+        .name("id")
+        .parameter_in(ParameterIn::Path)
+        .required(Required::True)
+        .description(Some(description))
+        .schema(Some(schema))
+        .build()
+}
+
+fn text(format_hint: &'static str) -> RefOr<Schema> {
+    ObjectBuilder::new()
+        .schema_type(Type::String)
+        .description(Some(format_hint))
+        .into()
+}
+
+/// Summary, parameters, request body and success answer of `op`.
+fn describe(op: Operation, s: &mut Schemas) -> Described {
+    let json = |schema| Some((JSON, schema));
+    let d = |tag, summary, description, ok| Described {
+        tag,
+        summary,
+        description,
+        parameters: Vec::new(),
+        body: None,
+        ok,
+    };
+    match op {
+        Operation::PublishEvents => Described {
+            body: Some(s.of::<PublishRequest>()),
+            ..d(
+                "events",
+                "Publish a batch of events",
+                "Stores the batch in one transaction (all or nothing) with one delivery per \
+                 matching handler. An id already stored, or repeated in the batch, counts as a \
+                 duplicate and is not delivered again (idempotent publish). The whole batch is \
+                 validated first: one bad event refuses the batch and writes nothing.",
+                (
+                    StatusCode::ACCEPTED,
+                    "the batch is stored",
+                    json(s.of::<PublishAnswer>()),
+                ),
+            )
+        },
+        Operation::CreateHandler => Described {
+            body: Some(s.of::<CreateHandler>()),
+            ..d(
+                "handlers",
+                "Register a webhook handler",
+                "Policy fields take their defaults when absent; a signing secret is generated \
+                 when absent. The answer includes the id and the secret.",
+                (
+                    StatusCode::CREATED,
+                    "the handler is registered",
+                    json(s.of::<HandlerView>()),
+                ),
+            )
+        },
+        Operation::ListHandlers => d(
+            "handlers",
+            "List handlers",
+            "Every handler, in creation order, secrets included.",
+            (StatusCode::OK, "the handlers", json(s.of::<HandlerList>())),
+        ),
+        Operation::GetHandler => Described {
+            parameters: vec![path_id("handler id (`hdl_...`)", String::schema())],
+            ..d(
+                "handlers",
+                "Get one handler",
+                "",
+                (StatusCode::OK, "the handler", json(s.of::<HandlerView>())),
+            )
+        },
+        Operation::DeleteHandler => Described {
+            parameters: vec![path_id("handler id (`hdl_...`)", String::schema())],
+            ..d(
+                "handlers",
+                "Remove a handler",
+                "Its pending deliveries are discarded; the answer counts them.",
+                (
+                    StatusCode::OK,
+                    "the handler is removed",
+                    json(s.of::<Deleted>()),
+                ),
+            )
+        },
+        Operation::ListDeadLetters => Described {
+            parameters: DeadLetterQuery::into_params(|| Some(ParameterIn::Query)),
+            ..d(
+                "dead letters",
+                "List dead letters",
+                "Oldest first, a page at a time: pass `next_after` as `after` for the next \
+                 page. Unknown query parameters are refused.",
+                (
+                    StatusCode::OK,
+                    "one page of dead letters",
+                    json(s.of::<DeadLetterPage>()),
+                ),
+            )
+        },
+        Operation::ReplayDeadLetter => Described {
+            parameters: vec![path_id("dead-letter id", i64::schema())],
+            ..d(
+                "dead letters",
+                "Replay one dead letter",
+                "The dead letter becomes a fresh delivery again (attempts reset).",
+                (StatusCode::OK, "replayed", json(s.of::<Replayed>())),
+            )
+        },
+        Operation::ReplayDeadLetters => Described {
+            body: Some(s.of::<BulkReplay>()),
+            ..d(
+                "dead letters",
+                "Replay dead letters by handler or ids",
+                "Give `handler_id`, `ids`, or both. Unknown ids are skipped and not counted.",
+                (StatusCode::OK, "replayed", json(s.of::<Replayed>())),
+            )
+        },
+        Operation::ListLanes => d(
+            "cluster",
+            "The lane table",
+            "Every lane with its owner, epoch, state, lease, backlog and in-flight count, as \
+             the answering node sees it.",
+            (StatusCode::OK, "the lanes", json(s.of::<LaneList>())),
+        ),
+        Operation::GetCluster => d(
+            "cluster",
+            "The cluster membership",
+            "Members with addresses, voter or learner, liveness and lane counts; the leader \
+             and term.",
+            (StatusCode::OK, "the cluster", json(s.of::<ClusterView>())),
+        ),
+        Operation::HandlerSummaries => d(
+            "handlers",
+            "Handlers with state and dead-letter counts",
+            "The operator's view of the catalog, without secrets. Counting reads at most \
+             10,000 dead letters; past that the counts are lower bounds and \
+             `dead_letters_exact` is false.",
+            (
+                StatusCode::OK,
+                "the handlers",
+                json(s.of::<HandlerSummaries>()),
+            ),
+        ),
+        Operation::Metrics => d(
+            "operations",
+            "Prometheus metrics",
+            "Text exposition format 0.0.4 (`text/plain; version=0.0.4`).",
+            (
+                StatusCode::OK,
+                "the metrics",
+                Some((
+                    "text/plain",
+                    text("Prometheus text exposition format 0.0.4"),
+                )),
+            ),
+        ),
+        Operation::Healthz => d(
+            "operations",
+            "Liveness",
+            "Answers while the process serves.",
+            (StatusCode::OK, "alive", json(s.of::<Status>())),
+        ),
+        Operation::Readyz => d(
+            "operations",
+            "Readiness",
+            "Ready when the node has joined, its lanes are started and the store answers.",
+            (StatusCode::OK, "ready", json(s.of::<Status>())),
+        ),
+        Operation::OpenApi => d(
+            "operations",
+            "This OpenAPI document",
+            "",
+            (
+                StatusCode::OK,
+                "the OpenAPI 3.1 document",
+                json(ObjectBuilder::new().schema_type(Type::Object).into()),
+            ),
+        ),
+        Operation::DashboardRedirect => d(
+            "dashboard",
+            "Redirect to the dashboard",
+            "",
+            (StatusCode::PERMANENT_REDIRECT, "to `/ui/`", None),
+        ),
+        Operation::Dashboard => d(
+            "dashboard",
+            "The dashboard page",
+            "Lanes coloured by owner, nodes, handlers; polls the admin paths every second. \
+             Served from assets embedded in the binary.",
+            (
+                StatusCode::OK,
+                "the page",
+                Some(("text/html", text("HTML document"))),
+            ),
+        ),
+        Operation::DashboardScript => d(
+            "dashboard",
+            "The dashboard's script",
+            "",
+            (
+                StatusCode::OK,
+                "the script",
+                Some(("text/javascript", text("JavaScript"))),
+            ),
+        ),
+        Operation::DashboardStyle => d(
+            "dashboard",
+            "The dashboard's style sheet",
+            "",
+            (
+                StatusCode::OK,
+                "the style sheet",
+                Some(("text/css", text("CSS"))),
+            ),
+        ),
+    }
+}
+
+fn http_method(method: &Method) -> HttpMethod {
+    match *method {
+        Method::POST => HttpMethod::Post,
+        Method::PUT => HttpMethod::Put,
+        Method::DELETE => HttpMethod::Delete,
+        Method::PATCH => HttpMethod::Patch,
+        Method::HEAD => HttpMethod::Head,
+        Method::OPTIONS => HttpMethod::Options,
+        Method::TRACE => HttpMethod::Trace,
+        _ => HttpMethod::Get,
+    }
+}
+
+/// The error answers of `op`: one per status, listing its codes, each code
+/// with an example body.
+fn error_responses(
+    op: Operation,
+    error: &RefOr<Schema>,
+) -> BTreeMap<u16, utoipa::openapi::Response> {
+    let mut by_status: BTreeMap<u16, Vec<ErrorCode>> = BTreeMap::new();
+    for code in op.errors() {
+        by_status
+            .entry(code.status().as_u16())
+            .or_default()
+            .push(code);
+    }
+    by_status
+        .into_iter()
+        .map(|(status, codes)| {
+            let description = codes
+                .iter()
+                .map(|c| format!("`{}`: {}", c.as_str(), c.meaning()))
+                .collect::<Vec<_>>()
+                .join("; ");
+            let examples = codes.iter().map(|c| {
+                (
+                    c.as_str(),
+                    ExampleBuilder::new()
+                        .summary(c.meaning())
+                        .value(Some(serde_json::json!({
+                            "error": {"code": c.as_str(), "message": c.meaning()}
+                        })))
+                        .build(),
+                )
+            });
+            let content = ContentBuilder::new()
+                .schema(Some(error.clone()))
+                .examples_from_iter(examples)
+                .build();
+            (
+                status,
+                ResponseBuilder::new()
+                    .description(description)
+                    .content(JSON, content)
+                    .build(),
+            )
+        })
+        .collect()
+}
+
+fn build() -> OpenApi {
+    let mut schemas = Schemas::default();
+    let error = schemas.of::<ErrorBody<'static>>();
+    let mut paths = PathsBuilder::new();
+    for spec in ROUTES {
+        let op = spec.operation;
+        let described = describe(op, &mut schemas);
+        let (status, ok_description, ok_body) = described.ok;
+        let mut ok = ResponseBuilder::new().description(ok_description);
+        if let Some((media, schema)) = ok_body {
+            ok = ok.content(media, ContentBuilder::new().schema(Some(schema)).build());
+        }
+        if status.is_redirection() {
+            ok = ok.header(
+                "location",
+                HeaderBuilder::new()
+                    .schema(String::schema())
+                    .description(Some("where the dashboard is"))
+                    .build(),
+            );
+        }
+        let mut operation = OperationBuilder::new()
+            .operation_id(Some(op.id()))
+            .tag(described.tag)
+            .summary(Some(described.summary))
+            .response(status.as_u16().to_string(), ok.build());
+        if !described.description.is_empty() {
+            operation = operation.description(Some(described.description));
+        }
+        for parameter in described.parameters {
+            operation = operation.parameter(parameter);
+        }
+        if let Some(body) = described.body {
+            operation = operation.request_body(Some(
+                RequestBodyBuilder::new()
+                    .required(Some(Required::True))
+                    .content(JSON, ContentBuilder::new().schema(Some(body)).build())
+                    .build(),
+            ));
+        }
+        for (status, response) in error_responses(op, &error) {
+            operation = operation.response(status.to_string(), response);
+        }
+        paths = paths.path(
+            spec.path,
+            PathItem::new(http_method(&spec.method), operation.build()),
+        );
+    }
+    let components = schemas
+        .0
+        .into_iter()
+        .collect::<BTreeMap<_, _>>()
+        .into_iter()
+        .fold(ComponentsBuilder::new(), |c, (name, schema)| {
+            c.schema(name, schema)
+        })
+        .build();
+    let tags = [
+        ("events", "Publish events"),
+        ("handlers", "The handler catalog"),
+        ("dead letters", "Deliveries that exhausted their attempts"),
+        (
+            "cluster",
+            "Lanes and members, as the answering node sees them",
+        ),
+        ("operations", "Metrics, health, this document"),
+        ("dashboard", "The operator's dashboard (HTML, embedded)"),
+    ]
+    .map(|(name, description)| {
+        TagBuilder::new()
+            .name(name)
+            .description(Some(description))
+            .build()
+    });
+    OpenApiBuilder::new()
+        .info(
+            InfoBuilder::new()
+                .title("lanebus")
+                .version(env!("CARGO_PKG_VERSION"))
+                .description(Some(
+                    "HTTP API of a lanebus node: publish events, manage webhook handlers and \
+                     dead letters, look at lanes and the cluster. Every node answers every \
+                     path. Every 4xx/5xx answer has the body \
+                     `{\"error\": {\"code\", \"message\"}}`; each operation lists its codes \
+                     by status.",
+                ))
+                .license(Some(
+                    LicenseBuilder::new()
+                        .name("Apache-2.0")
+                        .identifier(Some("Apache-2.0"))
+                        .build(),
+                ))
+                .build(),
+        )
+        .paths(paths.build())
+        .components(Some(components))
+        .tags(Some(tags))
+        .build()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    fn doc() -> serde_json::Value {
+        serde_json::from_slice(document_json()).expect("the document is JSON")
+    }
+
+    fn pairs_of_doc(doc: &serde_json::Value) -> BTreeSet<(String, String, String)> {
+        let mut pairs = BTreeSet::new();
+        for (path, item) in doc["paths"].as_object().expect("paths") {
+            for (method, op) in item.as_object().expect("path item") {
+                let id = op["operationId"].as_str().expect("operationId").to_owned();
+                pairs.insert((method.to_uppercase(), path.clone(), id));
+            }
+        }
+        pairs
+    }
+
+    #[test]
+    fn document_describes_exactly_the_route_table() {
+        let from_routes: BTreeSet<(String, String, String)> = ROUTES
+            .iter()
+            .map(|r| {
+                (
+                    r.method.to_string(),
+                    r.path.to_owned(),
+                    r.operation.id().to_owned(),
+                )
+            })
+            .collect();
+        assert_eq!(from_routes.len(), ROUTES.len());
+        assert_eq!(pairs_of_doc(&doc()), from_routes);
+    }
+
+    #[test]
+    fn document_is_openapi_3_1_with_info() {
+        let doc = doc();
+        let version = doc["openapi"].as_str().expect("openapi");
+        assert!(version.starts_with("3.1."), "{version}");
+        assert_eq!(doc["info"]["title"], "lanebus");
+        assert!(doc["info"]["version"].is_string());
+    }
+
+    #[test]
+    fn every_operation_lists_exactly_its_error_codes_by_status() {
+        let doc = doc();
+        for spec in ROUTES {
+            let op = &doc["paths"][spec.path][spec.method.as_str().to_lowercase()];
+            let responses = op["responses"].as_object().expect("responses");
+            let mut documented: BTreeSet<String> = BTreeSet::new();
+            for (status, response) in responses {
+                let n: u16 = status.parse().expect("numeric status");
+                if n < 400 {
+                    continue;
+                }
+                let content = &response["content"]["application/json"];
+                assert_eq!(
+                    content["schema"]["$ref"], "#/components/schemas/Error",
+                    "{} {} {status}",
+                    spec.method, spec.path
+                );
+                for code in content["examples"].as_object().expect("examples").keys() {
+                    documented.insert(format!("{status} {code}"));
+                }
+            }
+            let expected: BTreeSet<String> = spec
+                .operation
+                .errors()
+                .iter()
+                .map(|c| format!("{} {}", c.status().as_u16(), c.as_str()))
+                .collect();
+            assert_eq!(documented, expected, "{} {}", spec.method, spec.path);
+            let successes = responses
+                .keys()
+                .filter(|s| s.starts_with('2') || s.starts_with('3'))
+                .count();
+            assert_eq!(successes, 1, "{} {}", spec.method, spec.path);
+        }
+    }
+
+    #[test]
+    fn operations_that_read_json_bodies_document_them_and_their_errors() {
+        let doc = doc();
+        for spec in ROUTES {
+            let op = &doc["paths"][spec.path][spec.method.as_str().to_lowercase()];
+            let has_body = op.get("requestBody").is_some();
+            let reads_json = spec.operation.errors().contains(&ErrorCode::InvalidJson);
+            assert_eq!(has_body, reads_json, "{} {}", spec.method, spec.path);
+            if has_body {
+                assert!(op["requestBody"]["content"][JSON]["schema"]["$ref"].is_string());
+            }
+            for param in op["parameters"].as_array().into_iter().flatten() {
+                if param["in"] == "path" {
+                    let name = param["name"].as_str().expect("name");
+                    assert!(spec.path.contains(&format!("{{{name}}}")), "{name}");
+                }
+            }
+            let templated = spec.path.matches('{').count();
+            let path_params = op["parameters"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|p| p["in"] == "path")
+                .count();
+            assert_eq!(templated, path_params, "{} {}", spec.method, spec.path);
+        }
+    }
+
+    fn refs(v: &serde_json::Value, out: &mut Vec<String>) {
+        match v {
+            serde_json::Value::Object(m) => {
+                for (k, v) in m {
+                    match (k.as_str(), v) {
+                        ("$ref", serde_json::Value::String(r)) => out.push(r.clone()),
+                        _ => refs(v, out),
+                    }
+                }
+            }
+            serde_json::Value::Array(a) => a.iter().for_each(|v| refs(v, out)),
+            _ => {}
+        }
+    }
+
+    #[test]
+    fn every_ref_resolves_to_a_component() {
+        let doc = doc();
+        let mut all = Vec::new();
+        refs(&doc, &mut all);
+        assert!(!all.is_empty());
+        for r in all {
+            let name = r
+                .strip_prefix("#/components/schemas/")
+                .unwrap_or_else(|| panic!("unexpected $ref {r}"));
+            assert!(
+                doc["components"]["schemas"].get(name).is_some(),
+                "{r} does not resolve"
+            );
+        }
+    }
+
+    #[test]
+    fn dump_for_inspection() {
+        if let Ok(path) = std::env::var("LANEBUS_OPENAPI_DUMP") {
+            std::fs::write(path, serde_json::to_vec_pretty(&doc()).unwrap_or_default())
+                .expect("write dump");
+        }
+    }
+}
