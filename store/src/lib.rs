@@ -1,5 +1,6 @@
 //! lanebus storage: domain types, the [`Store`] trait, and one module per
-//! backend (`postgres`, `sqlite`; `mongodb` comes with its own issue).
+//! backend (`postgres`, `mongodb` behind the default cargo feature `mongodb`,
+//! `sqlite`).
 //!
 //! # Design (see `shared/DESIGN.md` section 3)
 //!
@@ -37,6 +38,10 @@
 //!   (see the `postgres` module docs).
 //! - SQLite: one writer at a time, so `AUTOINCREMENT` ids are commit-ordered
 //!   and the cursor is the last id read.
+//! - MongoDB: a per-lane position taken from a counter document inside the
+//!   publish transaction; publishers into one lane write-conflict, so the
+//!   positions of a lane become visible in order and the cursor is the last
+//!   position read (see the `mongodb` module docs).
 //!
 //! The owner must therefore keep every delivery id it has seen until the
 //! completion (or reschedule, or dead letter) that removes it has been
@@ -53,6 +58,8 @@ use serde::{Deserialize, Serialize};
 mod common;
 pub use common::MAX_BATCH;
 pub mod lane;
+#[cfg(feature = "mongodb")]
+pub mod mongodb;
 pub mod postgres;
 pub mod route;
 pub mod sqlite;
@@ -522,7 +529,8 @@ pub trait Store: Send + Sync + 'static {
     async fn wakeups(&self) -> Result<Wakeups>;
 }
 
-/// Opens a store from a URL: `postgres://...`, `postgresql://...` or
+/// Opens a store from a URL: `postgres://...`, `postgresql://...`,
+/// `mongodb://...` (with the `mongodb` feature; a replica set) or
 /// `sqlite://PATH` (created if missing), applying migrations.
 ///
 /// # Errors
@@ -530,13 +538,25 @@ pub trait Store: Send + Sync + 'static {
 pub async fn open(url: &str) -> Result<std::sync::Arc<dyn Store>> {
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
         Ok(std::sync::Arc::new(postgres::PgStore::connect(url).await?))
+    } else if cfg!(feature = "mongodb") && url.starts_with("mongodb://") {
+        #[cfg(feature = "mongodb")]
+        return Ok(std::sync::Arc::new(
+            crate::mongodb::MongoStore::connect(url).await?,
+        ));
+        #[cfg(not(feature = "mongodb"))]
+        unreachable!("guarded by cfg!(feature = \"mongodb\")")
     } else if url.starts_with("sqlite:") {
         Ok(std::sync::Arc::new(
             sqlite::SqliteStore::connect(url).await?,
         ))
     } else {
         Err(StoreError::Invalid(format!(
-            "store url {url:?} must start with postgres://, postgresql:// or sqlite://"
+            "store url {url:?} must start with postgres://, postgresql://, {}sqlite://",
+            if cfg!(feature = "mongodb") {
+                "mongodb://, "
+            } else {
+                ""
+            }
         )))
     }
 }

@@ -7,8 +7,14 @@
 //!   `scripts/test`, or start a server with `scripts/pg-start DIR` and export
 //!   the URL it prints.
 //!
+//! - MongoDB (feature `mongodb`, on by default): a fresh database
+//!   (`lanebus_t_<random>`) per test in the replica set named by
+//!   `LANEBUS_TEST_MONGODB_URI`; without that variable the MongoDB tests FAIL.
+//!   `scripts/test` starts a MongoDB-compatible test server and sets it.
+//!
 //! Each test is an async fn taking a [`Harness`]; the `conformance!` macro
-//! instantiates it once per backend (`sqlite::name`, `postgres::name`).
+//! instantiates it once per backend (`sqlite::name`, `postgres::name`,
+//! `mongodb::name`).
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -193,6 +199,85 @@ impl Harness for PgHarness {
     }
 }
 
+#[cfg(feature = "mongodb")]
+const MONGO_URL_VAR: &str = "LANEBUS_TEST_MONGODB_URI";
+
+#[cfg(feature = "mongodb")]
+fn mongo_base_url() -> String {
+    std::env::var(MONGO_URL_VAR).unwrap_or_else(|_| {
+        panic!(
+            "{MONGO_URL_VAR} is not set: the MongoDB tests need a replica set. Run `scripts/test` \
+             (it starts a MongoDB-compatible test server), or export \
+             {MONGO_URL_VAR}=mongodb://HOST:PORT/?replicaSet=NAME for a MongoDB you run"
+        )
+    })
+}
+
+#[cfg(feature = "mongodb")]
+struct MongoHarness {
+    url: String,
+    store: Arc<lanebus_store::mongodb::MongoStore>,
+}
+
+#[cfg(feature = "mongodb")]
+impl MongoHarness {
+    async fn new() -> Self {
+        let db = format!("lanebus_t_{}", uuid::Uuid::new_v4().simple());
+        let url = with_database(&mongo_base_url(), &db);
+        let store = Arc::new(
+            lanebus_store::mongodb::MongoStore::connect(&url)
+                .await
+                .unwrap_or_else(|e| panic!("open mongodb store at {url}: {e}")),
+        );
+        MongoHarness { url, store }
+    }
+}
+
+#[cfg(feature = "mongodb")]
+#[async_trait]
+impl Harness for MongoHarness {
+    fn store(&self) -> Arc<dyn Store> {
+        self.store.clone()
+    }
+    async fn reopen(&self) -> Arc<dyn Store> {
+        Arc::new(
+            lanebus_store::mongodb::MongoStore::connect_with_lanes(&self.url, 8)
+                .await
+                .expect("reopen mongodb store"),
+        )
+    }
+    async fn publish_in_many(
+        &self,
+        batches: Vec<Vec<NewEvent>>,
+        commit: bool,
+    ) -> Result<Vec<PublishOutcome>> {
+        let mut session = self
+            .store
+            .client()
+            .start_session()
+            .await
+            .map_err(|e| StoreError::Unavailable(e.to_string()))?;
+        session
+            .start_transaction()
+            .await
+            .map_err(|e| StoreError::Database(e.to_string()))?;
+        let mut out = Vec::new();
+        for b in batches {
+            out.push(self.store.publish_in(&mut session, b).await?);
+        }
+        if commit {
+            session.commit_transaction().await
+        } else {
+            session.abort_transaction().await
+        }
+        .map_err(|e| StoreError::Database(e.to_string()))?;
+        Ok(out)
+    }
+    async fn cleanup(&self) {
+        let _ = self.store.database().drop().await;
+    }
+}
+
 macro_rules! conformance {
     ($($name:ident),* $(,)?) => {
         mod sqlite {
@@ -210,6 +295,17 @@ macro_rules! conformance {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
                 async fn $name() {
                     let h = super::PgHarness::new().await;
+                    super::$name(&h).await;
+                    super::Harness::cleanup(&h).await;
+                }
+            )*
+        }
+        #[cfg(feature = "mongodb")]
+        mod mongodb {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $name() {
+                    let h = super::MongoHarness::new().await;
                     super::$name(&h).await;
                     super::Harness::cleanup(&h).await;
                 }

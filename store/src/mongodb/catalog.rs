@@ -1,0 +1,351 @@
+//! Handler catalog, dead-letter listing, lane rows, counters and wake-ups.
+
+use std::time::Duration;
+
+use ::mongodb::bson::{doc, Document};
+use ::mongodb::options::ReturnDocument;
+use ::mongodb::ClientSession;
+use chrono::Utc;
+use futures::{StreamExt, TryStreamExt};
+
+use super::{
+    error_code, get_int, get_lane, get_opt_int, get_opt_string, get_string, map_err, names,
+    MongoStore, TxnResult,
+};
+use crate::common::{from_micros, to_micros, to_u32};
+use crate::*;
+
+/// Default page size when [`DeadLetterFilter::limit`] is 0.
+const DEFAULT_DEAD_LETTER_PAGE: u32 = 100;
+
+/// Wait before reopening a broken change stream.
+const STREAM_REOPEN: Duration = Duration::from_secs(1);
+
+/// Takes the next value of the non-transactional counter `id` (creating it).
+async fn next_counter(s: &MongoStore, id: &str) -> Result<i64> {
+    let coll = s.coll(names::COUNTERS);
+    let take = || {
+        coll.find_one_and_update(doc! { "_id": id }, doc! { "$inc": { "n": 1i64 } })
+            .upsert(true)
+            .return_document(ReturnDocument::After)
+    };
+    let d = match take().await {
+        Ok(d) => d,
+        // Two first upserts at once: the loser retries on the winner's document.
+        Err(e) if error_code(&e) == Some(11000) => take().await.map_err(map_err)?,
+        Err(e) => return Err(map_err(e)),
+    };
+    let d = d.ok_or_else(|| StoreError::Database(format!("counter {id} not returned")))?;
+    get_int(&d, "n")
+}
+
+pub(super) async fn create_handler(s: &MongoStore, h: NewHandler) -> Result<Handler> {
+    let handler = Handler {
+        id: generate_handler_id(),
+        name: h.name,
+        url: h.url,
+        event_types: h.event_types,
+        max_attempts: h.max_attempts,
+        timeout_ms: h.timeout_ms,
+        max_in_flight: h.max_in_flight,
+        secret: h.secret,
+        state: HandlerState::Enabled,
+        // Stored with microsecond precision: truncate so the answer equals a later read.
+        created_at: from_micros(to_micros(Utc::now())),
+    };
+    let seq = next_counter(s, names::HANDLERS).await?;
+    s.coll(names::HANDLERS)
+        .insert_one(doc! {
+            "_id": &handler.id,
+            "seq": seq,
+            "name": &handler.name,
+            "url": &handler.url,
+            "event_types": &handler.event_types,
+            "max_attempts": i64::from(handler.max_attempts),
+            "timeout_ms": i64::try_from(handler.timeout_ms).unwrap_or(i64::MAX),
+            "max_in_flight": i64::from(handler.max_in_flight),
+            "secret": &handler.secret,
+            "state": handler.state.as_str(),
+            "created_at": to_micros(handler.created_at),
+        })
+        .await
+        .map_err(map_err)?;
+    Ok(handler)
+}
+
+fn handler_from_doc(d: &Document) -> Result<Handler> {
+    let event_types = d
+        .get_array("event_types")
+        .map_err(|e| StoreError::Database(format!("handlers.event_types: {e}")))?
+        .iter()
+        .map(|b| {
+            b.as_str()
+                .map(str::to_owned)
+                .ok_or_else(|| StoreError::Database(format!("handlers.event_types holds {b:?}")))
+        })
+        .collect::<Result<_>>()?;
+    Ok(Handler {
+        id: get_string(d, "_id")?,
+        name: get_string(d, "name")?,
+        url: get_string(d, "url")?,
+        event_types,
+        max_attempts: to_u32(get_int(d, "max_attempts")?),
+        timeout_ms: u64::try_from(get_int(d, "timeout_ms")?.max(0)).unwrap_or_default(),
+        max_in_flight: to_u32(get_int(d, "max_in_flight")?),
+        secret: get_string(d, "secret")?,
+        state: HandlerState::parse(&get_string(d, "state")?),
+        created_at: from_micros(get_int(d, "created_at")?),
+    })
+}
+
+pub(super) async fn list_handlers(s: &MongoStore) -> Result<Vec<Handler>> {
+    let docs: Vec<Document> = s
+        .coll(names::HANDLERS)
+        .find(doc! {})
+        .sort(doc! { "seq": 1 })
+        .await
+        .map_err(map_err)?
+        .try_collect()
+        .await
+        .map_err(map_err)?;
+    docs.iter().map(handler_from_doc).collect()
+}
+
+pub(super) async fn get_handler(s: &MongoStore, id: &str) -> Result<Handler> {
+    let d = s
+        .coll(names::HANDLERS)
+        .find_one(doc! { "_id": id })
+        .await
+        .map_err(map_err)?
+        .ok_or_else(|| StoreError::NotFound(format!("handler {id}")))?;
+    handler_from_doc(&d)
+}
+
+pub(super) async fn set_handler_state(s: &MongoStore, id: &str, state: HandlerState) -> Result<()> {
+    let r = s
+        .coll(names::HANDLERS)
+        .update_one(
+            doc! { "_id": id },
+            doc! { "$set": { "state": state.as_str() } },
+        )
+        .await
+        .map_err(map_err)?;
+    if r.matched_count == 0 {
+        return Err(StoreError::NotFound(format!("handler {id}")));
+    }
+    Ok(())
+}
+
+/// Removes the handler and its deliveries; returns (handlers removed,
+/// deliveries discarded).
+pub(super) async fn delete_handler(
+    s: &MongoStore,
+    session: &mut ClientSession,
+    id: &str,
+) -> TxnResult<(u64, u64)> {
+    let removed = s
+        .coll(names::HANDLERS)
+        .delete_one(doc! { "_id": id })
+        .session(&mut *session)
+        .await?
+        .deleted_count;
+    if removed == 0 {
+        return Ok((0, 0));
+    }
+    let discarded = s
+        .coll(names::DELIVERIES)
+        .delete_many(doc! { "handler_id": id })
+        .session(&mut *session)
+        .await?
+        .deleted_count;
+    Ok((removed, discarded))
+}
+
+pub(super) async fn list_dead_letters(
+    s: &MongoStore,
+    filter: &DeadLetterFilter,
+) -> Result<Vec<DeadLetter>> {
+    let limit = if filter.limit == 0 {
+        DEFAULT_DEAD_LETTER_PAGE
+    } else {
+        filter.limit
+    };
+    let mut m = doc! { "_id": { "$gt": filter.after_id.unwrap_or(0) } };
+    if let Some(h) = &filter.handler_id {
+        m.insert("handler_id", h);
+    }
+    let pipeline = vec![
+        doc! { "$match": m },
+        doc! { "$sort": { "_id": 1 } },
+        doc! { "$limit": i64::from(limit) },
+        doc! { "$lookup": {
+            "from": names::EVENTS, "localField": "event_id", "foreignField": "_id",
+            "pipeline": [ { "$project": { "type": 1 } } ], "as": "event",
+        } },
+    ];
+    let docs: Vec<Document> = s
+        .coll(names::DEAD_LETTERS)
+        .aggregate(pipeline)
+        .await
+        .map_err(map_err)?
+        .try_collect()
+        .await
+        .map_err(map_err)?;
+    docs.iter()
+        .map(|d| {
+            let event_type = d
+                .get_array("event")
+                .ok()
+                .and_then(|a| a.first())
+                .and_then(|e| e.as_document())
+                .and_then(|e| e.get_str("type").ok())
+                .unwrap_or_default()
+                .to_string();
+            Ok(DeadLetter {
+                id: get_int(d, "_id")?,
+                handler_id: get_string(d, "handler_id")?,
+                event_id: get_string(d, "event_id")?,
+                event_type,
+                key: get_opt_string(d, "key")?,
+                seq: get_opt_int(d, "seq")?,
+                attempts: to_u32(get_int(d, "attempts")?),
+                last_error: get_string(d, "last_error")?,
+                failed_at: from_micros(get_int(d, "failed_at")?),
+            })
+        })
+        .collect()
+}
+
+pub(super) async fn lane_rows(s: &MongoStore) -> Result<Vec<LaneRow>> {
+    let backlog: Vec<Document> = s
+        .coll(names::DELIVERIES)
+        .aggregate(vec![
+            doc! { "$group": { "_id": "$lane", "n": { "$sum": 1i64 } } },
+        ])
+        .await
+        .map_err(map_err)?
+        .try_collect()
+        .await
+        .map_err(map_err)?;
+    let mut by_lane = std::collections::HashMap::new();
+    for d in &backlog {
+        by_lane.insert(get_lane(d, "_id")?, get_int(d, "n")?);
+    }
+    let lanes: Vec<Document> = s
+        .coll(names::LANES)
+        .find(doc! { "_id": { "$lt": i32::from(s.lanes) } })
+        .sort(doc! { "_id": 1 })
+        .await
+        .map_err(map_err)?
+        .try_collect()
+        .await
+        .map_err(map_err)?;
+    lanes
+        .iter()
+        .map(|d| {
+            let lane = get_lane(d, "_id")?;
+            Ok(LaneRow {
+                lane,
+                owner: get_opt_string(d, "owner")?,
+                epoch: get_int(d, "epoch")?,
+                backlog: by_lane.get(&lane).copied().unwrap_or(0),
+            })
+        })
+        .collect()
+}
+
+pub(super) async fn counts(s: &MongoStore) -> Result<StoreCounts> {
+    let count = |name: &'static str| async move {
+        s.coll(name)
+            .count_documents(doc! {})
+            .await
+            .map(|n| i64::try_from(n).unwrap_or(i64::MAX))
+            .map_err(map_err)
+    };
+    let (events, deliveries, completions, dead_letters) = futures::try_join!(
+        count(names::EVENTS),
+        count(names::DELIVERIES),
+        count(names::COMPLETIONS),
+        count(names::DEAD_LETTERS),
+    )?;
+    Ok(StoreCounts {
+        events,
+        deliveries,
+        completions,
+        dead_letters,
+    })
+}
+
+/// Change stream on delivery inserts, projected to the resume token only.
+async fn open_stream(
+    s: &MongoStore,
+) -> ::mongodb::error::Result<
+    ::mongodb::change_stream::ChangeStream<
+        ::mongodb::change_stream::event::ChangeStreamEvent<Document>,
+    >,
+> {
+    s.coll(names::DELIVERIES)
+        .watch()
+        .pipeline([
+            doc! { "$match": { "operationType": "insert" } },
+            doc! { "$project": { "_id": 1, "operationType": 1 } },
+        ])
+        .await
+}
+
+pub(super) async fn wakeups(s: &MongoStore) -> Result<Wakeups> {
+    let stream = match open_stream(s).await {
+        Ok(stream) => stream,
+        Err(e) => {
+            tracing::info!(backend = "mongodb", mechanism = "poll", error = %e,
+                "store wake-ups: the server offers no change stream; lane owners poll");
+            return Ok(Wakeups::Poll);
+        }
+    };
+    tracing::info!(
+        backend = "mongodb",
+        mechanism = "change_stream",
+        collection = names::DELIVERIES,
+        "store wake-ups: change stream on delivery inserts"
+    );
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    let store = s.clone();
+    tokio::spawn(async move {
+        let mut stream = Some(stream);
+        loop {
+            let mut current = match stream.take() {
+                Some(c) => c,
+                None => match open_stream(&store).await {
+                    Ok(c) => c,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "mongodb change stream cannot be reopened; retrying");
+                        if tx.is_closed() {
+                            return;
+                        }
+                        // Wake the owners anyway while the stream is down.
+                        let _ = tx.try_send(());
+                        tokio::time::sleep(STREAM_REOPEN).await;
+                        continue;
+                    }
+                },
+            };
+            loop {
+                tokio::select! {
+                    item = current.next() => match item {
+                        // Coalesced: a full channel already holds a wake-up.
+                        Some(Ok(_)) => { let _ = tx.try_send(()); }
+                        Some(Err(e)) => {
+                            tracing::warn!(error = %e, "mongodb change stream failed; reopening");
+                            break;
+                        }
+                        None => break,
+                    },
+                    () = tx.closed() => return,
+                }
+            }
+            let _ = tx.try_send(());
+            tokio::time::sleep(STREAM_REOPEN).await;
+        }
+    });
+    Ok(Wakeups::Push(rx))
+}

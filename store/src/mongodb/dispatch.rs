@@ -1,0 +1,455 @@
+//! Dispatch: fencing, claims, completions, reschedules, dead letters, replay.
+//!
+//! Every fenced write runs in a transaction that first writes the lane
+//! documents it relies on ([`fenced_lanes`]), so a concurrent fence either
+//! write-conflicts with it (and the batch is retried and sees the new epoch)
+//! or waits for it (see the module docs of `mongodb`).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use ::mongodb::bson::{doc, Bson, Document};
+use ::mongodb::ClientSession;
+use chrono::Utc;
+use futures::TryStreamExt;
+
+use super::publish::{bump, delivery_doc, lane_counter};
+use super::{
+    get_int, get_lane, get_opt_int, get_opt_string, get_string, map_err, names, MongoStore,
+    TxnResult,
+};
+use crate::common::{from_micros, to_micros, to_u32};
+use crate::*;
+
+/// Lanes per claim aggregation (one `$unionWith` stage each; MongoDB limits
+/// a pipeline to 1,000 stages).
+const CLAIM_CHUNK: usize = 64;
+
+pub(super) async fn fence(s: &MongoStore, lane: Lane, owner: &str, epoch: Epoch) -> Result<bool> {
+    let lanes = s.coll(names::LANES);
+    lanes
+        .update_one(
+            doc! { "_id": i32::from(lane), "epoch": { "$lt": epoch } },
+            doc! { "$set": { "epoch": epoch, "owner": owner } },
+        )
+        .write_concern(::mongodb::options::WriteConcern::majority())
+        .await
+        .map_err(map_err)?;
+    let row = lanes
+        .find_one(doc! { "_id": i32::from(lane) })
+        .await
+        .map_err(map_err)?;
+    Ok(match row {
+        Some(d) => d.get_str("owner").ok() == Some(owner) && get_int(&d, "epoch")? == epoch,
+        None => false,
+    })
+}
+
+/// Reads the requested lanes inside the caller's snapshot transaction.
+pub(super) async fn claim(
+    s: &MongoStore,
+    session: &mut ClientSession,
+    claims: &[LaneClaim],
+) -> TxnResult<Vec<LaneBatch>> {
+    let lane_ids: Vec<i32> = claims.iter().map(|c| i32::from(c.lane)).collect();
+    let epochs = lane_epochs(s, session, &lane_ids).await?;
+    let mut batches: Vec<LaneBatch> = claims
+        .iter()
+        .map(|c| LaneBatch {
+            lane: c.lane,
+            owned: epochs.get(&c.lane) == Some(&c.epoch),
+            deliveries: Vec::new(),
+            next_after: c.after,
+        })
+        .collect();
+    let owned: Vec<(usize, &LaneClaim)> = claims
+        .iter()
+        .enumerate()
+        .filter(|(i, c)| batches[*i].owned && c.limit > 0)
+        .collect();
+    for chunk in owned.chunks(CLAIM_CHUNK) {
+        let mut pipeline: Vec<Document> = Vec::with_capacity(chunk.len() + 4);
+        for (n, (slot, c)) in chunk.iter().enumerate() {
+            let sub = vec![
+                doc! { "$match": { "lane": i32::from(c.lane), "pos": { "$gt": c.after } } },
+                doc! { "$sort": { "pos": 1 } },
+                doc! { "$limit": i64::from(c.limit) },
+                doc! { "$addFields": { "slot": *slot as i64 } },
+            ];
+            if n == 0 {
+                pipeline.extend(sub);
+            } else {
+                pipeline
+                    .push(doc! { "$unionWith": { "coll": names::DELIVERIES, "pipeline": sub } });
+            }
+        }
+        pipeline.push(doc! { "$lookup": {
+            "from": names::EVENTS, "localField": "event_id", "foreignField": "_id", "as": "event",
+        } });
+        let rows: Vec<Document> = s
+            .coll(names::DELIVERIES)
+            .aggregate(pipeline)
+            .session(&mut *session)
+            .await?
+            .stream(&mut *session)
+            .try_collect()
+            .await?;
+        for row in rows {
+            let slot = get_int(&row, "slot")?;
+            let b = usize::try_from(slot)
+                .ok()
+                .and_then(|i| batches.get_mut(i))
+                .ok_or_else(|| StoreError::Database(format!("claim row for slot {slot}")))?;
+            let pos = get_int(&row, "pos")?;
+            b.next_after = b.next_after.max(pos);
+            b.deliveries.push(delivery_from_doc(&row)?);
+        }
+    }
+    for b in &mut batches {
+        b.deliveries.sort_by_key(|d| d.id);
+    }
+    Ok(batches)
+}
+
+async fn lane_epochs(
+    s: &MongoStore,
+    session: &mut ClientSession,
+    lanes: &[i32],
+) -> TxnResult<HashMap<Lane, Epoch>> {
+    let rows: Vec<Document> = s
+        .coll(names::LANES)
+        .find(doc! { "_id": { "$in": lanes } })
+        .projection(doc! { "epoch": 1 })
+        .session(&mut *session)
+        .await?
+        .stream(&mut *session)
+        .try_collect()
+        .await?;
+    let mut out = HashMap::with_capacity(rows.len());
+    for r in &rows {
+        out.insert(get_lane(r, "_id")?, get_int(r, "epoch")?);
+    }
+    Ok(out)
+}
+
+fn delivery_from_doc(d: &Document) -> Result<Delivery> {
+    let event = d
+        .get_array("event")
+        .ok()
+        .and_then(|a| a.first())
+        .and_then(Bson::as_document)
+        .ok_or_else(|| {
+            StoreError::Database(format!("delivery {:?} has no event document", d.get("_id")))
+        })?;
+    let payload = event
+        .get_binary_generic("payload")
+        .map_err(|e| StoreError::Database(format!("events.payload: {e}")))?
+        .clone();
+    Ok(Delivery {
+        id: get_int(d, "_id")?,
+        lane: get_lane(d, "lane")?,
+        handler_id: get_string(d, "handler_id")?,
+        event_id: get_string(d, "event_id")?,
+        event_type: get_string(event, "type")?,
+        key: get_opt_string(d, "key")?,
+        seq: get_opt_int(d, "seq")?,
+        attempts: to_u32(get_int(d, "attempts")?),
+        due_at: from_micros(get_int(d, "due_at")?),
+        last_error: get_opt_string(d, "last_error")?,
+        payload: payload.into(),
+        published_at: from_micros(get_int(event, "published_at")?),
+    })
+}
+
+/// Writes the lane documents of `refs`' `(lane, epoch)` pairs whose epoch
+/// is the current one (`$inc: {writes: 1}`), and returns those pairs. The
+/// write is what makes a concurrent fence conflict with (or wait for) this
+/// transaction.
+async fn fenced_lanes(
+    s: &MongoStore,
+    session: &mut ClientSession,
+    pairs: impl Iterator<Item = (Lane, Epoch)>,
+) -> TxnResult<HashSet<(Lane, Epoch)>> {
+    let pairs: HashSet<(Lane, Epoch)> = pairs.collect();
+    let or: Vec<Document> = pairs
+        .iter()
+        .map(|(l, e)| doc! { "_id": i32::from(*l), "epoch": *e })
+        .collect();
+    s.coll(names::LANES)
+        .update_many(doc! { "$or": or }, doc! { "$inc": { "writes": 1i64 } })
+        .session(&mut *session)
+        .await?;
+    let lanes: Vec<i32> = pairs
+        .iter()
+        .map(|(l, _)| i32::from(*l))
+        .collect::<HashSet<_>>()
+        .into_iter()
+        .collect();
+    let epochs = lane_epochs(s, session, &lanes).await?;
+    Ok(pairs
+        .into_iter()
+        .filter(|(l, e)| epochs.get(l) == Some(e))
+        .collect())
+}
+
+/// Keeps the first occurrence of each id (a repeated ref would otherwise
+/// append two completion records).
+fn first_by_id<T, F: Fn(&T) -> i64>(items: &[T], id: F) -> Vec<&T> {
+    let mut seen = HashSet::with_capacity(items.len());
+    items.iter().filter(|i| seen.insert(id(i))).collect()
+}
+
+/// The pending delivery documents of `refs` (id, lane, epoch) whose lane is
+/// fenced to the caller, by id. Writes the lane documents (see
+/// [`fenced_lanes`]).
+async fn fenced_deliveries(
+    s: &MongoStore,
+    session: &mut ClientSession,
+    refs: &[(i64, Lane, Epoch)],
+) -> TxnResult<BTreeMap<i64, Document>> {
+    let owned = fenced_lanes(s, session, refs.iter().map(|r| (r.1, r.2))).await?;
+    let wanted: HashMap<i64, Lane> = refs
+        .iter()
+        .filter(|r| owned.contains(&(r.1, r.2)))
+        .map(|r| (r.0, r.1))
+        .collect();
+    if wanted.is_empty() {
+        return Ok(BTreeMap::new());
+    }
+    let ids: Vec<i64> = wanted.keys().copied().collect();
+    let docs: Vec<Document> = s
+        .coll(names::DELIVERIES)
+        .find(doc! { "_id": { "$in": ids } })
+        .session(&mut *session)
+        .await?
+        .stream(&mut *session)
+        .try_collect()
+        .await?;
+    let mut out = BTreeMap::new();
+    for d in docs {
+        let id = get_int(&d, "_id")?;
+        // A ref naming another lane than the delivery's changes nothing.
+        if wanted.get(&id) == Some(&get_lane(&d, "lane")?) {
+            out.insert(id, d);
+        }
+    }
+    Ok(out)
+}
+
+async fn delete_deliveries(
+    s: &MongoStore,
+    session: &mut ClientSession,
+    ids: &[i64],
+) -> TxnResult<()> {
+    let deleted = s
+        .coll(names::DELIVERIES)
+        .delete_many(doc! { "_id": { "$in": ids } })
+        .session(&mut *session)
+        .await?
+        .deleted_count;
+    if deleted != ids.len() as u64 {
+        return Err(StoreError::Database(format!(
+            "deleted {deleted} of {} deliveries read in the same transaction",
+            ids.len()
+        ))
+        .into());
+    }
+    Ok(())
+}
+
+pub(super) async fn complete(
+    s: &MongoStore,
+    session: &mut ClientSession,
+    done: &[DeliveryRef],
+) -> TxnResult<Vec<i64>> {
+    let refs: Vec<&DeliveryRef> = first_by_id(done, |r| r.id);
+    let keys: Vec<(i64, Lane, Epoch)> = refs.iter().map(|r| (r.id, r.lane, r.epoch)).collect();
+    let found = fenced_deliveries(s, session, &keys).await?;
+    if found.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids: Vec<i64> = found.keys().copied().collect();
+    delete_deliveries(s, session, &ids).await?;
+    let attempts: HashMap<i64, u32> = refs.iter().map(|r| (r.id, r.attempts)).collect();
+    let now = to_micros(Utc::now());
+    let records: Vec<Document> = found
+        .iter()
+        .map(|(id, d)| {
+            Ok(doc! {
+                "event_id": get_string(d, "event_id")?,
+                "handler_id": get_string(d, "handler_id")?,
+                "attempts": i64::from(attempts[id]),
+                "completed_at": now,
+            })
+        })
+        .collect::<Result<_>>()?;
+    s.coll(names::COMPLETIONS)
+        .insert_many(records)
+        .session(&mut *session)
+        .await?;
+    Ok(ids)
+}
+
+pub(super) async fn reschedule(
+    s: &MongoStore,
+    session: &mut ClientSession,
+    items: &[Reschedule],
+) -> TxnResult<Vec<i64>> {
+    let items: Vec<&Reschedule> = first_by_id(items, |r| r.id);
+    let keys: Vec<(i64, Lane, Epoch)> = items.iter().map(|r| (r.id, r.lane, r.epoch)).collect();
+    let found = fenced_deliveries(s, session, &keys).await?;
+    if found.is_empty() {
+        return Ok(Vec::new());
+    }
+    let by_id: HashMap<i64, &Reschedule> = items.iter().map(|r| (r.id, *r)).collect();
+    let ids: Vec<i64> = found.keys().copied().collect();
+    // Documents of different values cannot be updated in one statement
+    // without a bulk write (MongoDB 8.0): replace them instead, delete plus
+    // insert, two statements whatever the batch size.
+    delete_deliveries(s, session, &ids).await?;
+    let replaced: Vec<Document> = found
+        .into_iter()
+        .map(|(id, mut d)| {
+            let r = by_id[&id];
+            d.insert("attempts", i64::from(r.attempts));
+            d.insert("due_at", to_micros(r.due_at));
+            d.insert("last_error", r.last_error.as_str());
+            d
+        })
+        .collect();
+    s.coll(names::DELIVERIES)
+        .insert_many(replaced)
+        .session(&mut *session)
+        .await?;
+    Ok(ids)
+}
+
+pub(super) async fn dead_letter(
+    s: &MongoStore,
+    session: &mut ClientSession,
+    items: &[DeadLetterRequest],
+) -> TxnResult<Vec<i64>> {
+    let items: Vec<&DeadLetterRequest> = first_by_id(items, |r| r.id);
+    let keys: Vec<(i64, Lane, Epoch)> = items.iter().map(|r| (r.id, r.lane, r.epoch)).collect();
+    let found = fenced_deliveries(s, session, &keys).await?;
+    if found.is_empty() {
+        return Ok(Vec::new());
+    }
+    let by_id: HashMap<i64, &DeadLetterRequest> = items.iter().map(|r| (r.id, *r)).collect();
+    let ids: Vec<i64> = found.keys().copied().collect();
+    delete_deliveries(s, session, &ids).await?;
+    let mut incs = BTreeMap::new();
+    incs.insert(names::DEAD_LETTERS.to_string(), ids.len() as i64);
+    let mut next = bump(s, session, &incs).await?[names::DEAD_LETTERS];
+    let now = to_micros(Utc::now());
+    let letters: Vec<Document> = found
+        .into_iter()
+        .map(|(id, d)| {
+            let r = by_id[&id];
+            next += 1;
+            doc! {
+                "_id": next,
+                "handler_id": d.get("handler_id").cloned().unwrap_or(Bson::Null),
+                "event_id": d.get("event_id").cloned().unwrap_or(Bson::Null),
+                "lane": d.get("lane").cloned().unwrap_or(Bson::Null),
+                "key": d.get("key").cloned().unwrap_or(Bson::Null),
+                "seq": d.get("seq").cloned().unwrap_or(Bson::Null),
+                "attempts": i64::from(r.attempts),
+                "last_error": r.last_error.as_str(),
+                "failed_at": now,
+            }
+        })
+        .collect();
+    s.coll(names::DEAD_LETTERS)
+        .insert_many(letters)
+        .session(&mut *session)
+        .await?;
+    Ok(ids)
+}
+
+/// Puts the selected dead letters back as fresh deliveries with new
+/// positions (so the owner's cursor sees them); dead letters of a deleted
+/// handler are not replayed.
+pub(super) async fn replay_dead_letters(
+    s: &MongoStore,
+    session: &mut ClientSession,
+    ids: &[i64],
+    handler_id: Option<&str>,
+) -> TxnResult<u64> {
+    let mut filter = Document::new();
+    if !ids.is_empty() {
+        filter.insert("_id", doc! { "$in": ids });
+    }
+    if let Some(h) = handler_id {
+        filter.insert("handler_id", h);
+    }
+    let letters: Vec<Document> = s
+        .coll(names::DEAD_LETTERS)
+        .find(filter)
+        .sort(doc! { "_id": 1 })
+        .session(&mut *session)
+        .await?
+        .stream(&mut *session)
+        .try_collect()
+        .await?;
+    let handler_ids: Vec<String> = letters
+        .iter()
+        .map(|d| get_string(d, "handler_id"))
+        .collect::<Result<HashSet<_>>>()?
+        .into_iter()
+        .collect();
+    let existing: HashSet<String> = s
+        .coll(names::HANDLERS)
+        .find(doc! { "_id": { "$in": handler_ids } })
+        .projection(doc! { "_id": 1 })
+        .session(&mut *session)
+        .await?
+        .stream(&mut *session)
+        .try_collect::<Vec<Document>>()
+        .await?
+        .iter()
+        .map(|d| get_string(d, "_id"))
+        .collect::<Result<_>>()?;
+    let mut chosen = Vec::new();
+    for d in letters {
+        if existing.contains(&get_string(&d, "handler_id")?) {
+            chosen.push(d);
+        }
+    }
+    if chosen.is_empty() {
+        return Ok(0);
+    }
+    let mut incs: BTreeMap<String, i64> = BTreeMap::new();
+    for d in &chosen {
+        *incs.entry(lane_counter(get_lane(d, "lane")?)).or_default() += 1;
+    }
+    let mut next = bump(s, session, &incs).await?;
+    let now = to_micros(Utc::now());
+    let mut deliveries = Vec::with_capacity(chosen.len());
+    for d in &chosen {
+        let lane = get_lane(d, "lane")?;
+        let pos = next.entry(lane_counter(lane)).or_default();
+        *pos += 1;
+        deliveries.push(delivery_doc(
+            lane,
+            *pos,
+            &get_string(d, "handler_id")?,
+            &get_string(d, "event_id")?,
+            get_opt_string(d, "key")?.as_deref(),
+            get_opt_int(d, "seq")?,
+            now,
+        ));
+    }
+    s.coll(names::DELIVERIES)
+        .insert_many(deliveries)
+        .session(&mut *session)
+        .await?;
+    let chosen_ids: Vec<i64> = chosen
+        .iter()
+        .map(|d| get_int(d, "_id"))
+        .collect::<Result<_>>()?;
+    s.coll(names::DEAD_LETTERS)
+        .delete_many(doc! { "_id": { "$in": &chosen_ids } })
+        .session(&mut *session)
+        .await?;
+    Ok(chosen_ids.len() as u64)
+}

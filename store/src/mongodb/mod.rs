@@ -1,0 +1,772 @@
+//! MongoDB backend (`mongodb://...`, official driver 3.x): the same
+//! dispatcher for users whose system of record is MongoDB.
+//!
+//! The store needs a **replica set** (or a sharded cluster): every write
+//! that must be atomic is a multi-document transaction, and MongoDB offers
+//! transactions only there. [`MongoStore::connect`] checks this and refuses a
+//! standalone server with [`StoreError::Invalid`]. The database is the URL's
+//! path (`mongodb://h1,h2,h3/lanebus?replicaSet=rs0`), `lanebus` if absent.
+//!
+//! # Collections
+//!
+//! ```text
+//!  meta         {_id: "store", lanes, schema_version}
+//!  lanes        {_id: lane, owner, epoch, writes}          fencing
+//!  counters     {_id: "k/<key>", n}  last sequence number of a key
+//!               {_id: "l/<lane>", n} last claim position of a lane
+//!               {_id: "handlers" | "dead_letters", n}      id sources
+//!  handlers     {_id: "hdl_…", seq, name, url, event_types, …, state}
+//!  events       {_id: event id, type, key, lane, seq, payload, published_at}
+//!  deliveries   {_id: pos << 16 | lane, lane, pos, handler_id, event_id,
+//!                key, seq, attempts, due_at, last_error}   index (lane, pos)
+//!  completions  {event_id, handler_id, attempts, completed_at}  append-only
+//!  dead_letters {_id: n, handler_id, event_id, lane, key, seq, attempts,
+//!                last_error, failed_at}
+//! ```
+//!
+//! Times are Int64 microseconds since the Unix epoch (BSON dates have
+//! milliseconds only; `due_at` must round-trip exactly). Payloads are BSON
+//! binary (generic subtype), kept byte for byte.
+//!
+//! # Choices (the same as the SQL backends where MongoDB allows)
+//!
+//! - **Delete on complete, no update on claim.** A delivery document is
+//!   inserted once and deleted once; claims only read (one fenced owner per
+//!   lane); completions append to `completions` (no unique index).
+//! - **Publish is one transaction** with read concern `snapshot` and write
+//!   concern `majority` (`publish.rs`): stored-id check, enabled handlers
+//!   (routes are matched in Rust on the snapshot, so a handler registered
+//!   through another node is seen at once), the counters, `insertMany` of
+//!   events, `insertMany` of deliveries.
+//! - **Per-key sequence and per-lane position through counter documents**
+//!   updated inside that transaction. MongoDB transactions are snapshot
+//!   isolated and a document written by one open transaction makes every
+//!   other transaction that writes it fail with `WriteConflict` (label
+//!   `TransientTransactionError`), as does a write to a document changed
+//!   after the writer's snapshot. So two publishers of one key cannot both
+//!   take number n: one aborts and retries from a fresh snapshot.
+//! - **Retries** follow the driver specification's documented pattern: the
+//!   whole transaction again on `TransientTransactionError` (and on a
+//!   duplicate key from a concurrent first insert of the same id or counter,
+//!   a bounded number of times), the commit alone again on
+//!   `UnknownTransactionCommitResult`; with jittered backoff, for at most
+//!   [`TXN_RETRY_LIMIT`].
+//! - **Idempotent by event id**: `events._id` is the event id, unique by
+//!   construction. Ids already stored are found by the snapshot read and
+//!   counted as duplicates; a concurrent publisher of the same id makes the
+//!   insert fail (write conflict or duplicate key) and the retry then finds it.
+//!
+//! # Claim cursor: a per-lane position taken in the publish transaction
+//!
+//! MongoDB has no transaction id horizon like PostgreSQL's xmin, so the
+//! cursor is a **per-lane position**: the publish transaction raises the
+//! lane's counter (`counters` `l/<lane>`) by its number of deliveries in the
+//! lane and numbers them `pos = old + 1 …`; a claim reads `pos > after` in
+//! `(lane, pos)` order and returns the last position read as the next cursor.
+//!
+//! Why this is commit-ordered: a transaction that wrote the lane's counter
+//! holds it until it commits or aborts; any other publisher into that lane
+//! write-conflicts and retries, and can only take larger positions after the
+//! first one has committed (or aborted, freeing its positions for reuse by
+//! the next one, which nobody has read). So a lane's positions become
+//! visible in increasing order, and a claim that read position p can never
+//! later find a smaller one appearing: the late-commit pitfall cannot happen.
+//! The price is that publishers into the same lane are serialized (those
+//! into different lanes are not), which the per-key sequence already implies
+//! for keyed events. Claims read in a `snapshot` read-concern transaction, so
+//! a query yield cannot switch snapshots halfway through a lane and reads are
+//! of majority-committed data (a position read can never be rolled back by a
+//! failover and handed out again).
+//!
+//! The alternative, the cluster time of the commit (oplog timestamp), is not
+//! known to the transaction while it writes its documents, and reading the
+//! oplog needs privileges and a tailing reader; the counter needs neither.
+//!
+//! A delivery id is `pos << 16 | lane`: unique and never reused (positions
+//! only grow), without a global counter that every publisher would contend
+//! on. Replays (dead letters put back) take fresh positions the same way, so
+//! the owner's cursor sees them.
+//!
+//! # Fencing
+//!
+//! `fence` raises `lanes.epoch` with a conditional `updateOne` (write concern
+//! majority). Claims compare the epoch they read (in the claim's snapshot).
+//! Completions, reschedules and dead letters are transactions that **write
+//! the lane documents they rely on** first (`$inc: {writes: 1}` filtered by
+//! `{_id: lane, epoch}`), then act only on the lanes that matched. A fence
+//! that committed after the transaction's snapshot makes that write
+//! conflict, so the transaction retries and sees the new epoch; a fence that
+//! arrives while the transaction holds the lane document waits for it (a
+//! write outside a transaction waits for the transaction's lock), so it is
+//! ordered after it. Either way a deposed owner's batch changes nothing once
+//! a fence has committed (invariant 4). The `writes` counter costs one small
+//! update per lane per batch.
+//!
+//! # Operations per call (round trips; measured by counting driver calls)
+//!
+//! - publish: stored-id find (only with client ids), handlers find, counters
+//!   find, counters insert (only new keys or lanes), counters update (one
+//!   `updateOne`/`updateMany`), events `insertMany`, deliveries
+//!   `insertMany`, commit: 6 to 8 whatever the batch size.
+//! - claim of many lanes: lanes find, one aggregation per 64 lanes
+//!   (`$unionWith` one indexed sub-pipeline per lane, `$lookup` of the
+//!   events), commit of the read-only transaction: 3 for up to 64 lanes.
+//! - complete: lanes `updateMany`, lanes find, deliveries find, deliveries
+//!   `deleteMany`, completions `insertMany`, commit: 6 whatever the batch.
+//!   Reschedules replace documents (`deleteMany` + `insertMany`, 6); dead
+//!   letters add the id counter (7).
+//!
+//! # Wake-ups
+//!
+//! [`Store::wakeups`] opens a change stream on `deliveries` (inserts only,
+//! projected to the resume token) and coalesces its events into the wake-up
+//! channel; where the server refuses change streams it answers
+//! [`Wakeups::Poll`]. The choice is logged. A stream that breaks later is
+//! reopened after a second, waking the node meanwhile.
+//!
+//! # Handler deletion
+//!
+//! As in PostgreSQL: deleting a handler removes it and its deliveries in one
+//! transaction; a publish whose snapshot still had the handler may create
+//! deliveries for it, which the node discards.
+//!
+//! # Test server quirks
+//!
+//! The tests run on SecantusDB (a MongoDB-compatible server; see
+//! `scripts/test`). It behaved as MongoDB does for everything used here
+//! (write conflicts with `TransientTransactionError`, outside writes waiting
+//! for a transaction's lock, pipeline updates, `$unionWith`, `$lookup`,
+//! snapshot reads, change streams); nothing in this module works around it.
+
+mod catalog;
+mod dispatch;
+mod publish;
+
+use std::time::{Duration, Instant};
+
+use ::mongodb::bson::{doc, Bson, Document};
+use ::mongodb::error::{
+    Error as MongoError, ErrorKind, WriteFailure, TRANSIENT_TRANSACTION_ERROR,
+    UNKNOWN_TRANSACTION_COMMIT_RESULT,
+};
+use ::mongodb::options::{
+    ClientOptions, IndexOptions, ReadConcern, TransactionOptions, WriteConcern,
+};
+use ::mongodb::{Client, ClientSession, Collection, Database, IndexModel};
+use async_trait::async_trait;
+
+use crate::common::PublishPlan;
+use crate::*;
+
+/// How long a transaction is retried on transient errors before the error
+/// is returned (the driver specification's convenient API uses 120 s; lane
+/// owners retry themselves, so we give up sooner).
+pub const TXN_RETRY_LIMIT: Duration = Duration::from_secs(60);
+
+/// Retries after a duplicate key error (a concurrent first insert of the same
+/// event id or counter) before it is returned as [`StoreError::Conflict`].
+const DUPLICATE_RETRIES: u32 = 5;
+
+/// Schema version written to `meta` (collections and indexes of this build).
+const SCHEMA_VERSION: i64 = 1;
+
+/// Default database when the URL names none.
+pub const DEFAULT_DATABASE: &str = "lanebus";
+
+/// Server error code of a duplicate key.
+const DUPLICATE_KEY: i32 = 11000;
+
+/// The MongoDB store. Cheap to clone: clones share the client's pool.
+#[derive(Debug, Clone)]
+pub struct MongoStore {
+    client: Client,
+    db: Database,
+    lanes: u16,
+}
+
+/// The collections, by name.
+pub(crate) mod names {
+    pub const META: &str = "meta";
+    pub const LANES: &str = "lanes";
+    pub const COUNTERS: &str = "counters";
+    pub const HANDLERS: &str = "handlers";
+    pub const EVENTS: &str = "events";
+    pub const DELIVERIES: &str = "deliveries";
+    pub const COMPLETIONS: &str = "completions";
+    pub const DEAD_LETTERS: &str = "dead_letters";
+    pub const ALL: [&str; 8] = [
+        META,
+        LANES,
+        COUNTERS,
+        HANDLERS,
+        EVENTS,
+        DELIVERIES,
+        COMPLETIONS,
+        DEAD_LETTERS,
+    ];
+}
+
+/// The server error code of `e`, if it carries one (command error, write
+/// error, or the first write error of an `insertMany`).
+pub(crate) fn error_code(e: &MongoError) -> Option<i32> {
+    match e.kind.as_ref() {
+        ErrorKind::Command(c) => Some(c.code),
+        ErrorKind::Write(WriteFailure::WriteError(w)) => Some(w.code),
+        ErrorKind::Write(WriteFailure::WriteConcernError(w)) => Some(w.code),
+        ErrorKind::InsertMany(m) => m
+            .write_errors
+            .as_ref()
+            .and_then(|w| w.first())
+            .map(|w| w.code)
+            .or_else(|| m.write_concern_error.as_ref().map(|w| w.code)),
+        _ => None,
+    }
+}
+
+fn is_duplicate_key(e: &MongoError) -> bool {
+    error_code(e) == Some(DUPLICATE_KEY)
+}
+
+/// Maps a driver error to a [`StoreError`] kind: duplicate key →
+/// `Conflict`; a transient transaction error (write conflict) → `Conflict`
+/// (retry the transaction); network, server selection, pool cleared, not
+/// primary or shutting down → `Unavailable`; anything else → `Database`.
+pub(crate) fn map_err(e: MongoError) -> StoreError {
+    if is_duplicate_key(&e) {
+        return StoreError::Conflict(e.to_string());
+    }
+    if e.contains_label(TRANSIENT_TRANSACTION_ERROR) {
+        return StoreError::Conflict(format!(
+            "transient transaction error, retry the transaction: {e}"
+        ));
+    }
+    let unavailable = matches!(
+        e.kind.as_ref(),
+        ErrorKind::Io(_)
+            | ErrorKind::ConnectionPoolCleared { .. }
+            | ErrorKind::ServerSelection { .. }
+            | ErrorKind::DnsResolve { .. }
+            | ErrorKind::Authentication { .. }
+    ) || matches!(
+        error_code(&e),
+        // HostUnreachable, HostNotFound, NetworkTimeout, ShutdownInProgress,
+        // PrimarySteppedDown, NotWritablePrimary, InterruptedAtShutdown,
+        // NotPrimaryNoSecondaryOk, NotPrimaryOrSecondary.
+        Some(6 | 7 | 89 | 91 | 189 | 10107 | 11600 | 13435 | 13436)
+    );
+    if unavailable {
+        StoreError::Unavailable(e.to_string())
+    } else {
+        StoreError::Database(e.to_string())
+    }
+}
+
+/// Options of every transaction: snapshot reads, majority writes.
+fn txn_options() -> TransactionOptions {
+    TransactionOptions::builder()
+        .read_concern(ReadConcern::snapshot())
+        .write_concern(WriteConcern::majority())
+        .build()
+}
+
+/// Retry bookkeeping for one transaction (the documented retry loop).
+struct Retry {
+    started: Instant,
+    attempts: u32,
+    duplicates: u32,
+}
+
+impl Retry {
+    fn new() -> Self {
+        Retry {
+            started: Instant::now(),
+            attempts: 0,
+            duplicates: 0,
+        }
+    }
+
+    /// Whether to run the whole transaction again after `e`; sleeps a
+    /// jittered backoff (up to about 50 ms) first.
+    async fn again(&mut self, e: &MongoError) -> bool {
+        let transient = e.contains_label(TRANSIENT_TRANSACTION_ERROR);
+        let duplicate = is_duplicate_key(e) && self.duplicates < DUPLICATE_RETRIES;
+        if !(transient || duplicate) || self.started.elapsed() >= TXN_RETRY_LIMIT {
+            return false;
+        }
+        if duplicate {
+            self.duplicates += 1;
+        }
+        self.attempts += 1;
+        let cap_ms = 1u64 << self.attempts.min(6);
+        let wait = Duration::from_micros(rand::random::<u64>() % (cap_ms * 1000) + 100);
+        tracing::debug!(attempt = self.attempts, error = %e, "mongodb transaction retried");
+        tokio::time::sleep(wait).await;
+        true
+    }
+}
+
+/// Commits, retrying the commit alone on `UnknownTransactionCommitResult`.
+async fn commit(session: &mut ClientSession, retry: &Retry) -> std::result::Result<(), MongoError> {
+    loop {
+        match session.commit_transaction().await {
+            Ok(()) => return Ok(()),
+            Err(e)
+                if e.contains_label(UNKNOWN_TRANSACTION_COMMIT_RESULT)
+                    && retry.started.elapsed() < TXN_RETRY_LIMIT =>
+            {
+                tracing::debug!(error = %e, "mongodb commit result unknown; committing again");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// An error inside a transaction body: a driver error (which may be
+/// retried) or a decided [`StoreError`] (which is returned as is).
+#[derive(Debug)]
+pub(crate) enum TxnError {
+    Mongo(MongoError),
+    Store(StoreError),
+}
+
+impl From<MongoError> for TxnError {
+    fn from(e: MongoError) -> Self {
+        TxnError::Mongo(e)
+    }
+}
+
+impl From<StoreError> for TxnError {
+    fn from(e: StoreError) -> Self {
+        TxnError::Store(e)
+    }
+}
+
+impl From<TxnError> for StoreError {
+    fn from(e: TxnError) -> Self {
+        match e {
+            TxnError::Mongo(e) => map_err(e),
+            TxnError::Store(e) => e,
+        }
+    }
+}
+
+/// Result of a transaction body.
+pub(crate) type TxnResult<T> = std::result::Result<T, TxnError>;
+
+/// Runs `$body` (an expression of type `impl Future<Output = TxnResult<T>>`
+/// using `$sess: &mut ClientSession`) in a transaction of `$store`, with the
+/// documented retries. Evaluates to `crate::Result<T>`.
+macro_rules! in_transaction {
+    ($store:expr, |$sess:ident| $body:expr) => {{
+        let mut session = $store.client.start_session().await.map_err(map_err)?;
+        let mut retry = Retry::new();
+        loop {
+            session
+                .start_transaction()
+                .with_options(txn_options())
+                .await
+                .map_err(map_err)?;
+            let outcome = {
+                let $sess = &mut session;
+                $body.await
+            };
+            let failed = match outcome {
+                Ok(v) => match commit(&mut session, &retry).await {
+                    Ok(()) => break Ok(v),
+                    Err(e) => e,
+                },
+                Err(e) => {
+                    // Errors of an abort are ignored, as the specification says.
+                    let _ = session.abort_transaction().await;
+                    match e {
+                        TxnError::Mongo(e) => e,
+                        TxnError::Store(e) => break Err(e),
+                    }
+                }
+            };
+            if !retry.again(&failed).await {
+                break Err(map_err(failed));
+            }
+        }
+    }};
+}
+
+impl MongoStore {
+    /// Connects to `url` (`mongodb://...`), checks that the server offers
+    /// transactions, creates collections and indexes ([`MongoStore::migrate`])
+    /// and, for a new store, [`DEFAULT_LANES`] lanes.
+    ///
+    /// # Errors
+    /// [`StoreError::Invalid`] for a malformed URL or a standalone server
+    /// (no replica set: no transactions); [`StoreError::Unavailable`] when
+    /// no server answers; [`StoreError::Database`] otherwise.
+    pub async fn connect(url: &str) -> Result<Self> {
+        Self::connect_with_lanes(url, DEFAULT_LANES).await
+    }
+
+    /// As [`MongoStore::connect`], creating `lanes` lanes if the store is
+    /// new. An existing store keeps the lane count it was created with.
+    ///
+    /// # Errors
+    /// As [`MongoStore::connect`]; [`StoreError::Invalid`] if `lanes` is 0.
+    pub async fn connect_with_lanes(url: &str, lanes: u16) -> Result<Self> {
+        if lanes == 0 {
+            return Err(StoreError::Invalid(
+                "a store needs at least one lane".into(),
+            ));
+        }
+        let options = ClientOptions::parse(url)
+            .await
+            .map_err(|e| match e.kind.as_ref() {
+                ErrorKind::InvalidArgument { .. } => {
+                    StoreError::Invalid(format!("mongodb url {url:?}: {e}"))
+                }
+                _ => map_err(e),
+            })?;
+        let db_name = options
+            .default_database
+            .clone()
+            .unwrap_or_else(|| DEFAULT_DATABASE.to_string());
+        let client = Client::with_options(options).map_err(map_err)?;
+        let db = client.database(&db_name);
+        let hello = db.run_command(doc! { "hello": 1 }).await.map_err(map_err)?;
+        let replica_set = hello.get_str("setName").is_ok();
+        let mongos = hello.get_str("msg") == Ok("isdbgrid");
+        if !replica_set && !mongos {
+            return Err(StoreError::Invalid(format!(
+                "the mongodb store needs a replica set or a sharded cluster (it uses transactions); \
+                 the server at {url:?} is a standalone"
+            )));
+        }
+        let mut store = MongoStore { client, db, lanes };
+        store.lanes = store.migrate_with_lanes(lanes).await?;
+        Ok(store)
+    }
+
+    /// Creates the collections and indexes (idempotent; safe while other
+    /// nodes use the store) and records the schema version. `lanebus
+    /// migrate` and every start call it.
+    ///
+    /// # Errors
+    /// [`StoreError::Unavailable`] when the server cannot be reached;
+    /// [`StoreError::Database`] when an index cannot be built.
+    pub async fn migrate(&self) -> Result<()> {
+        self.migrate_with_lanes(self.lanes).await.map(|_| ())
+    }
+
+    async fn migrate_with_lanes(&self, lanes: u16) -> Result<u16> {
+        // Collections cannot be created inside a transaction before
+        // MongoDB 4.4: create them all up front. 48 = NamespaceExists.
+        for name in names::ALL {
+            if let Err(e) = self.db.create_collection(name).await {
+                if error_code(&e) != Some(48) {
+                    return Err(map_err(e));
+                }
+            }
+        }
+        let index = |keys: Document, name: &str, unique: bool| {
+            IndexModel::builder()
+                .keys(keys)
+                .options(
+                    IndexOptions::builder()
+                        .name(name.to_string())
+                        .unique(unique)
+                        .build(),
+                )
+                .build()
+        };
+        self.coll(names::DELIVERIES)
+            .create_indexes([
+                index(doc! { "lane": 1, "pos": 1 }, "claim", true),
+                index(doc! { "handler_id": 1 }, "by_handler", false),
+            ])
+            .await
+            .map_err(map_err)?;
+        self.coll(names::DEAD_LETTERS)
+            .create_index(index(
+                doc! { "handler_id": 1, "_id": 1 },
+                "by_handler",
+                false,
+            ))
+            .await
+            .map_err(map_err)?;
+        self.coll(names::COMPLETIONS)
+            .create_index(index(doc! { "completed_at": 1 }, "retention", false))
+            .await
+            .map_err(map_err)?;
+        self.coll(names::HANDLERS)
+            .create_index(index(doc! { "seq": 1 }, "creation_order", false))
+            .await
+            .map_err(map_err)?;
+
+        // The lane count is fixed by whoever creates the store first.
+        let meta = self.coll(names::META);
+        let upsert = || {
+            meta.update_one(
+                doc! { "_id": "store" },
+                doc! { "$setOnInsert": { "lanes": i32::from(lanes) },
+                "$max": { "schema_version": SCHEMA_VERSION } },
+            )
+            .upsert(true)
+        };
+        if let Err(e) = upsert().await {
+            // Two first opens at once: the loser's upsert hits the winner's
+            // insert; the document exists now.
+            if !is_duplicate_key(&e) {
+                return Err(map_err(e));
+            }
+            upsert().await.map_err(map_err)?;
+        }
+        let meta_doc = meta
+            .find_one(doc! { "_id": "store" })
+            .await
+            .map_err(map_err)?
+            .ok_or_else(|| StoreError::Database("meta document vanished".into()))?;
+        let version = get_int(&meta_doc, "schema_version")?;
+        if version > SCHEMA_VERSION {
+            return Err(StoreError::Database(format!(
+                "database schema version {version} is newer than this build knows ({SCHEMA_VERSION})"
+            )));
+        }
+        let stored = get_int(&meta_doc, "lanes")?;
+        let lanes = u16::try_from(stored)
+            .ok()
+            .filter(|&l| l > 0)
+            .ok_or_else(|| {
+                StoreError::Database(format!("meta.lanes {stored} is not a lane count"))
+            })?;
+        let lane_coll = self.coll(names::LANES);
+        let present = lane_coll.count_documents(doc! {}).await.map_err(map_err)?;
+        if present < u64::from(lanes) {
+            let docs = (0..lanes).map(|l| doc! { "_id": i32::from(l), "owner": Bson::Null, "epoch": 0i64, "writes": 0i64 });
+            if let Err(e) = lane_coll.insert_many(docs).ordered(false).await {
+                // Lanes created by a concurrent first open are fine.
+                let only_duplicates = match e.kind.as_ref() {
+                    ErrorKind::InsertMany(m) => {
+                        m.write_concern_error.is_none()
+                            && m.write_errors
+                                .iter()
+                                .flatten()
+                                .all(|w| w.code == DUPLICATE_KEY)
+                    }
+                    _ => false,
+                };
+                if !only_duplicates {
+                    return Err(map_err(e));
+                }
+            }
+        }
+        Ok(lanes)
+    }
+
+    /// The driver client, for callers that publish inside their own
+    /// transaction ([`MongoStore::publish_in`]).
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// The database the store lives in.
+    pub fn database(&self) -> &Database {
+        &self.db
+    }
+
+    pub(crate) fn coll(&self, name: &str) -> Collection<Document> {
+        self.db.collection(name)
+    }
+
+    /// Publishes `events` inside the caller's transaction on `session`: the
+    /// same writes as [`Store::publish`], which exist if and only if the
+    /// caller commits. Start the transaction first
+    /// (`session.start_transaction()`; read concern `snapshot` and write
+    /// concern `majority` are recommended); without one the writes are not
+    /// atomic.
+    ///
+    /// While the transaction is open it holds the counters of the keys and
+    /// lanes it published into, so other publishers into those lanes retry
+    /// until it ends (that is what keeps the claim cursor commit-ordered):
+    /// keep it short.
+    ///
+    /// # Errors
+    /// [`StoreError::Invalid`] for an event breaking [`NewEvent::validate`]
+    /// (nothing is written and the transaction stays usable);
+    /// [`StoreError::Conflict`] for a write conflict with another publisher
+    /// (the transaction is aborted: run the whole transaction again, as
+    /// MongoDB's `TransientTransactionError` label asks);
+    /// [`StoreError::Unavailable`]/[`StoreError::Database`] otherwise.
+    pub async fn publish_in(
+        &self,
+        session: &mut ClientSession,
+        events: Vec<NewEvent>,
+    ) -> Result<PublishOutcome> {
+        let plan = PublishPlan::new(events, self.lanes)?;
+        Ok(publish::write(self, session, plan).await?)
+    }
+}
+
+/// Reads an integer field stored as Int32, Int64 or Double.
+pub(crate) fn get_int(d: &Document, key: &str) -> Result<i64> {
+    match d.get(key) {
+        Some(Bson::Int32(v)) => Ok(i64::from(*v)),
+        Some(Bson::Int64(v)) => Ok(*v),
+        Some(Bson::Double(v)) if v.fract() == 0.0 => Ok(*v as i64),
+        other => Err(StoreError::Database(format!(
+            "field {key:?} is not an integer: {other:?}"
+        ))),
+    }
+}
+
+/// Reads an optional integer field (absent or null → `None`).
+pub(crate) fn get_opt_int(d: &Document, key: &str) -> Result<Option<i64>> {
+    match d.get(key) {
+        None | Some(Bson::Null) => Ok(None),
+        Some(_) => get_int(d, key).map(Some),
+    }
+}
+
+/// Reads a string field.
+pub(crate) fn get_string(d: &Document, key: &str) -> Result<String> {
+    d.get_str(key)
+        .map(str::to_owned)
+        .map_err(|e| StoreError::Database(format!("field {key:?}: {e}")))
+}
+
+/// Reads an optional string field (absent or null → `None`).
+pub(crate) fn get_opt_string(d: &Document, key: &str) -> Result<Option<String>> {
+    match d.get(key) {
+        None | Some(Bson::Null) => Ok(None),
+        Some(Bson::String(s)) => Ok(Some(s.clone())),
+        other => Err(StoreError::Database(format!(
+            "field {key:?} is not a string: {other:?}"
+        ))),
+    }
+}
+
+/// Reads a lane number.
+pub(crate) fn get_lane(d: &Document, key: &str) -> Result<Lane> {
+    let v = get_int(d, key)?;
+    Lane::try_from(v).map_err(|_| StoreError::Database(format!("lane {v} out of range")))
+}
+
+/// Optional string as BSON (`null` when absent).
+pub(crate) fn opt_str(v: Option<&str>) -> Bson {
+    v.map_or(Bson::Null, |s| Bson::String(s.to_owned()))
+}
+
+/// Optional integer as BSON (`null` when absent).
+pub(crate) fn opt_i64(v: Option<i64>) -> Bson {
+    v.map_or(Bson::Null, Bson::Int64)
+}
+
+/// Delivery id of position `pos` in `lane`: unique, never reused.
+pub(crate) fn delivery_id(lane: Lane, pos: i64) -> i64 {
+    (pos << 16) | i64::from(lane)
+}
+
+#[async_trait]
+impl Store for MongoStore {
+    fn backend(&self) -> &'static str {
+        "mongodb"
+    }
+
+    fn lanes(&self) -> u16 {
+        self.lanes
+    }
+
+    async fn publish(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
+        let plan = PublishPlan::new(events, self.lanes)?;
+        in_transaction!(self, |sess| publish::write(self, sess, plan.clone()))
+    }
+
+    async fn fence(&self, lane: Lane, owner: &str, epoch: Epoch) -> Result<bool> {
+        dispatch::fence(self, lane, owner, epoch).await
+    }
+
+    async fn claim(&self, lanes: &[LaneClaim]) -> Result<Vec<LaneBatch>> {
+        if lanes.is_empty() {
+            return Ok(Vec::new());
+        }
+        in_transaction!(self, |sess| dispatch::claim(self, sess, lanes))
+    }
+
+    async fn complete(&self, done: &[DeliveryRef]) -> Result<Vec<i64>> {
+        if done.is_empty() {
+            return Ok(Vec::new());
+        }
+        in_transaction!(self, |sess| dispatch::complete(self, sess, done))
+    }
+
+    async fn reschedule(&self, items: &[Reschedule]) -> Result<Vec<i64>> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        in_transaction!(self, |sess| dispatch::reschedule(self, sess, items))
+    }
+
+    async fn dead_letter(&self, items: &[DeadLetterRequest]) -> Result<Vec<i64>> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        in_transaction!(self, |sess| dispatch::dead_letter(self, sess, items))
+    }
+
+    async fn create_handler(&self, handler: NewHandler) -> Result<Handler> {
+        let handler = handler.normalized()?;
+        catalog::create_handler(self, handler).await
+    }
+
+    async fn list_handlers(&self) -> Result<Vec<Handler>> {
+        catalog::list_handlers(self).await
+    }
+
+    async fn get_handler(&self, id: &str) -> Result<Handler> {
+        catalog::get_handler(self, id).await
+    }
+
+    async fn set_handler_state(&self, id: &str, state: HandlerState) -> Result<Handler> {
+        catalog::set_handler_state(self, id, state).await?;
+        catalog::get_handler(self, id).await
+    }
+
+    async fn delete_handler(&self, id: &str) -> Result<u64> {
+        let (removed, discarded) =
+            in_transaction!(self, |sess| catalog::delete_handler(self, sess, id))?;
+        if removed == 0 {
+            return Err(StoreError::NotFound(format!("handler {id}")));
+        }
+        Ok(discarded)
+    }
+
+    async fn list_dead_letters(&self, filter: &DeadLetterFilter) -> Result<Vec<DeadLetter>> {
+        catalog::list_dead_letters(self, filter).await
+    }
+
+    async fn replay_dead_letters(&self, ids: &[i64], handler_id: Option<&str>) -> Result<u64> {
+        if ids.is_empty() && handler_id.is_none() {
+            return Ok(0);
+        }
+        in_transaction!(self, |sess| dispatch::replay_dead_letters(
+            self, sess, ids, handler_id
+        ))
+    }
+
+    async fn lane_rows(&self) -> Result<Vec<LaneRow>> {
+        catalog::lane_rows(self).await
+    }
+
+    async fn counts(&self) -> Result<StoreCounts> {
+        catalog::counts(self).await
+    }
+
+    async fn ping(&self) -> Result<()> {
+        self.db
+            .run_command(doc! { "ping": 1 })
+            .await
+            .map_err(map_err)?;
+        Ok(())
+    }
+
+    async fn wakeups(&self) -> Result<Wakeups> {
+        catalog::wakeups(self).await
+    }
+}

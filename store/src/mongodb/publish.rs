@@ -1,0 +1,258 @@
+//! Publish: duplicates, per-key sequence numbers, lane positions, event and
+//! delivery documents, all inside the caller's (or our own) transaction.
+//!
+//! Round trips per publish: one stored-id `find` (only when the batch has
+//! client-supplied ids), one handlers `find`, then [`bump`] (a counters
+//! `find`, an `insertMany` of counters seen for the first time, one
+//! `updateOne`/`updateMany`), one events `insertMany` and one deliveries
+//! `insertMany`; the driver splits an `insertMany` only above 48 MB or
+//! 100,000 documents.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use ::mongodb::bson::{doc, spec::BinarySubtype, Binary, Bson, Document};
+use ::mongodb::ClientSession;
+use chrono::Utc;
+use futures::TryStreamExt;
+
+use super::{delivery_id, get_int, get_string, names, opt_i64, opt_str, MongoStore, TxnResult};
+use crate::common::{to_micros, PublishPlan};
+use crate::{route, PublishOutcome, StoreError};
+
+/// Counter id of a key's sequence.
+pub(super) fn key_counter(key: &str) -> String {
+    format!("k/{key}")
+}
+
+/// Counter id of a lane's claim position.
+pub(super) fn lane_counter(lane: u16) -> String {
+    format!("l/{lane}")
+}
+
+/// Raises each counter `id` by `inc` inside the transaction and returns the
+/// value each had before (0 for a counter created now).
+///
+/// The values come from the transaction's snapshot; the write that follows
+/// fails with a write conflict if any of these documents changed since (or
+/// is being changed by another open transaction), so the returned values
+/// are the ones this transaction's increments apply to.
+pub(super) async fn bump(
+    s: &MongoStore,
+    session: &mut ClientSession,
+    incs: &BTreeMap<String, i64>,
+) -> TxnResult<HashMap<String, i64>> {
+    if incs.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let coll = s.coll(names::COUNTERS);
+    let ids: Vec<&String> = incs.keys().collect();
+    let found: Vec<Document> = coll
+        .find(doc! { "_id": { "$in": &ids } })
+        .session(&mut *session)
+        .await?
+        .stream(&mut *session)
+        .try_collect()
+        .await?;
+    let mut old: HashMap<String, i64> = HashMap::with_capacity(incs.len());
+    for d in &found {
+        old.insert(get_string(d, "_id")?, get_int(d, "n")?);
+    }
+    let missing: Vec<Document> = incs
+        .iter()
+        .filter(|(id, _)| !old.contains_key(*id))
+        .map(|(id, n)| doc! { "_id": id, "n": *n })
+        .collect();
+    if !missing.is_empty() {
+        coll.insert_many(missing).session(&mut *session).await?;
+    }
+    let existing: Vec<(&String, i64)> = incs
+        .iter()
+        .filter(|(id, _)| old.contains_key(*id))
+        .map(|(id, n)| (id, *n))
+        .collect();
+    match existing.as_slice() {
+        [] => {}
+        [(id, n)] => {
+            coll.update_one(doc! { "_id": *id }, doc! { "$inc": { "n": *n } })
+                .session(&mut *session)
+                .await?;
+        }
+        many => {
+            // One statement for all: each document adds its own increment.
+            let branches: Vec<Document> = many
+                .iter()
+                .map(|(id, n)| doc! { "case": { "$eq": ["$_id", *id] }, "then": *n })
+                .collect();
+            let in_ids: Vec<&String> = many.iter().map(|(id, _)| *id).collect();
+            coll.update_many(
+                doc! { "_id": { "$in": in_ids } },
+                vec![doc! { "$set": { "n": { "$add": [
+                    "$n",
+                    { "$switch": { "branches": branches, "default": 0i64 } }
+                ] } } }],
+            )
+            .session(&mut *session)
+            .await?;
+        }
+    }
+    Ok(incs
+        .keys()
+        .map(|id| (id.clone(), old.get(id).copied().unwrap_or(0)))
+        .collect())
+}
+
+/// Writes a validated batch inside the transaction on `session`. Returns
+/// the outcome; the caller commits.
+pub(super) async fn write(
+    s: &MongoStore,
+    session: &mut ClientSession,
+    mut plan: PublishPlan,
+) -> TxnResult<PublishOutcome> {
+    let client_ids = plan.client_ids();
+    if !client_ids.is_empty() {
+        let stored: HashSet<String> = s
+            .coll(names::EVENTS)
+            .find(doc! { "_id": { "$in": &client_ids } })
+            .projection(doc! { "_id": 1 })
+            .session(&mut *session)
+            .await?
+            .stream(&mut *session)
+            .try_collect::<Vec<Document>>()
+            .await?
+            .iter()
+            .map(|d| get_string(d, "_id"))
+            .collect::<crate::Result<_>>()?;
+        plan.drop_stored(&stored);
+    }
+    let accepted = plan.fresh.len();
+    if accepted == 0 {
+        return Ok(PublishOutcome {
+            accepted,
+            duplicates: plan.duplicates,
+            ids: plan.ids,
+        });
+    }
+
+    // Enabled handlers in creation order, read in the transaction's snapshot.
+    let handlers: Vec<(String, Vec<String>)> = s
+        .coll(names::HANDLERS)
+        .find(doc! { "state": "enabled" })
+        .projection(doc! { "_id": 1, "event_types": 1 })
+        .sort(doc! { "seq": 1 })
+        .session(&mut *session)
+        .await?
+        .stream(&mut *session)
+        .try_collect::<Vec<Document>>()
+        .await?
+        .iter()
+        .map(|d| {
+            let types = d
+                .get_array("event_types")
+                .map_err(|e| StoreError::Database(format!("handlers.event_types: {e}")))?
+                .iter()
+                .filter_map(|b| b.as_str().map(str::to_owned))
+                .collect();
+            Ok((get_string(d, "_id")?, types))
+        })
+        .collect::<crate::Result<_>>()?;
+
+    // One delivery per (event, matching handler), in batch order, so a
+    // key's positions follow its sequence numbers.
+    let mut pairs: Vec<(usize, &str)> = Vec::new();
+    let mut incs: BTreeMap<String, i64> = BTreeMap::new();
+    for (i, e) in plan.fresh.iter().enumerate() {
+        for (hid, types) in &handlers {
+            if route::any_matches(types, &e.event_type) {
+                pairs.push((i, hid));
+                *incs.entry(lane_counter(e.lane)).or_default() += 1;
+            }
+        }
+    }
+    let (keys, counts) = plan.key_counts();
+    for (k, n) in keys.iter().zip(counts) {
+        incs.insert(key_counter(k), n);
+    }
+    let old = bump(s, session, &incs).await?;
+
+    let now = to_micros(Utc::now());
+    let offsets = plan.seq_offsets();
+    let seqs: Vec<Option<i64>> = plan
+        .fresh
+        .iter()
+        .zip(&offsets)
+        .map(|(e, off)| {
+            e.key.as_ref().map(|k| {
+                let id = key_counter(k);
+                old[&id] + incs[&id] - off
+            })
+        })
+        .collect();
+    let events: Vec<Document> = plan
+        .fresh
+        .iter()
+        .zip(&seqs)
+        .map(|(e, seq)| {
+            doc! {
+                "_id": &e.id,
+                "type": &e.event_type,
+                "key": opt_str(e.key.as_deref()),
+                "lane": i32::from(e.lane),
+                "seq": opt_i64(*seq),
+                "payload": Bson::Binary(Binary { subtype: BinarySubtype::Generic, bytes: e.payload.clone() }),
+                "published_at": now,
+            }
+        })
+        .collect();
+    s.coll(names::EVENTS)
+        .insert_many(events)
+        .session(&mut *session)
+        .await?;
+
+    if !pairs.is_empty() {
+        let mut next_pos: HashMap<u16, i64> = HashMap::new();
+        let deliveries: Vec<Document> = pairs
+            .iter()
+            .map(|&(i, hid)| {
+                let e = &plan.fresh[i];
+                let pos = next_pos
+                    .entry(e.lane)
+                    .or_insert_with(|| old[&lane_counter(e.lane)]);
+                *pos += 1;
+                delivery_doc(e.lane, *pos, hid, &e.id, e.key.as_deref(), seqs[i], now)
+            })
+            .collect();
+        s.coll(names::DELIVERIES)
+            .insert_many(deliveries)
+            .session(&mut *session)
+            .await?;
+    }
+    Ok(PublishOutcome {
+        accepted,
+        duplicates: plan.duplicates,
+        ids: plan.ids,
+    })
+}
+
+/// A fresh delivery document (attempts 0, due at `due_at` µs).
+pub(super) fn delivery_doc(
+    lane: u16,
+    pos: i64,
+    handler_id: &str,
+    event_id: &str,
+    key: Option<&str>,
+    seq: Option<i64>,
+    due_at: i64,
+) -> Document {
+    doc! {
+        "_id": delivery_id(lane, pos),
+        "lane": i32::from(lane),
+        "pos": pos,
+        "handler_id": handler_id,
+        "event_id": event_id,
+        "key": opt_str(key),
+        "seq": opt_i64(seq),
+        "attempts": 0i64,
+        "due_at": due_at,
+        "last_error": Bson::Null,
+    }
+}
