@@ -410,7 +410,11 @@ mod tests {
                 _ => None,
             })
             .collect();
-        assert_eq!(assigned, vec![(0, 2), (1, 2), (2, 2), (3, 2)], "{changes:?}");
+        assert_eq!(
+            assigned,
+            vec![(0, 2), (1, 2), (2, 2), (3, 2)],
+            "{changes:?}"
+        );
     }
 
     #[test]

@@ -41,7 +41,9 @@ use tokio::task::{JoinHandle, JoinSet};
 
 use crate::assignment::{self, LaneState};
 use crate::lease::{HolderLease, LeaseConfig};
-use crate::network::{self, Channel, NetSwitch, NetworkFactory, RpcRequest, RpcResponse, Transport, WriteRejected};
+use crate::network::{
+    self, Channel, NetSwitch, NetworkFactory, RpcRequest, RpcResponse, Transport, WriteRejected,
+};
 use crate::state::{Command, CommandResult, Releasing};
 use crate::storage::{self, Applied, LogStore, StateMachineStore};
 use crate::{NodeId, Raft, TypeConfig};
@@ -253,7 +255,7 @@ struct Inner {
 /// Dropping it aborts its tasks without waiting; prefer [`Cluster::shutdown`].
 pub struct Cluster {
     inner: Arc<Inner>,
-    tasks: Vec<JoinHandle<()>>,
+    tasks: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl std::fmt::Debug for Cluster {
@@ -267,7 +269,11 @@ impl std::fmt::Debug for Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        for t in &self.tasks {
+        let tasks = self
+            .tasks
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for t in tasks.iter() {
             t.abort();
         }
     }
@@ -279,9 +285,11 @@ pub(crate) async fn local_write(
     cmd: Command,
 ) -> Result<ClientWriteResponse<TypeConfig>, WriteRejected> {
     raft.client_write(cmd).await.map_err(|e| match e {
-        RaftError::APIError(ClientWriteError::ForwardToLeader(f)) => WriteRejected::ForwardToLeader {
-            leader: f.leader_id,
-        },
+        RaftError::APIError(ClientWriteError::ForwardToLeader(f)) => {
+            WriteRejected::ForwardToLeader {
+                leader: f.leader_id,
+            }
+        }
         other => WriteRejected::Failed(other.to_string()),
     })
 }
@@ -339,7 +347,12 @@ impl Inner {
 
     /// Sends `cmd` to `leader`; `None` when it could not be carried out there
     /// (unreachable, or no longer the leader): the caller retries.
-    async fn forward(&self, leader: NodeId, cmd: &Command, timeout: Duration) -> Option<CommandResult> {
+    async fn forward(
+        &self,
+        leader: NodeId,
+        cmd: &Command,
+        timeout: Duration,
+    ) -> Option<CommandResult> {
         let addr = {
             let m = self.raft.metrics();
             let m = m.borrow();
@@ -349,7 +362,11 @@ impl Inner {
                 .map(|n| n.addr.clone())
         }?;
         let req = RpcRequest::ClientWrite(cmd.clone());
-        match self.transport.call(&addr, Channel::Write, &req, timeout).await {
+        match self
+            .transport
+            .call(&addr, Channel::Write, &req, timeout)
+            .await
+        {
             Ok(RpcResponse::ClientWrite(Ok(r))) => Some(r),
             Ok(RpcResponse::ClientWrite(Err(e))) => {
                 tracing::debug!(leader, error = %e, "forwarded write rejected");
@@ -370,7 +387,12 @@ impl Inner {
         if rec.renewals == 0 {
             return None;
         }
-        Some(applied.renewed_at.get(&node).map_or(floor, |&t| t.max(floor)))
+        Some(
+            applied
+                .renewed_at
+                .get(&node)
+                .map_or(floor, |&t| t.max(floor)),
+        )
     }
 
     fn floor(&self) -> Instant {
@@ -391,7 +413,10 @@ impl Inner {
             .valid(&self.cfg.lease, now);
         if valid != *was_valid {
             if valid {
-                tracing::info!(node = self.me(), "holder lease acquired; lanes may be worked");
+                tracing::info!(
+                    node = self.me(),
+                    "holder lease acquired; lanes may be worked"
+                );
             } else {
                 tracing::warn!(node = self.me(), "holder lease lapsed; stopping all lanes");
             }
@@ -443,7 +468,8 @@ impl Cluster {
         let db = open_db_retrying(&cfg.data_dir)
             .await
             .map_err(|e| storage_err(e.to_string()))?;
-        let sm = StateMachineStore::open(db.clone(), cfg.lanes).map_err(|e| storage_err(e.to_string()))?;
+        let sm = StateMachineStore::open(db.clone(), cfg.lanes)
+            .map_err(|e| storage_err(e.to_string()))?;
         let found = sm.current().data.state.lanes.len();
         if found != usize::from(cfg.lanes) {
             return Err(ClusterError::LaneCount {
@@ -451,12 +477,13 @@ impl Cluster {
                 configured: cfg.lanes,
             });
         }
-        let listener = TcpListener::bind(&cfg.raft_addr)
-            .await
-            .map_err(|source| ClusterError::Bind {
-                addr: cfg.raft_addr.clone(),
-                source,
-            })?;
+        let listener =
+            TcpListener::bind(&cfg.raft_addr)
+                .await
+                .map_err(|source| ClusterError::Bind {
+                    addr: cfg.raft_addr.clone(),
+                    source,
+                })?;
         if let Ok(a) = listener.local_addr() {
             cfg.raft_addr = a.to_string();
         }
@@ -505,7 +532,10 @@ impl Cluster {
             tokio::spawn(publish_loop(inner.clone())),
             tokio::spawn(leader_loop(inner.clone())),
         ];
-        Ok(Cluster { inner, tasks })
+        Ok(Cluster {
+            inner,
+            tasks: Mutex::new(tasks),
+        })
     }
 
     /// This node's id.
@@ -534,7 +564,10 @@ impl Cluster {
             .map_err(|e| ClusterError::Raft(e.to_string()))?;
         if !initialized {
             let node = BasicNode::new(self.inner.cfg.raft_addr.clone());
-            match raft.initialize(BTreeMap::from([(self.node_id(), node)])).await {
+            match raft
+                .initialize(BTreeMap::from([(self.node_id(), node)]))
+                .await
+            {
                 Ok(()) => tracing::info!(node = self.node_id(), "bootstrapped a one-node cluster"),
                 Err(RaftError::APIError(e)) => {
                     tracing::info!(error = %e, "cluster already initialized");
@@ -543,7 +576,8 @@ impl Cluster {
             }
         }
         let cfg = &self.inner.cfg;
-        self.add_node(cfg.node_id, &cfg.raft_addr, &cfg.http_addr).await
+        self.add_node(cfg.node_id, &cfg.raft_addr, &cfg.http_addr)
+            .await
     }
 
     /// Adds a member (the `--join` request of a new node). Works on any
@@ -710,11 +744,19 @@ impl Cluster {
     /// Stops the duties, the RPC server and Raft, and waits for them, so the
     /// data dir can be opened again. Lanes are not handed over: to leave for
     /// good, [`Cluster::remove_node`] first.
-    pub async fn shutdown(mut self) {
-        for t in &self.tasks {
+    /// Idempotent; the other methods fail with [`ClusterError::Raft`]
+    /// afterwards.
+    pub async fn shutdown(&self) {
+        let tasks = std::mem::take(
+            &mut *self
+                .tasks
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
+        for t in &tasks {
             t.abort();
         }
-        for t in std::mem::take(&mut self.tasks) {
+        for t in tasks {
             let _ = t.await;
         }
         if let Err(e) = self.inner.raft.shutdown().await {
@@ -756,7 +798,10 @@ async fn renew_loop(inner: Arc<Inner>) {
         inflight.spawn(async move {
             let sent_at = inner.now_ms();
             let cmd = Command::RenewLease { node: inner.me() };
-            match inner.write(cmd, Duration::from_millis(lease.lease_ms)).await {
+            match inner
+                .write(cmd, Duration::from_millis(lease.lease_ms))
+                .await
+            {
                 Ok(r) if r.ok => {
                     inner
                         .holder
@@ -764,7 +809,9 @@ async fn renew_loop(inner: Arc<Inner>) {
                         .unwrap_or_else(std::sync::PoisonError::into_inner)
                         .committed(sent_at);
                 }
-                Ok(r) => tracing::debug!(reason = ?r.reason, "lease renewal refused (not a member yet?)"),
+                Ok(r) => {
+                    tracing::debug!(reason = ?r.reason, "lease renewal refused (not a member yet?)")
+                }
                 Err(e) => tracing::debug!(error = %e, "lease renewal failed"),
             }
         });
@@ -811,7 +858,11 @@ async fn leader_loop(inner: Arc<Inner>) {
                 (_, false) => *since = None,
                 (Some((t, _)), true) if t == term => {}
                 (_, true) => {
-                    tracing::info!(node = inner.me(), term, "became leader; lease clocks of all nodes start now");
+                    tracing::info!(
+                        node = inner.me(),
+                        term,
+                        "became leader; lease clocks of all nodes start now"
+                    );
                     *since = Some((term, Instant::now()));
                 }
             }
@@ -854,11 +905,14 @@ async fn leader_tick(inner: &Inner) -> Result<()> {
             "proposing lane changes"
         );
         let timeout = Duration::from_millis(inner.cfg.lease.lease_ms);
-        let r = tokio::time::timeout(timeout, local_write(&inner.raft, Command::Apply { changes }))
-            .await
-            .map_err(|_| ClusterError::Unavailable {
-                timeout_ms: millis(timeout),
-            })?;
+        let r = tokio::time::timeout(
+            timeout,
+            local_write(&inner.raft, Command::Apply { changes }),
+        )
+        .await
+        .map_err(|_| ClusterError::Unavailable {
+            timeout_ms: millis(timeout),
+        })?;
         r.map_err(|e| ClusterError::Raft(e.to_string()))?;
         return Ok(());
     }
@@ -884,7 +938,9 @@ async fn reconcile_membership(inner: &Inner, applied: &Applied) -> Result<()> {
         )
     };
     let s = &applied.data.state;
-    let raft_err = |e: RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>| ClusterError::Raft(e.to_string());
+    let raft_err = |e: RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>| {
+        ClusterError::Raft(e.to_string())
+    };
 
     // Leavers that own nothing any more: out of Raft, then forgotten.
     for (&id, m) in &s.members {
@@ -939,7 +995,12 @@ async fn reconcile_membership(inner: &Inner, applied: &Applied) -> Result<()> {
                     .is_some_and(|l| l.index + 50 >= last_index)
         });
         if let Some(id) = caught_up {
-            tracing::info!(node = id, voters = voters.len(), target = inner.cfg.voters, "promoting learner to voter");
+            tracing::info!(
+                node = id,
+                voters = voters.len(),
+                target = inner.cfg.voters,
+                "promoting learner to voter"
+            );
             inner
                 .raft
                 .change_membership(ChangeMembers::AddVoterIds(BTreeSet::from([id])), true)

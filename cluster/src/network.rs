@@ -143,7 +143,9 @@ async fn read_frame(stream: &mut TcpStream) -> io::Result<Vec<u8>> {
     stream.read_exact(&mut len).await?;
     let len = u32::from_be_bytes(len);
     if len > MAX_FRAME_BYTES {
-        return Err(io::Error::other(format!("frame of {len} bytes is too large")));
+        return Err(io::Error::other(format!(
+            "frame of {len} bytes is too large"
+        )));
     }
     let mut buf = vec![0u8; len as usize];
     stream.read_exact(&mut buf).await?;
@@ -276,7 +278,10 @@ fn rpc_error<E: std::error::Error>(e: CallError) -> RPCError<NodeId, BasicNode, 
     }
 }
 
-fn remote_error<E: std::error::Error>(target: NodeId, msg: String) -> RPCError<NodeId, BasicNode, E> {
+fn remote_error<E: std::error::Error>(
+    target: NodeId,
+    msg: String,
+) -> RPCError<NodeId, BasicNode, E> {
     RPCError::Network(NetworkError::new(&io::Error::other(format!(
         "node {target} answered with an error: {msg}"
     ))))
@@ -415,13 +420,11 @@ async fn handle(raft: &Raft, req: RpcRequest) -> RpcResponse {
             RpcResponse::AppendEntries(raft.append_entries(r).await.map_err(|e| e.to_string()))
         }
         RpcRequest::Vote(r) => RpcResponse::Vote(raft.vote(r).await.map_err(|e| e.to_string())),
-        RpcRequest::InstallSnapshot(r) => RpcResponse::InstallSnapshot(
-            raft.install_snapshot(r).await.map_err(|e| e.to_string()),
-        ),
-        RpcRequest::ClientWrite(cmd) => RpcResponse::ClientWrite(
-            crate::cluster::local_write(raft, cmd)
-                .await
-                .map(|r| r.data),
-        ),
+        RpcRequest::InstallSnapshot(r) => {
+            RpcResponse::InstallSnapshot(raft.install_snapshot(r).await.map_err(|e| e.to_string()))
+        }
+        RpcRequest::ClientWrite(cmd) => {
+            RpcResponse::ClientWrite(crate::cluster::local_write(raft, cmd).await.map(|r| r.data))
+        }
     }
 }

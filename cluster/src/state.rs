@@ -217,7 +217,9 @@ impl ClusterState {
                 if assignment::apply_release(&mut self.lanes, *lane, *from) {
                     CommandResult::ok()
                 } else {
-                    CommandResult::refused(format!("lane {lane} is not being released by node {from}"))
+                    CommandResult::refused(format!(
+                        "lane {lane} is not being released by node {from}"
+                    ))
                 }
             }
         }
@@ -239,13 +241,9 @@ impl ClusterState {
             .iter()
             .enumerate()
             .filter_map(|(l, e)| match (e.owner, e.state) {
-                (Some(o), LaneState::Releasing { to }) if o == node => Some((
-                    l as u16,
-                    Releasing {
-                        epoch: e.epoch,
-                        to,
-                    },
-                )),
+                (Some(o), LaneState::Releasing { to }) if o == node => {
+                    Some((l as u16, Releasing { epoch: e.epoch, to }))
+                }
                 _ => None,
             })
             .collect()
@@ -326,7 +324,10 @@ mod tests {
         );
         assert!(!s.apply(3, &Command::Forget { node: 1 }).ok);
         s.apply(4, &Command::RemoveNode { node: 1 });
-        assert!(!s.apply(5, &Command::Forget { node: 1 }).ok, "still owns lane 0");
+        assert!(
+            !s.apply(5, &Command::Forget { node: 1 }).ok,
+            "still owns lane 0"
+        );
         s.lanes[0] = LaneEntry::UNASSIGNED;
         assert!(s.apply(6, &Command::Forget { node: 1 }).ok);
         assert!(s.members.is_empty());

@@ -27,6 +27,10 @@
 //! on the calling task, which is acceptable for the few writes per second that
 //! lease renewals cause.
 
+// openraft's StorageError (and redb's Error) are large by design; the traits
+// require returning them.
+#![allow(clippy::result_large_err)]
+
 use std::collections::HashMap;
 use std::fmt::Debug;
 use std::io::Cursor;
@@ -207,7 +211,8 @@ impl RaftLogStorage<TypeConfig> for LogStore {
                 let mut t = tx.open_table(LOG).map_err(any)?;
                 for entry in entries {
                     let bytes = encode(&entry).map_err(any)?;
-                    t.insert(entry.log_id.index, bytes.as_slice()).map_err(any)?;
+                    t.insert(entry.log_id.index, bytes.as_slice())
+                        .map_err(any)?;
                 }
             }
             tx.commit().map_err(any)?;

@@ -1,0 +1,166 @@
+//! A fourth node joins and gets a quarter of the lanes by handover; removed on
+//! purpose, it hands them back; then the whole cluster restarts from its data
+//! dirs with the same members and lane table.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use common::*;
+use lanebus_cluster::assignment::LaneState;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fourth_node_joins_by_handover_leaves_by_handover_and_all_restart() {
+    let mut sb = Sandbox::new();
+    sb.start_cluster(&[1, 2, 3]).await;
+    wait_until(Duration::from_secs(20), "3 nodes balanced", || {
+        let v = sb.node(1).view();
+        balanced_over(&v, &[1, 2, 3]) && voters(&v) == 3 && views_agree(&sb)
+    })
+    .await;
+    // From here the test itself plays the drained lane owners.
+    for id in [1, 2, 3] {
+        sb.node_mut(id).set_drainer(false);
+    }
+    let before = owners(&sb.node(1).view());
+
+    sb.add(4);
+    sb.node_mut(4).start(false).await;
+    sb.join(2, 4).await; // through a member that may not be the leader
+
+    // The leader asks the others to hand 64 lanes over to node 4.
+    let mut handing: BTreeMap<u64, Vec<u16>> = BTreeMap::new();
+    wait_until(
+        Duration::from_secs(10),
+        "64 lanes in handover to node 4",
+        || {
+            handing = [1, 2, 3]
+                .into_iter()
+                .map(|id| {
+                    (
+                        id,
+                        sb.node(id)
+                            .c()
+                            .releasing()
+                            .borrow()
+                            .keys()
+                            .copied()
+                            .collect(),
+                    )
+                })
+                .collect();
+            handing.values().map(Vec::len).sum::<usize>() == 64
+        },
+    )
+    .await;
+    for (&id, lanes) in &handing {
+        let owned = sb.node(id).c().owned_lanes().borrow().clone();
+        for l in lanes {
+            assert!(
+                !owned.contains_key(l),
+                "node {id} still works lane {l} it hands over"
+            );
+            assert_eq!(sb.node(id).c().releasing().borrow()[l].to, 4);
+        }
+    }
+    assert!(
+        sb.node(4).c().owned_lanes().borrow().is_empty(),
+        "nothing moves before release"
+    );
+
+    // Drained: release. Node 4 owns them at epoch + 1.
+    for (&id, lanes) in &handing {
+        for &l in lanes {
+            sb.node(id).c().release(l).await.expect("release");
+        }
+    }
+    wait_until(Duration::from_secs(10), "node 4 owns 64 lanes", || {
+        sb.node(4).c().owned_lanes().borrow().len() == 64
+    })
+    .await;
+    let owned4 = sb.node(4).c().owned_lanes().borrow().clone();
+    for (lane, epoch) in &owned4 {
+        assert_eq!(*epoch, before[lane].1 + 1, "lane {lane}");
+    }
+    wait_until(Duration::from_secs(10), "4 nodes balanced", || {
+        balanced_over(&sb.node(1).view(), &[1, 2, 3, 4]) && views_agree(&sb)
+    })
+    .await;
+    let v = sb.node(1).view();
+    assert_eq!(voters(&v), 3, "the fourth node stays a learner");
+    assert!(
+        !v.members
+            .iter()
+            .find(|m| m.id == 4)
+            .expect("member 4")
+            .voter
+    );
+    // Releasing again is refused with the reason.
+    let lane = *owned4.keys().next().expect("a lane");
+    let err = sb.node(1).c().release(lane).await.unwrap_err();
+    assert!(err.to_string().contains("not being released"), "{err}");
+
+    // Planned removal of node 4: its lanes are handed back (epoch + 1 each),
+    // then it is removed from Raft and forgotten.
+    for id in [1, 2, 3, 4] {
+        sb.node_mut(id).set_drainer(true);
+    }
+    let before = owners(&sb.node(1).view());
+    sb.node(3).c().remove_node(4).await.expect("remove");
+    wait_until(
+        Duration::from_secs(15),
+        "node 4 drained and forgotten",
+        || {
+            let v = sb.node(1).view();
+            balanced_over(&v, &[1, 2, 3])
+                && v.members.len() == 3
+                && views_agree_among(&sb, &[1, 2, 3])
+        },
+    )
+    .await;
+    let after = owners(&sb.node(1).view());
+    for (lane, (owner, epoch)) in &before {
+        if *owner == Some(4) {
+            assert_eq!(after[lane].1, epoch + 1, "lane {lane} handed over once");
+        } else {
+            assert_eq!(after[lane], (*owner, *epoch), "lane {lane} moved");
+        }
+    }
+    sb.node_mut(4).kill().await;
+
+    // The whole cluster stops and starts again from its data dirs.
+    let expected = replicated(&sb.node(1).view());
+    for id in [1, 2, 3] {
+        sb.node_mut(id).kill().await;
+    }
+    for id in [1, 2, 3] {
+        sb.node_mut(id).start(true).await;
+    }
+    wait_until(
+        Duration::from_secs(20),
+        "restarted cluster has a leader and agrees",
+        || sb.leader().is_some() && views_agree(&sb),
+    )
+    .await;
+    let v = sb.node(1).view();
+    assert_eq!(
+        replicated(&v),
+        expected,
+        "same members and lane table after restart"
+    );
+    assert!(v.lanes.iter().all(|l| l.state == LaneState::Active));
+    wait_until(
+        Duration::from_secs(5),
+        "restarted nodes work their lanes",
+        || {
+            [1, 2, 3]
+                .into_iter()
+                .all(|id| sb.node(id).c().owned_lanes().borrow().len() >= 85)
+        },
+    )
+    .await;
+    for n in &mut sb.nodes {
+        n.kill().await;
+    }
+}

@@ -1,0 +1,98 @@
+//! A node cut off from the network stops its lanes by its own clock before
+//! the others reassign them; healed, it gets its share back. The same for a
+//! cut-off leader, which keeps believing it leads for a while.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// Cuts `victim` off and checks: its owned lanes go empty by its own clock
+/// before any other node's view shows them reassigned, and they are
+/// reassigned within lease + margin + 2 s (+ `extra` for an election).
+async fn cut_and_check(sb: &Sandbox, victim: u64, observer: u64, extra: Duration) {
+    let victim_lanes: Vec<u16> = sb
+        .node(victim)
+        .c()
+        .owned_lanes()
+        .borrow()
+        .keys()
+        .copied()
+        .collect();
+    assert!(!victim_lanes.is_empty());
+    let owned = sb.node(victim).c().owned_lanes();
+    let t0 = Instant::now();
+    sb.node(victim).net().set_cut(true);
+    let mut stopped_at = None;
+    let reassigned_at;
+    loop {
+        if stopped_at.is_none() && owned.borrow().is_empty() {
+            stopped_at = Some(t0.elapsed());
+            assert!(
+                sb.node(victim).c().releasing().borrow().is_empty(),
+                "nothing to hand over while the lease is lapsed"
+            );
+        }
+        let v = sb.node(observer).view();
+        if victim_lanes
+            .iter()
+            .all(|&l| v.lanes[usize::from(l)].owner.is_some_and(|o| o != victim))
+        {
+            reassigned_at = t0.elapsed();
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_millis(LEASE.lease_ms + LEASE.margin_ms + 2_000) + extra,
+            "node {victim}'s lanes not reassigned in time"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let stopped_at = stopped_at.expect("the cut-off node stopped its lanes before reassignment");
+    eprintln!("node {victim} cut off: stopped its lanes after {stopped_at:?}, reassigned after {reassigned_at:?}");
+    assert!(stopped_at < reassigned_at);
+    assert!(stopped_at <= Duration::from_millis(LEASE.lease_ms + 100));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_off_node_stops_its_lanes_before_they_are_reassigned() {
+    let mut sb = Sandbox::new();
+    sb.start_cluster(&[1, 2, 3]).await;
+    wait_until(Duration::from_secs(20), "3 nodes balanced", || {
+        let v = sb.node(1).view();
+        balanced_over(&v, &[1, 2, 3]) && voters(&v) == 3 && views_agree(&sb)
+    })
+    .await;
+
+    // A follower.
+    let leader = sb.leader().expect("leader");
+    let follower = [1, 2, 3]
+        .into_iter()
+        .find(|&n| n != leader)
+        .expect("follower");
+    cut_and_check(&sb, follower, leader, Duration::ZERO).await;
+    sb.node(follower).net().set_cut(false);
+    wait_until(
+        Duration::from_secs(20),
+        "healed follower back in balance",
+        || balanced_over(&sb.node(leader).view(), &[1, 2, 3]) && views_agree(&sb),
+    )
+    .await;
+    assert!(!sb.node(follower).c().owned_lanes().borrow().is_empty());
+
+    // The leader.
+    let observer = follower;
+    cut_and_check(&sb, leader, observer, Duration::from_secs(2)).await;
+    let new_leader = sb.node(observer).view().leader.expect("new leader");
+    assert_ne!(new_leader, leader);
+    sb.node(leader).net().set_cut(false);
+    wait_until(
+        Duration::from_secs(20),
+        "healed old leader back in balance",
+        || balanced_over(&sb.node(observer).view(), &[1, 2, 3]) && views_agree(&sb),
+    )
+    .await;
+    for n in &mut sb.nodes {
+        n.kill().await;
+    }
+}
