@@ -20,6 +20,33 @@
 //!                    └──────────────────────────────────────┘
 //! ```
 //!
+//! ## Leases
+//!
+//! Every node proposes [`Command::RenewLease`] every `renew_interval_ms`
+//! (each in its own task, with a deadline of `lease_ms`). When one commits,
+//! [`HolderLease::committed`] gets the *send* time of that renewal, on this
+//! node's monotonic clock; [`Cluster::owned_lanes`] is emptied as soon as
+//! `sent + lease_ms` passes without a newer commit, whether or not Raft is
+//! reachable. The leader counts from when *it applied* a node's last renewal
+//! (later than the send), and no earlier than its own election, and treats the
+//! node as dead only after `lease_ms + margin_ms`
+//! ([`LeaseConfig::expired_for_leader`]). So a node that cannot renew has
+//! stopped its lanes before any other node may get them. Keep
+//! `election_timeout_max_ms + renew_interval_ms` well below `lease_ms`: no
+//! renewal commits during an election.
+//!
+//! ## Membership
+//!
+//! The members table in the state machine is the source of truth; the
+//! leader makes the Raft membership follow it, one change per tick: a new
+//! member becomes a learner, a caught-up learner is promoted while there are
+//! fewer than `voters` voters, a leaving member that owns no lane any more is
+//! removed from Raft and then forgotten. So [`Cluster::add_node`] and
+//! [`Cluster::remove_node`] are plain commands that work from any node, and
+//! a leader that crashes half-way leaves nothing for a person to repair.
+//!
+//! ## Writes
+//!
 //! Writes ([`Command`]) are proposed with openraft's `client_write`. openraft
 //! 0.9 does not forward a write made on a follower, so [`Cluster`] does: on
 //! `ForwardToLeader` it sends the command to the leader's Raft address over
@@ -93,7 +120,9 @@ pub struct ClusterConfig {
     /// Number of lanes (the store's count). Fixed at the cluster's first
     /// start; a different count on a later start is refused.
     pub lanes: u16,
-    /// Lease timing; validate it with [`LeaseConfig::validate`] first.
+    /// Lease timing. `start` only refuses zero values; check it against the
+    /// longest handler timeout with [`LeaseConfig::validate`] before (the node
+    /// knows its handlers, this crate does not).
     pub lease: LeaseConfig,
     /// How many members become Raft voters (the first to join); the others
     /// are learners. 3 by default.
@@ -450,7 +479,8 @@ impl Cluster {
     /// [`Cluster::add_node`] on a member.
     ///
     /// # Errors
-    /// [`ClusterError::Config`] (zero lanes or voters, invalid Raft timing),
+    /// [`ClusterError::Config`] (zero lanes or voters, a zero lease value,
+    /// invalid Raft timing),
     /// [`ClusterError::Bind`], [`ClusterError::Storage`],
     /// [`ClusterError::LaneCount`], [`ClusterError::Raft`].
     pub async fn start(mut cfg: ClusterConfig) -> Result<Cluster> {
@@ -459,6 +489,19 @@ impl Cluster {
         }
         if cfg.voters == 0 {
             return Err(ClusterError::Config("voters must be greater than 0".into()));
+        }
+        cfg.lease
+            .validate(0)
+            .map_err(|e| ClusterError::Config(e.to_string()))?;
+        if cfg.raft.election_timeout_max_ms + cfg.lease.renew_interval_ms >= cfg.lease.lease_ms {
+            // Renewals cannot commit during an election: if one can outlast
+            // the lease, every node stops its lanes at each leader change.
+            tracing::warn!(
+                election_timeout_max_ms = cfg.raft.election_timeout_max_ms,
+                renew_interval_ms = cfg.lease.renew_interval_ms,
+                lease_ms = cfg.lease.lease_ms,
+                "an election can outlast the lease: leader changes will stop every node's lanes"
+            );
         }
         let storage_err = |message: String| ClusterError::Storage {
             path: cfg.data_dir.clone(),

@@ -466,3 +466,54 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         }))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use openraft::testing::{StoreBuilder, Suite};
+
+    use super::*;
+
+    /// A fresh database in a temp dir per test case; the guard keeps the dir.
+    struct Builder;
+
+    impl StoreBuilder<TypeConfig, LogStore, StateMachineStore, tempfile::TempDir> for Builder {
+        async fn build(&self) -> StorageResult<(tempfile::TempDir, LogStore, StateMachineStore)> {
+            let dir = tempfile::tempdir().map_err(|e| StorageIOError::write(any(e)))?;
+            let db = open_db(dir.path()).map_err(|e| StorageIOError::write(any(e)))?;
+            let sm = StateMachineStore::open(db.clone(), 8).map_err(StorageIOError::write)?;
+            Ok((dir, LogStore::new(db), sm))
+        }
+    }
+
+    /// openraft's storage conformance suite against the redb store.
+    #[test]
+    fn openraft_storage_suite() -> StorageResult<()> {
+        Suite::test_all(Builder)
+    }
+
+    #[tokio::test]
+    async fn log_vote_and_state_machine_survive_reopening() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let vote = Vote::new(3, 1);
+        {
+            let db = open_db(dir.path()).expect("open");
+            let mut log = LogStore::new(db.clone());
+            log.save_vote(&vote).await.expect("vote");
+            let mut sm = StateMachineStore::open(db, 8).expect("sm");
+            let entry = Entry::<TypeConfig> {
+                log_id: LogId::new(openraft::CommittedLeaderId::new(3, 1), 1),
+                payload: EntryPayload::Normal(Command::AddNode {
+                    node: 1,
+                    raft_addr: "a".into(),
+                    http_addr: "b".into(),
+                }),
+            };
+            sm.apply([entry]).await.expect("apply");
+        }
+        let db = open_db(dir.path()).expect("reopen");
+        let mut log = LogStore::new(db.clone());
+        assert_eq!(log.read_vote().await.expect("read"), Some(vote));
+        let sm = StateMachineStore::open(db, 8).expect("sm");
+        assert!(sm.current().data.state.members.contains_key(&1));
+    }
+}
