@@ -109,6 +109,16 @@ impl From<sqlx::Error> for StoreError {
             sqlx::Error::Database(db) if db.is_unique_violation() => {
                 StoreError::Conflict(db.message().to_string())
             }
+            // PostgreSQL class 08 (connection exception) and 57P01..57P03
+            // (admin shutdown, crash shutdown, cannot connect now): the
+            // server is restarting or unreachable, so the caller may retry.
+            sqlx::Error::Database(db)
+                if db.code().is_some_and(|c| {
+                    c.starts_with("08") || matches!(&*c, "57P01" | "57P02" | "57P03")
+                }) =>
+            {
+                StoreError::Unavailable(db.message().to_string())
+            }
             _ => StoreError::Database(e.to_string()),
         }
     }
@@ -153,6 +163,13 @@ impl NewEvent {
                 return Err(StoreError::Invalid(format!(
                     "event key must be 1 to {MAX_KEY_LEN} bytes, got {} bytes",
                     key.len()
+                )));
+            }
+            // The key travels in the `lanebus-key` header, where control
+            // characters cannot go (RFC 9110 section 5.5).
+            if key.chars().any(char::is_control) {
+                return Err(StoreError::Invalid(format!(
+                    "event key {key:?} must not contain control characters"
                 )));
             }
         }
@@ -579,4 +596,39 @@ pub fn generate_handler_id() -> String {
 /// A new event id: a UUIDv7 (hyphenated).
 pub fn generate_event_id() -> String {
     uuid::Uuid::now_v7().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev(id: Option<&str>, key: Option<&str>) -> NewEvent {
+        NewEvent {
+            id: id.map(str::to_owned),
+            event_type: "t.x".into(),
+            key: key.map(str::to_owned),
+            payload: b"{}".to_vec(),
+        }
+    }
+
+    #[test]
+    fn keys_with_control_characters_are_refused() {
+        for key in ["line\nbreak", "nul\u{0}", "tab\tkey", "del\u{7f}"] {
+            let err = ev(None, Some(key)).validate().unwrap_err();
+            assert!(
+                matches!(&err, StoreError::Invalid(m) if m.contains("control")),
+                "{key:?}: {err}"
+            );
+        }
+        assert!(ev(None, Some("octo/répo ✓ with spaces")).validate().is_ok());
+    }
+
+    #[test]
+    fn event_ids_are_printable_ascii_up_to_128() {
+        assert!(ev(Some("evt_42"), None).validate().is_ok());
+        assert!(ev(Some(&"a".repeat(128)), None).validate().is_ok());
+        for bad in ["", "has space", "é", &"a".repeat(129)] {
+            assert!(ev(Some(bad), None).validate().is_err(), "{bad:?}");
+        }
+    }
 }
