@@ -2,14 +2,20 @@
 //!
 //! A [`LaneOwner`](crate::actors::LaneOwner) feeds every claimed batch into
 //! one [`LaneQueue`] and asks it which deliveries may be attempted now. The
-//! queue decides; the actor only carries the decision out.
+//! queue decides; the actor only carries the decision out. The queue also
+//! keeps the lane's claim cursor, because what it dropped from memory
+//! decides where the next claim must read from.
 //!
 //! ```text
-//!   claim batch ──accept──▶ held ids (de-dup) ──▶ slot (handler, key): seq order
-//!                                                 slot (handler, unkeyed): id order
+//!   begin_claim ──(ticket, cursor)──▶ store claim ──▶ accept_batch(ticket, rows, next cursor)
+//!   accept ──▶ held ids (de-dup) ──▶ slot (handler, key): seq order
+//!                  │                 slot (handler, unkeyed): id order
+//!                  └── rows of trimmed slots/handlers are left in the store
 //!   next_ready(now) ◀── head of each keyed slot, if nothing of that slot is in flight
 //!                       and head.due_at <= now; unkeyed: up to the handler's limit
+//!   retrying(id) ── the key handler recorded a failed attempt of in-flight `id`
 //!   settled(id)  ── after the store acknowledged the completion or dead letter
+//!   trim / release ── bounded memory without holding up other keys (below)
 //! ```
 //!
 //! # Invariants kept here (DESIGN.md section 2)
@@ -19,15 +25,65 @@
 //!   store acknowledged n's completion or dead letter.
 //! - **No duplicate without a cause**: the store may return a delivery again
 //!   (the PostgreSQL claim cursor re-reads rows of transactions that were open
-//!   at the previous claim). A delivery id is *held* from its first claim
-//!   until it is settled, and then kept as a *tombstone* until a claim issued
-//!   after the settlement returns: such a claim ran after the row was removed,
-//!   so it cannot return it any more. Claims are numbered by
-//!   [`LaneQueue::begin_claim`] for this reason.
+//!   at the previous claim, and a rescan re-reads on purpose). A delivery id
+//!   is *held* from its first claim until it is settled, and then kept as a
+//!   *tombstone* until a claim issued after the settlement returns: such a
+//!   claim ran after the row was removed, so it cannot return it any more.
+//!   Claims are numbered by [`LaneQueue::begin_claim`] for this reason, and
+//!   answered in the order they were issued (the owner has one at a time).
 //! - A key whose head waits (for its `due_at`, or in a retry inside its
-//!   key handler) blocks only that key.
+//!   key handler) blocks only that key, also when its backlog is larger than
+//!   the lane's buffer (next section).
+//!
+//! # Bounded memory without head-of-line blocking: trim and rescan
+//!
+//! The owner holds at most a buffer's worth of deliveries per lane (it stops
+//! claiming at `cap` held; one claim adds at most about `cap`). Without more,
+//! one key whose head keeps failing and whose backlog fills the buffer would
+//! stop the lane's other keys from being claimed. So when the buffer is full
+//! ([`LaneQueue::trim`]), the queue drops from memory (never from the store)
+//! what is *stalled*:
+//! - a keyed slot whose in-flight head is being retried (the key handler
+//!   reported a failed attempt, [`LaneQueue::retrying`]): all of its queued
+//!   deliveries;
+//! - a keyed slot whose queued head is not due yet (a retry scheduled before
+//!   a restart or failover): its queued deliveries but the head;
+//! - a handler that cannot attempt anything: held (disabled, or unknown until
+//!   the catalog reloads), or whose in-flight limit in the lane is all taken
+//!   by deliveries being retried: all of its queued deliveries.
+//!
+//! A healthy slot (its head in flight and not failing) is never trimmed, so a
+//! plain backlog costs no re-reads. Each trim is remembered, per slot or per
+//! handler, with a *resume cursor*: the cursor of the claim that returned the
+//! earliest dropped row. Every row of a trimmed slot or handler that a later
+//! claim returns is left in the store, so nothing of a key can be accepted
+//! past a gap: the key's order is kept by construction.
+//!
+//! [`LaneQueue::release`] lifts a trim once its cause is gone: a slot when it
+//! holds nothing any more (the failing head settled: completed or
+//! dead-lettered; a kept not-due head went through) and its handler is not
+//! stalled; a handler when it is open again and its limit is not all taken by
+//! retries. A release asks for a *rescan*: the next claim moves the cursor
+//! back to the smallest resume cursor released (a claim from an older cursor
+//! returns every row still stored from that point on, in commit order; the
+//! per-key sequence order holds across it, see `lanebus_store`), and from that
+//! claim on the released slot accepts rows again. Rows already held or
+//! recently settled come back as duplicates and are ignored as above, so
+//! nothing is handed out twice. While the cursor is behind the highest cursor
+//! reached ([`LaneQueue::rescanning`]), the owner claims again at once after
+//! a full batch, so the pass catches up in a few claims.
+//!
+//! Costs: memory stays within the buffer plus the trim records (one small
+//! entry per trimmed slot or handler, gone after its rescan). A rescan
+//! happens only when a trim is released, that is after the stalled head
+//! settled or the handler recovered, never per tick; it re-reads the lane
+//! from the earliest dropped row, so its cost is the rows stored in between.
+//! A key that keeps failing one delivery after another is rescanned once per
+//! settled delivery while the buffer is full. What remains: a buffer entirely
+//! taken by heads being retried (as many failing keys in one lane as the
+//! buffer) still holds up the lane until one of them settles.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use chrono::{DateTime, Utc};
 use lanebus_store::Delivery;
@@ -52,9 +108,20 @@ impl SlotKey {
     }
 }
 
-/// Number of a claim request, from [`LaneQueue::begin_claim`].
+/// A claim request, from [`LaneQueue::begin_claim`]: its number and the
+/// cursor to claim from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub struct ClaimTicket(u64);
+pub struct ClaimTicket {
+    n: u64,
+    after: i64,
+}
+
+impl ClaimTicket {
+    /// The cursor this claim reads from ([`lanebus_store::LaneClaim::after`]).
+    pub fn after(&self) -> i64 {
+        self.after
+    }
+}
 
 #[derive(Debug, Default)]
 struct Slot {
@@ -62,6 +129,40 @@ struct Slot {
     pending: BTreeMap<i64, Delivery>,
     /// Ids handed out and not yet settled.
     in_flight: BTreeSet<i64>,
+}
+
+/// A held delivery's place.
+#[derive(Debug, Clone)]
+struct Held {
+    slot: SlotKey,
+    /// Ordering position in its slot.
+    pos: i64,
+    /// Cursor of the claim that returned it (a claim from there re-reads it).
+    from: i64,
+}
+
+/// What was trimmed: one slot, or every slot of a handler.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum TrimKey {
+    Slot(SlotKey),
+    Handler(String),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TrimState {
+    /// Rows are left in the store; waiting for the cause to go.
+    Stalled,
+    /// Released; the next claim starts the rescan.
+    Released,
+    /// Rows are accepted again from claims numbered this or later.
+    Since(u64),
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Trim {
+    /// Cursor from which a claim returns every dropped row.
+    resume: i64,
+    state: TrimState,
 }
 
 /// How the queue may treat a handler right now (from the handler catalog).
@@ -82,7 +183,7 @@ pub enum HandlerGate {
 pub struct LaneQueue {
     slots: HashMap<SlotKey, Slot>,
     /// Every id queued or in flight, with its slot and ordering position.
-    held: HashMap<i64, (SlotKey, i64)>,
+    held: HashMap<i64, Held>,
     /// Settled or dropped ids, with the ticket count when they were removed.
     tombstones: HashMap<i64, u64>,
     /// Tickets issued so far.
@@ -90,6 +191,16 @@ pub struct LaneQueue {
     in_flight_per_handler: HashMap<String, usize>,
     queued: usize,
     in_flight: usize,
+    /// Claim cursor of the lane.
+    cursor: i64,
+    /// Highest cursor reached.
+    high_water: i64,
+    /// In-flight ids whose key handler reported a failed attempt.
+    retrying: HashSet<i64>,
+    /// Slots and handlers whose rows are (partly) left in the store.
+    trims: HashMap<TrimKey, Trim>,
+    /// A release asked the next claim to read from here.
+    rescan_from: Option<i64>,
 }
 
 impl LaneQueue {
@@ -98,14 +209,44 @@ impl LaneQueue {
         Self::default()
     }
 
-    /// Numbers a claim before it is sent to the store.
+    /// Numbers a claim before it is sent to the store, and tells where it
+    /// reads from (a released trim moves the cursor back, see the module docs).
     pub fn begin_claim(&mut self) -> ClaimTicket {
         self.tickets += 1;
-        ClaimTicket(self.tickets)
+        if let Some(from) = self.rescan_from.take() {
+            self.cursor = self.cursor.min(from);
+            for t in self.trims.values_mut() {
+                if t.state == TrimState::Released {
+                    t.state = TrimState::Since(self.tickets);
+                }
+            }
+        }
+        ClaimTicket {
+            n: self.tickets,
+            after: self.cursor,
+        }
     }
 
-    /// Takes a claimed batch (claimed with `ticket`). Deliveries already held
-    /// or recently settled are ignored. Returns how many were new.
+    /// Takes a claimed batch and the store's next cursor for the lane.
+    /// Returns how many deliveries were new.
+    pub fn accept_batch(
+        &mut self,
+        ticket: ClaimTicket,
+        deliveries: Vec<Delivery>,
+        next_after: i64,
+    ) -> usize {
+        let new = self.accept(ticket, deliveries);
+        if ticket.n == self.tickets {
+            self.cursor = next_after;
+        }
+        self.high_water = self.high_water.max(next_after);
+        new
+    }
+
+    /// Takes a claimed batch (claimed with `ticket`) without moving the
+    /// cursor. Deliveries already held or recently settled are ignored, and
+    /// so are those of a trimmed slot or handler (left in the store until
+    /// the trim is released). Returns how many were new.
     pub fn accept(&mut self, ticket: ClaimTicket, deliveries: Vec<Delivery>) -> usize {
         let mut new = 0;
         for d in deliveries {
@@ -113,13 +254,23 @@ impl LaneQueue {
                 continue;
             }
             let slot_key = SlotKey::of(&d);
+            if !self.trims.is_empty() && self.rejects(&slot_key, ticket) {
+                continue;
+            }
             // Keyed slots order by sequence; unkeyed (or a keyed delivery
             // without a sequence, which the store never returns) by id.
             let pos = match (&d.key, d.seq) {
                 (Some(_), Some(seq)) => seq,
                 _ => d.id,
             };
-            self.held.insert(d.id, (slot_key.clone(), pos));
+            self.held.insert(
+                d.id,
+                Held {
+                    slot: slot_key.clone(),
+                    pos,
+                    from: ticket.after,
+                },
+            );
             self.slots
                 .entry(slot_key)
                 .or_default()
@@ -131,8 +282,22 @@ impl LaneQueue {
         // A claim issued after a removal was acknowledged cannot return the
         // removed row: forget tombstones older than this claim.
         self.tombstones
-            .retain(|_, removed_at| *removed_at >= ticket.0);
+            .retain(|_, removed_at| *removed_at >= ticket.n);
+        // A claim of the rescan read every row of a released trim from its
+        // resume cursor on: the trim is over.
+        self.trims
+            .retain(|_, t| !matches!(t.state, TrimState::Since(s) if ticket.n >= s));
         new
+    }
+
+    fn rejects(&self, slot: &SlotKey, ticket: ClaimTicket) -> bool {
+        let blocks = |k: TrimKey| {
+            self.trims.get(&k).is_some_and(|t| match t.state {
+                TrimState::Since(s) => ticket.n < s,
+                TrimState::Stalled | TrimState::Released => true,
+            })
+        };
+        blocks(TrimKey::Slot(slot.clone())) || blocks(TrimKey::Handler(slot.handler_id.clone()))
     }
 
     /// Hands out every delivery that may be attempted at `now`, marking them
@@ -218,17 +383,33 @@ impl LaneQueue {
             .min()
     }
 
+    /// Records that the in-flight delivery `id` failed an attempt and waits
+    /// for its retry: its key (and, if all of its handler's limit is taken
+    /// by such, its handler) is stalled. Returns `false` if it is not in flight.
+    pub fn retrying(&mut self, id: i64) -> bool {
+        let in_flight = self
+            .held
+            .get(&id)
+            .and_then(|h| self.slots.get(&h.slot))
+            .is_some_and(|s| s.in_flight.contains(&id));
+        if in_flight {
+            self.retrying.insert(id);
+        }
+        in_flight
+    }
+
     /// Removes a delivery handed out by [`next_ready`](Self::next_ready),
     /// after the store acknowledged its completion or dead letter (or its row
     /// turned out to be gone). Unblocks its key. Returns its slot, or `None`
     /// if the id was not in flight.
     pub fn settled(&mut self, id: i64) -> Option<SlotKey> {
-        let (slot_key, _) = self.held.get(&id).cloned()?;
+        let slot_key = self.held.get(&id)?.slot.clone();
         let slot = self.slots.get_mut(&slot_key)?;
         if !slot.in_flight.remove(&id) {
             return None;
         }
         self.held.remove(&id);
+        self.retrying.remove(&id);
         self.tombstones.insert(id, self.tickets);
         self.in_flight -= 1;
         if let Some(n) = self.in_flight_per_handler.get_mut(&slot_key.handler_id) {
@@ -245,7 +426,12 @@ impl LaneQueue {
     /// for instance because the store was unreachable). Returns `false` if it
     /// was not in flight.
     pub fn requeue(&mut self, d: Delivery) -> bool {
-        let Some((slot_key, pos)) = self.held.get(&d.id).cloned() else {
+        let Some(Held {
+            slot: slot_key,
+            pos,
+            ..
+        }) = self.held.get(&d.id).cloned()
+        else {
             return false;
         };
         let Some(slot) = self.slots.get_mut(&slot_key) else {
@@ -254,6 +440,7 @@ impl LaneQueue {
         if !slot.in_flight.remove(&d.id) {
             return false;
         }
+        self.retrying.remove(&d.id);
         slot.pending.insert(pos, d);
         self.in_flight -= 1;
         self.queued += 1;
@@ -285,7 +472,171 @@ impl LaneQueue {
                 self.slots.remove(&k);
             }
         }
+        // Its rows left in the store are gone with it.
+        self.trims.retain(|k, _| match k {
+            TrimKey::Slot(s) => s.handler_id != handler_id,
+            TrimKey::Handler(h) => h != handler_id,
+        });
         dropped
+    }
+
+    /// Whether `handler` can attempt nothing now: held, or its limit in the
+    /// lane all taken by deliveries being retried.
+    fn handler_stalled(handler: &str, gate: HandlerGate, retrying: &HashMap<&str, usize>) -> bool {
+        match gate {
+            HandlerGate::Hold => true,
+            HandlerGate::Open { max_in_flight } => {
+                retrying.get(handler).copied().unwrap_or(0) >= max_in_flight.max(1)
+            }
+        }
+    }
+
+    fn retrying_per_handler(&self) -> HashMap<&str, usize> {
+        let mut per: HashMap<&str, usize> = HashMap::new();
+        for id in &self.retrying {
+            if let Some(h) = self.held.get(id) {
+                *per.entry(h.slot.handler_id.as_str()).or_default() += 1;
+            }
+        }
+        per
+    }
+
+    /// When `cap` or more deliveries are held, drops from memory (not from
+    /// the store) the queued deliveries of stalled slots and handlers, and
+    /// remembers where to re-read them (module docs). Returns the dropped ids.
+    pub fn trim(
+        &mut self,
+        now: DateTime<Utc>,
+        cap: usize,
+        mut gate: impl FnMut(&str) -> HandlerGate,
+    ) -> Vec<i64> {
+        if self.queued + self.in_flight < cap || self.queued == 0 {
+            return Vec::new();
+        }
+        let retrying = self.retrying_per_handler();
+        // (slot, whole handler stalled, keep the head)
+        let mut plan: Vec<(SlotKey, bool, bool)> = Vec::new();
+        let mut gates: HashMap<&str, HandlerGate> = HashMap::new();
+        for (k, slot) in &self.slots {
+            if slot.pending.is_empty() {
+                continue;
+            }
+            let g = *gates
+                .entry(k.handler_id.as_str())
+                .or_insert_with(|| gate(&k.handler_id));
+            if Self::handler_stalled(&k.handler_id, g, &retrying) {
+                plan.push((k.clone(), true, false));
+            } else if k.key.is_some() {
+                match slot.in_flight.iter().next() {
+                    Some(id) if self.retrying.contains(id) => plan.push((k.clone(), false, false)),
+                    Some(_) => {}
+                    None => {
+                        let head_waits =
+                            slot.pending.values().next().is_some_and(|d| d.due_at > now);
+                        if head_waits && slot.pending.len() > 1 {
+                            plan.push((k.clone(), false, true));
+                        }
+                    }
+                }
+            }
+        }
+        let mut dropped = Vec::new();
+        for (k, whole_handler, keep_head) in plan {
+            let slot = self.slots.get_mut(&k).expect("planned");
+            let mut pending = std::mem::take(&mut slot.pending);
+            if keep_head {
+                if let Some((pos, head)) = pending.pop_first() {
+                    slot.pending.insert(pos, head);
+                }
+            }
+            let mut resume = i64::MAX;
+            for (_, d) in pending {
+                if let Some(h) = self.held.remove(&d.id) {
+                    resume = resume.min(h.from);
+                }
+                self.queued -= 1;
+                dropped.push(d.id);
+            }
+            if slot.pending.is_empty() && slot.in_flight.is_empty() {
+                self.slots.remove(&k);
+            }
+            let key = if whole_handler {
+                TrimKey::Handler(k.handler_id.clone())
+            } else {
+                TrimKey::Slot(k)
+            };
+            self.trims
+                .entry(key)
+                .and_modify(|t| {
+                    t.resume = t.resume.min(resume);
+                    t.state = TrimState::Stalled;
+                })
+                .or_insert(Trim {
+                    resume,
+                    state: TrimState::Stalled,
+                });
+        }
+        dropped
+    }
+
+    /// Lifts the trims whose cause is gone (module docs) and asks for a
+    /// rescan from their resume cursor. Returns whether a rescan is pending.
+    pub fn release(&mut self, mut gate: impl FnMut(&str) -> HandlerGate) -> bool {
+        if self.trims.is_empty() {
+            return self.rescan_from.is_some();
+        }
+        let retrying = self.retrying_per_handler();
+        let mut gates: HashMap<String, HandlerGate> = HashMap::new();
+        let mut released = Vec::new();
+        for (k, t) in &self.trims {
+            if t.state != TrimState::Stalled {
+                continue;
+            }
+            let handler = match k {
+                TrimKey::Slot(s) => s.handler_id.as_str(),
+                TrimKey::Handler(h) => h.as_str(),
+            };
+            let g = *gates
+                .entry(handler.to_string())
+                .or_insert_with(|| gate(handler));
+            if Self::handler_stalled(handler, g, &retrying) {
+                continue;
+            }
+            if let TrimKey::Slot(s) = k {
+                if self.slots.contains_key(s) {
+                    continue;
+                }
+            }
+            released.push(k.clone());
+        }
+        for k in released {
+            let t = self.trims.get_mut(&k).expect("present");
+            t.state = TrimState::Released;
+            self.rescan_from = Some(self.rescan_from.map_or(t.resume, |r| r.min(t.resume)));
+        }
+        self.rescan_from.is_some()
+    }
+
+    /// Whether the cursor is behind the highest cursor reached (a rescan is
+    /// under way): a full batch should be followed by another claim at once.
+    pub fn rescanning(&self) -> bool {
+        self.cursor < self.high_water || self.rescan_from.is_some()
+    }
+
+    /// Whether some rows of the lane are left in the store by a trim.
+    pub fn trimmed(&self) -> bool {
+        !self.trims.is_empty()
+    }
+
+    /// Handler ids with rows left in the store by a trim.
+    pub fn trimmed_handlers(&self) -> BTreeSet<String> {
+        self.trims
+            .keys()
+            .map(|k| match k {
+                TrimKey::Slot(s) => s.handler_id.clone(),
+                TrimKey::Handler(h) => h.clone(),
+            })
+            .collect()
     }
 
     /// Handler ids with queued deliveries.
@@ -536,5 +887,199 @@ mod tests {
             handler_id: "h".into(),
             key: Some("a".into())
         }));
+    }
+
+    fn slot(h: &str, k: Option<&str>) -> SlotKey {
+        SlotKey {
+            handler_id: h.into(),
+            key: k.map(Into::into),
+        }
+    }
+
+    /// Deliveries of `key` to handler `h`: seqs `from..=to`, ids `base + seq`.
+    fn run_of(key: &str, base: i64, from: i64, to: i64) -> Vec<Delivery> {
+        (from..=to)
+            .map(|s| d(base + s, "h", Some(key), s))
+            .collect()
+    }
+
+    #[test]
+    fn a_retried_head_with_a_large_backlog_does_not_hold_up_other_keys() {
+        let mut q = LaneQueue::new();
+        let cap = 4;
+        let t1 = q.begin_claim();
+        assert_eq!(t1.after(), 0);
+        q.accept_batch(t1, run_of("a", 100, 1, 6), 106);
+        assert_eq!(ids(&q.next_ready(t0(), open)), vec![101]);
+        // Full, but the head is healthy: nothing is trimmed.
+        assert!(q.trim(t0(), cap, open).is_empty());
+        assert!(q.retrying(101));
+        let mut dropped = q.trim(t0(), cap, open);
+        dropped.sort();
+        assert_eq!(dropped, vec![102, 103, 104, 105, 106]);
+        assert_eq!((q.queued(), q.in_flight()), (0, 1));
+        assert!(!q.release(open), "the head still fails");
+        // The cursor goes on: later rows of `a` stay in the store, `b` flows.
+        let t2 = q.begin_claim();
+        assert_eq!(t2.after(), 106);
+        let mut batch = run_of("a", 100, 7, 8);
+        batch.push(d(201, "h", Some("b"), 1));
+        assert_eq!(q.accept_batch(t2, batch, 201), 1);
+        assert_eq!(ids(&q.next_ready(t0(), open)), vec![201]);
+        q.settled(201);
+        // The head completes: `a` is released and re-read from where its
+        // dropped rows were read, in order, without repeating the head.
+        assert!(q.settled(101).is_some());
+        assert!(q.release(open));
+        assert!(q.rescanning());
+        let t3 = q.begin_claim();
+        assert_eq!(t3.after(), 0, "rescan from the resume cursor");
+        // A re-read row of `b` (settled before this claim was issued) and
+        // the head of `a` would be duplicates; the store no longer returns
+        // the completed head.
+        let mut again = run_of("a", 100, 2, 8);
+        again.push(d(201, "h", Some("b"), 1));
+        assert_eq!(q.accept_batch(t3, again, 201), 7);
+        assert!(!q.trimmed());
+        let mut order = Vec::new();
+        loop {
+            let got = q.next_ready(t0(), open);
+            if got.is_empty() {
+                break;
+            }
+            assert_eq!(got.len(), 1, "one at a time per key");
+            order.push(got[0].seq.unwrap());
+            q.settled(got[0].id);
+        }
+        assert_eq!(order, vec![2, 3, 4, 5, 6, 7, 8]);
+        assert!(
+            !q.rescanning(),
+            "caught up: cursor back at its high-water mark"
+        );
+    }
+
+    #[test]
+    fn a_claim_issued_before_the_release_cannot_fill_the_released_key() {
+        let mut q = LaneQueue::new();
+        let t1 = q.begin_claim();
+        q.accept_batch(t1, run_of("a", 100, 1, 3), 103);
+        q.next_ready(t0(), open);
+        q.retrying(101);
+        assert_eq!(q.trim(t0(), 2, open).len(), 2);
+        let stale = q.begin_claim();
+        q.settled(101);
+        assert!(q.release(open));
+        // The stale claim read from past the dropped rows: seq 4 must not
+        // be accepted before 2 and 3.
+        assert_eq!(q.accept(stale, run_of("a", 100, 4, 4)), 0);
+        let t = q.begin_claim();
+        assert_eq!(t.after(), 0);
+        assert_eq!(q.accept_batch(t, run_of("a", 100, 2, 4), 104), 3);
+        assert_eq!(q.next_ready(t0(), open)[0].seq, Some(2));
+    }
+
+    #[test]
+    fn a_held_handler_is_left_in_the_store_until_it_opens() {
+        let mut q = LaneQueue::new();
+        let t1 = q.begin_claim();
+        q.accept_batch(
+            t1,
+            vec![
+                d(1, "off", Some("a"), 1),
+                d(2, "off", Some("a"), 2),
+                d(3, "off", None, 0),
+                d(4, "ok", Some("a"), 1),
+            ],
+            4,
+        );
+        let gate = |h: &str| {
+            if h == "off" {
+                HandlerGate::Hold
+            } else {
+                open(h)
+            }
+        };
+        assert_eq!(ids(&q.next_ready(t0(), gate)), vec![4]);
+        let mut dropped = q.trim(t0(), 4, gate);
+        dropped.sort();
+        assert_eq!(dropped, vec![1, 2, 3]);
+        assert_eq!(q.queued(), 0);
+        let t2 = q.begin_claim();
+        // New rows of the held handler, any key, stay in the store.
+        assert_eq!(
+            q.accept_batch(
+                t2,
+                vec![d(5, "off", Some("z"), 1), d(6, "ok", Some("b"), 1)],
+                6
+            ),
+            1
+        );
+        assert!(!q.release(gate));
+        assert!(q.release(open), "enabled again");
+        let t3 = q.begin_claim();
+        assert_eq!(t3.after(), 0);
+        let all = vec![
+            d(1, "off", Some("a"), 1),
+            d(2, "off", Some("a"), 2),
+            d(3, "off", None, 0),
+            d(5, "off", Some("z"), 1),
+            d(6, "ok", Some("b"), 1),
+        ];
+        assert_eq!(q.accept_batch(t3, all, 6), 4);
+        assert_eq!(ids(&q.next_ready(t0(), open)), vec![1, 3, 5, 6]);
+    }
+
+    #[test]
+    fn a_head_not_due_keeps_its_place_and_its_followers_wait_in_the_store() {
+        let mut q = LaneQueue::new();
+        let t1 = q.begin_claim();
+        let mut late = d(1, "h", Some("a"), 1);
+        late.due_at = t0() + Duration::seconds(30);
+        q.accept_batch(
+            t1,
+            vec![late, d(2, "h", Some("a"), 2), d(3, "h", Some("a"), 3)],
+            3,
+        );
+        assert_eq!(q.trim(t0(), 3, open), vec![2, 3]);
+        assert!(!q.slot_idle(&slot("h", Some("a"))));
+        assert!(q.next_ready(t0(), open).is_empty());
+        let later = t0() + Duration::seconds(30);
+        assert_eq!(ids(&q.next_ready(later, open)), vec![1]);
+        assert!(!q.release(open), "the head is in flight");
+        q.settled(1);
+        assert!(q.release(open));
+        let t = q.begin_claim();
+        assert_eq!(
+            q.accept_batch(t, vec![d(2, "h", Some("a"), 2), d(3, "h", Some("a"), 3)], 3),
+            2
+        );
+        assert_eq!(ids(&q.next_ready(later, open)), vec![2]);
+    }
+
+    #[test]
+    fn a_handler_whose_limit_is_all_taken_by_retries_is_stalled() {
+        let mut q = LaneQueue::new();
+        let one = |_: &str| HandlerGate::Open { max_in_flight: 1 };
+        let t1 = q.begin_claim();
+        q.accept_batch(
+            t1,
+            vec![
+                d(1, "h", Some("a"), 1),
+                d(2, "h", Some("b"), 1),
+                d(3, "h", None, 0),
+            ],
+            3,
+        );
+        assert_eq!(q.next_ready(t0(), one).len(), 1);
+        // A healthy delivery in flight: no trim even when full.
+        assert!(q.trim(t0(), 3, one).is_empty());
+        let in_flight_id = [1, 2, 3]
+            .into_iter()
+            .find(|id| q.retrying(*id))
+            .expect("one in flight");
+        assert_eq!(q.trim(t0(), 3, one).len(), 2);
+        assert!(!q.release(one));
+        q.settled(in_flight_id);
+        assert!(q.release(one));
     }
 }

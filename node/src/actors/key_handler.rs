@@ -34,7 +34,7 @@ use lanebus_store::{
     DeadLetterRequest, Delivery, DeliveryRef, Epoch, Handler as HandlerConfig, Reschedule,
 };
 
-use super::lane_owner::{LaneOwner, Settled, SettledOutcome};
+use super::lane_owner::{LaneOwner, Retrying, Settled, SettledOutcome};
 use super::store_actor::{
     CompleteDelivery, DeadLetterDelivery, RescheduleDelivery, StoreActor, StoreCallError,
 };
@@ -191,6 +191,9 @@ impl KeyHandler {
                         delivery.due_at = r.due_at;
                         delivery.last_error = Some(r.last_error);
                         let wait = (r.due_at - Utc::now()).to_std().unwrap_or(Duration::ZERO);
+                        // Only this key waits: the owner may leave the key's
+                        // queued deliveries in the store meanwhile.
+                        act.deps.owner.do_send(Retrying { id });
                         ctx.run_later(wait, move |act, ctx| act.retry(delivery, ctx));
                     }
                 },

@@ -21,6 +21,15 @@
 //!
 //! A completion the store refused (fenced out) suspends dispatching until
 //! the next claim tells whether the lane is still ours.
+//!
+//! A full buffer does not hold up the lane's other keys behind a key whose
+//! head is being retried (or a disabled handler): after each dispatch the
+//! queue releases the trims whose cause went and, when the buffer is full,
+//! trims what is stalled ([`LaneQueue::trim`], [`LaneQueue::release`]; the
+//! design is in [`crate::ordering`]). Key handlers report a failed attempt
+//! with [`Retrying`]. The claim cursor lives in the queue, which moves it
+//! back for a rescan; while a rescan is under way a full batch is followed
+//! by another claim at once.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, RwLock};
@@ -47,9 +56,11 @@ pub struct LaneConfig {
     /// this. It bounds the node's memory: lanes × 2 × buffer × payload size
     /// (256 × 256 × 8 KB ≈ 512 MB at worst with GitHub-sized payloads).
     ///
-    /// Known limit: the buffer is shared by the lane's keys, so a key whose
-    /// head keeps failing while its own backlog fills the buffer holds up
-    /// the lane's other keys until it drains or dead-letters.
+    /// The buffer is shared by the lane's keys, but a key whose head keeps
+    /// failing (or a disabled handler) does not hold up the others: when the
+    /// buffer is full its queued deliveries are dropped from memory and
+    /// re-read later (see [`crate::ordering`]). Known limit: a buffer all
+    /// taken by heads being retried still waits for one of them to settle.
     pub buffer_cap: usize,
     /// Claim at least this often without a wake-up (default 100 ms for
     /// stores without push wake-ups, 1 s with).
@@ -175,6 +186,15 @@ pub struct Settled {
     pub outcome: SettledOutcome,
 }
 
+/// Fact: an in-flight delivery failed an attempt and waits for its retry
+/// (the reschedule is recorded in the store).
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "()")]
+pub struct Retrying {
+    /// Delivery id.
+    pub id: i64,
+}
+
 /// Everything a lane owner needs from the node.
 #[derive(Clone)]
 pub struct LaneDeps {
@@ -196,7 +216,6 @@ pub struct LaneOwner {
     epoch: Epoch,
     deps: LaneDeps,
     queue: LaneQueue,
-    cursor: i64,
     claiming: bool,
     claim_again: bool,
     claim_retry: Option<SpawnHandle>,
@@ -220,7 +239,6 @@ impl LaneOwner {
             epoch,
             deps,
             queue: LaneQueue::new(),
-            cursor: 0,
             claiming: false,
             claim_again: false,
             claim_retry: None,
@@ -258,7 +276,7 @@ impl LaneOwner {
         let claim = LaneClaim {
             lane: self.lane,
             epoch: self.epoch,
-            after: self.cursor,
+            after: ticket.after(),
             limit,
         };
         let fut = self.deps.store_actor.send(ClaimLane(claim));
@@ -272,12 +290,18 @@ impl LaneOwner {
                 Ok(batch) => {
                     act.claim_errors = 0;
                     act.suspect = false;
-                    act.cursor = batch.next_after;
                     let returned = batch.deliveries.len();
                     act.more_waiting = returned >= limit as usize;
-                    let new = act.accepted(ticket, batch.deliveries, ctx);
+                    let moved = batch.next_after > ticket.after();
+                    let new = act.accepted(ticket, batch.deliveries, batch.next_after, ctx);
                     act.dispatch(ctx);
-                    if (new > 0 && returned >= limit as usize) || act.claim_again {
+                    // A rescan re-reads rows already held, and rows of
+                    // trimmed keys are passed over: keep going after a full
+                    // batch even when nothing was new, as long as the cursor
+                    // moves.
+                    let go_on = new > 0
+                        || (moved && (act.queue.rescanning() || act.queue.trimmed()));
+                    if (go_on && returned >= limit as usize) || act.claim_again {
                         act.claim(ctx);
                     }
                 }
@@ -302,9 +326,10 @@ impl LaneOwner {
         &mut self,
         ticket: ClaimTicket,
         deliveries: Vec<lanebus_store::Delivery>,
+        next_after: i64,
         ctx: &mut Context<Self>,
     ) -> usize {
-        let new = self.queue.accept(ticket, deliveries);
+        let new = self.queue.accept_batch(ticket, deliveries, next_after);
         if new > 0 {
             let catalog = self.deps.catalog.all();
             if self
@@ -341,7 +366,9 @@ impl LaneOwner {
 
     fn drop_unknown_handlers(&mut self) {
         let catalog = self.deps.catalog.all();
-        for h in self.queue.queued_handlers() {
+        let mut handlers = self.queue.queued_handlers();
+        handlers.extend(self.queue.trimmed_handlers());
+        for h in handlers {
             if !catalog.contains_key(&h) {
                 let dropped = self.queue.drop_handler(&h);
                 tracing::info!(lane = self.lane, handler = %h, dropped = dropped.len(), "dropped deliveries of a deleted handler");
@@ -363,12 +390,13 @@ impl LaneOwner {
         }
         let now = Utc::now();
         let catalog = self.deps.catalog.all();
-        let ready = self.queue.next_ready(now, |h| match catalog.get(h) {
+        let gate = |h: &str| match catalog.get(h) {
             Some(c) if c.state == HandlerState::Enabled => HandlerGate::Open {
                 max_in_flight: c.max_in_flight.max(1) as usize,
             },
             _ => HandlerGate::Hold,
-        });
+        };
+        let ready = self.queue.next_ready(now, gate);
         for delivery in ready {
             let Some(handler) = catalog.get(&delivery.handler_id).cloned() else {
                 continue;
@@ -386,6 +414,22 @@ impl LaneOwner {
                     .start()
                     .do_send(attempt);
             }
+        }
+        // Stalled keys and handlers must not hold up the rest of the lane.
+        let rescan = self.queue.release(gate);
+        let cap = self.deps.config.buffer_cap.max(1);
+        let dropped = self.queue.trim(now, cap, gate);
+        if !dropped.is_empty() {
+            tracing::debug!(
+                lane = self.lane,
+                dropped = dropped.len(),
+                "buffer full: left stalled deliveries in the store"
+            );
+            let queue = &self.queue;
+            self.key_handlers.retain(|slot, _| !queue.slot_idle(slot));
+        }
+        if (rescan || !dropped.is_empty()) && self.held() < cap {
+            self.claim(ctx);
         }
         self.arm_due_timer(ctx);
         self.publish_status();
@@ -503,6 +547,16 @@ impl Handler<StopLane> for LaneOwner {
 
     fn handle(&mut self, _: StopLane, ctx: &mut Self::Context) {
         ctx.stop();
+    }
+}
+
+impl Handler<Retrying> for LaneOwner {
+    type Result = ();
+
+    fn handle(&mut self, msg: Retrying, ctx: &mut Self::Context) {
+        if self.queue.retrying(msg.id) {
+            self.dispatch(ctx);
+        }
     }
 }
 
