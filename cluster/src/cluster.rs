@@ -539,7 +539,7 @@ impl Cluster {
             election_timeout_max: t.election_timeout_max_ms,
             snapshot_policy: SnapshotPolicy::LogsSinceLast(t.snapshot_every_entries),
             max_in_snapshot_log_to_keep: t.snapshot_every_entries.min(500),
-            purge_batch_size: 256,
+            purge_batch_size: t.snapshot_every_entries.clamp(1, 256),
             ..Default::default()
         }
         .validate()
@@ -695,6 +695,25 @@ impl Cluster {
         self.inner.releasing.subscribe()
     }
 
+    /// Whether this node is a recorded member and holds a valid lease (what
+    /// `GET /readyz` means by "joined").
+    pub fn joined(&self) -> bool {
+        let inner = &self.inner;
+        let member = inner
+            .sm
+            .current()
+            .data
+            .state
+            .members
+            .contains_key(&inner.me());
+        member
+            && inner
+                .holder
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .valid(&inner.cfg.lease, inner.now_ms())
+    }
+
     /// The leader's id and HTTP address, as far as this node knows.
     pub fn leader(&self) -> Option<(NodeId, Option<String>)> {
         let leader = self.inner.raft.metrics().borrow().current_leader?;
@@ -836,6 +855,17 @@ async fn renew_loop(inner: Arc<Inner>) {
         tokio::select! {
             _ = every.tick() => {}
             Some(_) = inflight.join_next(), if !inflight.is_empty() => continue,
+        }
+        let joined = {
+            let m = inner.raft.metrics();
+            let m = m.borrow();
+            let joined = m.membership_config.membership().nodes().next().is_some();
+            joined
+        };
+        if !joined {
+            // Not part of a cluster yet (waiting for bootstrap or join): a
+            // renewal could only wait for a leader nobody knows.
+            continue;
         }
         let inner = inner.clone();
         inflight.spawn(async move {

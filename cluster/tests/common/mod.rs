@@ -39,6 +39,8 @@ pub struct Node {
     pub raft_addr: String,
     pub http_addr: String,
     pub cluster: Option<Arc<Cluster>>,
+    /// Raft snapshot interval, in log entries.
+    pub snapshot_every: u64,
     drainer: Option<JoinHandle<()>>,
 }
 
@@ -64,7 +66,7 @@ impl Node {
             heartbeat_ms: 60,
             election_timeout_min_ms: 300,
             election_timeout_max_ms: 700,
-            snapshot_every_entries: 200,
+            snapshot_every_entries: self.snapshot_every,
         };
         let c = Arc::new(Cluster::start(cfg).await.expect("cluster starts"));
         self.raft_addr = c.raft_addr().to_owned();
@@ -135,6 +137,7 @@ impl Sandbox {
             raft_addr: "127.0.0.1:0".into(),
             http_addr: format!("127.0.0.1:{}", 18_000 + id),
             cluster: None,
+            snapshot_every: 200,
             drainer: None,
         });
         self.nodes.len() - 1
