@@ -31,6 +31,28 @@
 //!
 //! This crate knows no database: Raft decides owners and epochs; the node
 //! fences them in the store.
+//!
+//! # Wiring it into a node
+//!
+//! | node concern | cluster API |
+//! | --- | --- |
+//! | start (`--id`, `--raft-addr`, `--http-addr`, `--data-dir`) | [`Cluster::start`] with [`ClusterConfig`]; check the lease first with [`LeaseConfig::validate`] against the longest handler timeout |
+//! | `--bootstrap` | [`Cluster::bootstrap`] (idempotent) |
+//! | `--join URL` | the new node POSTs `/admin/cluster/join` to URL; that node calls [`Cluster::add_node`] (works on any member: forwarded to the leader over Raft's transport) |
+//! | restart without flags | nothing: the data dir holds the membership |
+//! | lane owners | [`Cluster::owned_lanes`]: for each lane that appears (or whose epoch changes) fence the store at that epoch, then start its owner; stop owners whose lane disappears |
+//! | planned moves | [`Cluster::releasing`]: stop claiming, drain in-flight work within a bound, then [`Cluster::release`]; the lane must not stay here forever, the leader never takes it back by itself while this node is alive |
+//! | `GET /admin/cluster`, `/admin/lanes` | [`Cluster::state`] ([`ClusterView`]); add backlog and in-flight from the store |
+//! | `/readyz` "joined" | [`Cluster::joined`] |
+//! | forwarding other writes over HTTP | [`Cluster::leader`] gives the leader's `http_addr` |
+//! | removal on purpose | [`Cluster::remove_node`]; keep the node running until it is gone from [`ClusterView::members`] |
+//! | SIGTERM | [`Cluster::shutdown`] (no handover; the lease runs out) |
+//!
+//! Errors: [`ClusterError::Unavailable`] (no leader in time: retry or answer
+//! 503), [`ClusterError::Refused`] (the caller's request made no sense now:
+//! 409/400), [`ClusterError::Config`]/[`ClusterError::Bind`]/
+//! [`ClusterError::Storage`]/[`ClusterError::LaneCount`] at start (exit with
+//! the message), [`ClusterError::Raft`] (fatal for the node).
 
 #![warn(missing_docs)]
 

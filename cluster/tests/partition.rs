@@ -51,7 +51,9 @@ async fn cut_and_check(sb: &Sandbox, victim: u64, observer: u64, extra: Duration
     let stopped_at = stopped_at.expect("the cut-off node stopped its lanes before reassignment");
     eprintln!("node {victim} cut off: stopped its lanes after {stopped_at:?}, reassigned after {reassigned_at:?}");
     assert!(stopped_at < reassigned_at);
-    assert!(stopped_at <= Duration::from_millis(LEASE.lease_ms + 100));
+    // By its own clock: within the lease of its last committed renewal
+    // (plus the publisher's polling, generously for loaded machines).
+    assert!(stopped_at <= Duration::from_millis(LEASE.lease_ms + 300));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
