@@ -1,7 +1,7 @@
-//! A key whose head delivery keeps failing must not hold up the other keys
-//! of its lane, even when its own backlog is much larger than the lane's
-//! buffer (issue 2: "a key waits while its head delivery is retried, other
-//! keys keep flowing"). SQLite and PostgreSQL.
+//! A key whose head delivery keeps failing, or a disabled handler, must not
+//! hold up the other keys of its lane, even when its own backlog is much
+//! larger than the lane's buffer (issue 2: "a key waits while its head
+//! delivery is retried, other keys keep flowing"). SQLite and PostgreSQL.
 
 mod common;
 
@@ -11,7 +11,7 @@ use std::time::Duration;
 use anyhow::{ensure, Context as _};
 use common::{test_options, Api, Backend, TestDb};
 use lanebus_node::receiver::{Action, Expected, Receiver, Rule};
-use lanebus_store::{lane_of_key, DEFAULT_LANES};
+use lanebus_store::{lane_of_key, HandlerState, NewEvent, NewHandler, DEFAULT_LANES};
 use serde_json::Value;
 
 const BUFFER: usize = 16;
@@ -191,6 +191,130 @@ async fn failing_key_does_not_hold_up_its_lane(backend: Backend) -> anyhow::Resu
     node.shutdown().await?;
     db.drop_db().await;
     Ok(())
+}
+
+/// A disabled handler's pending deliveries (many times the buffer) do not
+/// hold up another handler in the same lane; enabled again, they all arrive,
+/// in order.
+async fn disabled_handler_does_not_hold_up_its_lane(backend: Backend) -> anyhow::Result<()> {
+    let db = TestDb::new(backend, "disabled_handler").await?;
+    let rx = Receiver::start().await?;
+    let (first, others) = keys_in_one_lane(OTHER_KEYS);
+    // Before the node starts: a handler with a backlog, then disabled.
+    let store = lanebus_store::open(&db.url).await?;
+    let paused = store
+        .create_handler(NewHandler {
+            name: "paused".into(),
+            url: rx.url("paused"),
+            event_types: vec!["*".into()],
+            max_attempts: 8,
+            timeout_ms: 5000,
+            max_in_flight: 64,
+            secret: lanebus_store::generate_secret(),
+        })
+        .await?;
+    rx.set_secret("paused", &paused.secret);
+    let mut expected = Vec::new();
+    let keys: Vec<&String> = std::iter::once(&first)
+        .chain(others.iter().take(2))
+        .collect();
+    for chunk in (0..FAILING_EVENTS).collect::<Vec<_>>().chunks(4) {
+        let mut batch = Vec::new();
+        for &i in chunk {
+            let key = keys[i % keys.len()];
+            let id = format!("paused-{i}");
+            expected.push(Expected {
+                handler: "paused".into(),
+                event_id: id.clone(),
+                key: Some(key.clone()),
+            });
+            batch.push(NewEvent {
+                id: Some(id),
+                event_type: "push".into(),
+                key: Some(key.clone()),
+                payload: format!("{{\"n\":{i}}}").into_bytes(),
+            });
+        }
+        store.publish(batch).await?;
+    }
+    store
+        .set_handler_state(&paused.id, HandlerState::Disabled)
+        .await?;
+    drop(store);
+
+    let mut opts = test_options(&db.url);
+    opts.lane.buffer_cap = BUFFER;
+    let node = lanebus_node::start(opts).await?;
+    let api = Api::new(&node.base_url());
+    let live = api
+        .create_handler("live", &rx.url("live"), &["*"], 8)
+        .await?;
+    rx.set_secret("live", &live.secret);
+    let mut live_events = Vec::new();
+    let mut live_expected = Vec::new();
+    for i in 0..OTHER_EVENTS_PER_KEY {
+        for k in std::iter::once(&first).chain(others.iter()) {
+            let id = format!("live-{k}-{i}");
+            live_expected.push(Expected {
+                handler: "live".into(),
+                event_id: id.clone(),
+                key: Some(k.clone()),
+            });
+            live_events.push(event(id, k, i));
+        }
+    }
+    api.publish(&live_events, 4).await?;
+    let live_done = rx
+        .wait_accepted(live_expected.len(), Duration::from_secs(30))
+        .await;
+    ensure!(
+        live_done,
+        "the live handler was held up behind the disabled one: {:?} (node holds {})",
+        rx.verdict(&live_expected),
+        node.state.board().held()
+    );
+    ensure!(
+        rx.requests().iter().all(|r| r.handler == "live"),
+        "a disabled handler was attempted"
+    );
+    ensure!(node.state.board().held() <= 2 * BUFFER + 4);
+
+    node.store()
+        .set_handler_state(&paused.id, HandlerState::Enabled)
+        .await?;
+    expected.extend(live_expected);
+    ensure!(
+        rx.wait_accepted(expected.len(), Duration::from_secs(60))
+            .await,
+        "after enabling: {:?}",
+        rx.verdict(&expected)
+    );
+    let v = rx.verdict(&expected);
+    ensure!(v.exact(), "{v:?}");
+    let reqs = rx.requests();
+    ensure!(
+        reqs.len() == expected.len(),
+        "{} requests for {} deliveries: repeats without a cause",
+        reqs.len(),
+        expected.len()
+    );
+    node.shutdown().await?;
+    db.drop_db().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disabled_handler_does_not_hold_up_its_lane_sqlite() {
+    disabled_handler_does_not_hold_up_its_lane(Backend::Sqlite)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disabled_handler_does_not_hold_up_its_lane_postgres() {
+    disabled_handler_does_not_hold_up_its_lane(Backend::Postgres)
+        .await
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
