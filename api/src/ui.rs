@@ -25,6 +25,10 @@
 //! data-state=... data-dead-letters=...>`; `<body data-status>` is `loading`,
 //! then `ok`, or `error` while the node does not answer, and
 //! `data-updated` the time of the last good poll.
+//!
+//! To look at it without a cluster: `cargo run -p lanebus-api --example
+//! dashboard_preview` serves a made-up three-node cluster whose third node
+//! fails after 5 seconds.
 
 use axum::http::{header, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};

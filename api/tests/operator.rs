@@ -237,3 +237,68 @@ on_every_backend!(
     dashboard_page_references_its_assets_with_their_types,
     handler_summaries_count_dead_letters_without_secrets,
 );
+
+/// The harness's document check (run on every answer of every API test)
+/// does catch an undocumented status, content type or body shape.
+#[test]
+fn harness_check_rejects_answers_the_document_does_not_allow() {
+    use axum::http::{HeaderMap, HeaderValue};
+    let answer = |status: u16, content_type: &str, body: Value| {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            "content-type",
+            HeaderValue::from_str(content_type).expect("header"),
+        );
+        common::Res {
+            status: StatusCode::from_u16(status).expect("status"),
+            headers,
+            bytes: body.to_string().into_bytes(),
+            json: body,
+        }
+    };
+    let fails = |method: &str, path: &str, res: common::Res| {
+        let method = method.to_owned();
+        let path = path.to_owned();
+        std::panic::catch_unwind(move || common::check_against_document(&method, &path, &res))
+            .is_err()
+    };
+    let ok = json!({"status": "ok"});
+    assert!(!fails(
+        "GET",
+        "/healthz",
+        answer(200, "application/json", ok.clone())
+    ));
+    assert!(fails(
+        "GET",
+        "/healthz",
+        answer(418, "application/json", ok.clone())
+    ));
+    assert!(fails("GET", "/healthz", answer(200, "text/plain", ok)));
+    assert!(fails(
+        "GET",
+        "/healthz",
+        answer(200, "application/json", json!({"status": 1}))
+    ));
+    assert!(fails(
+        "GET",
+        "/v1/handlers",
+        answer(200, "application/json", json!({"handlers": [{"id": "x"}]}))
+    ));
+    let error = json!({"error": {"code": "not_found", "message": "handler \"x\" not found"}});
+    assert!(!fails(
+        "GET",
+        "/v1/handlers/x",
+        answer(404, "application/json", error.clone())
+    ));
+    assert!(fails(
+        "GET",
+        "/v1/handlers",
+        answer(404, "application/json", error)
+    ));
+    // Paths outside the route table are the router's 404/405, not checked.
+    assert!(!fails(
+        "GET",
+        "/nope",
+        answer(404, "application/json", json!({}))
+    ));
+}

@@ -15,15 +15,48 @@
   let selected = null; // lane number shown in the detail line
   let timer = null;
 
-  // A stable colour per node id: FNV-1a (32-bit) of the id picks the hue;
-  // lightness 35% keeps every hue at about 3:1 or more against white.
-  function colourOf(id) {
+  // A stable colour per node id, distinct within the cluster: FNV-1a of the
+  // id picks a slot in a palette of ten colours (each at least 3:1 against
+  // the white page); ids sorted, a taken slot moves to the next free one. So
+  // an id keeps its colour unless another id wants the same slot, and two
+  // nodes never share a colour while there are at most ten.
+  const PALETTE = [
+    "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#8c564b",
+    "#b8467f", "#0f8a99", "#8c8c00", "#c85f00", "#222222",
+  ];
+  let colours = new Map();
+  let colourKey = "";
+
+  function fnv(id) {
     let h = 0x811c9dc5;
     for (let i = 0; i < id.length; i++) {
       h ^= id.charCodeAt(i);
       h = Math.imul(h, 0x01000193) >>> 0;
     }
-    return `hsl(${h % 360} 70% 35%)`;
+    return h;
+  }
+
+  function assignColours(ids) {
+    const sorted = [...new Set(ids)].sort();
+    const key = sorted.join("\n");
+    if (key === colourKey) return;
+    colourKey = key;
+    colours = new Map();
+    const used = new Set();
+    for (const id of sorted) {
+      if (used.size >= PALETTE.length) {
+        colours.set(id, `hsl(${fnv(id) % 360} 70% 35%)`);
+        continue;
+      }
+      let slot = fnv(id) % PALETTE.length;
+      while (used.has(slot)) slot = (slot + 1) % PALETTE.length;
+      used.add(slot);
+      colours.set(id, PALETTE[slot]);
+    }
+  }
+
+  function colourOf(id) {
+    return colours.get(id) || `hsl(${fnv(id) % 360} 70% 35%)`;
   }
 
   function el(tag, text, attrs) {
@@ -155,7 +188,11 @@
       const li = el("li", null, { "data-owner": owner });
       const b = el("button", null, { type: "button", "aria-label": `${owner || "unassigned"}: ${nums.length} lanes, show them` });
       const label = el("span");
-      label.append(el("strong", owner || "unassigned"), ` · ${nums.length} lanes`, el("span", ranges(nums), { class: "ranges" }));
+      const all = ranges(nums);
+      const parts = all.split(", ");
+      const shown = parts.length > 8 ? `${parts.slice(0, 8).join(", ")}, … (${parts.length} ranges)` : all;
+      const rangeEl = el("span", shown, { class: "ranges", title: all });
+      label.append(el("strong", owner || "unassigned"), ` · ${nums.length} ${nums.length === 1 ? "lane" : "lanes"}`, rangeEl);
       b.append(swatch(owner), label);
       const on = () => highlight(owner);
       const off = () => highlight(null);
@@ -235,6 +272,7 @@
     if (!document.hidden) {
       try {
         const [l, c, h] = await Promise.all([get("../admin/lanes"), get("../admin/cluster"), get("../admin/handlers")]);
+        assignColours([...c.nodes.map((n) => n.id), ...l.lanes.map((x) => x.owner).filter(Boolean)]);
         renderLanes(l.lanes);
         renderCluster(c);
         renderHandlers(h);
