@@ -428,3 +428,50 @@ async fn handle(raft: &Raft, req: RpcRequest) -> RpcResponse {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn frames_round_trip_and_oversized_frames_are_refused() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let server = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.expect("accept");
+            let got = read_frame(&mut s).await.expect("frame");
+            write_frame(&mut s, &got).await.expect("echo");
+            // A length prefix above the limit is refused before reading.
+            let too_big = (MAX_FRAME_BYTES + 1).to_be_bytes();
+            s.write_all(&too_big).await.expect("write");
+        });
+        let mut c = TcpStream::connect(addr).await.expect("connect");
+        write_frame(&mut c, b"hello").await.expect("send");
+        assert_eq!(read_frame(&mut c).await.expect("echo"), b"hello");
+        let err = read_frame(&mut c).await.unwrap_err();
+        assert!(err.to_string().contains("too large"), "{err}");
+        server.await.expect("server");
+    }
+
+    #[tokio::test]
+    async fn a_closed_port_or_a_cut_network_is_unreachable() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        drop(listener);
+        let switch = NetSwitch::default();
+        let t = Transport::new(switch.clone());
+        let req = RpcRequest::ClientWrite(Command::RenewLease { node: 1 });
+        let timeout = Duration::from_millis(200);
+        let err = t
+            .call(&addr, Channel::Write, &req, timeout)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, CallError::Unreachable { .. }), "{err}");
+        switch.set_cut(true);
+        let err = t
+            .call("127.0.0.1:1", Channel::Raft, &req, timeout)
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("cut"), "{err}");
+    }
+}
