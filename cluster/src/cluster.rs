@@ -131,6 +131,12 @@ pub struct ClusterConfig {
     pub raft: RaftTiming,
     /// Fault-injection switch (tests): cut to isolate this node.
     pub net: NetSwitch,
+    /// Unique name of this process start; the node also uses it in the owner
+    /// name it fences lanes with in the store. Proposed as
+    /// [`Command::Incarnate`] before the first renewal, so a restarted node
+    /// gets new epochs for its lanes. [`ClusterConfig::new`] makes one from
+    /// the clock and the process id.
+    pub incarnation: String,
 }
 
 impl ClusterConfig {
@@ -152,8 +158,19 @@ impl ClusterConfig {
             voters: 3,
             raft: RaftTiming::default(),
             net: NetSwitch::default(),
+            incarnation: default_incarnation(),
         }
     }
+}
+
+/// A name for this process start: wall-clock nanoseconds and process id, in
+/// hex (unique enough: two starts of one node id in the same nanosecond with
+/// the same pid do not happen).
+fn default_incarnation() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{nanos:x}-{:x}", std::process::id())
 }
 
 /// Errors of the cluster API.
@@ -586,6 +603,11 @@ impl Cluster {
         self.inner.me()
     }
 
+    /// This process start's incarnation ([`ClusterConfig::incarnation`]).
+    pub fn incarnation(&self) -> &str {
+        &self.inner.cfg.incarnation
+    }
+
     /// The bound Raft address (`IP:PORT`).
     pub fn raft_addr(&self) -> &str {
         &self.inner.cfg.raft_addr
@@ -851,6 +873,7 @@ async fn renew_loop(inner: Arc<Inner>) {
     let mut every = tokio::time::interval(Duration::from_millis(lease.renew_interval_ms));
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut inflight = JoinSet::new();
+    let mut incarnated = false;
     loop {
         tokio::select! {
             _ = every.tick() => {}
@@ -865,6 +888,29 @@ async fn renew_loop(inner: Arc<Inner>) {
         if !joined {
             // Not part of a cluster yet (waiting for bootstrap or join): a
             // renewal could only wait for a leader nobody knows.
+            continue;
+        }
+        if !incarnated {
+            // Before the first renewal of this process: new epochs for the
+            // lanes a previous process of this node held (see
+            // `Command::Incarnate`). Refused while not yet a member.
+            let cmd = Command::Incarnate {
+                node: inner.me(),
+                incarnation: inner.cfg.incarnation.clone(),
+            };
+            match inner
+                .write(cmd, Duration::from_millis(lease.lease_ms))
+                .await
+            {
+                Ok(r) if r.ok => {
+                    tracing::info!(node = inner.me(), incarnation = %inner.cfg.incarnation, "incarnation recorded");
+                    incarnated = true;
+                }
+                Ok(r) => {
+                    tracing::debug!(reason = ?r.reason, "incarnation refused (not a member yet?)")
+                }
+                Err(e) => tracing::debug!(error = %e, "incarnation failed"),
+            }
             continue;
         }
         let inner = inner.clone();

@@ -82,6 +82,23 @@ pub enum Command {
         /// The planned changes, applied in order.
         changes: Vec<Change>,
     },
+    /// A node process started: `incarnation` names this start of the
+    /// process (unique per start). Sent by every node before its first lease
+    /// renewal. When it differs from the recorded one, every lane the node
+    /// owns in state [`LaneState::Active`] gets `epoch + 1`
+    /// ([`bump_restarted`]): the previous process fenced those lanes in the
+    /// store under its own incarnation, and the store lets only one process
+    /// hold a given (lane, epoch), so the new process needs new epochs. The
+    /// same incarnation again is a no-op (a retried proposal must not bump
+    /// twice). Allowed for members only. Lanes the node was releasing are
+    /// left alone: the new process holds nothing of them and releases them
+    /// at once.
+    Incarnate {
+        /// The node.
+        node: NodeId,
+        /// Unique name of this process start (e.g. a UUID).
+        incarnation: String,
+    },
     /// The old owner of a lane in handover has drained it: the target owns it
     /// now at `epoch + 1` ([`assignment::apply_release`]). Sent by the old
     /// owner; allowed only when the lane is being released by `from`.
@@ -127,6 +144,22 @@ pub struct ClusterState {
     pub leases: BTreeMap<NodeId, LeaseRecord>,
     /// The lane table, indexed by lane number.
     pub lanes: Vec<LaneEntry>,
+    /// The current process incarnation of each node ([`Command::Incarnate`]).
+    pub incarnations: BTreeMap<NodeId, String>,
+}
+
+/// A node restarted under a new incarnation: its active lanes get
+/// `epoch + 1` so that the new process can fence them in the store (the old
+/// one holds the current epochs there). Returns how many lanes moved on.
+pub fn bump_restarted(lanes: &mut [LaneEntry], node: NodeId) -> usize {
+    let mut n = 0;
+    for e in lanes.iter_mut() {
+        if e.owner == Some(node) && e.state == LaneState::Active {
+            e.epoch += 1;
+            n += 1;
+        }
+    }
+    n
 }
 
 impl ClusterState {
@@ -136,6 +169,7 @@ impl ClusterState {
             members: BTreeMap::new(),
             leases: BTreeMap::new(),
             lanes: vec![LaneEntry::UNASSIGNED; usize::from(lanes)],
+            incarnations: BTreeMap::new(),
         }
     }
 
@@ -182,6 +216,7 @@ impl ClusterState {
                 Some(m) if m.leaving && self.lanes_of(*node) == 0 => {
                     self.members.remove(node);
                     self.leases.remove(node);
+                    self.incarnations.remove(node);
                     CommandResult::ok()
                 }
                 Some(_) => CommandResult::refused(format!(
@@ -196,6 +231,17 @@ impl ClusterState {
                 let rec = self.leases.entry(*node).or_default();
                 rec.renewals += 1;
                 rec.last_index = index;
+                CommandResult::ok()
+            }
+            Command::Incarnate { node, incarnation } => {
+                if !self.members.contains_key(node) {
+                    return CommandResult::refused(format!("node {node} is not a member"));
+                }
+                if self.incarnations.get(node) == Some(incarnation) {
+                    return CommandResult::ok();
+                }
+                self.incarnations.insert(*node, incarnation.clone());
+                bump_restarted(&mut self.lanes, *node);
                 CommandResult::ok()
             }
             Command::Apply { changes } => {
@@ -331,6 +377,62 @@ mod tests {
         s.lanes[0] = LaneEntry::UNASSIGNED;
         assert!(s.apply(6, &Command::Forget { node: 1 }).ok);
         assert!(s.members.is_empty());
+    }
+
+    #[test]
+    fn a_new_incarnation_bumps_the_active_lanes_of_its_node_once() {
+        let mut s = ClusterState::new(3);
+        add(&mut s, 1);
+        add(&mut s, 2);
+        let inc = |i: &str| Command::Incarnate {
+            node: 1,
+            incarnation: i.into(),
+        };
+        assert!(
+            !s.apply(
+                1,
+                &Command::Incarnate {
+                    node: 9,
+                    incarnation: "x".into()
+                }
+            )
+            .ok
+        );
+        assert!(s.apply(2, &inc("a")).ok);
+        let changes = vec![
+            Change::Assign {
+                lane: 0,
+                to: 1,
+                epoch: 1,
+            },
+            Change::Assign {
+                lane: 1,
+                to: 1,
+                epoch: 1,
+            },
+            Change::Assign {
+                lane: 2,
+                to: 2,
+                epoch: 1,
+            },
+            Change::Handover {
+                lane: 1,
+                from: 1,
+                to: 2,
+            },
+        ];
+        s.apply(3, &Command::Apply { changes });
+        // The same process again (a retried proposal): nothing moves.
+        assert!(s.apply(4, &inc("a")).ok);
+        assert_eq!(s.active_lanes(1), BTreeMap::from([(0, 1)]));
+        // Restarted: its active lane moves on, the releasing one and the
+        // other node's lane do not.
+        assert!(s.apply(5, &inc("b")).ok);
+        assert_eq!(s.active_lanes(1), BTreeMap::from([(0, 2)]));
+        assert_eq!(s.releasing_lanes(1)[&1], Releasing { epoch: 1, to: 2 });
+        assert_eq!(s.active_lanes(2), BTreeMap::from([(2, 1)]));
+        assert!(s.apply(6, &inc("b")).ok);
+        assert_eq!(s.active_lanes(1), BTreeMap::from([(0, 2)]));
     }
 
     #[test]
