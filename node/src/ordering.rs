@@ -1082,4 +1082,21 @@ mod tests {
         q.settled(in_flight_id);
         assert!(q.release(one));
     }
+
+    #[test]
+    fn deleting_a_handler_forgets_its_trims() {
+        let mut q = LaneQueue::new();
+        let t1 = q.begin_claim();
+        q.accept_batch(
+            t1,
+            vec![d(1, "off", Some("a"), 1), d(2, "off", Some("a"), 2)],
+            2,
+        );
+        let hold = |_: &str| HandlerGate::Hold;
+        assert_eq!(q.trim(t0(), 2, hold).len(), 2);
+        assert_eq!(q.trimmed_handlers(), BTreeSet::from(["off".to_string()]));
+        assert!(q.drop_handler("off").is_empty());
+        assert!(!q.trimmed());
+        assert!(!q.release(hold), "nothing to rescan for a deleted handler");
+    }
 }
