@@ -1965,3 +1965,377 @@ mod sqlite_only {
         h.cleanup().await;
     }
 }
+
+/// Tests of MongoDB-only behaviour: concurrent publishers on hot keys, the
+/// caller's transaction, the per-lane cursor under a late commit, fencing
+/// against a fence held in a transaction, change-stream wake-ups.
+#[cfg(feature = "mongodb")]
+mod mongodb_only {
+    use super::*;
+    use std::time::Duration;
+
+    use ::mongodb::bson::doc;
+
+    /// 8 publishers, each 2,000 events over the same 10 keys in batches of
+    /// 50, on two independent clients: no duplicate sequence number, every
+    /// key gapless, every event delivered once (claimed through the cursor
+    /// and completed), in per-key sequence order.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn eight_publishers_on_ten_hot_keys_get_gapless_sequences() {
+        const PUBLISHERS: usize = 8;
+        const EVENTS: usize = 2_000;
+        const BATCH: usize = 50;
+        const KEYS: usize = 10;
+        let h = MongoHarness::new().await;
+        let s = h.store();
+        handler(&*s, "all", &["*"]).await;
+        let other = h.reopen().await;
+        let started = std::time::Instant::now();
+        let mut tasks = Vec::new();
+        for p in 0..PUBLISHERS {
+            let st = if p % 2 == 0 { s.clone() } else { other.clone() };
+            tasks.push(tokio::spawn(async move {
+                for b in 0..EVENTS / BATCH {
+                    let batch: Vec<NewEvent> = (0..BATCH)
+                        .map(|i| {
+                            let n = b * BATCH + i;
+                            ev(
+                                Some(&format!("p{p}-{n}")),
+                                "load.test",
+                                Some(&format!("hot-{}", (p + n) % KEYS)),
+                            )
+                        })
+                        .collect();
+                    let out = st.publish(batch).await.expect("concurrent publish");
+                    assert_eq!(out.accepted, BATCH);
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.expect("publisher task");
+        }
+        let publish_secs = started.elapsed().as_secs_f64();
+        let total = PUBLISHERS * EVENTS;
+        let c = counts(&*s).await;
+        assert_eq!((c.events, c.deliveries), (total as i64, total as i64));
+
+        // Drain through the cursor, 200 per lane per claim, completing in
+        // batches of 500 as the node's store actor does (the test server's
+        // `$in` grows with the square of the list; see the module docs).
+        let lanes: Vec<Lane> = (0..KEYS)
+            .map(|k| lane_of_key(&format!("hot-{k}"), s.lanes()))
+            .collect::<HashSet<_>>()
+            .into_iter()
+            .collect();
+        let mut after: HashMap<Lane, i64> = lanes.iter().map(|l| (*l, 0)).collect();
+        let mut seen_events: HashSet<String> = HashSet::new();
+        let mut per_key: HashMap<String, Vec<i64>> = HashMap::new();
+        loop {
+            let claims: Vec<LaneClaim> = lanes
+                .iter()
+                .map(|l| LaneClaim {
+                    lane: *l,
+                    epoch: 0,
+                    after: after[l],
+                    limit: 200,
+                })
+                .collect();
+            let batches = s.claim(&claims).await.expect("claim");
+            let mut refs = Vec::new();
+            for b in &batches {
+                after.insert(b.lane, b.next_after);
+                for d in &b.deliveries {
+                    assert!(
+                        seen_events.insert(d.event_id.clone()),
+                        "{} delivered twice",
+                        d.event_id
+                    );
+                    per_key
+                        .entry(d.key.clone().expect("keyed"))
+                        .or_default()
+                        .push(d.seq.expect("seq"));
+                    refs.push(dref(d, 0, 1));
+                }
+            }
+            if refs.is_empty() {
+                break;
+            }
+            for chunk in refs.chunks(500) {
+                assert_eq!(
+                    s.complete(chunk).await.expect("complete").len(),
+                    chunk.len()
+                );
+            }
+        }
+        assert_eq!(seen_events.len(), total, "every event delivered once");
+        assert_eq!(per_key.len(), KEYS);
+        for (key, seqs) in &per_key {
+            let n = seqs.len() as i64;
+            assert_eq!(
+                seqs,
+                &(1..=n).collect::<Vec<_>>(),
+                "{key}: gapless, no duplicate, claimed in sequence order"
+            );
+        }
+        let c = counts(&*s).await;
+        assert_eq!((c.deliveries, c.completions), (0, total as i64));
+        eprintln!(
+            "8 x 2,000 events on 10 keys published in {publish_secs:.1} s ({:.0} events/s)",
+            total as f64 / publish_secs
+        );
+        h.cleanup().await;
+    }
+
+    /// `publish_in` inside the caller's transaction: an abort leaves
+    /// nothing (no event, no delivery, no sequence number taken); a commit
+    /// is claimable.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn publish_in_aborted_leaves_nothing_committed_is_claimable() {
+        let h = MongoHarness::new().await;
+        let s = h.store();
+        handler(&*s, "all", &["*"]).await;
+        let client = h.store.client().clone();
+        let app = h
+            .store
+            .database()
+            .collection::<::mongodb::bson::Document>("orders");
+
+        let mut session = client.start_session().await.expect("session");
+        session.start_transaction().await.expect("begin");
+        app.insert_one(doc! { "_id": "order-1" })
+            .session(&mut session)
+            .await
+            .expect("app write");
+        let out = h
+            .store
+            .publish_in(
+                &mut session,
+                vec![ev(Some("aborted"), "order.created", Some("o"))],
+            )
+            .await
+            .expect("publish_in");
+        assert_eq!(out.accepted, 1);
+        session.abort_transaction().await.expect("abort");
+        assert_eq!(
+            counts(&*s).await,
+            StoreCounts::default(),
+            "aborted: nothing stored"
+        );
+        assert!(claim_all(&*s).await.is_empty());
+        assert_eq!(app.count_documents(doc! {}).await.expect("count"), 0);
+
+        session.start_transaction().await.expect("begin");
+        app.insert_one(doc! { "_id": "order-2" })
+            .session(&mut session)
+            .await
+            .expect("app write");
+        h.store
+            .publish_in(
+                &mut session,
+                vec![ev(Some("committed"), "order.created", Some("o"))],
+            )
+            .await
+            .expect("publish_in");
+        session.commit_transaction().await.expect("commit");
+        let ds = claim_all(&*s).await;
+        assert_eq!(
+            ds.iter()
+                .map(|d| (d.event_id.as_str(), d.seq))
+                .collect::<Vec<_>>(),
+            vec![("committed", Some(1))],
+            "committed is claimable; the aborted one gave its number back"
+        );
+        assert_eq!(app.count_documents(doc! {}).await.expect("count"), 1);
+        h.cleanup().await;
+    }
+
+    /// The late-commit pitfall: a publish transaction into a lane held open
+    /// while another publish (into another lane) commits and a claim reads.
+    /// A second publisher into the held lane cannot commit before the held
+    /// one (it write-conflicts and retries), so the cursor of the held lane
+    /// cannot move past the held transaction's positions.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn claim_cursor_does_not_skip_a_late_commit() {
+        let h = MongoHarness::new().await;
+        let s = h.store();
+        handler(&*s, "all", &["*"]).await;
+        let lane = lane_of_event(None, "late", s.lanes());
+        let same_lane = (0..)
+            .map(|i| format!("early-{i}"))
+            .find(|id| lane_of_event(None, id, s.lanes()) == lane)
+            .expect("an id in the lane");
+        let other_lane = (0..)
+            .map(|i| format!("other-{i}"))
+            .find(|id| lane_of_event(None, id, s.lanes()) != lane)
+            .expect("an id in another lane");
+
+        let mut held = h.store.client().start_session().await.expect("session");
+        held.start_transaction().await.expect("begin");
+        h.store
+            .publish_in(&mut held, vec![ev(Some("late"), "t.x", None)])
+            .await
+            .expect("publish_in");
+
+        // Another lane commits while the held transaction is open.
+        s.publish(vec![ev(Some(&other_lane), "t.x", None)])
+            .await
+            .expect("publish into another lane");
+        // A publisher into the same lane has to wait for the held one.
+        let blocked = {
+            let s = s.clone();
+            let id = same_lane.clone();
+            tokio::spawn(async move { s.publish(vec![ev(Some(&id), "t.x", None)]).await })
+        };
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(
+            !blocked.is_finished(),
+            "a publish into the held lane committed before the held transaction"
+        );
+        let first = s
+            .claim(&one_lane_claim(lane, 0, 0, 100))
+            .await
+            .expect("claim");
+        assert!(
+            first[0].deliveries.is_empty(),
+            "nothing of the lane is visible yet: {:?}",
+            first[0].deliveries
+        );
+
+        held.commit_transaction()
+            .await
+            .expect("commit the late publish");
+        blocked
+            .await
+            .expect("join")
+            .expect("the waiting publish succeeds after the held one");
+        let second = s
+            .claim(&one_lane_claim(lane, 0, first[0].next_after, 100))
+            .await
+            .expect("claim");
+        assert_eq!(
+            second[0]
+                .deliveries
+                .iter()
+                .map(|d| d.event_id.as_str())
+                .collect::<Vec<_>>(),
+            vec!["late", same_lane.as_str()],
+            "the cursor skipped the late commit, or read out of commit order"
+        );
+        h.cleanup().await;
+    }
+
+    /// A deposed owner's completion that meets a fence in progress (an epoch
+    /// raise held open in a transaction) changes nothing once the fence
+    /// commits (invariant 4): its transaction's write of the lane document
+    /// conflicts with the fence, and its retry sees the new epoch.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_completion_meeting_a_fence_in_progress_changes_nothing() {
+        let h = MongoHarness::new().await;
+        let s = h.store();
+        handler(&*s, "all", &["*"]).await;
+        let lane = lane_of_key("race", s.lanes());
+        assert!(s.fence(lane, "n1", 1).await.expect("fence"));
+        s.publish(vec![
+            ev(Some("r1"), "t.x", Some("race")),
+            ev(Some("r2"), "t.x", Some("race")),
+        ])
+        .await
+        .expect("publish");
+        let b = s
+            .claim(&one_lane_claim(lane, 1, 0, 10))
+            .await
+            .expect("claim");
+        let (d1, d2) = (b[0].deliveries[0].clone(), b[0].deliveries[1].clone());
+
+        let lanes = h
+            .store
+            .database()
+            .collection::<::mongodb::bson::Document>("lanes");
+        let mut fence_tx = h.store.client().start_session().await.expect("session");
+        fence_tx.start_transaction().await.expect("begin");
+        lanes
+            .update_one(
+                doc! { "_id": i32::from(lane) },
+                doc! { "$set": { "epoch": 2i64, "owner": "n2" } },
+            )
+            .session(&mut fence_tx)
+            .await
+            .expect("fence in a held transaction");
+        let stale = {
+            let s = s.clone();
+            tokio::spawn(async move {
+                let done = s.complete(&[dref(&d1, 1, 1)]).await;
+                let dead = s
+                    .dead_letter(&[DeadLetterRequest {
+                        id: d2.id,
+                        lane,
+                        epoch: 1,
+                        attempts: 8,
+                        last_error: "stale".into(),
+                    }])
+                    .await;
+                (done, dead)
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert!(
+            !stale.is_finished(),
+            "the completion did not wait for the fence in progress"
+        );
+        fence_tx
+            .commit_transaction()
+            .await
+            .expect("commit the fence");
+        let (done, dead) = stale.await.expect("join");
+        assert!(
+            done.expect("complete").is_empty(),
+            "a completion at epoch 1 changed rows after epoch 2 committed"
+        );
+        assert!(dead.expect("dead letter").is_empty());
+        let c = counts(&*s).await;
+        assert_eq!((c.deliveries, c.completions, c.dead_letters), (2, 0, 0));
+
+        // The deliveries are intact for the next owner.
+        assert!(s.fence(lane, "n3", 3).await.expect("fence"));
+        let b = s
+            .claim(&one_lane_claim(lane, 3, 0, 10))
+            .await
+            .expect("claim");
+        assert_eq!(b[0].deliveries.len(), 2);
+        h.cleanup().await;
+    }
+
+    /// The change stream wakes a subscriber on publish.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn publish_wakes_a_change_stream_subscriber() {
+        let h = MongoHarness::new().await;
+        let s = h.store();
+        handler(&*s, "all", &["*"]).await;
+        let Wakeups::Push(mut rx) = s.wakeups().await.expect("wakeups") else {
+            panic!("the test server offers change streams: expected Wakeups::Push");
+        };
+        s.publish(vec![ev(Some("wake"), "t.x", None)])
+            .await
+            .expect("publish");
+        tokio::time::timeout(Duration::from_secs(10), rx.recv())
+            .await
+            .expect("a wake-up within 10 s")
+            .expect("channel open");
+        h.cleanup().await;
+    }
+
+    /// `lanebus_store::open` accepts mongodb URLs (what `lanebus node
+    /// --store mongodb://...` uses), and migrating again is idempotent.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn open_takes_mongodb_urls_and_migrate_is_idempotent() {
+        let h = MongoHarness::new().await;
+        let s = lanebus_store::open(&h.url).await.expect("open");
+        assert_eq!(s.backend(), "mongodb");
+        assert_eq!(s.lanes(), DEFAULT_LANES);
+        h.store.migrate().await.expect("migrate again");
+        h.store.migrate().await.expect("and again");
+        assert_eq!(s.lane_rows().await.expect("lanes").len(), 256);
+        s.ping().await.expect("ping");
+        h.cleanup().await;
+    }
+}

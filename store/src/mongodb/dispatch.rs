@@ -160,24 +160,20 @@ fn delivery_from_doc(d: &Document) -> Result<Delivery> {
     })
 }
 
-/// Writes the lane documents of `refs`' `(lane, epoch)` pairs whose epoch
-/// is the current one (`$inc: {writes: 1}`), and returns those pairs. The
-/// write is what makes a concurrent fence conflict with (or wait for) this
-/// transaction.
+/// Reads the epochs of the lanes of `pairs` in the transaction's snapshot
+/// and writes the lane documents whose epoch is the requested one
+/// (`$inc: {writes: 1}`); returns those `(lane, epoch)` pairs.
+///
+/// The write is what makes a concurrent fence conflict with (or wait for)
+/// this transaction: a fence committed after the snapshot, or still open,
+/// makes the write fail with a write conflict, and the retry reads the new
+/// epoch. Lanes the caller does not own are not written.
 async fn fenced_lanes(
     s: &MongoStore,
     session: &mut ClientSession,
     pairs: impl Iterator<Item = (Lane, Epoch)>,
 ) -> TxnResult<HashSet<(Lane, Epoch)>> {
     let pairs: HashSet<(Lane, Epoch)> = pairs.collect();
-    let or: Vec<Document> = pairs
-        .iter()
-        .map(|(l, e)| doc! { "_id": i32::from(*l), "epoch": *e })
-        .collect();
-    s.coll(names::LANES)
-        .update_many(doc! { "$or": or }, doc! { "$inc": { "writes": 1i64 } })
-        .session(&mut *session)
-        .await?;
     let lanes: Vec<i32> = pairs
         .iter()
         .map(|(l, _)| i32::from(*l))
@@ -185,10 +181,21 @@ async fn fenced_lanes(
         .into_iter()
         .collect();
     let epochs = lane_epochs(s, session, &lanes).await?;
-    Ok(pairs
+    let owned: HashSet<(Lane, Epoch)> = pairs
         .into_iter()
         .filter(|(l, e)| epochs.get(l) == Some(e))
-        .collect())
+        .collect();
+    if !owned.is_empty() {
+        let owned_lanes: Vec<i32> = owned.iter().map(|(l, _)| i32::from(*l)).collect();
+        s.coll(names::LANES)
+            .update_many(
+                doc! { "_id": { "$in": owned_lanes } },
+                doc! { "$inc": { "writes": 1i64 } },
+            )
+            .session(&mut *session)
+            .await?;
+    }
+    Ok(owned)
 }
 
 /// Keeps the first occurrence of each id (a repeated ref would otherwise
