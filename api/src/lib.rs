@@ -129,6 +129,38 @@ pub struct ClusterNodeView {
     pub lanes: u32,
 }
 
+/// Body of `POST /admin/cluster/join`: the node to add.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct JoinRequest {
+    /// The new node's id (a positive integer, unique in the cluster).
+    pub id: u64,
+    /// Its Raft address, `IP:PORT`.
+    pub raft_addr: String,
+    /// Its HTTP API address, `IP:PORT`.
+    pub http_addr: String,
+}
+
+/// Body of `POST /admin/cluster/remove`: the node to remove on purpose.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RemoveRequest {
+    /// The node's id.
+    pub id: u64,
+}
+
+/// Why a change of membership was not made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClusterChangeError {
+    /// This node runs without a cluster (single node): `409 conflict`.
+    NotClustered,
+    /// No Raft leader could be reached in time: `503 not_ready`; retry.
+    Unavailable(String),
+    /// The cluster refused (e.g. the id is a member with other addresses,
+    /// or unknown): `409 conflict`.
+    Refused(String),
+}
+
 /// What the API needs from the running node. Implemented by the node crate.
 #[async_trait]
 pub trait NodeView: Send + Sync + 'static {
@@ -153,6 +185,22 @@ pub trait NodeView: Send + Sync + 'static {
 
     /// Prometheus text exposition of the node's metrics.
     fn render_metrics(&self) -> String;
+
+    /// Adds a member (`POST /admin/cluster/join`), forwarded to the Raft
+    /// leader. Idempotent for the same id and addresses. The default: not
+    /// clustered.
+    async fn join_node(&self, req: JoinRequest) -> Result<(), ClusterChangeError> {
+        let _ = req;
+        Err(ClusterChangeError::NotClustered)
+    }
+
+    /// Removes a member on purpose (`POST /admin/cluster/remove`): its lanes
+    /// are handed over gracefully, then it leaves Raft. The default: not
+    /// clustered.
+    async fn remove_node(&self, id: u64) -> Result<(), ClusterChangeError> {
+        let _ = id;
+        Err(ClusterChangeError::NotClustered)
+    }
 
     /// The cluster membership for `GET /admin/cluster`.
     ///

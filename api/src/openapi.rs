@@ -15,7 +15,7 @@
 //! answer schemas come from the `utoipa::ToSchema` derives on the very types
 //! the handlers (de)serialize, and the error answers come from
 //! [`Operation::errors`], all with the shape `{"error": {"code", "message"}}`
-//! (component `Error`). [`describe`] matches every [`Operation`]
+//! (component `Error`). `describe` matches every [`Operation`]
 //! exhaustively, so a new route does not compile until it is described.
 //!
 //! Invariants the tests check: the document's (path, method) pairs are
