@@ -52,11 +52,13 @@ pub struct NodeArgs {
     #[arg(long, env = "LANEBUS_JOIN")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub join: Option<String>,
-    /// Ceiling of the first retry delay, in milliseconds [default: 500].
+    /// Ceiling of the first retry delay, in milliseconds, 1 to 600000; also
+    /// the shortest wait a `Retry-After` answer can ask for [default: 500].
     #[arg(long, env = "LANEBUS_RETRY_BASE_MS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retry_base_ms: Option<u64>,
-    /// Largest delay between two retries, in milliseconds [default: 600000].
+    /// Largest delay between two retries, in milliseconds, at most
+    /// 86400000 (24 h) [default: 600000].
     #[arg(long, env = "LANEBUS_RETRY_CAP_MS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retry_cap_ms: Option<u64>,
@@ -199,6 +201,10 @@ pub fn validate(a: NodeArgs) -> anyhow::Result<NodeConfig> {
     if retry_cap_ms < retry_base_ms {
         bail!("retry_cap_ms ({retry_cap_ms}) must be at least retry_base_ms ({retry_base_ms})");
     }
+    // Bounded so `now + delay` can never overflow (see retry::MAX_DELAY).
+    if retry_cap_ms > 86_400_000 {
+        bail!("retry_cap_ms must be at most 86400000 (24 h), got {retry_cap_ms}");
+    }
     if let Some(p) = a.poll_interval_ms {
         if !(1..=60_000).contains(&p) {
             bail!("poll_interval_ms must be 1 to 60000, got {p}");
@@ -311,6 +317,21 @@ mod tests {
             ..base()
         })
         .contains("lane_buffer"));
+        assert!(err(NodeArgs {
+            retry_cap_ms: Some(86_400_001),
+            ..base()
+        })
+        .contains("retry_cap_ms must be at most 86400000"));
+        assert!(err(NodeArgs {
+            retry_base_ms: Some(600_001),
+            ..base()
+        })
+        .contains("retry_base_ms"));
+        assert!(validate(NodeArgs {
+            retry_cap_ms: Some(86_400_000),
+            ..base()
+        })
+        .is_ok());
         assert!(!redact("postgres://u:secret@h/db").contains("secret"));
     }
 

@@ -25,7 +25,14 @@
 //! `Retry-After` header (RFC 9110 section 10.2.3: delta-seconds or an
 //! HTTP-date) sets the delay instead of the backoff, capped at
 //! [`RetryPolicy::max_retry_after`], because the endpoint said when it can
-//! take the request again.
+//! take the request again. It is floored at [`RetryPolicy::base`]: a
+//! `Retry-After: 0` (or a date in the past) must not turn a 429/503 into a
+//! tight loop against an endpoint that is already overloaded.
+//!
+//! # Bounds
+//!
+//! No delay is ever longer than [`MAX_DELAY`] (24 hours), whatever the
+//! policy says, so `now + delay` cannot overflow a timestamp.
 //!
 //! # Attempts
 //!
@@ -34,10 +41,16 @@
 
 use std::time::{Duration, SystemTime};
 
+/// Longest delay [`decide`] ever returns (24 hours), whatever the policy:
+/// the node's configuration refuses larger `cap`/`base` values, and this
+/// keeps `now + delay` far from the end of any timestamp type.
+pub const MAX_DELAY: Duration = Duration::from_secs(24 * 3600);
+
 /// Backoff parameters. The defaults suit webhooks; tests shorten `base`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RetryPolicy {
-    /// Ceiling of the first retry's delay (default 500 ms).
+    /// Ceiling of the first retry's delay (default 500 ms); also the
+    /// shortest delay a `Retry-After` answer can ask for.
     pub base: Duration,
     /// Growth of the ceiling per failed attempt (default 2.0).
     pub factor: f64,
@@ -130,9 +143,12 @@ pub fn decide(
                 };
             }
             let delay = match retry_after {
-                Some(d) => (*d).min(policy.max_retry_after),
+                // Floored at `base` (a `Retry-After: 0` must not hammer the
+                // endpoint), then capped as asked.
+                Some(d) => (*d).max(policy.base).min(policy.max_retry_after),
                 None => policy.backoff(attempt, unit),
-            };
+            }
+            .min(MAX_DELAY);
             Decision::Retry {
                 delay,
                 error: error.clone(),
@@ -241,6 +257,44 @@ mod tests {
                 error: "http 500".into()
             }
         );
+    }
+
+    #[test]
+    fn retry_after_zero_or_tiny_is_floored_at_base() {
+        let p = RetryPolicy::default();
+        for asked in [Duration::ZERO, Duration::from_millis(1), p.base / 2] {
+            assert_eq!(
+                decide(&p, 1, 8, &failed(Some(asked)), 0.0),
+                Decision::Retry {
+                    delay: p.base,
+                    error: "http 500".into()
+                },
+                "Retry-After of {asked:?}"
+            );
+        }
+        // Longer than base: taken as asked.
+        let d = decide(&p, 1, 8, &failed(Some(p.base * 3)), 0.0);
+        assert!(matches!(d, Decision::Retry { delay, .. } if delay == p.base * 3));
+    }
+
+    #[test]
+    fn no_delay_exceeds_a_day_whatever_the_policy() {
+        let huge = RetryPolicy {
+            base: Duration::from_secs(u64::MAX / 4),
+            factor: 1e300,
+            cap: Duration::MAX,
+            max_retry_after: Duration::MAX,
+        };
+        for outcome in [failed(None), failed(Some(Duration::MAX))] {
+            let Decision::Retry { delay, .. } = decide(&huge, 5, 8, &outcome, 0.99) else {
+                panic!("expected a retry");
+            };
+            assert!(delay <= MAX_DELAY, "{delay:?}");
+            // The key handler adds it to the clock: that must not panic.
+            let at =
+                chrono::Utc::now() + chrono::Duration::from_std(delay).expect("a day fits chrono");
+            assert!(at > chrono::Utc::now());
+        }
     }
 
     #[test]

@@ -116,11 +116,20 @@ async fn real_input_ten_fold(backend: Backend) -> anyhow::Result<()> {
         );
         last.insert(k, seq);
     }
-    let counts = node.store().counts().await?;
-    ensure!(
-        counts.deliveries == 0 && counts.completions == exp.len() as i64,
-        "store counts {counts:?}"
-    );
+    // The receiver has accepted the last delivery, but its completion may
+    // not be written yet (the store actor batches it): poll until settled.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let counts = node.store().counts().await?;
+        if counts.deliveries == 0 && counts.completions == exp.len() as i64 {
+            break;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "store counts {counts:?} 30 s after the last delivery arrived"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 
     if let Ok(python) = std::env::var("LANEBUS_TEST_PYTHON") {
         cross_check_with_python(&python, &rx, &[issues, all])?;
