@@ -2305,6 +2305,92 @@ mod mongodb_only {
         h.cleanup().await;
     }
 
+    /// Round trips per operation, counted from the driver's command events
+    /// (what the `mongodb` module docs quote): a publish of 100 keyed events
+    /// to 2 handlers, a claim of 10 lanes, a completion of 200 deliveries.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn round_trips_per_publish_claim_and_complete() {
+        use ::mongodb::event::{command::CommandEvent, EventHandler};
+        use std::sync::Mutex;
+
+        let db = format!("lanebus_t_{}", uuid::Uuid::new_v4().simple());
+        let url = with_database(&mongo_base_url(), &db);
+        let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+        let mut options = ::mongodb::options::ClientOptions::parse(&url)
+            .await
+            .expect("url");
+        let log = seen.clone();
+        options.command_event_handler = Some(EventHandler::callback(move |e| {
+            if let CommandEvent::Started(c) = e {
+                log.lock().expect("lock").push(c.command_name);
+            }
+        }));
+        let client = ::mongodb::Client::with_options(options).expect("client");
+        let store = lanebus_store::mongodb::MongoStore::with_client(client, &db, DEFAULT_LANES)
+            .await
+            .expect("open");
+        handler(&store, "a", &["*"]).await;
+        handler(&store, "b", &["t.*"]).await;
+        let take = || std::mem::take(&mut *seen.lock().expect("lock"));
+        take();
+
+        let events: Vec<NewEvent> = (0..100)
+            .map(|i| {
+                ev(
+                    Some(&format!("rt-{i}")),
+                    "t.x",
+                    Some(&format!("key-{}", i % 10)),
+                )
+            })
+            .collect();
+        store.publish(events).await.expect("publish");
+        let publish = take();
+        // Again on the same keys: the counters exist now (update, not insert).
+        let events: Vec<NewEvent> = (0..100)
+            .map(|i| ev(None, "t.x", Some(&format!("key-{}", i % 10))))
+            .collect();
+        store.publish(events).await.expect("publish");
+        let publish_again = take();
+        let lanes: Vec<Lane> = (0..10)
+            .map(|k| lane_of_key(&format!("key-{k}"), store.lanes()))
+            .collect::<HashSet<_>>()
+            .into_iter()
+            .collect();
+        let claims: Vec<LaneClaim> = lanes
+            .iter()
+            .map(|l| LaneClaim {
+                lane: *l,
+                epoch: 0,
+                after: 0,
+                limit: 1000,
+            })
+            .collect();
+        let batches = store.claim(&claims).await.expect("claim");
+        let claim = take();
+        let refs: Vec<DeliveryRef> = batches
+            .iter()
+            .flat_map(|b| b.deliveries.iter().map(|d| dref(d, 0, 1)))
+            .collect();
+        assert_eq!(refs.len(), 400);
+        let refs = &refs[..200];
+        assert_eq!(store.complete(refs).await.expect("complete").len(), 200);
+        let complete = take();
+        eprintln!(
+            "round trips: publish of 100 events x 2 handlers {} {publish:?}; again, generated ids {} \
+             {publish_again:?}; claim of {} lanes {} {claim:?}; complete of 200 {} {complete:?}",
+            publish.len(),
+            publish_again.len(),
+            lanes.len(),
+            claim.len(),
+            complete.len()
+        );
+        assert!(publish.len() <= 8, "publish: {publish:?}");
+        assert!(publish_again.len() <= 7, "publish: {publish_again:?}");
+        assert!(claim.len() <= 3, "claim: {claim:?}");
+        assert!(complete.len() <= 6, "complete: {complete:?}");
+        let _ = store.database().drop().await;
+    }
+
     /// The change stream wakes a subscriber on publish.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn publish_wakes_a_change_stream_subscriber() {

@@ -15,7 +15,7 @@ use futures::TryStreamExt;
 use super::publish::{bump, delivery_doc, lane_counter};
 use super::{
     get_int, get_lane, get_opt_int, get_opt_string, get_string, map_err, names, MongoStore,
-    TxnResult,
+    TxnResult, FULL_BATCH,
 };
 use crate::common::{from_micros, to_micros, to_u32};
 use crate::*;
@@ -88,6 +88,7 @@ pub(super) async fn claim(
         let rows: Vec<Document> = s
             .coll(names::DELIVERIES)
             .aggregate(pipeline)
+            .batch_size(FULL_BATCH)
             .session(&mut *session)
             .await?
             .stream(&mut *session)
@@ -119,6 +120,7 @@ async fn lane_epochs(
         .coll(names::LANES)
         .find(doc! { "_id": { "$in": lanes } })
         .projection(doc! { "epoch": 1 })
+        .batch_size(FULL_BATCH)
         .session(&mut *session)
         .await?
         .stream(&mut *session)
@@ -226,6 +228,7 @@ async fn fenced_deliveries(
     let docs: Vec<Document> = s
         .coll(names::DELIVERIES)
         .find(doc! { "_id": { "$in": ids } })
+        .batch_size(FULL_BATCH)
         .session(&mut *session)
         .await?
         .stream(&mut *session)
@@ -293,6 +296,23 @@ pub(super) async fn complete(
         .insert_many(records)
         .session(&mut *session)
         .await?;
+    Ok(ids)
+}
+
+/// Fenced delete without completion records (`Store::discard`).
+pub(super) async fn discard(
+    s: &MongoStore,
+    session: &mut ClientSession,
+    refs: &[DeliveryRef],
+) -> TxnResult<Vec<i64>> {
+    let refs: Vec<&DeliveryRef> = first_by_id(refs, |r| r.id);
+    let keys: Vec<(i64, Lane, Epoch)> = refs.iter().map(|r| (r.id, r.lane, r.epoch)).collect();
+    let found = fenced_deliveries(s, session, &keys).await?;
+    if found.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids: Vec<i64> = found.keys().copied().collect();
+    delete_deliveries(s, session, &ids).await?;
     Ok(ids)
 }
 
@@ -393,6 +413,7 @@ pub(super) async fn replay_dead_letters(
         .coll(names::DEAD_LETTERS)
         .find(filter)
         .sort(doc! { "_id": 1 })
+        .batch_size(FULL_BATCH)
         .session(&mut *session)
         .await?
         .stream(&mut *session)
@@ -408,6 +429,7 @@ pub(super) async fn replay_dead_letters(
         .coll(names::HANDLERS)
         .find(doc! { "_id": { "$in": handler_ids } })
         .projection(doc! { "_id": 1 })
+        .batch_size(FULL_BATCH)
         .session(&mut *session)
         .await?
         .stream(&mut *session)

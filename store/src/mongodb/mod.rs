@@ -103,19 +103,26 @@
 //! committed (invariant 4), and lanes it does not own are not written at
 //! all. The `writes` counter costs one small update per lane per batch.
 //!
-//! # Operations per call (round trips; measured by counting driver calls)
+//! # Round trips per call (measured: driver command events, test
+//! `round_trips_per_publish_claim_and_complete`)
 //!
-//! - publish: stored-id find (only with client ids), handlers find, counters
-//!   find, counters insert (only new keys or lanes), counters update (one
-//!   `updateOne`/`updateMany`), events `insertMany`, deliveries
-//!   `insertMany`, commit: 6 to 8 whatever the batch size.
-//! - claim of many lanes: lanes find, one aggregation per 64 lanes
+//! - publish (any batch size): stored-id `find` (only with client-supplied
+//!   ids), handlers `find`, counters `find`, counters `insert` (keys or lanes
+//!   seen for the first time) and/or one counters `update` (`$inc`, or a
+//!   pipeline `updateMany` adding each document's own increment), events
+//!   `insert`, deliveries `insert`, `commitTransaction`. Measured for 100
+//!   keyed events to 2 handlers: 7 with client ids and new keys, 6 with
+//!   generated ids on known keys.
+//! - claim of many lanes: lanes `find`, one `aggregate` per 64 lanes
 //!   (`$unionWith` one indexed sub-pipeline per lane, `$lookup` of the
-//!   events), commit of the read-only transaction: 3 for up to 64 lanes.
-//! - complete: lanes find, lanes `updateMany`, deliveries find, deliveries
-//!   `deleteMany`, completions `insertMany`, commit: 6 whatever the batch.
-//!   Reschedules replace documents (`deleteMany` + `insertMany`, 6); dead
-//!   letters add the id counter (7).
+//!   events), `commitTransaction` of the read-only transaction: 3 for 10
+//!   lanes (cursors ask for the whole result in the first batch, so no
+//!   `getMore` below 16 MB).
+//! - complete (any batch size): lanes `find`, lanes `update`, deliveries
+//!   `find`, deliveries `delete`, completions `insert`, `commitTransaction`:
+//!   6 for 200 deliveries. Reschedules replace the documents (`delete` +
+//!   `insert`, 6); dead letters also take ids from a counter (8).
+//! - fence: one `update` (write concern majority) and one `find`.
 //!
 //! # Wake-ups
 //!
@@ -182,6 +189,11 @@ const SCHEMA_VERSION: i64 = 1;
 
 /// Default database when the URL names none.
 pub const DEFAULT_DATABASE: &str = "lanebus";
+
+/// Cursor batch size asked for: the whole result in the first batch (the
+/// server still cuts a batch at 16 MB), so a read is one round trip without
+/// `getMore`.
+pub(crate) const FULL_BATCH: u32 = 1_000_000;
 
 /// Server error code of a duplicate key.
 const DUPLICATE_KEY: i32 = 11000;
@@ -434,19 +446,35 @@ impl MongoStore {
                 }
                 _ => map_err(e),
             })?;
-        let db_name = options
+        let database = options
             .default_database
             .clone()
             .unwrap_or_else(|| DEFAULT_DATABASE.to_string());
         let client = Client::with_options(options).map_err(map_err)?;
-        let db = client.database(&db_name);
+        Self::with_client(client, &database, lanes).await
+    }
+
+    /// Opens the store in `database` through an existing `client` (for
+    /// applications that already hold one: a [`MongoStore::publish_in`]
+    /// session must come from the store's own client). Checks for a replica
+    /// set, migrates, and creates `lanes` lanes if the store is new.
+    ///
+    /// # Errors
+    /// As [`MongoStore::connect_with_lanes`].
+    pub async fn with_client(client: Client, database: &str, lanes: u16) -> Result<Self> {
+        if lanes == 0 {
+            return Err(StoreError::Invalid(
+                "a store needs at least one lane".into(),
+            ));
+        }
+        let db = client.database(database);
         let hello = db.run_command(doc! { "hello": 1 }).await.map_err(map_err)?;
         let replica_set = hello.get_str("setName").is_ok();
         let mongos = hello.get_str("msg") == Ok("isdbgrid");
         if !replica_set && !mongos {
             return Err(StoreError::Invalid(format!(
                 "the mongodb store needs a replica set or a sharded cluster (it uses transactions); \
-                 the server at {url:?} is a standalone"
+                 the server of database {database:?} is a standalone"
             )));
         }
         let mut store = MongoStore { client, db, lanes };
@@ -704,6 +732,13 @@ impl Store for MongoStore {
             return Ok(Vec::new());
         }
         in_transaction!(self, |sess| dispatch::complete(self, sess, done))
+    }
+
+    async fn discard(&self, refs: &[DeliveryRef]) -> Result<Vec<i64>> {
+        if refs.is_empty() {
+            return Ok(Vec::new());
+        }
+        in_transaction!(self, |sess| dispatch::discard(self, sess, refs))
     }
 
     async fn reschedule(&self, items: &[Reschedule]) -> Result<Vec<i64>> {

@@ -15,7 +15,9 @@ use ::mongodb::ClientSession;
 use chrono::Utc;
 use futures::TryStreamExt;
 
-use super::{delivery_id, get_int, get_string, names, opt_i64, opt_str, MongoStore, TxnResult};
+use super::{
+    delivery_id, get_int, get_string, names, opt_i64, opt_str, MongoStore, TxnResult, FULL_BATCH,
+};
 use crate::common::{to_micros, PublishPlan};
 use crate::{route, PublishOutcome, StoreError};
 
@@ -48,6 +50,7 @@ pub(super) async fn bump(
     let ids: Vec<&String> = incs.keys().collect();
     let found: Vec<Document> = coll
         .find(doc! { "_id": { "$in": &ids } })
+        .batch_size(FULL_BATCH)
         .session(&mut *session)
         .await?
         .stream(&mut *session)
@@ -114,6 +117,7 @@ pub(super) async fn write(
             .coll(names::EVENTS)
             .find(doc! { "_id": { "$in": &client_ids } })
             .projection(doc! { "_id": 1 })
+            .batch_size(FULL_BATCH)
             .session(&mut *session)
             .await?
             .stream(&mut *session)
@@ -139,6 +143,7 @@ pub(super) async fn write(
         .find(doc! { "state": "enabled" })
         .projection(doc! { "_id": 1, "event_types": 1 })
         .sort(doc! { "seq": 1 })
+        .batch_size(FULL_BATCH)
         .session(&mut *session)
         .await?
         .stream(&mut *session)
