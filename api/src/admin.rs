@@ -7,6 +7,9 @@
 //! POST /admin/dead-letters/replay {"handler_id"?, "ids"?}   200 {"replayed": n}
 //! GET  /admin/lanes                           200 {"lanes": [...]}
 //! GET  /admin/cluster                         200 ClusterView
+//! POST /admin/cluster/join {"id","raft_addr","http_addr"}
+//!        200 {"ok": true} | 409 conflict | 503 not_ready
+//! POST /admin/cluster/remove {"id"}            200 {"ok": true} | 409 | 503
 //! GET  /admin/handlers                        200 {"handlers": [...], "dead_letters_exact": bool}
 //! ```
 //!
@@ -31,7 +34,7 @@ use utoipa::{IntoParams, ToSchema};
 use crate::error::{ApiError, ErrorCode};
 use crate::extract::{Json, Path, Query};
 use crate::handlers::{not_found, HandlerStateView};
-use crate::{ApiState, ClusterView, LaneView};
+use crate::{ApiState, ClusterChangeError, ClusterView, JoinRequest, LaneView, RemoveRequest};
 
 /// Default page size of `GET /admin/dead-letters`.
 pub const DEFAULT_PAGE: u32 = 100;
@@ -252,6 +255,55 @@ pub(crate) async fn lanes(State(state): State<ApiState>) -> axum::Json<LaneList>
 /// Handler of `GET /admin/cluster`, from [`crate::NodeView::cluster`].
 pub(crate) async fn cluster(State(state): State<ApiState>) -> axum::Json<ClusterView> {
     axum::Json(state.node.cluster().await)
+}
+
+/// Answer of the cluster changes (`join`, `remove`).
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct ClusterChanged {
+    /// Always `true`: the change is recorded.
+    ok: bool,
+}
+
+fn cluster_change_error(e: ClusterChangeError) -> ApiError {
+    match e {
+        ClusterChangeError::NotClustered => ApiError::new(
+            ErrorCode::Conflict,
+            "this node runs without a cluster (--single)",
+        ),
+        ClusterChangeError::Unavailable(m) => ApiError::new(
+            ErrorCode::NotReady,
+            format!("no raft leader reachable: {m}"),
+        ),
+        ClusterChangeError::Refused(m) => ApiError::new(ErrorCode::Conflict, m),
+    }
+}
+
+/// Handler of `POST /admin/cluster/join`, through
+/// [`crate::NodeView::join_node`].
+pub(crate) async fn join(
+    State(state): State<ApiState>,
+    Json(req): Json<JoinRequest>,
+) -> Result<axum::Json<ClusterChanged>, ApiError> {
+    state
+        .node
+        .join_node(req)
+        .await
+        .map_err(cluster_change_error)?;
+    Ok(axum::Json(ClusterChanged { ok: true }))
+}
+
+/// Handler of `POST /admin/cluster/remove`, through
+/// [`crate::NodeView::remove_node`].
+pub(crate) async fn remove(
+    State(state): State<ApiState>,
+    Json(req): Json<RemoveRequest>,
+) -> Result<axum::Json<ClusterChanged>, ApiError> {
+    state
+        .node
+        .remove_node(req.id)
+        .await
+        .map_err(cluster_change_error)?;
+    Ok(axum::Json(ClusterChanged { ok: true }))
 }
 
 /// One handler in `GET /admin/handlers`: what an operator looks at, without

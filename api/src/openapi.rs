@@ -46,14 +46,15 @@ use utoipa::openapi::{OpenApi, OpenApiBuilder, PathsBuilder, Ref, RefOr, Require
 use utoipa::{IntoParams, PartialSchema, ToSchema};
 
 use crate::admin::{
-    BulkReplay, DeadLetterPage, DeadLetterQuery, HandlerSummaries, LaneList, Replayed,
+    BulkReplay, ClusterChanged, DeadLetterPage, DeadLetterQuery, HandlerSummaries, LaneList,
+    Replayed,
 };
 use crate::error::{ErrorBody, ErrorCode};
 use crate::events::{PublishAnswer, PublishRequest};
 use crate::handlers::{CreateHandler, Deleted, HandlerList, HandlerView};
 use crate::health::Status;
 use crate::routes::{Operation, ROUTES};
-use crate::ClusterView;
+use crate::{ClusterView, JoinRequest, RemoveRequest};
 
 /// Media type of JSON bodies.
 const JSON: &str = "application/json";
@@ -248,6 +249,39 @@ fn describe(op: Operation, s: &mut Schemas) -> Described {
              and term.",
             (StatusCode::OK, "the cluster", json(s.of::<ClusterView>())),
         ),
+        Operation::JoinCluster => Described {
+            body: Some(s.of::<JoinRequest>()),
+            ..d(
+                "cluster",
+                "Add a node to the cluster",
+                "Records the node as a member (forwarded to the Raft leader); the leader then \
+                 makes it a learner, and a voter while there are fewer voters than configured. \
+                 Idempotent for the same id and addresses. `409 conflict`: the id is a member \
+                 with other addresses, or this node runs without a cluster; `503 not_ready`: \
+                 no leader reachable now, retry.",
+                (
+                    StatusCode::OK,
+                    "the node is a member",
+                    json(s.of::<ClusterChanged>()),
+                ),
+            )
+        },
+        Operation::RemoveNode => Described {
+            body: Some(s.of::<RemoveRequest>()),
+            ..d(
+                "cluster",
+                "Remove a node on purpose",
+                "Marks the node leaving: its lanes are handed over gracefully (it drains and \
+                 releases them; it must keep running meanwhile), then the leader removes it from \
+                 Raft. `409 conflict`: unknown id, or no cluster; `503 not_ready`: no leader \
+                 reachable now, retry.",
+                (
+                    StatusCode::OK,
+                    "the node is leaving",
+                    json(s.of::<ClusterChanged>()),
+                ),
+            )
+        },
         Operation::HandlerSummaries => d(
             "handlers",
             "Handlers with state and dead-letter counts",

@@ -45,6 +45,11 @@ pub enum Operation {
     ListLanes,
     /// `GET /admin/cluster`: the cluster membership.
     GetCluster,
+    /// `POST /admin/cluster/join`: add a node (forwarded to the leader).
+    JoinCluster,
+    /// `POST /admin/cluster/remove`: remove a node on purpose (its lanes are
+    /// handed over first).
+    RemoveNode,
     /// `GET /admin/handlers`: handlers with their state and dead-letter
     /// counts, without secrets (the dashboard's handler table).
     HandlerSummaries,
@@ -91,6 +96,8 @@ impl Operation {
             Operation::ReplayDeadLetters => "replayDeadLetters",
             Operation::ListLanes => "listLanes",
             Operation::GetCluster => "getCluster",
+            Operation::JoinCluster => "joinCluster",
+            Operation::RemoveNode => "removeNode",
             Operation::HandlerSummaries => "listHandlerSummaries",
             Operation::Metrics => "metrics",
             Operation::Healthz => "healthz",
@@ -139,6 +146,9 @@ impl Operation {
                 [&JSON_BODY[..], &[E::InvalidInput, E::NotFound], &STORE].concat()
             }
             Operation::Readyz => vec![E::NotReady, E::StoreUnavailable],
+            Operation::JoinCluster | Operation::RemoveNode => {
+                [&JSON_BODY[..], &[E::Conflict, E::NotReady]].concat()
+            }
             Operation::ListLanes
             | Operation::GetCluster
             | Operation::Metrics
@@ -167,6 +177,8 @@ impl Operation {
             Operation::ReplayDeadLetters => post(admin::replay_bulk),
             Operation::ListLanes => get(admin::lanes),
             Operation::GetCluster => get(admin::cluster),
+            Operation::JoinCluster => post(admin::join),
+            Operation::RemoveNode => post(admin::remove),
             Operation::HandlerSummaries => get(admin::handler_summaries),
             Operation::Metrics => get(health::metrics),
             Operation::Healthz => get(health::healthz),
@@ -228,6 +240,8 @@ pub const ROUTES: &[RouteSpec] = &[
     ),
     spec(Method::GET, "/admin/lanes", Operation::ListLanes),
     spec(Method::GET, "/admin/cluster", Operation::GetCluster),
+    spec(Method::POST, "/admin/cluster/join", Operation::JoinCluster),
+    spec(Method::POST, "/admin/cluster/remove", Operation::RemoveNode),
     spec(Method::GET, "/admin/handlers", Operation::HandlerSummaries),
     spec(Method::GET, "/metrics", Operation::Metrics),
     spec(Method::GET, "/healthz", Operation::Healthz),

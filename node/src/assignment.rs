@@ -1,28 +1,126 @@
 //! Which lanes this node owns, at which epoch: the seam between lane
-//! ownership (Raft, with the cluster issue) and the lane owners.
+//! ownership (Raft) and the lane owners.
 //!
-//! A [`LaneAssignment`] yields the set of `(lane, epoch)` the node owns as a
-//! [`tokio::sync::watch`] channel; the node starts a
-//! [`LaneOwner`](crate::actors::LaneOwner) for every lane that appears and
-//! stops the ones that disappear or change epoch. Before a lane appears the
-//! assignment has fenced it in the store ([`Store::fence`]), so a deposed
-//! owner of an older epoch changes nothing any more (DESIGN.md invariant 4).
+//! A [`LaneAssignment`] yields [`LaneWork`] as a [`tokio::sync::watch`]
+//! channel: the lanes the node owns (`lane -> epoch`, each already fenced in
+//! the store with [`Store::fence`], so a deposed owner of an older epoch
+//! changes nothing any more, DESIGN.md invariant 4) and the lanes it must
+//! hand over. The node carries out what [`plan_lanes`] decides: start a
+//! [`LaneOwner`](crate::actors::LaneOwner) for every owned lane without one,
+//! stop the owners whose lane disappeared or changed epoch, drain the ones
+//! being handed over and then report them with [`LaneAssignment::released`].
 //!
-//! [`LocalAssignment`] is the single-node implementation: it owns every lane
-//! and raises each lane's epoch by one at start, so a restarted node never
-//! reuses the epoch of its previous life. The Raft-based assignment replaces
-//! it behind the same trait.
+//! ## Fencing per process incarnation
+//!
+//! The owner name written to the store is unique per process start
+//! ([`owner_name`]: `"<node id>/<incarnation>"`). The store's fence succeeds
+//! only when the row afterwards reads (owner, epoch), so two processes
+//! started with the same `--id` can never both hold a (lane, epoch): the one
+//! that fenced second fails and needs a higher epoch.
+//!
+//! - [`LocalAssignment`] (single node, `lanebus node --single`, in-process
+//!   tests) owns every lane at `stored epoch + 1` and re-reads and retries a
+//!   lane that someone fenced meanwhile: the last process started wins, the
+//!   other's lane owners are fenced out at their next claim and stop.
+//! - [`RaftAssignment`] fences the epochs Raft decides. A restarted node
+//!   records its new incarnation in Raft before its first lease renewal
+//!   (`lanebus_cluster::Command::Incarnate`), which gives its active lanes
+//!   `epoch + 1`; until that is applied here a fence at the old epoch fails
+//!   (the old process's name is in the row) and is retried.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::{stream, StreamExt, TryStreamExt};
+use lanebus_cluster::{Cluster, ClusterError};
 use lanebus_store::{Epoch, Lane, LaneRow, Store, StoreError};
 use tokio::sync::watch;
 
 /// Lanes owned by this node and the epoch of each.
 pub type OwnedLanes = BTreeMap<Lane, Epoch>;
+
+/// What the node must do with its lanes now.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LaneWork {
+    /// Lanes to work, fenced in the store at their epoch.
+    pub owned: OwnedLanes,
+    /// Lanes to hand over, at the epoch this node holds them: stop claiming,
+    /// drain in-flight work within the bound, then
+    /// [`LaneAssignment::released`].
+    pub releasing: OwnedLanes,
+}
+
+/// The owner name a process writes into the store's lane rows: the node id
+/// and this process start's incarnation, so that two processes with the
+/// same id never hold the same (lane, epoch).
+pub fn owner_name(node_id: &str, incarnation: &str) -> String {
+    format!("{node_id}/{incarnation}")
+}
+
+/// The node id part of a stored owner name (see [`owner_name`]).
+pub fn owner_node(owner: &str) -> &str {
+    owner.split_once('/').map_or(owner, |(n, _)| n)
+}
+
+/// A lane owner the node runs: its epoch and whether it is draining.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Running {
+    /// Epoch it works at.
+    pub epoch: Epoch,
+    /// A drain for a handover is under way.
+    pub draining: bool,
+}
+
+/// What the node does to reach [`LaneWork`] from its running owners.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LanePlan {
+    /// Start an owner at this epoch.
+    pub start: Vec<(Lane, Epoch)>,
+    /// Stop at once (lane gone, epoch changed, lease lapsed).
+    pub stop: Vec<Lane>,
+    /// Drain for a handover (stop claiming; release when drained or at the
+    /// bound).
+    pub drain: Vec<Lane>,
+    /// Being handed over but nothing runs here (e.g. a restarted process):
+    /// release at once.
+    pub release_now: Vec<Lane>,
+}
+
+/// Decides how to go from the `running` owners to `work`. `releases_sent`
+/// holds the lanes whose release is already under way (drained or
+/// reported), which are not released twice.
+///
+/// A draining owner whose lane is active again (handover cancelled) is
+/// left to finish its drain; the node starts a new owner once it stopped.
+pub fn plan_lanes(
+    running: &BTreeMap<Lane, Running>,
+    work: &LaneWork,
+    releases_sent: &BTreeSet<Lane>,
+) -> LanePlan {
+    let mut plan = LanePlan::default();
+    for (&lane, r) in running {
+        let owned = work.owned.get(&lane) == Some(&r.epoch);
+        let releasing = work.releasing.get(&lane) == Some(&r.epoch);
+        match (r.draining, owned, releasing) {
+            (false, true, _) | (true, _, true) | (true, true, false) => {}
+            (false, false, true) => plan.drain.push(lane),
+            (_, false, false) => plan.stop.push(lane),
+        }
+    }
+    for (&lane, &epoch) in &work.owned {
+        if !running.contains_key(&lane) {
+            plan.start.push((lane, epoch));
+        }
+    }
+    for &lane in work.releasing.keys() {
+        if !running.contains_key(&lane) && !releases_sent.contains(&lane) {
+            plan.release_now.push(lane);
+        }
+    }
+    plan
+}
 
 /// Why an assignment could not start.
 #[derive(Debug, thiserror::Error)]
@@ -49,22 +147,36 @@ pub trait LaneAssignment: Send + Sync + 'static {
     ///
     /// # Errors
     /// [`AssignmentError`] when the initial fencing fails.
-    async fn start(&self) -> Result<watch::Receiver<OwnedLanes>, AssignmentError>;
+    async fn start(&self) -> Result<watch::Receiver<LaneWork>, AssignmentError>;
+
+    /// The node has drained `lane` (listed in [`LaneWork::releasing`]), or
+    /// gave up waiting at the bound: the next owner may take it. Returns
+    /// `false` when it should be reported again later (e.g. no Raft leader
+    /// now).
+    async fn released(&self, lane: Lane) -> bool {
+        let _ = lane;
+        true
+    }
+
+    /// The owner name this process fences lanes with ([`owner_name`]).
+    fn owner(&self) -> &str;
 }
 
 /// Single-node assignment: owns every lane, fenced at `current epoch + 1`.
 pub struct LocalAssignment {
     store: Arc<dyn Store>,
-    node_id: String,
-    sender: std::sync::Mutex<Option<watch::Sender<OwnedLanes>>>,
+    owner: String,
+    sender: std::sync::Mutex<Option<watch::Sender<LaneWork>>>,
 }
 
 impl LocalAssignment {
-    /// An assignment of every lane of `store` to `node_id`.
+    /// An assignment of every lane of `store` to `node_id`, under a new
+    /// incarnation (a fresh UUID).
     pub fn new(store: Arc<dyn Store>, node_id: impl Into<String>) -> Self {
+        let incarnation = uuid::Uuid::now_v7().simple().to_string();
         LocalAssignment {
             store,
-            node_id: node_id.into(),
+            owner: owner_name(&node_id.into(), &incarnation),
             sender: std::sync::Mutex::new(None),
         }
     }
@@ -77,14 +189,18 @@ pub fn next_epochs(rows: &[LaneRow]) -> Vec<(Lane, Epoch)> {
 
 #[async_trait]
 impl LaneAssignment for LocalAssignment {
-    async fn start(&self) -> Result<watch::Receiver<OwnedLanes>, AssignmentError> {
+    fn owner(&self) -> &str {
+        &self.owner
+    }
+
+    async fn start(&self) -> Result<watch::Receiver<LaneWork>, AssignmentError> {
         let mut owned = OwnedLanes::new();
         let mut todo = next_epochs(&self.store.lane_rows().await?);
         // A lane fenced concurrently by someone else is re-read and retried a
         // few times; a single node only races with its own previous life.
         for _round in 0..5 {
             let store = &self.store;
-            let node_id = &self.node_id;
+            let node_id = &self.owner;
             let results: Vec<(Lane, Epoch, bool)> = stream::iter(todo.iter().copied())
                 .map(|(lane, epoch)| async move {
                     let ok = store.fence(lane, node_id, epoch).await?;
@@ -105,7 +221,10 @@ impl LaneAssignment for LocalAssignment {
                 })
                 .collect();
             if failed.is_empty() {
-                let (tx, rx) = watch::channel(owned);
+                let (tx, rx) = watch::channel(LaneWork {
+                    owned,
+                    releasing: OwnedLanes::new(),
+                });
                 *self.sender.lock().expect("not poisoned") = Some(tx);
                 return Ok(rx);
             }
@@ -120,9 +239,218 @@ impl LaneAssignment for LocalAssignment {
     }
 }
 
+/// Lanes through Raft: fences the lanes [`Cluster::owned_lanes`] gives this
+/// node at their epochs and publishes them with the lanes
+/// [`Cluster::releasing`] asks it to hand over.
+///
+/// A fence that fails (the store holds that epoch under another name or a
+/// higher epoch) is retried every 250 ms while Raft still gives the lane at
+/// that epoch: Raft moves on (a new incarnation's epochs, a reassignment)
+/// and the retry then fences the new epoch. A lapsed lease empties
+/// `owned_lanes`, so every owner stops by itself.
+pub struct RaftAssignment {
+    cluster: Arc<Cluster>,
+    store: Arc<dyn Store>,
+    owner: String,
+    sender: std::sync::Mutex<Option<watch::Sender<LaneWork>>>,
+}
+
+impl RaftAssignment {
+    /// The assignment of `cluster`'s node, fencing in `store` under
+    /// [`owner_name`] of its id and incarnation.
+    pub fn new(cluster: Arc<Cluster>, store: Arc<dyn Store>) -> Self {
+        let owner = owner_name(&cluster.node_id().to_string(), cluster.incarnation());
+        RaftAssignment {
+            cluster,
+            store,
+            owner,
+            sender: std::sync::Mutex::new(None),
+        }
+    }
+}
+
+/// Fences `todo` at their epochs; returns those that hold now.
+async fn fence_all(store: Arc<dyn Store>, owner: String, todo: OwnedLanes) -> OwnedLanes {
+    let results: Vec<Option<(Lane, Epoch)>> = stream::iter(todo)
+        .map(|(lane, epoch)| {
+            let (store, owner) = (store.clone(), owner.clone());
+            async move {
+                let owner = owner.as_str();
+                match store.fence(lane, owner, epoch).await {
+                    Ok(true) => Some((lane, epoch)),
+                    Ok(false) => {
+                        tracing::debug!(
+                            lane,
+                            epoch,
+                            "fence refused: the store holds this epoch or a higher one"
+                        );
+                        None
+                    }
+                    Err(e) => {
+                        tracing::warn!(lane, epoch, error = %e, "fence failed");
+                        None
+                    }
+                }
+            }
+        })
+        .buffer_unordered(16)
+        .collect()
+        .await;
+    results.into_iter().flatten().collect()
+}
+
+#[async_trait]
+impl LaneAssignment for RaftAssignment {
+    fn owner(&self) -> &str {
+        &self.owner
+    }
+
+    async fn start(&self) -> Result<watch::Receiver<LaneWork>, AssignmentError> {
+        let (tx, rx) = watch::channel(LaneWork::default());
+        *self.sender.lock().expect("not poisoned") = Some(tx.clone());
+        let mut owned_rx = self.cluster.owned_lanes();
+        let mut releasing_rx = self.cluster.releasing();
+        let store = self.store.clone();
+        let owner = self.owner.clone();
+        tokio::spawn(async move {
+            let mut fenced = OwnedLanes::new();
+            loop {
+                let want: OwnedLanes = owned_rx
+                    .borrow_and_update()
+                    .iter()
+                    .map(|(&l, &e)| (l, e as Epoch))
+                    .collect();
+                let releasing: OwnedLanes = releasing_rx
+                    .borrow_and_update()
+                    .iter()
+                    .map(|(&l, r)| (l, r.epoch as Epoch))
+                    .collect();
+                // Removals first: a lane gone must stop without waiting for
+                // other lanes' fences.
+                fenced.retain(|l, e| want.get(l) == Some(e));
+                let publish = |fenced: &OwnedLanes| {
+                    let work = LaneWork {
+                        owned: fenced.clone(),
+                        releasing: releasing.clone(),
+                    };
+                    tx.send_if_modified(|v| {
+                        let changed = *v != work;
+                        *v = work;
+                        changed
+                    });
+                };
+                publish(&fenced);
+                let todo: OwnedLanes = want
+                    .iter()
+                    .filter(|(l, _)| !fenced.contains_key(l))
+                    .map(|(&l, &e)| (l, e))
+                    .collect();
+                let pending = if todo.is_empty() {
+                    false
+                } else {
+                    let asked = todo.len();
+                    let done = fence_all(store.clone(), owner.clone(), todo).await;
+                    let pending = done.len() < asked;
+                    // The lease may have lapsed or Raft moved on meanwhile.
+                    let now: OwnedLanes = owned_rx
+                        .borrow()
+                        .iter()
+                        .map(|(&l, &e)| (l, e as Epoch))
+                        .collect();
+                    fenced.extend(done.into_iter().filter(|(l, e)| now.get(l) == Some(e)));
+                    fenced.retain(|l, e| now.get(l) == Some(e));
+                    publish(&fenced);
+                    pending
+                };
+                let wait = if pending {
+                    Duration::from_millis(250)
+                } else {
+                    Duration::from_secs(3600)
+                };
+                tokio::select! {
+                    r = owned_rx.changed() => if r.is_err() { return },
+                    r = releasing_rx.changed() => if r.is_err() { return },
+                    _ = tx.closed() => return,
+                    _ = tokio::time::sleep(wait) => {}
+                }
+            }
+        });
+        Ok(rx)
+    }
+
+    async fn released(&self, lane: Lane) -> bool {
+        match self.cluster.release(lane).await {
+            Ok(()) => {
+                tracing::info!(lane, "lane released to its next owner");
+                true
+            }
+            Err(ClusterError::Refused(reason)) => {
+                tracing::info!(lane, %reason, "release refused (handover cancelled?)");
+                true
+            }
+            Err(e) => {
+                tracing::warn!(lane, error = %e, "release failed; will retry");
+                false
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn run(epoch: Epoch, draining: bool) -> Running {
+        Running { epoch, draining }
+    }
+
+    #[test]
+    fn owners_start_stop_and_drain_as_the_work_says() {
+        let running = BTreeMap::from([
+            (0, run(1, false)), // still owned: kept
+            (1, run(1, false)), // epoch moved: stopped
+            (2, run(1, false)), // handed over: drained
+            (3, run(1, true)),  // drain under way: kept
+            (4, run(1, false)), // gone: stopped
+            (5, run(1, true)),  // drain, then the lease lapsed: stopped
+        ]);
+        let work = LaneWork {
+            owned: BTreeMap::from([(0, 1), (1, 2), (6, 3)]),
+            releasing: BTreeMap::from([(2, 1), (3, 1), (7, 4), (8, 4)]),
+        };
+        let plan = plan_lanes(&running, &work, &BTreeSet::from([8]));
+        assert_eq!(plan.start, vec![(6, 3)]);
+        assert_eq!(plan.stop, vec![1, 4, 5]);
+        assert_eq!(plan.drain, vec![2]);
+        assert_eq!(plan.release_now, vec![7], "8 is already released");
+        // Lane 1 starts again at its new epoch once its old owner is gone.
+        let running = BTreeMap::from([(0, run(1, false))]);
+        assert_eq!(
+            plan_lanes(&running, &work, &BTreeSet::new()).start,
+            vec![(1, 2), (6, 3)]
+        );
+    }
+
+    #[test]
+    fn a_cancelled_handover_lets_the_drain_finish() {
+        let running = BTreeMap::from([(0, run(5, true))]);
+        let work = LaneWork {
+            owned: BTreeMap::from([(0, 5)]),
+            releasing: OwnedLanes::new(),
+        };
+        assert_eq!(
+            plan_lanes(&running, &work, &BTreeSet::new()),
+            LanePlan::default()
+        );
+    }
+
+    #[test]
+    fn owner_names_carry_the_incarnation() {
+        let a = owner_name("3", "aa");
+        assert_ne!(a, owner_name("3", "bb"));
+        assert_eq!(owner_node(&a), "3");
+        assert_eq!(owner_node("plain"), "plain");
+    }
 
     #[test]
     fn a_new_owner_takes_the_next_epoch_of_every_lane() {

@@ -30,8 +30,7 @@ pub struct NodeArgs {
     #[arg(long, env = "LANEBUS_HTTP_ADDR")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub http_addr: Option<String>,
-    /// Raft address, IP:PORT [default: 127.0.0.1:9080] (validated; unused
-    /// until the cluster release).
+    /// Raft address, IP:PORT [default: 127.0.0.1:9080].
     #[arg(long, env = "LANEBUS_RAFT_ADDR")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub raft_addr: Option<String>,
@@ -43,12 +42,12 @@ pub struct NodeArgs {
     #[arg(long, env = "LANEBUS_STORE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub store: Option<String>,
-    /// Start a new cluster with this node (accepted; single-node for now).
+    /// Start a new cluster with this node (idempotent on restart).
     #[arg(long, env = "LANEBUS_BOOTSTRAP", conflicts_with = "join")]
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub bootstrap: bool,
-    /// Join the cluster of the node at this URL, http://IP:PORT (accepted;
-    /// single-node for now).
+    /// Join the cluster of the node at this URL, http://IP:PORT (asked
+    /// until it answers; a restart from the data dir needs neither flag).
     #[arg(long, env = "LANEBUS_JOIN")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub join: Option<String>,
@@ -75,6 +74,36 @@ pub struct NodeArgs {
     #[arg(long, env = "LANEBUS_FLUSH_INTERVAL_MS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub flush_interval_ms: Option<u64>,
+    /// Run without a cluster: own every lane (fenced at a new epoch at each
+    /// start; the last process started on a store wins).
+    #[arg(long, env = "LANEBUS_SINGLE", conflicts_with_all = ["bootstrap", "join"])]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub single: bool,
+    /// How long a committed lease renewal keeps this node's lanes, in
+    /// milliseconds; must be longer than the longest handler timeout
+    /// [default: 15000].
+    #[arg(long, env = "LANEBUS_LEASE_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lease_ms: Option<u64>,
+    /// How often the lease is renewed, in milliseconds; at most a third of
+    /// the lease [default: 2000].
+    #[arg(long, env = "LANEBUS_RENEW_INTERVAL_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub renew_interval_ms: Option<u64>,
+    /// Extra wait of the leader past a dead node's lease before giving its
+    /// lanes away, in milliseconds [default: 3000].
+    #[arg(long, env = "LANEBUS_LEASE_MARGIN_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lease_margin_ms: Option<u64>,
+    /// How many members are Raft voters (the first to join) [default: 3].
+    #[arg(long, env = "LANEBUS_VOTERS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub voters: Option<usize>,
+    /// Bound of the drain of a lane handed over, in milliseconds [default:
+    /// the longest handler timeout + 500, at most lease - renew interval].
+    #[arg(long, env = "LANEBUS_HANDOVER_DRAIN_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub handover_drain_ms: Option<u64>,
 }
 
 /// The validated configuration of a node.
@@ -92,6 +121,27 @@ pub struct NodeConfig {
     pub poll_interval: Option<Duration>,
     pub lane_buffer: usize,
     pub flush_interval: Duration,
+    pub single: bool,
+    pub lease: lanebus_cluster::LeaseConfig,
+    pub voters: usize,
+    pub handover_drain: Option<Duration>,
+}
+
+/// Raft timing that fits the lease: elections must finish well within a
+/// lease (less a renewal interval), or every leader change costs every node
+/// its lanes. The defaults (heartbeat 250 ms, elections after 1 to 2 s) are
+/// kept when they fit; shorter leases scale them down.
+pub fn raft_timing(lease: &lanebus_cluster::LeaseConfig) -> lanebus_cluster::RaftTiming {
+    let d = lanebus_cluster::RaftTiming::default();
+    let room = lease.lease_ms.saturating_sub(lease.renew_interval_ms) / 2;
+    let max = d.election_timeout_max_ms.min(room).max(40);
+    let min = (max / 2).max(20);
+    lanebus_cluster::RaftTiming {
+        heartbeat_ms: d.heartbeat_ms.min(min / 3).max(10),
+        election_timeout_min_ms: min,
+        election_timeout_max_ms: max,
+        ..d
+    }
 }
 
 impl NodeConfig {
@@ -106,6 +156,20 @@ impl NodeConfig {
         o.lane.buffer_cap = self.lane_buffer;
         o.poll_interval = self.poll_interval;
         o.store_actor.flush_interval = self.flush_interval;
+        if !self.single {
+            let mut c = lanebus_node::node::ClusterOptions::new(
+                self.id,
+                self.raft_addr.to_string(),
+                &self.data_dir,
+            );
+            c.lease = self.lease;
+            c.voters = self.voters;
+            c.raft = raft_timing(&self.lease);
+            c.bootstrap = self.bootstrap;
+            c.join = self.join.clone();
+            c.handover_drain = self.handover_drain;
+            o.cluster = Some(c);
+        }
         o
     }
 }
@@ -218,6 +282,20 @@ pub fn validate(a: NodeArgs) -> anyhow::Result<NodeConfig> {
     if flush_ms > 1_000 {
         bail!("flush_interval_ms must be 0 to 1000, got {flush_ms}");
     }
+    let lease = lanebus_cluster::LeaseConfig {
+        lease_ms: a.lease_ms.unwrap_or(15_000),
+        renew_interval_ms: a.renew_interval_ms.unwrap_or(2_000),
+        margin_ms: a.lease_margin_ms.unwrap_or(3_000),
+    };
+    // The handler timeouts are checked at start, when the catalog is read.
+    lease.validate(0).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let voters = a.voters.unwrap_or(3);
+    if !(1..=9).contains(&voters) {
+        bail!("voters must be 1 to 9, got {voters}");
+    }
+    if a.single && (a.bootstrap || a.join.is_some()) {
+        bail!("--single runs without a cluster: it excludes --bootstrap and --join");
+    }
     Ok(NodeConfig {
         id,
         http_addr,
@@ -231,6 +309,10 @@ pub fn validate(a: NodeArgs) -> anyhow::Result<NodeConfig> {
         poll_interval: a.poll_interval_ms.map(Duration::from_millis),
         lane_buffer,
         flush_interval: Duration::from_millis(flush_ms),
+        single: a.single,
+        lease,
+        voters,
+        handover_drain: a.handover_drain_ms.map(Duration::from_millis),
     })
 }
 
@@ -333,6 +415,32 @@ mod tests {
         })
         .is_ok());
         assert!(!redact("postgres://u:secret@h/db").contains("secret"));
+    }
+
+    #[test]
+    fn lease_flags_are_checked_and_raft_timing_fits_the_lease() {
+        let e = validate(NodeArgs {
+            lease_ms: Some(1_000),
+            renew_interval_ms: Some(500),
+            ..base()
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("renew_interval_ms 500"), "{e}");
+        let c = validate(NodeArgs {
+            lease_ms: Some(1_500),
+            renew_interval_ms: Some(300),
+            lease_margin_ms: Some(500),
+            ..base()
+        })
+        .unwrap();
+        let t = raft_timing(&c.lease);
+        assert!(t.election_timeout_max_ms + 300 < 1_500, "{t:?}");
+        assert!(t.heartbeat_ms < t.election_timeout_min_ms, "{t:?}");
+        assert_eq!(
+            raft_timing(&lanebus_cluster::LeaseConfig::default()),
+            lanebus_cluster::RaftTiming::default()
+        );
     }
 
     #[test]

@@ -34,4 +34,4 @@ pub mod sample_data;
 pub mod webhook;
 
 pub use handler::{Handler, HandlerError};
-pub use node::{start, NodeError, NodeHandle, NodeOptions, StoreSource};
+pub use node::{start, ClusterOptions, NodeError, NodeHandle, NodeOptions, StoreSource};

@@ -2,10 +2,12 @@
 //!
 //! ```text
 //! lanebus node --id N --http-addr IP:PORT --raft-addr IP:PORT --data-dir DIR \
-//!              --store URL [--bootstrap | --join http://IP:PORT]
+//!              --store URL [--bootstrap | --join http://IP:PORT | --single]
+//!              [--lease-ms MS --renew-interval-ms MS --lease-margin-ms MS --voters N]
 //! lanebus migrate --store URL
 //! lanebus demo [--store URL] [--events N] [--keys K] [--data PATH]
 //! lanebus admin lanes|cluster|handlers [--node http://IP:PORT]
+//! lanebus admin remove --id N [--node http://IP:PORT]
 //! ```
 //!
 //! Configuration is layered: defaults, then the TOML file of `--config`
@@ -47,17 +49,17 @@ enum LogFormat {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Runs a node: HTTP API, lane owners, webhook delivery.
+    /// Runs a node: HTTP API, Raft member, lane owners, webhook delivery.
     ///
-    /// This version runs single-node: the node owns every lane (fenced in the
-    /// store at a new epoch at each start). --raft-addr, --bootstrap and
-    /// --join are accepted and validated for the cluster release but not yet
-    /// used.
+    /// --bootstrap starts a new cluster, --join URL asks a member to add this
+    /// node, a restart from its data dir needs neither. --single runs without
+    /// a cluster (owns every lane).
     Node(NodeArgs),
     /// Creates or upgrades the store's schema and exits.
     Migrate(MigrateArgs),
-    /// Self-contained demo: a node, a webhook receiver, real GitHub payloads,
-    /// and the exactness verdict (exits non-zero if an invariant broke).
+    /// Self-contained demo: three nodes as child processes, a webhook
+    /// receiver, real GitHub payloads, one node killed halfway, and the
+    /// exactness verdict (exits non-zero if an invariant broke).
     Demo(demo::DemoFlags),
     /// Reads a running node's admin API.
     Admin(AdminArgs),
@@ -85,6 +87,11 @@ struct AdminArgs {
     #[arg(long, env = "LANEBUS_NODE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     node: Option<String>,
+    /// With `remove`: the id of the node to remove (its lanes are handed
+    /// over gracefully, then it leaves the cluster).
+    #[arg(long)]
+    #[serde(skip)]
+    id: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum)]
@@ -96,6 +103,8 @@ enum AdminWhat {
     Cluster,
     /// Registered handlers.
     Handlers,
+    /// Removes a node on purpose (`--id N`): POST /admin/cluster/remove.
+    Remove,
 }
 
 fn init_tracing(filter: &str, format: LogFormat) {
@@ -152,7 +161,11 @@ async fn run_node(args: NodeArgs) -> anyhow::Result<ExitCode> {
         raft_addr = %cfg.raft_addr,
         data_dir = %cfg.data_dir.display(),
         store = %config::redact(&cfg.store),
-        "starting node (single-node mode: owns every lane)"
+        single = cfg.single,
+        bootstrap = cfg.bootstrap,
+        join = ?cfg.join,
+        lease_ms = cfg.lease.lease_ms,
+        "starting node"
     );
     let node = lanebus_node::start(cfg.node_options()).await?;
     println!("lanebus node {} listening on {}", cfg.id, node.http_addr);
@@ -192,13 +205,33 @@ async fn migrate(args: MigrateArgs) -> anyhow::Result<ExitCode> {
 async fn admin(args: AdminArgs) -> anyhow::Result<ExitCode> {
     lanebus_node::webhook::install_crypto_provider();
     let what = args.what;
+    let remove_id = args.id;
     let file = args.config.clone();
     let args: AdminArgs = config::layered(&args, file.as_deref())?;
     let node = args
         .node
         .unwrap_or_else(|| "http://127.0.0.1:8080".to_string());
     let base = node.trim_end_matches('/');
+    if what == AdminWhat::Remove {
+        let Some(id) = remove_id else {
+            anyhow::bail!("admin remove needs --id N, the node to remove");
+        };
+        let resp = reqwest::Client::new()
+            .post(format!("{base}/admin/cluster/remove"))
+            .json(&serde_json::json!({ "id": id }))
+            .send()
+            .await
+            .with_context(|| format!("cannot reach {base}"))?;
+        let status = resp.status();
+        let body = resp.text().await.unwrap_or_default();
+        if !status.is_success() {
+            anyhow::bail!("{base}/admin/cluster/remove answered {status}: {body}");
+        }
+        println!("node {id} is leaving: its lanes are handed over, then it leaves the cluster");
+        return Ok(ExitCode::SUCCESS);
+    }
     let path = match what {
+        AdminWhat::Remove => unreachable!("handled above"),
         AdminWhat::Lanes => "/admin/lanes",
         AdminWhat::Cluster => "/admin/cluster",
         AdminWhat::Handlers => "/v1/handlers",
@@ -218,6 +251,7 @@ async fn admin(args: AdminArgs) -> anyhow::Result<ExitCode> {
         AdminWhat::Lanes => print!("{}", lanes_table(&body)),
         AdminWhat::Handlers => print!("{}", handlers_table(&body)),
         AdminWhat::Cluster => println!("{}", serde_json::to_string_pretty(&body)?),
+        AdminWhat::Remove => {}
     }
     Ok(ExitCode::SUCCESS)
 }

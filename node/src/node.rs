@@ -5,7 +5,8 @@
 //!  thread "lanebus-node": actix System on a multi-threaded tokio runtime
 //!    ├─ StoreActor                       (system arbiter)
 //!    ├─ LaneOwner × owned lanes          (system arbiter) ── KeyHandler × keys with work
-//!    ├─ assignment watch → start/stop lane owners
+//!    ├─ assignment watch → start/stop/drain lane owners (plan_lanes)
+//!    ├─ cluster member (openraft, --cluster mode): leases, lane table
 //!    ├─ store wake-ups → Wake to every lane owner
 //!    └─ tokio workers: axum HTTP API, webhook requests, catalog refresh
 //! ```
@@ -15,22 +16,38 @@
 //! TLS) runs on the tokio worker threads. [`start`] runs the node on its own
 //! OS thread so it can be used from any context (the CLI, tests, the demo)
 //! and returns a [`NodeHandle`] once the node is ready.
+//!
+//! With [`NodeOptions::cluster`] the node is a Raft member
+//! ([`lanebus_cluster::Cluster`]) and works the lanes Raft gives it
+//! ([`RaftAssignment`]); without, it owns every lane ([`LocalAssignment`]).
+//! A lane handed over (planned move) is drained: its owner stops claiming,
+//! in-flight work gets [`ClusterOptions::handover_drain`] to finish, then the
+//! lane is released; what is still in flight then is abandoned to the next
+//! owner (repeated there, invariant 3).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use actix::prelude::*;
 use async_trait::async_trait;
-use lanebus_api::{ApiState, LaneView, Limits, NodeView};
+use lanebus_api::{
+    ApiState, ClusterChangeError, ClusterNodeView, ClusterView, JoinRequest, LaneView, Limits,
+    NodeView,
+};
+use lanebus_cluster::{Cluster, ClusterConfig, ClusterError, LeaseConfig, RaftTiming};
 use lanebus_store::{Epoch, Lane, Store, StoreError, Wakeups};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::sync::{oneshot, watch};
 
 use crate::actors::lane_owner::{Drain, LaneDeps, StopLane, Wake};
 use crate::actors::{LaneBoard, LaneConfig, LaneOwner, LaneState, StoreActor, StoreActorConfig};
-use crate::assignment::{AssignmentError, LaneAssignment, LocalAssignment, OwnedLanes};
+use crate::assignment::{
+    owner_node, plan_lanes, AssignmentError, LaneAssignment, LaneWork, LocalAssignment,
+    RaftAssignment, Running,
+};
 use crate::catalog::HandlerCatalog;
 use crate::handler::{Dispatcher, Handler};
 use crate::metrics;
@@ -59,6 +76,67 @@ pub enum NodeError {
     /// The runtime could not be built or the node thread died.
     #[error("node runtime: {0}")]
     Runtime(String),
+    /// A configuration value is unusable (e.g. the lease is not longer than
+    /// the longest handler timeout); the message says why.
+    #[error("config: {0}")]
+    Config(String),
+    /// The cluster member could not start, bootstrap or join.
+    #[error(transparent)]
+    Cluster(#[from] ClusterError),
+}
+
+/// Running as a cluster member (`lanebus node` without `--single`).
+#[derive(Debug, Clone)]
+pub struct ClusterOptions {
+    /// Node id in the cluster (`--id`), a positive integer.
+    pub node_id: u64,
+    /// Raft address to bind and record, `IP:PORT`.
+    pub raft_addr: String,
+    /// The node's data dir (Raft log and state machine).
+    pub data_dir: PathBuf,
+    /// Lease timing; checked at start against the longest handler timeout.
+    pub lease: LeaseConfig,
+    /// How many members are Raft voters.
+    pub voters: usize,
+    /// Raft timing.
+    pub raft: RaftTiming,
+    /// Start a new cluster with this node ([`Cluster::bootstrap`]).
+    pub bootstrap: bool,
+    /// Ask the member at this URL (`http://IP:PORT`) to add this node
+    /// (`POST /admin/cluster/join`, retried until it answers).
+    pub join: Option<String>,
+    /// Bound of the drain of a lane handed over; `None`: the longest handler
+    /// timeout + 500 ms, at most `lease_ms - renew_interval_ms`.
+    pub handover_drain: Option<Duration>,
+}
+
+impl ClusterOptions {
+    /// Defaults for node `node_id` with its Raft on `raft_addr` and its
+    /// files in `data_dir`: default lease and Raft timing, 3 voters.
+    pub fn new(node_id: u64, raft_addr: impl Into<String>, data_dir: impl Into<PathBuf>) -> Self {
+        ClusterOptions {
+            node_id,
+            raft_addr: raft_addr.into(),
+            data_dir: data_dir.into(),
+            lease: LeaseConfig::default(),
+            voters: 3,
+            raft: RaftTiming::default(),
+            bootstrap: false,
+            join: None,
+            handover_drain: None,
+        }
+    }
+}
+
+/// The drain bound of a handover: a bit above the longest handler timeout
+/// (so an attempt under way can finish), below the lease less one renewal
+/// interval (the lane must not outstay the lease).
+pub fn handover_drain_bound(lease: &LeaseConfig, longest_timeout_ms: u64) -> Duration {
+    let cap = lease
+        .lease_ms
+        .saturating_sub(lease.renew_interval_ms)
+        .max(1);
+    Duration::from_millis((longest_timeout_ms + 500).min(cap))
 }
 
 /// Where the node's store comes from.
@@ -96,6 +174,9 @@ pub struct NodeOptions {
     /// At shutdown, how long to wait for in-flight attempts to finish
     /// before abandoning them (default 5 s).
     pub drain_timeout: Duration,
+    /// Run as a Raft cluster member; `None`: a single node owning every
+    /// lane.
+    pub cluster: Option<ClusterOptions>,
 }
 
 impl NodeOptions {
@@ -112,16 +193,26 @@ impl NodeOptions {
             in_process: HashMap::new(),
             limits: Limits::default(),
             drain_timeout: Duration::from_secs(5),
+            cluster: None,
         }
     }
 }
 
-type Owners = Arc<Mutex<BTreeMap<Lane, (Epoch, Addr<LaneOwner>)>>>;
+/// A running lane owner.
+#[derive(Clone)]
+struct OwnerEntry {
+    epoch: Epoch,
+    addr: Addr<LaneOwner>,
+    draining: bool,
+}
+
+type Owners = Arc<Mutex<BTreeMap<Lane, OwnerEntry>>>;
 
 /// The node as the API sees it ([`NodeView`]).
 pub struct NodeState {
     node_id: String,
     store: Arc<dyn Store>,
+    cluster: Option<Arc<Cluster>>,
     owners: Owners,
     board: Arc<LaneBoard>,
     catalog: Arc<HandlerCatalog>,
@@ -135,10 +226,67 @@ impl NodeState {
         &self.board
     }
 
+    /// The cluster member, when the node runs in a cluster.
+    pub fn cluster(&self) -> Option<&Arc<Cluster>> {
+        self.cluster.as_ref()
+    }
+
     fn wake_all(&self) {
-        for (_, addr) in self.owners.lock().expect("not poisoned").values() {
-            addr.do_send(Wake);
+        for o in self.owners.lock().expect("not poisoned").values() {
+            o.addr.do_send(Wake);
         }
+    }
+
+    /// `GET /admin/lanes` in a cluster: owner, epoch, state and lease from
+    /// the Raft state this node applied (the same on every node), backlog
+    /// from the store; `in_flight` is this node's own count for the lanes it
+    /// runs and 0 for the others (ask their owner for theirs).
+    async fn cluster_lanes(&self, cluster: &Cluster) -> Vec<LaneView> {
+        let view = cluster.state();
+        let backlog: HashMap<Lane, i64> = self
+            .store
+            .lane_rows()
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .map(|r| (r.lane, r.backlog))
+            .collect();
+        let board = self.board.snapshot();
+        let me = cluster.node_id();
+        view.lanes
+            .into_iter()
+            .map(|l| {
+                let in_flight = if l.owner == Some(me) {
+                    board
+                        .get(&l.lane)
+                        .filter(|s| s.epoch == l.epoch as Epoch && s.state == LaneState::Active)
+                        .map_or(0, |s| s.in_flight as i64)
+                } else {
+                    0
+                };
+                LaneView {
+                    lane: l.lane,
+                    owner: l.owner.map(|o| o.to_string()),
+                    epoch: l.epoch as i64,
+                    state: match l.state {
+                        lanebus_cluster::assignment::LaneState::Unassigned => "unassigned",
+                        lanebus_cluster::assignment::LaneState::Active => "active",
+                        lanebus_cluster::assignment::LaneState::Releasing { .. } => "releasing",
+                    }
+                    .to_string(),
+                    lease_expires_in_ms: l.lease_expires_in_ms.map(|m| m as i64),
+                    backlog: backlog.get(&l.lane).copied().unwrap_or(0),
+                    in_flight,
+                }
+            })
+            .collect()
+    }
+}
+
+fn change_error(e: ClusterError) -> ClusterChangeError {
+    match e {
+        ClusterError::Refused(m) => ClusterChangeError::Refused(m),
+        other => ClusterChangeError::Unavailable(other.to_string()),
     }
 }
 
@@ -149,16 +297,19 @@ impl NodeView for NodeState {
     }
 
     async fn lanes(&self) -> Vec<LaneView> {
+        if let Some(c) = &self.cluster {
+            return self.cluster_lanes(c).await;
+        }
         let rows = self.store.lane_rows().await.unwrap_or_default();
         let board = self.board.snapshot();
         rows.into_iter()
             .map(|r| {
-                let mine = board
-                    .get(&r.lane)
-                    .filter(|s| s.epoch == r.epoch && r.owner.as_deref() == Some(&self.node_id));
+                let mine = board.get(&r.lane).filter(|s| {
+                    s.epoch == r.epoch && r.owner.as_deref().map(owner_node) == Some(&self.node_id)
+                });
                 LaneView {
                     lane: r.lane,
-                    owner: r.owner,
+                    owner: r.owner.as_deref().map(|o| owner_node(o).to_string()),
                     epoch: r.epoch,
                     state: match mine {
                         Some(s) => s.state.as_str().to_string(),
@@ -178,8 +329,8 @@ impl NodeView for NodeState {
     fn published(&self, lanes: &[Lane]) {
         let owners = self.owners.lock().expect("not poisoned");
         for lane in lanes {
-            if let Some((_, addr)) = owners.get(lane) {
-                addr.do_send(Wake);
+            if let Some(o) = owners.get(lane) {
+                o.addr.do_send(Wake);
             }
         }
     }
@@ -189,7 +340,79 @@ impl NodeView for NodeState {
     }
 
     async fn ready(&self) -> bool {
-        *self.ready.borrow() && self.store.ping().await.is_ok()
+        let joined = self.cluster.as_ref().is_none_or(|c| c.joined());
+        *self.ready.borrow() && joined && self.store.ping().await.is_ok()
+    }
+
+    async fn join_node(&self, req: JoinRequest) -> Result<(), ClusterChangeError> {
+        let c = self
+            .cluster
+            .as_ref()
+            .ok_or(ClusterChangeError::NotClustered)?;
+        if req.id == 0 {
+            return Err(ClusterChangeError::Refused(
+                "id must be a positive integer, got 0".into(),
+            ));
+        }
+        for (name, a) in [("raft_addr", &req.raft_addr), ("http_addr", &req.http_addr)] {
+            if a.parse::<SocketAddr>().is_err() {
+                return Err(ClusterChangeError::Refused(format!(
+                    "{name} {a:?} must be IP:PORT"
+                )));
+            }
+        }
+        c.add_node(req.id, &req.raft_addr, &req.http_addr)
+            .await
+            .map_err(change_error)
+    }
+
+    async fn remove_node(&self, id: u64) -> Result<(), ClusterChangeError> {
+        let c = self
+            .cluster
+            .as_ref()
+            .ok_or(ClusterChangeError::NotClustered)?;
+        c.remove_node(id).await.map_err(change_error)
+    }
+
+    async fn cluster(&self) -> ClusterView {
+        let Some(c) = &self.cluster else {
+            let lanes = self.lanes().await;
+            let owned = lanes
+                .iter()
+                .filter(|l| l.owner.as_deref() == Some(self.node_id.as_str()))
+                .count();
+            return ClusterView {
+                node_id: self.node_id.clone(),
+                leader: Some(self.node_id.clone()),
+                term: 0,
+                nodes: vec![ClusterNodeView {
+                    id: self.node_id.clone(),
+                    raft_addr: None,
+                    http_addr: None,
+                    voter: true,
+                    alive: true,
+                    lanes: owned as u32,
+                }],
+            };
+        };
+        let v = c.state();
+        ClusterView {
+            node_id: v.node_id.to_string(),
+            leader: v.leader.map(|l| l.to_string()),
+            term: v.term,
+            nodes: v
+                .members
+                .into_iter()
+                .map(|m| ClusterNodeView {
+                    id: m.id.to_string(),
+                    raft_addr: Some(m.raft_addr),
+                    http_addr: Some(m.http_addr),
+                    voter: m.voter,
+                    alive: m.alive,
+                    lanes: m.lanes as u32,
+                })
+                .collect(),
+        }
     }
 
     fn render_metrics(&self) -> String {
@@ -333,7 +556,7 @@ async fn run(
     let owners: Vec<Addr<LaneOwner>> =
         std::mem::take(&mut *state.owners.lock().expect("not poisoned"))
             .into_values()
-            .map(|(_, a)| a)
+            .map(|o| o.addr)
             .collect();
     for a in &owners {
         a.do_send(Drain);
@@ -358,6 +581,9 @@ async fn run(
     for a in owners {
         a.do_send(StopLane);
     }
+    if let Some(c) = &state.cluster {
+        c.shutdown().await;
+    }
     System::current().stop();
     Ok(())
 }
@@ -371,26 +597,26 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
     let catalog = Arc::new(HandlerCatalog::new(store.clone()));
     catalog.reload_fresh().await?;
     tokio::spawn(catalog.clone().refresh_loop(opts.catalog_refresh));
+    let longest_timeout_ms = catalog
+        .all()
+        .values()
+        .map(|h| h.timeout_ms)
+        .max()
+        .unwrap_or(0);
+    if let Some(c) = &opts.cluster {
+        c.lease.validate(longest_timeout_ms).map_err(|e| {
+            NodeError::Config(format!(
+                "{e} (lease_ms {}, renew_interval_ms {}, lease_margin_ms {})",
+                c.lease.lease_ms, c.lease.renew_interval_ms, c.lease.margin_ms
+            ))
+        })?;
+    }
 
     let wakeups = store.wakeups().await?;
     let mut lane_config = opts.lane;
     lane_config.poll_interval = opts.poll_interval.unwrap_or(match wakeups {
         Wakeups::Push(_) => Duration::from_secs(1),
         Wakeups::Poll => Duration::from_millis(100),
-    });
-
-    let store_actor = StoreActor::new(store.clone(), opts.store_actor).start();
-    let dispatcher = Dispatcher::new(WebhookSender::new()?, opts.in_process.clone());
-    let board = Arc::new(LaneBoard::default());
-    let owners: Owners = Arc::default();
-    let state = Arc::new(NodeState {
-        node_id: opts.node_id.clone(),
-        store: store.clone(),
-        owners: owners.clone(),
-        board: board.clone(),
-        catalog: catalog.clone(),
-        metrics: metrics_handle,
-        ready: watch::channel(false).0,
     });
 
     let listener = tokio::net::TcpListener::bind(opts.http_addr)
@@ -403,6 +629,40 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
         addr: opts.http_addr,
         source,
     })?;
+
+    let cluster = match &opts.cluster {
+        None => None,
+        Some(c) => {
+            let mut cfg = ClusterConfig::new(
+                c.node_id,
+                c.raft_addr.clone(),
+                addr.to_string(),
+                &c.data_dir,
+            );
+            cfg.lanes = store.lanes();
+            cfg.lease = c.lease;
+            cfg.voters = c.voters;
+            cfg.raft = c.raft;
+            cfg.incarnation = uuid::Uuid::now_v7().simple().to_string();
+            Some(Arc::new(Cluster::start(cfg).await?))
+        }
+    };
+
+    let store_actor = StoreActor::new(store.clone(), opts.store_actor).start();
+    let dispatcher = Dispatcher::new(WebhookSender::new()?, opts.in_process.clone());
+    let board = Arc::new(LaneBoard::default());
+    let owners: Owners = Arc::default();
+    let state = Arc::new(NodeState {
+        node_id: opts.node_id.clone(),
+        store: store.clone(),
+        cluster: cluster.clone(),
+        owners: owners.clone(),
+        board: board.clone(),
+        catalog: catalog.clone(),
+        metrics: metrics_handle,
+        ready: watch::channel(false).0,
+    });
+
     let app = lanebus_api::router(ApiState {
         store: store.clone(),
         node: state.clone(),
@@ -421,17 +681,47 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
         board,
         config: lane_config,
     };
-    let assignment = LocalAssignment::new(store.clone(), opts.node_id.clone());
-    let mut lanes = assignment.start().await?;
-    apply_assignment(&owners, &deps, &lanes.borrow_and_update());
-    let (owners2, deps2) = (owners.clone(), deps.clone());
-    actix_rt::spawn(async move {
-        let _keep = assignment;
-        while lanes.changed().await.is_ok() {
-            let owned = lanes.borrow_and_update().clone();
-            apply_assignment(&owners2, &deps2, &owned);
-        }
+    let (assignment, drain_bound): (Arc<dyn LaneAssignment>, Duration) =
+        match (&cluster, &opts.cluster) {
+            (Some(c), Some(o)) => {
+                if o.bootstrap {
+                    bootstrap(c).await?;
+                }
+                if let Some(url) = &o.join {
+                    tokio::spawn(join_loop(
+                        url.clone(),
+                        JoinRequest {
+                            id: o.node_id,
+                            raft_addr: c.raft_addr().to_string(),
+                            http_addr: addr.to_string(),
+                        },
+                    ));
+                }
+                let bound = o
+                    .handover_drain
+                    .unwrap_or_else(|| handover_drain_bound(&o.lease, longest_timeout_ms));
+                (
+                    Arc::new(RaftAssignment::new(c.clone(), store.clone())),
+                    bound,
+                )
+            }
+            _ => (
+                Arc::new(LocalAssignment::new(store.clone(), opts.node_id.clone())),
+                opts.drain_timeout,
+            ),
+        };
+    tracing::info!(owner = assignment.owner(), "fencing lanes as this owner");
+    let work = assignment.start().await?;
+    let control = Arc::new(LaneControl {
+        owners,
+        deps,
+        assignment,
+        work: work.clone(),
+        releases_sent: Mutex::default(),
+        drain_bound,
     });
+    control.apply();
+    actix_rt::spawn(control.clone().watch(work));
 
     if let Wakeups::Push(mut rx) = wakeups {
         let st = state.clone();
@@ -445,20 +735,186 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
     Ok((state, addr))
 }
 
-/// Starts lane owners for new (lane, epoch) pairs and stops the others.
-fn apply_assignment(owners: &Owners, deps: &LaneDeps, owned: &OwnedLanes) {
-    let mut owners = owners.lock().expect("not poisoned");
-    owners.retain(|lane, (epoch, addr)| {
-        let keep = owned.get(lane) == Some(epoch);
-        if !keep {
-            addr.do_send(StopLane);
+/// `--bootstrap`: a one-node cluster of this node (idempotent), retried
+/// while no leader is elected yet.
+async fn bootstrap(cluster: &Cluster) -> Result<(), NodeError> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        match cluster.bootstrap().await {
+            Ok(()) => return Ok(()),
+            Err(ClusterError::Unavailable { .. }) if tokio::time::Instant::now() < deadline => {
+                tracing::info!("bootstrap: waiting for a leader");
+            }
+            Err(e) => return Err(e.into()),
         }
-        keep
-    });
-    for (&lane, &epoch) in owned {
-        owners
-            .entry(lane)
-            .or_insert_with(|| (epoch, LaneOwner::new(lane, epoch, deps.clone()).start()));
     }
-    tracing::info!(lanes = owners.len(), "lane owners running");
+}
+
+/// `--join URL`: asks that member to add this node, until it answers 2xx
+/// (retried every 500 ms while it cannot be reached or has no leader; a 409
+/// is logged and retried too, slower, since an operator may fix it).
+async fn join_loop(url: String, req: JoinRequest) {
+    let client = reqwest::Client::new();
+    let target = format!("{}/admin/cluster/join", url.trim_end_matches('/'));
+    let mut attempt = 0u32;
+    loop {
+        attempt += 1;
+        let r = client
+            .post(&target)
+            .json(&req)
+            .timeout(Duration::from_secs(15))
+            .send()
+            .await;
+        match r {
+            Ok(resp) if resp.status().is_success() => {
+                tracing::info!(url = %target, id = req.id, "joined: the cluster recorded this node");
+                return;
+            }
+            Ok(resp) => {
+                let status = resp.status();
+                let body = resp.text().await.unwrap_or_default();
+                tracing::warn!(url = %target, %status, %body, attempt, "join refused; retrying");
+                let wait = if status.as_u16() == 409 { 5_000 } else { 500 };
+                tokio::time::sleep(Duration::from_millis(wait)).await;
+            }
+            Err(e) => {
+                tracing::info!(url = %target, error = %e, attempt, "join: member not reachable; retrying");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    }
+}
+
+/// Carries out [`plan_lanes`]: starts, stops and drains lane owners so
+/// that they follow the assignment's [`LaneWork`].
+struct LaneControl {
+    owners: Owners,
+    deps: LaneDeps,
+    assignment: Arc<dyn LaneAssignment>,
+    work: watch::Receiver<LaneWork>,
+    /// Lanes whose release is under way or done (not released twice).
+    releases_sent: Mutex<BTreeSet<Lane>>,
+    drain_bound: Duration,
+}
+
+impl LaneControl {
+    /// Follows the assignment; also re-applies every second, so a release
+    /// that failed is tried again.
+    async fn watch(self: Arc<Self>, mut work: watch::Receiver<LaneWork>) {
+        loop {
+            tokio::select! {
+                r = work.changed() => if r.is_err() { return },
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+            self.apply();
+        }
+    }
+
+    /// One step toward the current work (runs on the actix system thread).
+    fn apply(self: &Arc<Self>) {
+        let work = self.work.borrow().clone();
+        let mut owners = self.owners.lock().expect("not poisoned");
+        let mut sent = self.releases_sent.lock().expect("not poisoned");
+        sent.retain(|l| work.releasing.contains_key(l));
+        let running: BTreeMap<Lane, Running> = owners
+            .iter()
+            .map(|(&l, o)| {
+                (
+                    l,
+                    Running {
+                        epoch: o.epoch,
+                        draining: o.draining,
+                    },
+                )
+            })
+            .collect();
+        let plan = plan_lanes(&running, &work, &sent);
+        for lane in &plan.stop {
+            if let Some(o) = owners.remove(lane) {
+                o.addr.do_send(StopLane);
+            }
+        }
+        for &lane in &plan.drain {
+            let Some(o) = owners.get_mut(&lane) else {
+                continue;
+            };
+            o.draining = true;
+            o.addr.do_send(Drain);
+            sent.insert(lane);
+            tracing::info!(
+                lane,
+                epoch = o.epoch,
+                bound_ms = self.drain_bound.as_millis() as u64,
+                "handing the lane over: draining"
+            );
+            actix_rt::spawn(
+                self.clone()
+                    .drain_then_release(lane, o.epoch, o.addr.clone()),
+            );
+        }
+        for &(lane, epoch) in &plan.start {
+            let addr = LaneOwner::new(lane, epoch, self.deps.clone()).start();
+            owners.insert(
+                lane,
+                OwnerEntry {
+                    epoch,
+                    addr,
+                    draining: false,
+                },
+            );
+        }
+        for &lane in &plan.release_now {
+            sent.insert(lane);
+            actix_rt::spawn(self.clone().release(lane));
+        }
+        if !(plan.start.is_empty() && plan.stop.is_empty() && plan.drain.is_empty()) {
+            tracing::info!(
+                lanes = owners.len(),
+                started = plan.start.len(),
+                stopped = plan.stop.len(),
+                draining = plan.drain.len(),
+                "lane owners running"
+            );
+        }
+    }
+
+    async fn drain_then_release(self: Arc<Self>, lane: Lane, epoch: Epoch, addr: Addr<LaneOwner>) {
+        let deadline = tokio::time::Instant::now() + self.drain_bound;
+        while addr.connected() && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        if addr.connected() {
+            tracing::warn!(
+                lane,
+                epoch,
+                "drain bound reached: in-flight deliveries left to the next owner"
+            );
+        }
+        addr.do_send(StopLane);
+        {
+            let mut owners = self.owners.lock().expect("not poisoned");
+            if owners
+                .get(&lane)
+                .is_some_and(|o| o.epoch == epoch && o.draining)
+            {
+                owners.remove(&lane);
+            }
+        }
+        let still = self.work.borrow().releasing.get(&lane) == Some(&epoch);
+        if still {
+            self.release(lane).await;
+        } else {
+            self.apply();
+        }
+    }
+
+    async fn release(self: Arc<Self>, lane: Lane) {
+        if !self.assignment.released(lane).await {
+            self.releases_sent
+                .lock()
+                .expect("not poisoned")
+                .remove(&lane);
+        }
+        self.apply();
+    }
 }

@@ -25,6 +25,7 @@ fn spawn_node(url: &str, dir: &std::path::Path, life: u32) -> anyhow::Result<Chi
             "127.0.0.1:0",
             "--raft-addr",
             "127.0.0.1:0",
+            "--single",
         ])
         .arg("--data-dir")
         .arg(dir)
