@@ -495,6 +495,30 @@ pub trait Store: Send + Sync + 'static {
     /// Returns the ids actually completed.
     async fn complete(&self, done: &[DeliveryRef]) -> Result<Vec<i64>>;
 
+    /// Discards deliveries: deletes them WITHOUT completion rows, fenced
+    /// like [`complete`](Self::complete) (refs whose lane is not at the
+    /// given epoch, or whose row is gone, change nothing; `attempts` is
+    /// ignored). For deliveries whose handler no longer exists, such as
+    /// those a publish that read the handler before
+    /// [`delete_handler`](Self::delete_handler) committed after it: nothing
+    /// was delivered, so nothing is recorded as completed. Callers must
+    /// make sure the handler is gone first (this removes any delivery it is
+    /// given). Returns the ids actually deleted, in ascending order.
+    ///
+    /// # Errors
+    /// [`StoreError::Unavailable`]/[`StoreError::Database`]; nothing is
+    /// deleted then. The default implementation (for test doubles) answers
+    /// [`StoreError::Invalid`] for a non-empty `refs`.
+    async fn discard(&self, refs: &[DeliveryRef]) -> Result<Vec<i64>> {
+        if refs.is_empty() {
+            return Ok(Vec::new());
+        }
+        Err(StoreError::Invalid(format!(
+            "{} store cannot discard deliveries",
+            self.backend()
+        )))
+    }
+
     /// Records failed attempts (attempt count, next due time, last error).
     /// Returns the ids actually updated.
     async fn reschedule(&self, items: &[Reschedule]) -> Result<Vec<i64>>;

@@ -323,6 +323,7 @@ conformance!(
     publish_in_exists_only_if_the_caller_commits,
     fencing_makes_a_stale_owner_change_nothing,
     complete_deletes_and_records_completions,
+    discard_deletes_without_completions_and_is_fenced,
     reschedule_records_the_failed_attempt,
     dead_letters_are_listed_and_replayed,
     delete_handler_discards_its_deliveries,
@@ -919,6 +920,52 @@ async fn complete_deletes_and_records_completions(h: &dyn Harness) {
     let c = counts(&*s).await;
     assert_eq!((c.deliveries, c.completions), (0, 4));
     assert!(claim_all(&*s).await.is_empty());
+}
+
+async fn discard_deletes_without_completions_and_is_fenced(h: &dyn Harness) {
+    let s = h.store();
+    let a = handler(&*s, "a", &["*"]).await;
+    s.publish(vec![
+        ev(Some("x"), "t.x", Some("k")),
+        ev(Some("y"), "t.y", None),
+        ev(Some("z"), "t.z", Some("k")),
+    ])
+    .await
+    .expect("publish");
+    let ds = claim_all(&*s).await;
+    assert_eq!(ds.len(), 3);
+    assert!(s.discard(&[]).await.expect("discard nothing").is_empty());
+    // A repeated ref in one call is discarded once; no completion row.
+    let refs = [dref(&ds[0], 0, 0), dref(&ds[1], 0, 0), dref(&ds[0], 0, 0)];
+    let mut gone = s.discard(&refs).await.expect("discard");
+    gone.sort_unstable();
+    let mut want = vec![ds[0].id, ds[1].id];
+    want.sort_unstable();
+    assert_eq!(gone, want);
+    let c = counts(&*s).await;
+    assert_eq!(
+        (c.events, c.deliveries, c.completions, c.dead_letters),
+        (3, 1, 0, 0)
+    );
+    // Discarding again changes nothing.
+    assert!(s.discard(&refs).await.expect("discard").is_empty());
+    // Fenced: a stale owner discards nothing.
+    let last = &ds[2];
+    assert!(s.fence(last.lane, "n2", 7).await.expect("fence"));
+    assert!(s
+        .discard(&[dref(last, 0, 0)])
+        .await
+        .expect("discard")
+        .is_empty());
+    assert_eq!(counts(&*s).await.deliveries, 1);
+    // The current owner does; the handler is untouched.
+    assert_eq!(
+        s.discard(&[dref(last, 7, 0)]).await.expect("discard"),
+        vec![last.id]
+    );
+    let c = counts(&*s).await;
+    assert_eq!((c.deliveries, c.completions), (0, 0));
+    assert_eq!(s.get_handler(&a.id).await.expect("handler").id, a.id);
 }
 
 async fn reschedule_records_the_failed_attempt(h: &dyn Harness) {

@@ -299,6 +299,23 @@ pub(super) async fn complete(
     Ok(ids)
 }
 
+/// Fenced delete without completion records (`Store::discard`).
+pub(super) async fn discard(
+    s: &MongoStore,
+    session: &mut ClientSession,
+    refs: &[DeliveryRef],
+) -> TxnResult<Vec<i64>> {
+    let refs: Vec<&DeliveryRef> = first_by_id(refs, |r| r.id);
+    let keys: Vec<(i64, Lane, Epoch)> = refs.iter().map(|r| (r.id, r.lane, r.epoch)).collect();
+    let found = fenced_deliveries(s, session, &keys).await?;
+    if found.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids: Vec<i64> = found.keys().copied().collect();
+    delete_deliveries(s, session, &ids).await?;
+    Ok(ids)
+}
+
 pub(super) async fn reschedule(
     s: &MongoStore,
     session: &mut ClientSession,

@@ -734,6 +734,13 @@ impl Store for MongoStore {
         in_transaction!(self, |sess| dispatch::complete(self, sess, done))
     }
 
+    async fn discard(&self, refs: &[DeliveryRef]) -> Result<Vec<i64>> {
+        if refs.is_empty() {
+            return Ok(Vec::new());
+        }
+        in_transaction!(self, |sess| dispatch::discard(self, sess, refs))
+    }
+
     async fn reschedule(&self, items: &[Reschedule]) -> Result<Vec<i64>> {
         if items.is_empty() {
             return Ok(Vec::new());

@@ -152,6 +152,20 @@ pub(super) async fn complete(pool: &PgPool, done: &[DeliveryRef]) -> Result<Vec<
         .map_err(map_err)
 }
 
+pub(super) async fn discard(pool: &PgPool, refs: &[DeliveryRef]) -> Result<Vec<i64>> {
+    let refs = first_by_id(refs, |r| r.id);
+    let ids: Vec<i64> = refs.iter().map(|r| r.id).collect();
+    let lanes: Vec<i32> = refs.iter().map(|r| i32::from(r.lane)).collect();
+    let epochs: Vec<i64> = refs.iter().map(|r| r.epoch).collect();
+    sqlx::query_scalar(include_str!("sql/discard.sql"))
+        .bind(&ids)
+        .bind(&lanes)
+        .bind(&epochs)
+        .fetch_all(pool)
+        .await
+        .map_err(map_err)
+}
+
 pub(super) async fn reschedule(pool: &PgPool, items: &[Reschedule]) -> Result<Vec<i64>> {
     let items = first_by_id(items, |r| r.id);
     let ids: Vec<i64> = items.iter().map(|r| r.id).collect();

@@ -438,6 +438,13 @@ impl Store for PgStore {
         dispatch::complete(&self.pool, done).await
     }
 
+    async fn discard(&self, refs: &[DeliveryRef]) -> Result<Vec<i64>> {
+        if refs.is_empty() {
+            return Ok(Vec::new());
+        }
+        dispatch::discard(&self.pool, refs).await
+    }
+
     async fn reschedule(&self, items: &[Reschedule]) -> Result<Vec<i64>> {
         if items.is_empty() {
             return Ok(Vec::new());

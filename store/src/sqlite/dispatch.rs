@@ -150,6 +150,15 @@ pub(super) async fn complete(
     delete_fenced(conn, &refs).await
 }
 
+/// Fenced delete without completion rows (`Store::discard`).
+pub(super) async fn discard(conn: &mut SqliteConnection, refs: &[DeliveryRef]) -> Result<Vec<i64>> {
+    let refs: Vec<(i64, Lane, Epoch)> = first_by_id(refs, |r| r.id)
+        .into_iter()
+        .map(|r| (r.id, r.lane, r.epoch))
+        .collect();
+    delete_fenced(conn, &json(&refs)?).await
+}
+
 async fn delete_fenced(conn: &mut SqliteConnection, refs_json: &str) -> Result<Vec<i64>> {
     let mut ids: Vec<i64> = sqlx::query_scalar(include_str!("sql/delete_fenced.sql"))
         .bind(refs_json)

@@ -328,6 +328,16 @@ impl Store for SqliteStore {
         Ok(ids)
     }
 
+    async fn discard(&self, refs: &[DeliveryRef]) -> Result<Vec<i64>> {
+        if refs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (_guard, mut tx) = self.begin_write().await?;
+        let ids = dispatch::discard(&mut tx, refs).await?;
+        tx.commit().await.map_err(map_err)?;
+        Ok(ids)
+    }
+
     async fn reschedule(&self, items: &[Reschedule]) -> Result<Vec<i64>> {
         if items.is_empty() {
             return Ok(Vec::new());
