@@ -615,10 +615,12 @@ impl MongoStore {
 
     /// Publishes `events` inside the caller's transaction on `session`: the
     /// same writes as [`Store::publish`], which exist if and only if the
-    /// caller commits. Start the transaction first
-    /// (`session.start_transaction()`; read concern `snapshot` and write
-    /// concern `majority` are recommended); without one the writes are not
-    /// atomic.
+    /// caller commits. The session must come from the store's client
+    /// ([`MongoStore::client`], or open the store on the application's own
+    /// client with [`MongoStore::with_client`]); start the transaction
+    /// first (`session.start_transaction()`; read concern `snapshot` and
+    /// write concern `majority` are recommended): without one the writes
+    /// are not atomic.
     ///
     /// While the transaction is open it holds the counters of the keys and
     /// lanes it published into, so other publishers into those lanes retry
