@@ -231,18 +231,20 @@ pub fn validate(a: NodeArgs) -> anyhow::Result<NodeConfig> {
         Some(s) => s,
         None => format!("sqlite://{}", data_dir.join("lanebus.db").display()),
     };
-    if store.starts_with("mongodb://") || store.starts_with("mongodb+srv://") {
+    if store.starts_with("mongodb+srv://") {
         bail!(
-            "store {:?}: the MongoDB backend is not available yet; use postgres:// or sqlite://",
+            "store {:?}: mongodb+srv:// needs a DNS SRV lookup that this build leaves out; \
+             list the replica set members instead: mongodb://HOST1,HOST2/?replicaSet=NAME",
             redact(&store)
         );
     }
     if !(store.starts_with("postgres://")
         || store.starts_with("postgresql://")
+        || store.starts_with("mongodb://")
         || store.starts_with("sqlite:"))
     {
         bail!(
-            "store {:?} must start with postgres://, postgresql:// or sqlite://",
+            "store {:?} must start with postgres://, postgresql://, mongodb:// or sqlite://",
             redact(&store)
         );
     }
