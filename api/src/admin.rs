@@ -4,7 +4,8 @@
 //! GET  /admin/dead-letters?handler_id=&after=&limit=
 //!        200 {"dead_letters": [...], "next_after": id | null}
 //! POST /admin/dead-letters/{id}/replay        200 {"replayed": 1} | 404 not_found
-//! POST /admin/dead-letters/replay {"handler_id"?, "ids"?}   200 {"replayed": n}
+//! POST /admin/dead-letters/replay {"handler_id"?, "ids"?} | {"all": true}
+//!        200 {"replayed": n} | 422 invalid_input (no selection, e.g. `{}`)
 //! GET  /admin/lanes                           200 {"lanes": [...]}
 //! GET  /admin/cluster                         200 ClusterView
 //! POST /admin/cluster/join {"id","raft_addr","http_addr"}
@@ -33,7 +34,7 @@ use utoipa::{IntoParams, ToSchema};
 
 use crate::error::{ApiError, ErrorCode};
 use crate::extract::{Json, Path, Query};
-use crate::handlers::{not_found, HandlerStateView};
+use crate::handlers::{check_handler_id, not_found, HandlerStateView};
 use crate::{ApiState, ClusterChangeError, ClusterView, JoinRequest, LaneView, RemoveRequest};
 
 /// Default page size of `GET /admin/dead-letters`.
@@ -51,6 +52,7 @@ pub const DEAD_LETTERS_COUNTED_MAX: u32 = 10_000;
 #[into_params(parameter_in = Query)]
 pub(crate) struct DeadLetterQuery {
     /// Only this handler's dead letters (the handler must exist).
+    #[param(pattern = "^hdl_[0-9a-f]{32}$")]
     handler_id: Option<String>,
     /// Only ids greater than this (`next_after` of the previous page).
     after: Option<i64>,
@@ -127,19 +129,27 @@ pub(crate) struct Replayed {
     replayed: u64,
 }
 
-/// Body of `POST /admin/dead-letters/replay`: give `handler_id`, `ids`, or
-/// both (then only those ids of that handler). Unknown fields are refused.
+/// Body of `POST /admin/dead-letters/replay`: the selection must be
+/// explicit: `handler_id`, `ids`, or both (then only those ids of that
+/// handler), or `"all": true` alone (every dead letter of every handler).
+/// Anything else, `{}` included, replays nothing and is refused. Unknown
+/// fields are refused.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct BulkReplay {
     /// Replay this handler's dead letters (all of them when `ids` is absent).
     #[serde(default)]
+    #[schema(pattern = "^hdl_[0-9a-f]{32}$")]
     handler_id: Option<String>,
     /// Replay these dead letters, at most 10,000 (ids unknown are skipped
     /// and not counted).
     #[serde(default)]
     #[schema(max_items = 10_000)]
     ids: Option<Vec<i64>>,
+    /// `true`: replay every dead letter of every handler (one handler after
+    /// the other); not combined with `handler_id` or `ids`.
+    #[serde(default)]
+    all: bool,
 }
 
 /// Handler of `GET /admin/dead-letters`: `400 invalid_parameter` for a bad
@@ -156,6 +166,7 @@ pub(crate) async fn list_dead_letters(
         ));
     }
     if let Some(id) = &q.handler_id {
+        check_handler_id(id)?;
         state
             .store
             .get_handler(id)
@@ -198,17 +209,27 @@ pub(crate) async fn replay_one(
 }
 
 /// Handler of `POST /admin/dead-letters/replay`: `422 invalid_input` when
-/// neither `handler_id` nor `ids` is given, `404 not_found` for an unknown
-/// `handler_id`.
+/// the selection is not explicit (neither `handler_id`, a non-empty `ids`
+/// nor `"all": true`; or `all` combined with the others), `404 not_found`
+/// for an unknown `handler_id`.
 pub(crate) async fn replay_bulk(
     State(state): State<ApiState>,
     Json(req): Json<BulkReplay>,
 ) -> Result<axum::Json<Replayed>, ApiError> {
     let ids = req.ids.unwrap_or_default();
+    if req.all {
+        if req.handler_id.is_some() || !ids.is_empty() {
+            return Err(ApiError::new(
+                ErrorCode::InvalidInput,
+                "\"all\": true replays every dead letter and takes no handler_id or ids",
+            ));
+        }
+        return replay_all(&state).await.map(axum::Json);
+    }
     if ids.is_empty() && req.handler_id.is_none() {
         return Err(ApiError::new(
             ErrorCode::InvalidInput,
-            "give handler_id or a non-empty ids, got neither",
+            "choose the dead letters to replay: give handler_id, a non-empty ids, or \"all\": true",
         ));
     }
     if ids.len() > MAX_REPLAY_IDS {
@@ -221,6 +242,7 @@ pub(crate) async fn replay_bulk(
         ));
     }
     if let Some(id) = &req.handler_id {
+        check_handler_id(id)?;
         state
             .store
             .get_handler(id)
@@ -236,6 +258,23 @@ pub(crate) async fn replay_bulk(
         state.node.handlers_changed();
     }
     Ok(axum::Json(Replayed { replayed }))
+}
+
+/// `"all": true`: every handler's dead letters, one handler at a time (each
+/// handler's replay is one store call).
+async fn replay_all(state: &ApiState) -> Result<Replayed, ApiError> {
+    let mut replayed = 0;
+    for h in state.store.list_handlers().await? {
+        let n = state.store.replay_dead_letters(&[], Some(&h.id)).await?;
+        if n > 0 {
+            crate::telemetry::dead_letters_replayed(Some(&h.id), &[], n);
+        }
+        replayed += n;
+    }
+    if replayed > 0 {
+        state.node.handlers_changed();
+    }
+    Ok(Replayed { replayed })
 }
 
 /// Body of `GET /admin/lanes`.

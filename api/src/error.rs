@@ -17,7 +17,11 @@ use lanebus_store::StoreError;
 use serde::Serialize;
 
 /// Machine-readable error codes, each with a fixed HTTP status.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+///
+/// This is the whole documented set: every error answer of the API, the
+/// router's safety net included (`crate::routes`), carries one of these
+/// codes, and the OpenAPI document's `Error.error.code` is this enum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ErrorCode {
     /// 400: the body is not well-formed JSON.
@@ -50,6 +54,13 @@ pub enum ErrorCode {
     PathNotFound,
     /// 405: the path exists, the method does not.
     MethodNotAllowed,
+    /// 414: the request URI (path and query) exceeds
+    /// [`crate::MAX_URI_BYTES`]; on every path.
+    UriTooLong,
+    /// 400: a refusal from a lower layer that no other code names (the
+    /// safety net's answer for an unexpected 4xx status; not expected in
+    /// practice).
+    BadRequest,
     /// 409: a unique constraint the operation does not absorb
     /// ([`StoreError::Conflict`]).
     Conflict,
@@ -65,7 +76,9 @@ impl ErrorCode {
     /// The HTTP status this code is answered with.
     pub fn status(self) -> StatusCode {
         match self {
-            ErrorCode::InvalidJson | ErrorCode::InvalidParameter => StatusCode::BAD_REQUEST,
+            ErrorCode::InvalidJson | ErrorCode::InvalidParameter | ErrorCode::BadRequest => {
+                StatusCode::BAD_REQUEST
+            }
             ErrorCode::InvalidBody
             | ErrorCode::EmptyBatch
             | ErrorCode::BatchTooLarge
@@ -76,6 +89,7 @@ impl ErrorCode {
             ErrorCode::BodyTooLarge | ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorCode::NotFound | ErrorCode::PathNotFound => StatusCode::NOT_FOUND,
             ErrorCode::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ErrorCode::UriTooLong => StatusCode::URI_TOO_LONG,
             ErrorCode::Conflict => StatusCode::CONFLICT,
             ErrorCode::NotReady | ErrorCode::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             ErrorCode::Internal => StatusCode::INTERNAL_SERVER_ERROR,
@@ -83,7 +97,7 @@ impl ErrorCode {
     }
 
     /// Every code, in declaration order.
-    pub const ALL: [ErrorCode; 18] = [
+    pub const ALL: [ErrorCode; 20] = [
         ErrorCode::InvalidJson,
         ErrorCode::InvalidBody,
         ErrorCode::InvalidParameter,
@@ -98,6 +112,8 @@ impl ErrorCode {
         ErrorCode::NotFound,
         ErrorCode::PathNotFound,
         ErrorCode::MethodNotAllowed,
+        ErrorCode::UriTooLong,
+        ErrorCode::BadRequest,
         ErrorCode::Conflict,
         ErrorCode::NotReady,
         ErrorCode::StoreUnavailable,
@@ -130,6 +146,8 @@ impl ErrorCode {
             ErrorCode::NotFound => "the handler or dead letter named does not exist",
             ErrorCode::PathNotFound => "no such path",
             ErrorCode::MethodNotAllowed => "the path exists, the method does not",
+            ErrorCode::UriTooLong => "the request uri (path and query) exceeds 8192 bytes",
+            ErrorCode::BadRequest => "a refusal from a lower layer that no other code names",
             ErrorCode::Conflict => "a unique constraint the operation does not absorb",
             ErrorCode::NotReady => "the node is not ready",
             ErrorCode::StoreUnavailable => "the store cannot be reached",
@@ -154,6 +172,8 @@ impl ErrorCode {
             ErrorCode::NotFound => "not_found",
             ErrorCode::PathNotFound => "path_not_found",
             ErrorCode::MethodNotAllowed => "method_not_allowed",
+            ErrorCode::UriTooLong => "uri_too_long",
+            ErrorCode::BadRequest => "bad_request",
             ErrorCode::Conflict => "conflict",
             ErrorCode::NotReady => "not_ready",
             ErrorCode::StoreUnavailable => "store_unavailable",
@@ -231,21 +251,24 @@ pub(crate) struct ErrorBody<'a> {
 /// What went wrong: a stable code for programs, a message for people.
 #[derive(Serialize, utoipa::ToSchema)]
 pub(crate) struct ErrorDetail<'a> {
-    /// Stable snake_case code (`invalid_json`, `not_found`, ...); each
-    /// operation lists the codes it answers with, by status. Clients should
-    /// treat an unknown code by its status.
-    #[schema(example = "invalid_handler")]
+    /// Stable snake_case code, one of `ErrorCode` (`invalid_json`,
+    /// `not_found`, ...); each operation lists the codes it answers with, by
+    /// status. Clients should treat a code added later by its status.
+    #[schema(value_type = ErrorCode, example = "invalid_handler")]
     code: &'a str,
     /// Lowercase text naming the value that was wrong.
     #[schema(example = "max_attempts 0 must be 1 to 100")]
     message: &'a str,
 }
 
-/// The JSON error body for `code` and `message` with `status`; also used for
-/// statuses no [`ErrorCode`] has (see [`crate::routes`]'s safety net).
-pub(crate) fn error_response(status: StatusCode, code: &str, message: &str) -> Response {
+/// The JSON error body for `code` and `message` with `status` (the safety net
+/// of `crate::routes` keeps a 5xx status other than 500 with `internal`).
+pub(crate) fn error_response(status: StatusCode, code: ErrorCode, message: &str) -> Response {
     let body = serde_json::to_vec(&ErrorBody {
-        error: ErrorDetail { code, message },
+        error: ErrorDetail {
+            code: code.as_str(),
+            message,
+        },
     })
     .unwrap_or_else(|_| br#"{"error":{"code":"internal","message":"error body"}}"#.to_vec());
     let mut res = (status, body).into_response();
@@ -265,7 +288,7 @@ impl IntoResponse for ApiError {
             tracing::debug!(code = self.code.as_str(), message = %self.message, "request refused");
         }
         crate::telemetry::api_error(self.code.as_str());
-        error_response(status, self.code.as_str(), &self.message)
+        error_response(status, self.code, &self.message)
     }
 }
 
@@ -316,12 +339,21 @@ mod tests {
                 | ErrorCode::NotFound
                 | ErrorCode::PathNotFound
                 | ErrorCode::MethodNotAllowed
+                | ErrorCode::UriTooLong
+                | ErrorCode::BadRequest
                 | ErrorCode::Conflict
                 | ErrorCode::NotReady
                 | ErrorCode::StoreUnavailable
                 | ErrorCode::Internal => {}
             }
         }
+    }
+
+    #[test]
+    fn uri_limit_is_named_in_its_meaning() {
+        assert!(ErrorCode::UriTooLong
+            .meaning()
+            .contains(&crate::MAX_URI_BYTES.to_string()));
     }
 
     #[test]

@@ -44,6 +44,45 @@ pub const ROUTES_PER_HANDLER: RangeInclusive<usize> = 1..=100;
 pub const MAX_URL_BYTES: usize = 2_048;
 /// Allowed length of the decoded secret, in bytes (Standard Webhooks: 24 to 64).
 pub const SECRET_BYTES: RangeInclusive<usize> = 24..=64;
+/// The form of every handler id (`hdl_` + a UUIDv7 in 32 lowercase hex
+/// digits, [`lanebus_store::generate_handler_id`]), as a regular expression.
+pub const HANDLER_ID_PATTERN: &str = "^hdl_[0-9a-f]{32}$";
+
+/// Whether `id` has the form of a handler id ([`HANDLER_ID_PATTERN`]).
+pub fn is_handler_id(id: &str) -> bool {
+    id.strip_prefix("hdl_").is_some_and(|hex| {
+        hex.len() == 32 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+    })
+}
+
+/// `id` for a message: at most 64 characters, quoted and escaped.
+fn shown(id: &str) -> String {
+    match id.char_indices().nth(64) {
+        Some((end, _)) => format!("{:?}...", &id[..end]),
+        None => format!("{id:?}"),
+    }
+}
+
+/// Checks that `id` can name a handler before any store is asked: an id not
+/// of the form `hdl_` + 32 hex digits (control characters, NUL, any length)
+/// names no handler, so it is `404 not_found` without a query (PostgreSQL
+/// refuses NUL in text; the answer must not depend on the store).
+///
+/// # Errors
+/// `404 not_found` naming the id (cut to 64 characters) and the form.
+pub(crate) fn check_handler_id(id: &str) -> Result<(), ApiError> {
+    if is_handler_id(id) {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            ErrorCode::NotFound,
+            format!(
+                "handler {} not found: handler ids are \"hdl_\" and 32 hex digits",
+                shown(id)
+            ),
+        ))
+    }
+}
 
 /// Body of `POST /v1/handlers`. Unknown fields are refused.
 #[derive(Debug, Deserialize, ToSchema)]
@@ -52,7 +91,9 @@ pub struct CreateHandler {
     /// 1 to 128 characters, no control characters.
     #[schema(min_length = 1, max_length = 128, example = "billing")]
     pub name: String,
-    /// Absolute `http` or `https` URL with a host, up to 2,048 bytes.
+    /// Absolute `http` or `https` URL with a host, up to 2,048 bytes,
+    /// without whitespace or control characters (percent-encode them) and
+    /// without credentials (`user:password@`: URLs are logged and answered).
     #[schema(example = "https://example.com/hooks")]
     pub url: String,
     /// Routes: 1 to 100 event types or prefixes with a trailing `*`.
@@ -99,8 +140,11 @@ impl From<HandlerState> for HandlerStateView {
 /// answer it (the store's [`Handler`], secret included).
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct HandlerView {
-    /// Stable id, `hdl_` + 26 characters.
-    #[schema(example = "hdl_01jq3v6m4w8b6k2x9y7t5r3p1n")]
+    /// Stable id, `hdl_` + 32 lowercase hex digits (a UUIDv7).
+    #[schema(
+        example = "hdl_0193a5b2c4d87e6f8a9b0c1d2e3f4a5b",
+        pattern = "^hdl_[0-9a-f]{32}$"
+    )]
     pub id: String,
     /// Human-readable name.
     pub name: String,
@@ -173,10 +217,26 @@ fn in_range<T: PartialOrd + std::fmt::Display>(
     }
 }
 
-/// Checks a webhook URL: parses, scheme `http` or `https`, has a host.
+/// `raw` with any userinfo (`user:password@`) of its authority replaced by
+/// `***@`, so refusals never repeat credentials.
+fn redacted(raw: &str) -> String {
+    let start = raw.find("://").map_or(0, |i| i + 3);
+    let rest = &raw[start..];
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    match rest[..authority_end].rfind('@') {
+        Some(at) => format!("{}***{}", &raw[..start], &rest[at..]),
+        None => raw.to_owned(),
+    }
+}
+
+/// Checks a webhook URL: at most [`MAX_URL_BYTES`], no whitespace or
+/// control characters, parses, scheme `http` or `https`, has a host, and
+/// carries no credentials (`user:password@`): the URL is written to logs and
+/// answered by `GET /v1/handlers`, so credentials in it would leak; receivers
+/// authenticate lanebus by the request signature instead.
 ///
 /// # Errors
-/// `422 invalid_handler` naming the URL.
+/// `422 invalid_handler` naming the URL (with any credentials masked).
 pub fn validate_url(raw: &str) -> Result<(), ApiError> {
     if raw.len() > MAX_URL_BYTES {
         return Err(invalid(format!(
@@ -184,20 +244,33 @@ pub fn validate_url(raw: &str) -> Result<(), ApiError> {
             raw.len()
         )));
     }
+    let shown = redacted(raw);
+    if raw.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(invalid(format!(
+            "url {shown:?} must not contain whitespace or control characters (percent-encode them)"
+        )));
+    }
     let url = url::Url::parse(raw).map_err(|e| {
         invalid(format!(
-            "url {raw:?} does not parse: {}",
+            "url {shown:?} does not parse: {}",
             tidy(&e.to_string())
         ))
     })?;
     if !matches!(url.scheme(), "http" | "https") {
         return Err(invalid(format!(
-            "url {raw:?} has scheme {:?}, expected http or https",
+            "url {shown:?} has scheme {:?}, expected http or https",
             url.scheme()
         )));
     }
     if url.host_str().is_none_or(str::is_empty) {
-        return Err(invalid(format!("url {raw:?} has no host")));
+        return Err(invalid(format!("url {shown:?} has no host")));
+    }
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err(invalid(format!(
+            "url {shown:?} must not carry credentials (a user or password before \"@\"): urls are written to \
+             logs and shown by the api, so credentials in them leak; receivers authenticate \
+             requests by their webhook-signature"
+        )));
     }
     Ok(())
 }
@@ -342,6 +415,7 @@ pub(crate) async fn get(
     State(state): State<ApiState>,
     Path(id): Path<String>,
 ) -> Result<axum::Json<HandlerView>, ApiError> {
+    check_handler_id(&id)?;
     Ok(axum::Json(
         state
             .store
@@ -357,6 +431,7 @@ pub(crate) async fn delete(
     State(state): State<ApiState>,
     Path(id): Path<String>,
 ) -> Result<axum::Json<Deleted>, ApiError> {
+    check_handler_id(&id)?;
     let discarded = state
         .store
         .delete_handler(&id)
@@ -412,6 +487,58 @@ mod tests {
             assert!(validate_url(url).is_err(), "{url} was accepted");
         }
         assert!(validate_url("http://127.0.0.1:9000/x").is_ok());
+    }
+
+    #[test]
+    fn urls_with_credentials_whitespace_or_controls_are_refused() {
+        for url in [
+            "https://user:pass@example.com/hook",
+            "https://user@example.com/hook",
+            "https://:pass@example.com/hook",
+            "http://u:p@127.0.0.1:9000/x?y=1",
+        ] {
+            let e = validate_url(url).unwrap_err();
+            assert_eq!(e.code, ErrorCode::InvalidHandler);
+            assert!(e.message.contains("credentials"), "{}", e.message);
+            assert!(e.message.contains("***@"), "{}", e.message);
+            for secret in ["user:pass", ":pass@", "user@", "u:p@"] {
+                assert!(!e.message.contains(secret), "{}", e.message);
+            }
+        }
+        for url in [
+            "http://h/a b",
+            "http://h/a\tb",
+            "http://h/a\u{0}b",
+            " http://h/",
+            "http://h/\u{85}",
+        ] {
+            let e = validate_url(url).unwrap_err();
+            assert!(e.message.contains("whitespace"), "{url:?}: {}", e.message);
+        }
+        assert!(validate_url("http://h/a%20b?q=a@b").is_ok());
+        assert_eq!(redacted("https://a:b@h/x@y"), "https://***@h/x@y");
+        assert_eq!(redacted("https://h/x@y"), "https://h/x@y");
+    }
+
+    #[test]
+    fn handler_ids_have_one_form() {
+        let id = lanebus_store::generate_handler_id();
+        assert!(is_handler_id(&id), "{id}");
+        for bad in [
+            "",
+            "hdl_",
+            "hdl_nope",
+            "a\0b",
+            "hdl_0193A5B2C4D87E6F8A9B0C1D2E3F4A5B",
+            "hdl_0193a5b2c4d87e6f8a9b0c1d2e3f4a5b0",
+            "hdl_0193a5b2c4d87e6f8a9b0c1d2e3f4a5\0",
+        ] {
+            assert!(!is_handler_id(bad), "{bad:?}");
+            assert_eq!(check_handler_id(bad).unwrap_err().code, ErrorCode::NotFound);
+        }
+        let long = "x".repeat(1000);
+        let e = check_handler_id(&long).unwrap_err();
+        assert!(e.message.len() < 200, "{}", e.message);
     }
 
     #[test]

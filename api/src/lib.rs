@@ -68,7 +68,7 @@ pub mod ui;
 pub use admin::{DEAD_LETTERS_COUNTED_MAX, DEFAULT_PAGE, MAX_PAGE, MAX_REPLAY_IDS};
 pub use error::{ApiError, ErrorCode};
 pub use health::PROMETHEUS_CONTENT_TYPE;
-pub use routes::{router, Operation, RouteSpec, ROUTES};
+pub use routes::{router, Operation, RouteSpec, MAX_URI_BYTES, ROUTES};
 pub use telemetry::describe_metrics;
 
 /// One lane as the node sees it (`GET /admin/lanes`).

@@ -51,7 +51,7 @@ use crate::admin::{
 };
 use crate::error::{ErrorBody, ErrorCode};
 use crate::events::{PublishAnswer, PublishRequest};
-use crate::handlers::{CreateHandler, Deleted, HandlerList, HandlerView};
+use crate::handlers::{CreateHandler, Deleted, HandlerList, HandlerView, HANDLER_ID_PATTERN};
 use crate::health::Status;
 use crate::routes::{Operation, ROUTES};
 use crate::{ClusterView, JoinRequest, RemoveRequest};
@@ -126,6 +126,14 @@ fn path_id(description: &str, schema: RefOr<Schema>) -> Parameter {
         .build()
 }
 
+/// A handler id: `hdl_` + 32 hex digits. Any other value is `404 not_found`.
+fn handler_id() -> RefOr<Schema> {
+    ObjectBuilder::new()
+        .schema_type(Type::String)
+        .pattern(Some(HANDLER_ID_PATTERN))
+        .into()
+}
+
 fn text(format_hint: &'static str) -> RefOr<Schema> {
     ObjectBuilder::new()
         .schema_type(Type::String)
@@ -182,7 +190,7 @@ fn describe(op: Operation, s: &mut Schemas) -> Described {
             (StatusCode::OK, "the handlers", json(s.of::<HandlerList>())),
         ),
         Operation::GetHandler => Described {
-            parameters: vec![path_id("handler id (`hdl_...`)", String::schema())],
+            parameters: vec![path_id("handler id (`hdl_` + 32 hex digits)", handler_id())],
             ..d(
                 "handlers",
                 "Get one handler",
@@ -191,7 +199,7 @@ fn describe(op: Operation, s: &mut Schemas) -> Described {
             )
         },
         Operation::DeleteHandler => Described {
-            parameters: vec![path_id("handler id (`hdl_...`)", String::schema())],
+            parameters: vec![path_id("handler id (`hdl_` + 32 hex digits)", handler_id())],
             ..d(
                 "handlers",
                 "Remove a handler",
@@ -230,8 +238,12 @@ fn describe(op: Operation, s: &mut Schemas) -> Described {
             body: Some(s.of::<BulkReplay>()),
             ..d(
                 "dead letters",
-                "Replay dead letters by handler or ids",
-                "Give `handler_id`, `ids`, or both. Unknown ids are skipped and not counted.",
+                "Replay dead letters by handler, by ids, or all",
+                "The selection must be explicit: `handler_id`, `ids`, or both (those ids of \
+                 that handler), or `\"all\": true` alone (every dead letter of every handler, \
+                 one handler after the other). Anything else, `{}` included, replays nothing \
+                 and is `422 invalid_input`. Unknown ids are skipped and not counted; an \
+                 unknown `handler_id` is `404 not_found`.",
                 (StatusCode::OK, "replayed", json(s.of::<Replayed>())),
             )
         },
@@ -512,8 +524,9 @@ fn build() -> OpenApi {
                     "HTTP API of a lanebus node: publish events, manage webhook handlers and \
                      dead letters, look at lanes and the cluster. Every node answers every \
                      path. Every 4xx/5xx answer has the body \
-                     `{\"error\": {\"code\", \"message\"}}`; each operation lists its codes \
-                     by status.",
+                     `{\"error\": {\"code\", \"message\"}}`, `code` one of the `ErrorCode` \
+                     enum; each operation lists its codes by status. On every path, a request \
+                     URI (path and query) over 8,192 bytes is `414 uri_too_long`.",
                 ))
                 .license(Some(
                     LicenseBuilder::new()

@@ -80,6 +80,15 @@ const JSON_BODY: [ErrorCode; 4] = [
 ];
 /// Codes of every route that calls the store (`From<StoreError>`).
 const STORE: [ErrorCode; 2] = [ErrorCode::StoreUnavailable, ErrorCode::Internal];
+/// Codes every route can answer with: a URI over [`MAX_URI_BYTES`] is
+/// refused before routing ([`limit_uri`]).
+const EVERY_ROUTE: [ErrorCode; 1] = [ErrorCode::UriTooLong];
+
+/// Longest request URI (path and query) the router reads, in bytes; longer
+/// is `414 uri_too_long` with the JSON error shape, on every path. (Past
+/// 65,534 bytes the HTTP server itself refuses the request line, before any
+/// router runs; axum offers no hook there.)
+pub const MAX_URI_BYTES: usize = 8_192;
 
 impl Operation {
     /// Stable operation id (`publishEvents`, ...), as an OpenAPI
@@ -111,9 +120,9 @@ impl Operation {
     }
 
     /// Every error code this operation can answer with (the status follows
-    /// from the code, [`ErrorCode::status`]). Unknown paths (404
-    /// `path_not_found`) and methods (405 `method_not_allowed`) belong to no
-    /// operation and are not listed.
+    /// from the code, [`ErrorCode::status`]), `414 uri_too_long` included.
+    /// Unknown paths (404 `path_not_found`) and methods (405
+    /// `method_not_allowed`) belong to no operation and are not listed.
     pub fn errors(self) -> Vec<ErrorCode> {
         use ErrorCode as E;
         let mut codes: Vec<ErrorCode> = match self {
@@ -136,8 +145,10 @@ impl Operation {
             ]
             .concat(),
             Operation::ListHandlers | Operation::HandlerSummaries => STORE.to_vec(),
+            // `invalid_parameter`: a path segment that does not decode
+            // (`%FF`); `not_found` also for an id that is no handler id.
             Operation::GetHandler | Operation::DeleteHandler => {
-                [&[E::NotFound][..], &STORE].concat()
+                [&[E::InvalidParameter, E::NotFound][..], &STORE].concat()
             }
             Operation::ListDeadLetters | Operation::ReplayDeadLetter => {
                 [&[E::InvalidParameter, E::NotFound][..], &STORE].concat()
@@ -159,6 +170,7 @@ impl Operation {
             | Operation::DashboardScript
             | Operation::DashboardStyle => Vec::new(),
         };
+        codes.extend(EVERY_ROUTE);
         codes.sort_by_key(|c| (c.status().as_u16(), c.as_str()));
         codes.dedup();
         codes
@@ -255,8 +267,9 @@ pub const ROUTES: &[RouteSpec] = &[
 
 /// The API router: every entry of [`ROUTES`], a JSON 404 for unknown paths,
 /// a JSON 405 for unknown methods (with `allow`), the body limit of
-/// [`crate::Limits::max_body_bytes`] (413 JSON), and a safety net that turns
-/// any other non-JSON error answer into the JSON error shape.
+/// [`crate::Limits::max_body_bytes`] (413 JSON), the URI limit of
+/// [`MAX_URI_BYTES`] (414 JSON), and a safety net that turns any other
+/// non-JSON error answer into the JSON error shape.
 ///
 /// Serve it with `axum::serve(listener, router(state))`.
 pub fn router(state: ApiState) -> Router {
@@ -269,6 +282,7 @@ pub fn router(state: ApiState) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         .fallback(path_not_found)
         .layer(DefaultBodyLimit::max(max_body))
+        .layer(axum::middleware::from_fn(limit_uri))
         .layer(axum::middleware::map_response(ensure_json_errors))
         .with_state(state)
 }
@@ -287,9 +301,27 @@ async fn method_not_allowed(method: Method, uri: axum::http::Uri) -> ApiError {
     )
 }
 
+/// Refuses a request whose URI is longer than [`MAX_URI_BYTES`] with
+/// `414 uri_too_long`, before routing (so on every path, known or not).
+async fn limit_uri(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let uri = req.uri();
+    let len = uri.path_and_query().map_or(0, |pq| pq.as_str().len())
+        + uri.authority().map_or(0, |a| a.as_str().len());
+    if len > MAX_URI_BYTES {
+        return ApiError::new(
+            ErrorCode::UriTooLong,
+            format!("request uri of {len} bytes exceeds the limit of {MAX_URI_BYTES} bytes"),
+        )
+        .into_response();
+    }
+    next.run(req).await
+}
+
 /// The safety net: an error answer that is not JSON (from a layer or an
 /// axum default we did not wrap) gets the JSON error shape, keeping its
-/// status and headers such as `allow`.
+/// headers such as `allow`. The code is always one of [`ErrorCode`]: the
+/// statuses that have a code keep it; any other 4xx becomes
+/// `400 bad_request`, any 5xx `internal` (keeping its status).
 async fn ensure_json_errors(res: Response) -> Response {
     let status = res.status();
     let is_json = res
@@ -301,22 +333,28 @@ async fn ensure_json_errors(res: Response) -> Response {
         return res;
     }
     let (code, message) = match status {
-        StatusCode::NOT_FOUND => (ErrorCode::PathNotFound.as_str(), "no such path"),
+        StatusCode::NOT_FOUND => (ErrorCode::PathNotFound, "no such path"),
         StatusCode::METHOD_NOT_ALLOWED => (
-            ErrorCode::MethodNotAllowed.as_str(),
+            ErrorCode::MethodNotAllowed,
             "method not allowed on this path",
         ),
-        StatusCode::PAYLOAD_TOO_LARGE => {
-            (ErrorCode::BodyTooLarge.as_str(), "request body too large")
-        }
+        StatusCode::PAYLOAD_TOO_LARGE => (ErrorCode::BodyTooLarge, "request body too large"),
         StatusCode::UNSUPPORTED_MEDIA_TYPE => (
-            ErrorCode::UnsupportedMediaType.as_str(),
+            ErrorCode::UnsupportedMediaType,
             "content-type must be application/json",
         ),
-        s if s.is_server_error() => (ErrorCode::Internal.as_str(), "internal error"),
-        _ => ("bad_request", "request refused"),
+        StatusCode::URI_TOO_LONG => (ErrorCode::UriTooLong, "request uri too long"),
+        s if s.is_server_error() => (ErrorCode::Internal, "internal error"),
+        _ => (ErrorCode::BadRequest, "request refused"),
     };
+    crate::telemetry::api_error(code.as_str());
     let (mut parts, _) = res.into_parts();
+    let status = if status.is_server_error() {
+        status
+    } else {
+        code.status()
+    };
+    parts.status = status;
     let fresh = error_response(status, code, message);
     parts.headers.remove(header::CONTENT_LENGTH);
     parts.headers.insert(
@@ -366,6 +404,36 @@ mod tests {
         assert_eq!(body_json(res).await["error"]["code"], "body_too_large");
         let res = ensure_json_errors((StatusCode::BAD_GATEWAY, "x").into_response()).await;
         assert_eq!(body_json(res).await["error"]["code"], "internal");
+        let res = ensure_json_errors((StatusCode::URI_TOO_LONG, "").into_response()).await;
+        assert_eq!(res.status(), StatusCode::URI_TOO_LONG);
+        assert_eq!(body_json(res).await["error"]["code"], "uri_too_long");
+    }
+
+    #[tokio::test]
+    async fn safety_net_emits_only_documented_codes_with_their_status() {
+        let documented: Vec<&str> = ErrorCode::ALL.iter().map(|c| c.as_str()).collect();
+        for n in 400u16..600 {
+            let Ok(status) = StatusCode::from_u16(n) else {
+                continue;
+            };
+            let res = ensure_json_errors((status, "plain").into_response()).await;
+            let answered = res.status();
+            let body = body_json(res).await;
+            let code = body["error"]["code"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            assert!(documented.contains(&code.as_str()), "{n}: code {code:?}");
+            let code = ErrorCode::ALL
+                .into_iter()
+                .find(|c| c.as_str() == code)
+                .expect("documented");
+            if n < 500 {
+                assert_eq!(answered, code.status(), "{n}: {code:?}");
+            } else {
+                assert_eq!((answered, code), (status, ErrorCode::Internal));
+            }
+        }
     }
 
     #[tokio::test]

@@ -56,7 +56,8 @@ async fn javascript_standardwebhooks_verifies_real_requests() -> anyhow::Result<
     events.extend(unkeyed);
     api.publish(&events, 25).await?;
     ensure!(
-        rx.wait_accepted(events.len(), Duration::from_secs(60)).await,
+        rx.wait_accepted(events.len(), Duration::from_secs(60))
+            .await,
         "only {} of {} deliveries arrived",
         rx.accepted_distinct(),
         events.len()
