@@ -25,6 +25,7 @@ pub mod actors;
 pub mod assignment;
 pub mod catalog;
 pub mod handler;
+pub mod local_cluster;
 pub mod metrics;
 pub mod node;
 pub mod ordering;

@@ -256,44 +256,88 @@ async fn admin(args: AdminArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Lanes grouped into ranges of consecutive lanes with the same owner,
-/// epoch and state; backlog and in-flight summed per range.
+/// Lanes grouped per owner and state: how many, their epochs, backlog and
+/// in-flight summed, and the lane numbers as ranges (`0-85`, `86,88,...`;
+/// shortened past 60 characters).
 fn lanes_table(body: &serde_json::Value) -> String {
+    use std::collections::BTreeMap;
     use std::fmt::Write as _;
+    #[derive(Default)]
+    struct Group {
+        lanes: Vec<i64>,
+        epochs: (i64, i64),
+        backlog: i64,
+        in_flight: i64,
+    }
     let lanes = body["lanes"].as_array().cloned().unwrap_or_default();
-    let mut out = format!(
-        "{:<11} {:<12} {:>6} {:<10} {:>9} {:>9}\n",
-        "LANES", "OWNER", "EPOCH", "STATE", "BACKLOG", "IN_FLIGHT"
-    );
-    let mut i = 0;
-    while i < lanes.len() {
-        let l = &lanes[i];
-        let same = |m: &serde_json::Value| {
-            m["owner"] == l["owner"] && m["epoch"] == l["epoch"] && m["state"] == l["state"]
+    let mut groups: BTreeMap<(String, String), Group> = BTreeMap::new();
+    for l in &lanes {
+        let owner = l["owner"].as_str().unwrap_or("-").to_string();
+        let state = l["state"].as_str().unwrap_or("?").to_string();
+        let g = groups.entry((owner, state)).or_default();
+        let epoch = l["epoch"].as_i64().unwrap_or(0);
+        g.epochs = if g.lanes.is_empty() {
+            (epoch, epoch)
+        } else {
+            (g.epochs.0.min(epoch), g.epochs.1.max(epoch))
         };
-        let mut j = i;
-        let (mut backlog, mut in_flight) = (0i64, 0i64);
-        while j < lanes.len()
-            && same(&lanes[j])
-            && (j == i || lanes[j]["lane"].as_i64() == lanes[j - 1]["lane"].as_i64().map(|x| x + 1))
-        {
-            backlog += lanes[j]["backlog"].as_i64().unwrap_or(0);
-            in_flight += lanes[j]["in_flight"].as_i64().unwrap_or(0);
-            j += 1;
-        }
-        let range = format!("{}-{}", l["lane"], lanes[j - 1]["lane"]);
-        let owner = l["owner"].as_str().unwrap_or("-");
+        g.lanes.push(l["lane"].as_i64().unwrap_or(-1));
+        g.backlog += l["backlog"].as_i64().unwrap_or(0);
+        g.in_flight += l["in_flight"].as_i64().unwrap_or(0);
+    }
+    let mut out = format!(
+        "{:<8} {:<10} {:>5} {:>9} {:>9} {:>9}  {}\n",
+        "OWNER", "STATE", "LANES", "EPOCHS", "BACKLOG", "IN_FLIGHT", "RANGES"
+    );
+    for ((owner, state), g) in &groups {
+        let epochs = if g.epochs.0 == g.epochs.1 {
+            g.epochs.0.to_string()
+        } else {
+            format!("{}-{}", g.epochs.0, g.epochs.1)
+        };
         let _ = writeln!(
             out,
-            "{:<11} {:<12} {:>6} {:<10} {:>9} {:>9}",
-            range,
+            "{:<8} {:<10} {:>5} {:>9} {:>9} {:>9}  {}",
             owner,
-            l["epoch"],
-            l["state"].as_str().unwrap_or("?"),
-            backlog,
-            in_flight
+            state,
+            g.lanes.len(),
+            epochs,
+            g.backlog,
+            g.in_flight,
+            ranges(&g.lanes, 60)
         );
-        i = j;
+    }
+    out
+}
+
+/// `0-3,5,7-9`, cut to about `max` characters with the count left out.
+fn ranges(lanes: &[i64], max: usize) -> String {
+    let mut sorted = lanes.to_vec();
+    sorted.sort_unstable();
+    let mut parts: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < sorted.len() {
+        let mut j = i;
+        while j + 1 < sorted.len() && sorted[j + 1] == sorted[j] + 1 {
+            j += 1;
+        }
+        parts.push(if i == j {
+            sorted[i].to_string()
+        } else {
+            format!("{}-{}", sorted[i], sorted[j])
+        });
+        i = j + 1;
+    }
+    let mut out = String::new();
+    for (n, p) in parts.iter().enumerate() {
+        if out.len() + p.len() > max {
+            out.push_str(&format!(",... (+{} ranges)", parts.len() - n));
+            break;
+        }
+        if n > 0 {
+            out.push(',');
+        }
+        out.push_str(p);
     }
     out
 }
@@ -336,20 +380,24 @@ mod tests {
     #[test]
     fn lanes_are_printed_as_ranges_per_owner() {
         let mut lanes = Vec::new();
-        for lane in 0..6 {
-            let owner = if lane < 4 { "1" } else { "2" };
-            lanes.push(serde_json::json!({"lane": lane, "owner": owner, "epoch": 3, "state": "active", "backlog": 1, "in_flight": 0}));
+        for lane in 0..8 {
+            let owner = if lane < 4 || lane == 6 { "1" } else { "2" };
+            lanes.push(serde_json::json!({"lane": lane, "owner": owner, "epoch": 3 + lane % 2, "state": "active", "backlog": 1, "in_flight": 0}));
         }
         let table = lanes_table(&serde_json::json!({ "lanes": lanes }));
         let rows: Vec<&str> = table.lines().collect();
         assert_eq!(rows.len(), 3, "{table}");
         assert!(
-            rows[1].starts_with("0-3 ") && rows[1].contains(" 1 ") && rows[1].contains(" 4 "),
+            rows[1].starts_with("1 ") && rows[1].ends_with("0-3,6") && rows[1].contains(" 3-4 "),
             "{table}"
         );
         assert!(
-            rows[2].starts_with("4-5 ") && rows[2].contains(" 2 "),
+            rows[2].starts_with("2 ") && rows[2].ends_with("4-5,7"),
             "{table}"
+        );
+        assert_eq!(
+            ranges(&(0..100).step_by(2).collect::<Vec<_>>(), 10),
+            "0,2,4,6,8,... (+45 ranges)"
         );
     }
 }
