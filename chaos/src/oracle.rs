@@ -1,0 +1,758 @@
+//! The oracle: judges one scenario's record against DESIGN.md section 2,
+//! once its faults have stopped. Pure: it reads plain logs (what publishers
+//! had acknowledged, what the receiver got, what the admin API showed) and
+//! returns a [`Report`]; the unit tests feed it synthetic logs that break
+//! each invariant.
+//!
+//! ```text
+//! published (acked / in doubt) ─┐
+//! receiver requests ────────────┼─▶ judge ─▶ Report { lost, repeats by cause,
+//! lane samples (owner, epoch) ──┤                    out of order, corrupted,
+//! dead letters, recovery time ──┘                    two owners, ... }
+//! ```
+//!
+//! What each invariant becomes here:
+//! 1. **No loss**: every (acked event, matching handler) was answered 2xx or
+//!    is a dead letter (dead letters count as lost where the scenario does
+//!    not expect them).
+//! 2. **Order**: per (handler, key), the first arrival of the event at
+//!    publish position i comes after every earlier position was answered 2xx
+//!    (or dead-lettered); a repeat of an earlier event after a later one
+//!    arrived is a rewind, allowed only after an owner change; the
+//!    `lanebus-sequence` header grows with the publish position.
+//! 3. **Repeats** are attributed to a cause, in this order: the previous
+//!    attempt failed as the receiver saw it (non-2xx, reset, no answer, or an
+//!    answer later than the handler's timeout); the node saw it fail
+//!    (`lanebus-attempt` grew although the receiver answered 2xx in time,
+//!    e.g. a paused node whose timer fired); the lane's epoch grew between
+//!    the two attempts (owner change). Anything else is unattributed.
+//! 4. **Fencing**: one epoch of a lane has one owner, in every sample from
+//!    every node; a node never shows a lane's epoch going back.
+//! 5. **Atomic publish**: a batch whose publisher died before the answer is
+//!    all delivered or not at all.
+//!
+//! Also: payload bytes as published (the `data` member of the webhook body,
+//! spliced unchanged by the node), valid signatures, nothing unexpected, and
+//! recovery within the bound.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use serde::Serialize;
+
+/// One published event, in publish order per publisher.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Published {
+    /// Event id.
+    pub id: String,
+    /// Event type.
+    pub event_type: String,
+    /// Key, if any.
+    pub key: Option<String>,
+    /// The payload's JSON text as published.
+    pub payload: String,
+    /// Whether the publish was acknowledged (`false`: the publisher died
+    /// before the answer; the batch may or may not exist).
+    pub acked: bool,
+    /// The publish call it belonged to (publisher name and call number).
+    pub batch: String,
+}
+
+/// A handler as registered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HandlerSpec {
+    /// Name (the receiver's URL segment).
+    pub name: String,
+    /// Event type patterns (exact, or a trailing `*`).
+    pub patterns: Vec<String>,
+    /// The handler's timeout, in milliseconds.
+    pub timeout_ms: u64,
+    /// Whether dead letters are expected for it in this scenario.
+    pub dead_letters_expected: bool,
+}
+
+impl HandlerSpec {
+    /// Whether the handler's route matches `event_type`.
+    pub fn matches(&self, event_type: &str) -> bool {
+        self.patterns.iter().any(|p| match p.strip_suffix('*') {
+            Some(prefix) => event_type.starts_with(prefix),
+            None => p == event_type,
+        })
+    }
+}
+
+/// One request as the receiver logged it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Request {
+    /// Handler name.
+    pub handler: String,
+    /// `webhook-id`.
+    pub event_id: String,
+    /// `lanebus-key`.
+    pub key: Option<String>,
+    /// `lanebus-sequence`.
+    pub sequence: Option<i64>,
+    /// `lanebus-attempt`.
+    pub attempt: u32,
+    /// Arrival, milliseconds since the run started.
+    pub arrived_ms: f64,
+    /// When the answer was written, if one was (`None`: reset or dropped).
+    pub answered_ms: Option<f64>,
+    /// Status answered (`None`: reset or dropped without an answer).
+    pub status: Option<u16>,
+    /// The `data` member of the body as bytes (`None`: body unreadable).
+    pub data: Option<String>,
+    /// Whether the signature verified.
+    pub signature_ok: bool,
+}
+
+impl Request {
+    fn accepted(&self) -> bool {
+        matches!(self.status, Some(s) if (200..300).contains(&s))
+    }
+
+    /// Whether the node could have seen this attempt succeed.
+    fn succeeded_in_time(&self, timeout_ms: u64) -> bool {
+        self.accepted()
+            && self
+                .answered_ms
+                .is_some_and(|a| a - self.arrived_ms < timeout_ms as f64)
+    }
+}
+
+/// One lane as one node's admin API showed it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaneSample {
+    /// When, milliseconds since the run started.
+    pub at_ms: u64,
+    /// Which node answered.
+    pub node: String,
+    /// Lane.
+    pub lane: u16,
+    /// Owner.
+    pub owner: Option<String>,
+    /// Epoch.
+    pub epoch: i64,
+}
+
+/// Everything the oracle reads.
+#[derive(Debug, Clone, Default)]
+pub struct Record {
+    /// Number of lanes.
+    pub lanes: u16,
+    /// Published events, each publisher's in its publish order.
+    pub published: Vec<Published>,
+    /// Handlers.
+    pub handlers: Vec<HandlerSpec>,
+    /// Receiver log, in arrival order.
+    pub requests: Vec<Request>,
+    /// Admin API samples.
+    pub samples: Vec<LaneSample>,
+    /// Dead letters as (handler name, event id).
+    pub dead_letters: Vec<(String, String)>,
+    /// Milliseconds from the start of the slowest fault until full health
+    /// (every node ready, every lane owned and active); `None` if a fault or
+    /// the final heal was not followed by health within the bound.
+    pub recovered_ms: Option<u64>,
+    /// How far a lane sample may lag the request it explains, in
+    /// milliseconds (the sampling interval plus slack).
+    pub sample_slack_ms: u64,
+}
+
+/// Repeats by cause.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Repeats {
+    /// The previous attempt failed as the receiver saw it.
+    pub failed: usize,
+    /// The node saw the previous attempt fail (attempt number grew).
+    pub node_timeout: usize,
+    /// The lane changed owner between the two attempts.
+    pub owner_change: usize,
+    /// No cause found: a violation.
+    pub unattributed: usize,
+}
+
+/// The verdict over one scenario.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Report {
+    /// Acknowledged events.
+    pub events: usize,
+    /// Events whose publish was in doubt (publisher killed).
+    pub in_doubt: usize,
+    /// Expected (event, handler) deliveries.
+    pub expected: usize,
+    /// Requests the receiver got.
+    pub requests: usize,
+    /// Expected deliveries answered 2xx.
+    pub delivered: usize,
+    /// Expected deliveries dead-lettered (and not delivered).
+    pub dead_lettered: usize,
+    /// Expected deliveries neither delivered nor (where allowed) dead-lettered.
+    pub lost: usize,
+    /// Repeats by cause.
+    pub repeats: Repeats,
+    /// Order violations.
+    pub out_of_order: usize,
+    /// Rewinds of a key after an owner change (allowed, counted).
+    pub rewinds: usize,
+    /// Payloads not byte-identical to what was published.
+    pub corrupted: usize,
+    /// Bad signatures.
+    pub bad_signatures: usize,
+    /// Accepted deliveries nobody published or no route matches.
+    pub unexpected: usize,
+    /// In-doubt batches delivered in part.
+    pub torn_batches: usize,
+    /// Lane epochs seen with two owners, or epochs going back.
+    pub two_owners: usize,
+    /// Milliseconds to recover (see [`Record::recovered_ms`]).
+    pub recovered_ms: Option<u64>,
+    /// The first problems found, for the log.
+    pub problems: Vec<String>,
+}
+
+impl Report {
+    /// Whether every invariant held.
+    pub fn passed(&self) -> bool {
+        self.lost == 0
+            && self.repeats.unattributed == 0
+            && self.out_of_order == 0
+            && self.corrupted == 0
+            && self.bad_signatures == 0
+            && self.unexpected == 0
+            && self.torn_batches == 0
+            && self.two_owners == 0
+            && self.recovered_ms.is_some()
+    }
+
+    fn problem(&mut self, p: String) {
+        if self.problems.len() < 12 {
+            self.problems.push(p);
+        }
+    }
+}
+
+/// Epochs per lane over time, from the samples.
+struct Epochs {
+    /// lane -> (at_ms, epoch), sorted by time.
+    by_lane: HashMap<u16, Vec<(u64, i64)>>,
+}
+
+impl Epochs {
+    fn new(samples: &[LaneSample]) -> Epochs {
+        let mut by_lane: HashMap<u16, Vec<(u64, i64)>> = HashMap::new();
+        for s in samples {
+            by_lane.entry(s.lane).or_default().push((s.at_ms, s.epoch));
+        }
+        for v in by_lane.values_mut() {
+            v.sort_unstable();
+        }
+        Epochs { by_lane }
+    }
+
+    /// The highest epoch seen for `lane` at or before `at_ms`.
+    fn at(&self, lane: u16, at_ms: f64) -> Option<i64> {
+        self.by_lane.get(&lane).and_then(|v| {
+            v.iter()
+                .take_while(|(t, _)| (*t as f64) <= at_ms)
+                .map(|(_, e)| *e)
+                .max()
+        })
+    }
+}
+
+/// Judges one scenario.
+pub fn judge(rec: &Record) -> Report {
+    let mut r = Report {
+        requests: rec.requests.len(),
+        recovered_ms: rec.recovered_ms,
+        ..Report::default()
+    };
+    if rec.recovered_ms.is_none() {
+        r.problem("cluster not back to health within the bound".into());
+    }
+    let handlers: HashMap<&str, &HandlerSpec> =
+        rec.handlers.iter().map(|h| (h.name.as_str(), h)).collect();
+    let events: HashMap<&str, &Published> =
+        rec.published.iter().map(|p| (p.id.as_str(), p)).collect();
+    r.events = rec.published.iter().filter(|p| p.acked).count();
+    r.in_doubt = rec.published.len() - r.events;
+    let dead: HashSet<(&str, &str)> = rec
+        .dead_letters
+        .iter()
+        .map(|(h, e)| (h.as_str(), e.as_str()))
+        .collect();
+
+    // Which (handler, event) pairs were accepted, and when first.
+    let mut accepted_at: HashMap<(&str, &str), f64> = HashMap::new();
+    for q in &rec.requests {
+        if q.accepted() {
+            let at = q.answered_ms.unwrap_or(q.arrived_ms);
+            accepted_at
+                .entry((q.handler.as_str(), q.event_id.as_str()))
+                .and_modify(|t| *t = t.min(at))
+                .or_insert(at);
+        }
+    }
+
+    // 5. in-doubt batches: all or nothing.
+    let mut committed_batches: HashSet<&str> = HashSet::new();
+    for q in &rec.requests {
+        if let Some(p) = events.get(q.event_id.as_str()) {
+            if !p.acked {
+                committed_batches.insert(p.batch.as_str());
+            }
+        }
+    }
+
+    // 1. no loss.
+    for p in &rec.published {
+        let must = p.acked || committed_batches.contains(p.batch.as_str());
+        for h in &rec.handlers {
+            if !h.matches(&p.event_type) {
+                continue;
+            }
+            if p.acked {
+                r.expected += 1;
+            }
+            let pair = (h.name.as_str(), p.id.as_str());
+            if accepted_at.contains_key(&pair) {
+                if p.acked {
+                    r.delivered += 1;
+                }
+            } else if dead.contains(&pair) {
+                if p.acked {
+                    r.dead_lettered += 1;
+                }
+                if !h.dead_letters_expected {
+                    r.lost += 1;
+                    r.problem(format!("dead-lettered unexpectedly: {} {}", h.name, p.id));
+                }
+            } else if must {
+                r.lost += 1;
+                if p.acked {
+                    r.problem(format!("lost: {} {}", h.name, p.id));
+                } else {
+                    r.torn_batches += 1;
+                    r.problem(format!(
+                        "torn batch {}: {} {} missing while others arrived",
+                        p.batch, h.name, p.id
+                    ));
+                }
+            }
+        }
+    }
+
+    // Unexpected, corrupted, bad signatures.
+    let mut unexpected_seen: HashSet<(&str, &str)> = HashSet::new();
+    for q in &rec.requests {
+        if !q.signature_ok {
+            r.bad_signatures += 1;
+            r.problem(format!("bad signature: {} {}", q.handler, q.event_id));
+        }
+        let known = events.get(q.event_id.as_str());
+        let routed = match (known, handlers.get(q.handler.as_str())) {
+            (Some(p), Some(h)) => h.matches(&p.event_type),
+            _ => false,
+        };
+        if !routed {
+            if q.accepted() && unexpected_seen.insert((&q.handler, &q.event_id)) {
+                r.unexpected += 1;
+                r.problem(format!("unexpected: {} {}", q.handler, q.event_id));
+            }
+            continue;
+        }
+        let p = known.expect("routed implies known");
+        if q.data.as_deref() != Some(p.payload.as_str()) {
+            r.corrupted += 1;
+            r.problem(format!(
+                "payload differs: {} {} ({} bytes published, {:?} received)",
+                q.handler,
+                q.event_id,
+                p.payload.len(),
+                q.data.as_ref().map(String::len)
+            ));
+        }
+    }
+
+    let epochs = Epochs::new(&rec.samples);
+    let slack = rec.sample_slack_ms as f64;
+
+    // 3. repeats.
+    let mut last: HashMap<(&str, &str), &Request> = HashMap::new();
+    for q in &rec.requests {
+        let pair = (q.handler.as_str(), q.event_id.as_str());
+        if let Some(prev) = last.get(&pair) {
+            let timeout = handlers
+                .get(q.handler.as_str())
+                .map_or(u64::MAX, |h| h.timeout_ms);
+            let lane = lane_of_request(q, &events, rec.lanes);
+            let epoch_before = epochs.at(lane, prev.arrived_ms);
+            let epoch_after = epochs.at(lane, q.arrived_ms + slack);
+            if !prev.succeeded_in_time(timeout) {
+                r.repeats.failed += 1;
+            } else if q.attempt > prev.attempt {
+                r.repeats.node_timeout += 1;
+            } else if owner_changed(epoch_before, epoch_after) {
+                r.repeats.owner_change += 1;
+            } else {
+                r.repeats.unattributed += 1;
+                r.problem(format!(
+                    "repeat without a cause: {} {} attempt {} at {:.0} ms after attempt {} answered {:?} at {:.0} ms, lane {lane} epoch {:?} -> {:?}",
+                    q.handler, q.event_id, q.attempt, q.arrived_ms, prev.attempt, prev.status,
+                    prev.arrived_ms, epoch_before, epoch_after
+                ));
+            }
+        }
+        last.insert(pair, q);
+    }
+
+    // 2. order per (handler, key).
+    let mut position: HashMap<(&str, &str), usize> = HashMap::new(); // (key, id) -> position
+    let mut by_key: HashMap<&str, Vec<&Published>> = HashMap::new();
+    for p in &rec.published {
+        if let Some(k) = p.key.as_deref() {
+            let list = by_key.entry(k).or_default();
+            position.insert((k, p.id.as_str()), list.len());
+            list.push(p);
+        }
+    }
+    // Per (handler, key): highest position that arrived, and the sequence
+    // header seen per position.
+    struct Stream<'a> {
+        max_pos: Option<usize>,
+        seq_at: BTreeMap<usize, i64>,
+        last_arrival: HashMap<&'a str, f64>,
+    }
+    let mut streams: HashMap<(&str, &str), Stream> = HashMap::new();
+    for q in &rec.requests {
+        let Some(key) = q.key.as_deref() else {
+            continue;
+        };
+        let Some(&pos) = position.get(&(key, q.event_id.as_str())) else {
+            continue;
+        };
+        let Some(h) = handlers.get(q.handler.as_str()) else {
+            continue;
+        };
+        let s = streams
+            .entry((q.handler.as_str(), key))
+            .or_insert_with(|| Stream {
+                max_pos: None,
+                seq_at: BTreeMap::new(),
+                last_arrival: HashMap::new(),
+            });
+        let first = !s.last_arrival.contains_key(q.event_id.as_str());
+        if first {
+            // Every earlier event of the key for this handler must be done.
+            for earlier in &by_key[key][..pos] {
+                if !h.matches(&earlier.event_type) {
+                    continue;
+                }
+                let pair = (q.handler.as_str(), earlier.id.as_str());
+                let done = accepted_at.get(&pair).is_some_and(|t| *t <= q.arrived_ms)
+                    || dead.contains(&pair)
+                    || (!earlier.acked && !committed_batches.contains(earlier.batch.as_str()));
+                if !done {
+                    r.out_of_order += 1;
+                    r.problem(format!(
+                        "order: {} key {key}: {} (position {pos}) sent at {:.0} ms before {} was done",
+                        q.handler, q.event_id, q.arrived_ms, earlier.id
+                    ));
+                    break;
+                }
+            }
+        } else if s.max_pos.is_some_and(|m| m > pos) {
+            let lane = lane_of_request(q, &events, rec.lanes);
+            let prev = s.last_arrival[q.event_id.as_str()];
+            if owner_changed(epochs.at(lane, prev), epochs.at(lane, q.arrived_ms + slack)) {
+                r.rewinds += 1;
+            } else {
+                r.out_of_order += 1;
+                r.problem(format!(
+                    "order: {} key {key}: {} repeated at {:.0} ms after a later event, no owner change",
+                    q.handler, q.event_id, q.arrived_ms
+                ));
+            }
+        }
+        if let Some(seq) = q.sequence {
+            match s.seq_at.get(&pos) {
+                Some(&old) if old != seq => {
+                    r.out_of_order += 1;
+                    r.problem(format!(
+                        "sequence: {} key {key}: {} came with sequence {seq}, earlier {old}",
+                        q.handler, q.event_id
+                    ));
+                }
+                Some(_) => {}
+                None => {
+                    let below = s.seq_at.range(..pos).next_back().map(|(_, v)| *v);
+                    let above = s.seq_at.range(pos + 1..).next().map(|(_, v)| *v);
+                    if below.is_some_and(|b| b >= seq) || above.is_some_and(|a| a <= seq) {
+                        r.out_of_order += 1;
+                        r.problem(format!(
+                            "sequence: {} key {key}: {} has sequence {seq} out of publish order",
+                            q.handler, q.event_id
+                        ));
+                    }
+                    s.seq_at.insert(pos, seq);
+                }
+            }
+        }
+        s.max_pos = Some(s.max_pos.map_or(pos, |m| m.max(pos)));
+        s.last_arrival.insert(q.event_id.as_str(), q.arrived_ms);
+    }
+
+    // 4. one owner per (lane, epoch); epochs never go back on a node.
+    let mut owners: HashMap<(u16, i64), HashSet<&str>> = HashMap::new();
+    let mut last_epoch: HashMap<(&str, u16), (u64, i64)> = HashMap::new();
+    let mut samples: Vec<&LaneSample> = rec.samples.iter().collect();
+    samples.sort_by_key(|s| s.at_ms);
+    for s in samples {
+        if let Some(o) = s.owner.as_deref() {
+            let set = owners.entry((s.lane, s.epoch)).or_default();
+            if set.insert(o) && set.len() == 2 {
+                r.two_owners += 1;
+                r.problem(format!(
+                    "lane {} epoch {} has two owners: {:?}",
+                    s.lane, s.epoch, set
+                ));
+            }
+        }
+        let k = (s.node.as_str(), s.lane);
+        if let Some(&(at, e)) = last_epoch.get(&k) {
+            if s.epoch < e {
+                r.two_owners += 1;
+                r.problem(format!(
+                    "lane {} epoch went back from {e} (at {at} ms) to {} (at {} ms) on node {}",
+                    s.lane, s.epoch, s.at_ms, s.node
+                ));
+            }
+        }
+        last_epoch.insert(k, (s.at_ms, s.epoch));
+    }
+    r
+}
+
+fn owner_changed(before: Option<i64>, after: Option<i64>) -> bool {
+    matches!((before, after), (Some(b), Some(a)) if a > b) || (before.is_none() && after.is_some())
+}
+
+fn lane_of_request(q: &Request, events: &HashMap<&str, &Published>, lanes: u16) -> u16 {
+    let key = q.key.as_deref().or_else(|| {
+        events
+            .get(q.event_id.as_str())
+            .and_then(|p| p.key.as_deref())
+    });
+    crate::rng::lane_of(key, &q.event_id, lanes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LANES: u16 = 8;
+
+    fn ev(id: &str, key: &str) -> Published {
+        Published {
+            id: id.into(),
+            event_type: "order.created".into(),
+            key: Some(key.into()),
+            payload: format!("{{\"id\":\"{id}\"}}"),
+            acked: true,
+            batch: format!("p/{id}"),
+        }
+    }
+
+    fn req(id: &str, key: &str, seq: i64, attempt: u32, at: f64, status: Option<u16>) -> Request {
+        Request {
+            handler: "h".into(),
+            event_id: id.into(),
+            key: Some(key.into()),
+            sequence: Some(seq),
+            attempt,
+            arrived_ms: at,
+            answered_ms: status.map(|_| at + 1.0),
+            status,
+            data: Some(format!("{{\"id\":\"{id}\"}}")),
+            signature_ok: true,
+        }
+    }
+
+    fn sample(at: u64, key: &str, owner: &str, epoch: i64) -> LaneSample {
+        LaneSample {
+            at_ms: at,
+            node: "1".into(),
+            lane: crate::rng::lane_of(Some(key), "", LANES),
+            owner: Some(owner.into()),
+            epoch,
+        }
+    }
+
+    fn base() -> Record {
+        Record {
+            lanes: LANES,
+            published: vec![ev("a", "k"), ev("b", "k"), ev("c", "k")],
+            handlers: vec![HandlerSpec {
+                name: "h".into(),
+                patterns: vec!["order.*".into()],
+                timeout_ms: 1_000,
+                dead_letters_expected: false,
+            }],
+            requests: vec![
+                req("a", "k", 1, 1, 10.0, Some(500)),
+                req("a", "k", 1, 2, 20.0, Some(200)),
+                req("b", "k", 2, 1, 30.0, Some(200)),
+                req("c", "k", 3, 1, 40.0, Some(200)),
+            ],
+            samples: vec![sample(0, "k", "1", 1), sample(100, "k", "1", 1)],
+            dead_letters: vec![],
+            recovered_ms: Some(5),
+            sample_slack_ms: 0,
+        }
+    }
+
+    #[test]
+    fn an_exact_run_passes_and_counts_the_failed_attempt() {
+        let r = judge(&base());
+        assert!(r.passed(), "{r:#?}");
+        assert_eq!((r.events, r.expected, r.delivered), (3, 3, 3));
+        assert_eq!(r.repeats.failed, 1);
+    }
+
+    #[test]
+    fn a_lost_delivery_fails() {
+        let mut rec = base();
+        rec.requests.pop();
+        let r = judge(&rec);
+        assert_eq!(r.lost, 1);
+        assert!(!r.passed());
+    }
+
+    #[test]
+    fn an_unexpected_dead_letter_is_lost_an_expected_one_is_not() {
+        let mut rec = base();
+        rec.requests.pop();
+        rec.dead_letters.push(("h".into(), "c".into()));
+        assert_eq!(judge(&rec).lost, 1);
+        rec.handlers[0].dead_letters_expected = true;
+        let r = judge(&rec);
+        assert!(r.passed(), "{r:#?}");
+        assert_eq!(r.dead_lettered, 1);
+    }
+
+    #[test]
+    fn a_changed_payload_fails() {
+        let mut rec = base();
+        rec.requests[2].data = Some("{\"id\":\"B\"}".into());
+        let r = judge(&rec);
+        assert_eq!(r.corrupted, 1);
+        assert!(!r.passed());
+    }
+
+    #[test]
+    fn next_event_before_the_previous_completed_is_out_of_order() {
+        let mut rec = base();
+        // b arrives while a has only failed so far.
+        rec.requests.swap(1, 2);
+        rec.requests[1].arrived_ms = 15.0;
+        let r = judge(&rec);
+        assert!(r.out_of_order >= 1, "{r:#?}");
+        assert!(!r.passed());
+    }
+
+    #[test]
+    fn a_sequence_header_against_publish_order_fails() {
+        let mut rec = base();
+        rec.requests[3].sequence = Some(2);
+        let r = judge(&rec);
+        assert_eq!(r.out_of_order, 1, "{r:#?}");
+    }
+
+    #[test]
+    fn a_repeat_after_success_without_owner_change_is_unattributed() {
+        let mut rec = base();
+        rec.requests.push(req("c", "k", 3, 1, 50.0, Some(200)));
+        let r = judge(&rec);
+        assert_eq!(r.repeats.unattributed, 1, "{r:#?}");
+        assert!(!r.passed());
+    }
+
+    #[test]
+    fn a_repeat_after_an_epoch_change_is_an_owner_change_and_a_rewind_is_allowed() {
+        let mut rec = base();
+        // The node died after b and c were answered but before completing
+        // them: the new owner (epoch 2) sends b and c again.
+        rec.requests.push(req("b", "k", 2, 1, 60.0, Some(200)));
+        rec.requests.push(req("c", "k", 3, 1, 70.0, Some(200)));
+        rec.samples = vec![sample(0, "k", "1", 1), sample(55, "k", "1", 2)];
+        let r = judge(&rec);
+        assert!(r.passed(), "{r:#?}");
+        assert_eq!((r.repeats.owner_change, r.rewinds), (2, 1));
+        // Without the epoch change the same log fails.
+        rec.samples.pop();
+        let r = judge(&rec);
+        assert_eq!(r.repeats.unattributed, 2);
+        assert_eq!(r.out_of_order, 1);
+    }
+
+    #[test]
+    fn late_answers_and_grown_attempt_numbers_are_causes() {
+        let mut rec = base();
+        // c answered 200 but after the 1 s timeout, then sent again.
+        rec.requests[3].answered_ms = Some(40.0 + 1_500.0);
+        rec.requests.push(req("c", "k", 3, 2, 2_000.0, Some(200)));
+        let r = judge(&rec);
+        assert_eq!(r.repeats.failed, 2, "{r:#?}");
+        // answered in time, but the node says the attempt failed.
+        let mut rec = base();
+        rec.requests.push(req("c", "k", 3, 2, 2_000.0, Some(200)));
+        let r = judge(&rec);
+        assert_eq!(r.repeats.node_timeout, 1, "{r:#?}");
+        assert!(r.passed());
+    }
+
+    #[test]
+    fn two_owners_of_one_epoch_or_an_epoch_going_back_fail() {
+        let mut rec = base();
+        rec.samples.push(sample(50, "k", "2", 1));
+        let r = judge(&rec);
+        assert_eq!(r.two_owners, 1, "{r:#?}");
+        let mut rec = base();
+        rec.samples.push(sample(200, "k", "1", 3));
+        rec.samples.push(sample(300, "k", "1", 2));
+        assert_eq!(judge(&rec).two_owners, 1);
+    }
+
+    #[test]
+    fn a_torn_in_doubt_batch_fails_an_absent_one_passes() {
+        let mut rec = base();
+        let mut x = ev("x", "z");
+        let mut y = ev("y", "z");
+        x.acked = false;
+        y.acked = false;
+        x.batch = "child/9".into();
+        y.batch = "child/9".into();
+        rec.published.extend([x, y]);
+        assert!(judge(&rec).passed(), "nothing of the batch arrived: fine");
+        rec.requests.push(req("x", "z", 1, 1, 80.0, Some(200)));
+        let r = judge(&rec);
+        assert_eq!(r.torn_batches, 1, "{r:#?}");
+        rec.requests.push(req("y", "z", 2, 1, 90.0, Some(200)));
+        let r = judge(&rec);
+        assert!(r.passed(), "{r:#?}");
+        assert_eq!(r.in_doubt, 2);
+    }
+
+    #[test]
+    fn unexpected_bad_signature_and_no_recovery_fail() {
+        let mut rec = base();
+        rec.requests.push(req("zzz", "k", 9, 1, 99.0, Some(200)));
+        assert_eq!(judge(&rec).unexpected, 1);
+        let mut rec = base();
+        rec.requests[0].signature_ok = false;
+        assert_eq!(judge(&rec).bad_signatures, 1);
+        let mut rec = base();
+        rec.recovered_ms = None;
+        assert!(!judge(&rec).passed());
+    }
+}

@@ -1,0 +1,340 @@
+//! The chaos webhook receiver: a small HTTP/1.1 server on raw TCP, so that it
+//! can do what a well-behaved framework will not: reset a connection, hold a
+//! request without answering, answer after the handler's timeout.
+//!
+//! Every request is logged as an [`oracle::Request`] (handler, event id, key,
+//! sequence, attempt, arrival and answer time, status or none, the payload
+//! bytes, whether the signature verified). What it answers is decided by
+//! [`decide`] from the current [`Mode`], the run's seed and the attempt's
+//! number as seen here; a pure function, so reruns fail the same attempts.
+//!
+//! ```text
+//! POST /hook/{handler} ─▶ parse ─▶ decide(mode, seed, handler, id, n) ─▶ 200 | 500
+//!                                                                     ├▶ reset (RST)
+//!                                                                     ├▶ hold, then close
+//!                                                                     └▶ wait, then 200
+//! ```
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::oracle::Request;
+use crate::rng::coin;
+
+/// How the endpoint behaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// 200 at once.
+    Healthy,
+    /// `percent` of attempts answer 500.
+    Random500 {
+        /// Share of failing attempts.
+        percent: u32,
+    },
+    /// `percent` of attempts get their connection reset without an answer.
+    Reset {
+        /// Share of reset attempts.
+        percent: u32,
+    },
+    /// `percent` of attempts are held without an answer for `ms`, then the
+    /// connection is closed (a timeout for the sender).
+    Timeout {
+        /// Share of held attempts.
+        percent: u32,
+        /// How long to hold, in milliseconds.
+        ms: u64,
+    },
+    /// `percent` of attempts are answered 200, but only after `ms` (longer
+    /// than the handler timeout: the sender has given up).
+    Stall {
+        /// Share of stalled attempts.
+        percent: u32,
+        /// Delay before the answer, in milliseconds.
+        ms: u64,
+    },
+    /// Every attempt answers 500 (dead letters expected).
+    Down,
+}
+
+/// What one request gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Answer {
+    /// Answer this status at once.
+    Status(u16),
+    /// Reset the connection.
+    Reset,
+    /// Hold for the duration, then close without an answer.
+    Hold(Duration),
+    /// Wait, then answer 200.
+    Late(Duration),
+}
+
+/// The answer for the `n`th attempt (counted here, from 1) of
+/// `(handler, event_id)`.
+pub fn decide(mode: Mode, seed: u64, handler: &str, event_id: &str, n: u32) -> Answer {
+    let hit = |p| coin(seed, handler, event_id, n, p);
+    match mode {
+        Mode::Healthy => Answer::Status(200),
+        Mode::Random500 { percent } if hit(percent) => Answer::Status(500),
+        Mode::Reset { percent } if hit(percent) => Answer::Reset,
+        Mode::Timeout { percent, ms } if hit(percent) => Answer::Hold(Duration::from_millis(ms)),
+        Mode::Stall { percent, ms } if hit(percent) => Answer::Late(Duration::from_millis(ms)),
+        Mode::Down => Answer::Status(500),
+        _ => Answer::Status(200),
+    }
+}
+
+struct Inner {
+    mode: Mode,
+    secrets: HashMap<String, String>,
+    seen: HashMap<(String, String), u32>,
+    log: Vec<Request>,
+}
+
+/// The receiver; cheap to clone.
+#[derive(Clone)]
+pub struct Receiver {
+    inner: Arc<Mutex<Inner>>,
+    start: Instant,
+    seed: u64,
+    port: u16,
+}
+
+impl Receiver {
+    /// Starts on `127.0.0.1:0`; times are measured from `start`.
+    pub async fn start(seed: u64, start: Instant) -> anyhow::Result<Receiver> {
+        let listener = TcpListener::bind(("127.0.0.1", 0)).await?;
+        let port = listener.local_addr()?.port();
+        let rx = Receiver {
+            inner: Arc::new(Mutex::new(Inner {
+                mode: Mode::Healthy,
+                secrets: HashMap::new(),
+                seen: HashMap::new(),
+                log: Vec::new(),
+            })),
+            start,
+            seed,
+            port,
+        };
+        let me = rx.clone();
+        tokio::spawn(async move {
+            while let Ok((sock, _)) = listener.accept().await {
+                let me = me.clone();
+                tokio::spawn(async move {
+                    let _ = me.serve(sock).await;
+                });
+            }
+        });
+        Ok(rx)
+    }
+
+    /// The webhook URL of `handler`.
+    pub fn url(&self, handler: &str) -> String {
+        format!("http://127.0.0.1:{}/hook/{handler}", self.port)
+    }
+
+    /// Sets how the endpoint behaves from now on.
+    pub fn set_mode(&self, mode: Mode) {
+        self.lock().mode = mode;
+    }
+
+    /// Records the signing secret of `handler`.
+    pub fn set_secret(&self, handler: &str, secret: &str) {
+        self.lock()
+            .secrets
+            .insert(handler.to_string(), secret.to_string());
+    }
+
+    /// A copy of the log.
+    pub fn log(&self) -> Vec<Request> {
+        self.lock().log.clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().expect("receiver lock")
+    }
+
+    fn ms(&self) -> f64 {
+        self.start.elapsed().as_secs_f64() * 1e3
+    }
+
+    async fn serve(&self, mut sock: TcpStream) -> anyhow::Result<()> {
+        let mut buf: Vec<u8> = Vec::with_capacity(16 << 10);
+        loop {
+            // Head.
+            let head_end = loop {
+                if let Some(i) = find(&buf, b"\r\n\r\n") {
+                    break i + 4;
+                }
+                let mut chunk = [0u8; 16 << 10];
+                let n = sock.read(&mut chunk).await?;
+                if n == 0 {
+                    return Ok(());
+                }
+                buf.extend_from_slice(&chunk[..n]);
+            };
+            let arrived = self.ms();
+            let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+            let mut lines = head.split("\r\n");
+            let path = lines
+                .next()
+                .and_then(|l| l.split(' ').nth(1))
+                .unwrap_or("")
+                .to_string();
+            let headers: HashMap<String, String> = lines
+                .filter_map(|l| l.split_once(':'))
+                .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+                .collect();
+            let len: usize = headers
+                .get("content-length")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0);
+            while buf.len() < head_end + len {
+                let mut chunk = [0u8; 64 << 10];
+                let n = sock.read(&mut chunk).await?;
+                if n == 0 {
+                    return Ok(());
+                }
+                buf.extend_from_slice(&chunk[..n]);
+            }
+            let body: Vec<u8> = buf[head_end..head_end + len].to_vec();
+            buf.drain(..head_end + len);
+
+            let handler = path.strip_prefix("/hook/").unwrap_or(&path).to_string();
+            let h = |n: &str| headers.get(n).cloned();
+            let event_id = h("webhook-id").unwrap_or_default();
+            let (answer, signature_ok) = {
+                let mut inner = self.lock();
+                let n = {
+                    let n = inner
+                        .seen
+                        .entry((handler.clone(), event_id.clone()))
+                        .or_default();
+                    *n += 1;
+                    *n
+                };
+                let answer = decide(inner.mode, self.seed, &handler, &event_id, n);
+                let ok = inner.secrets.get(&handler).is_some_and(|s| {
+                    lanebus_node::webhook::verify(
+                        s,
+                        &event_id,
+                        &h("webhook-timestamp").unwrap_or_default(),
+                        &h("webhook-signature").unwrap_or_default(),
+                        &body,
+                    )
+                });
+                (answer, ok)
+            };
+            let mut rec = Request {
+                handler,
+                event_id,
+                key: h("lanebus-key"),
+                sequence: h("lanebus-sequence").and_then(|s| s.parse().ok()),
+                attempt: h("lanebus-attempt")
+                    .and_then(|s| s.parse().ok())
+                    .unwrap_or(0),
+                arrived_ms: arrived,
+                answered_ms: None,
+                status: None,
+                data: data_member(&body),
+                signature_ok,
+            };
+            let status = match answer {
+                Answer::Status(s) => Some(s),
+                Answer::Late(d) => {
+                    tokio::time::sleep(d).await;
+                    Some(200)
+                }
+                Answer::Reset => {
+                    // SO_LINGER 0: close with RST. It blocks on drop only
+                    // with a non-zero linger time.
+                    #[allow(deprecated)]
+                    let _ = sock.set_linger(Some(Duration::ZERO));
+                    self.lock().log.push(rec);
+                    return Ok(());
+                }
+                Answer::Hold(d) => {
+                    tokio::time::sleep(d).await;
+                    self.lock().log.push(rec);
+                    return Ok(());
+                }
+            };
+            let s = status.unwrap_or(200);
+            let reply = format!(
+                "HTTP/1.1 {s} {}\r\ncontent-length: 0\r\n\r\n",
+                if s == 200 {
+                    "OK"
+                } else {
+                    "Internal Server Error"
+                }
+            );
+            let written = sock.write_all(reply.as_bytes()).await;
+            rec.status = status;
+            rec.answered_ms = Some(self.ms());
+            if written.is_err() {
+                // The sender had hung up: it never saw the answer.
+                rec.status = None;
+                rec.answered_ms = None;
+            }
+            self.lock().log.push(rec);
+            written?;
+        }
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+/// The `data` member of a webhook body, as the bytes it was spliced in with:
+/// the body is `{"type":T,"timestamp":"...","data":<payload>}` (DESIGN.md
+/// section 5; the node writes the payload bytes unchanged).
+pub fn data_member(body: &[u8]) -> Option<String> {
+    let text = std::str::from_utf8(body).ok()?;
+    let v: serde_json::Value = serde_json::from_str(text).ok()?;
+    // Find the prefix by re-serializing the type and timestamp exactly as
+    // the node does; fall back to a search for the member name.
+    let prefix = format!(
+        "{{\"type\":{},\"timestamp\":{},\"data\":",
+        serde_json::to_string(v.get("type")?).ok()?,
+        serde_json::to_string(v.get("timestamp")?).ok()?
+    );
+    let rest = text.strip_prefix(&prefix)?;
+    rest.strip_suffix('}').map(str::to_owned)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decisions_follow_the_seed_and_mode() {
+        assert_eq!(decide(Mode::Healthy, 1, "h", "e", 1), Answer::Status(200));
+        assert_eq!(decide(Mode::Down, 1, "h", "e", 9), Answer::Status(500));
+        let fails = (0..1000)
+            .filter(|i| {
+                decide(Mode::Random500 { percent: 30 }, 5, "h", &format!("e{i}"), 1)
+                    == Answer::Status(500)
+            })
+            .count();
+        assert!((230..370).contains(&fails), "{fails}");
+        let a: Vec<_> = (1..20)
+            .map(|n| decide(Mode::Reset { percent: 50 }, 9, "h", "e", n))
+            .collect();
+        let b: Vec<_> = (1..20)
+            .map(|n| decide(Mode::Reset { percent: 50 }, 9, "h", "e", n))
+            .collect();
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn data_member_returns_the_spliced_bytes() {
+        let body = br#"{"type":"a.b","timestamp":"2026-01-01T00:00:00.000000Z","data":{"z":1,"a":[1, 2]}}"#;
+        assert_eq!(data_member(body).as_deref(), Some(r#"{"z":1,"a":[1, 2]}"#));
+        assert_eq!(data_member(b"not json"), None);
+    }
+}

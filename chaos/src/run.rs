@@ -1,0 +1,611 @@
+//! Carries one [`Plan`] out: sandbox up, handlers registered, publishers and
+//! the lane sampler running, faults injected on schedule, everything healed
+//! at the end of the publish window, then recovery and drain measured and
+//! the record handed to the [`oracle`](crate::oracle).
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+
+use crate::oracle::{self, HandlerSpec, LaneSample, Published, Record, Report};
+use crate::plan::{Fault, Plan, Target};
+use crate::publisher::{self, PubSpec};
+use crate::receiver::Mode;
+use crate::sandbox::{NodeFlags, PgServer, Sandbox, Store};
+
+/// What the whole suite shares.
+pub struct Ctx {
+    /// The `lanebus` binary.
+    pub bin: PathBuf,
+    /// What its `node` command accepts.
+    pub flags: NodeFlags,
+    /// The suite's PostgreSQL server, or `None` for SQLite files.
+    pub pg: Option<Arc<PgServer>>,
+    /// Where sandboxes go.
+    pub work: PathBuf,
+    /// Keep sandbox directories of passing scenarios too.
+    pub keep: bool,
+    /// Whether the node runs a real cluster, once a scenario found out.
+    pub clustered: Option<bool>,
+    /// This binary (for the child publisher).
+    pub me: PathBuf,
+}
+
+/// How one scenario ended.
+#[derive(Debug)]
+pub enum Outcome {
+    /// It ran and was judged.
+    Ran {
+        /// The oracle's report.
+        report: Box<Report>,
+        /// Milliseconds from the end of faults until every expected delivery
+        /// was done (`None`: not within the bound).
+        drained_ms: Option<u64>,
+    },
+    /// It could not run here, and why.
+    Skipped(String),
+    /// The harness failed (not a verdict on lanebus).
+    Error(String),
+}
+
+/// Handlers of every scenario: (name, patterns).
+const HANDLERS: &[(&str, &[&str])] = &[
+    ("all", &["*"]),
+    ("issues", &["issues.*", "pull_request.*"]),
+    ("odd", &["chaos.*", "push"]),
+];
+
+/// How often the lane table is sampled, in milliseconds.
+const SAMPLE_MS: u64 = 250;
+
+/// Runs one plan.
+pub async fn run(ctx: &mut Ctx, plan: &Plan, index: usize) -> Outcome {
+    if plan.needs_db_server && ctx.pg.is_none() {
+        return Outcome::Skipped("needs a database server (PostgreSQL)".into());
+    }
+    if plan.needs_cluster && ctx.clustered == Some(false) {
+        return Outcome::Skipped("needs cluster (lanebus node runs single-node)".into());
+    }
+    let needs_proxies = plan
+        .steps
+        .iter()
+        .any(|s| matches!(s.fault, Fault::Partition { .. } | Fault::OneWay { .. }));
+    let dir = ctx
+        .work
+        .join(format!("{:02}-{}-{}", index, plan.name, plan.seed));
+    let store = match &ctx.pg {
+        Some(pg) => Store::Postgres {
+            server: pg.clone(),
+            db: format!("chaos_{index}_{}", plan.name.replace('-', "_")),
+        },
+        None => Store::Sqlite,
+    };
+    let mut sb = match Sandbox::start(
+        &ctx.bin,
+        ctx.flags,
+        &store,
+        plan.nodes,
+        plan.seed,
+        dir,
+        needs_proxies,
+    )
+    .await
+    {
+        Ok(sb) => sb,
+        Err(e) => return Outcome::Error(format!("sandbox: {e:#}")),
+    };
+    ctx.clustered = Some(sb.clustered);
+    if plan.needs_cluster && !sb.clustered {
+        sb.teardown(false).await;
+        return Outcome::Skipped("needs cluster (lanebus node runs single-node)".into());
+    }
+    let out = drive(&mut sb, plan, ctx).await;
+    let keep = ctx.keep || !matches!(&out, Outcome::Ran { report, .. } if report.passed());
+    if keep {
+        println!("  sandbox kept: {}", sb.dir.display());
+    }
+    sb.teardown(keep).await;
+    out
+}
+
+async fn drive(sb: &mut Sandbox, plan: &Plan, ctx: &Ctx) -> Outcome {
+    match drive_inner(sb, plan, ctx).await {
+        Ok(o) => o,
+        Err(e) => Outcome::Error(format!("{e:#}")),
+    }
+}
+
+async fn register(sb: &Sandbox, plan: &Plan) -> anyhow::Result<HashMap<String, String>> {
+    let mut ids = HashMap::new();
+    for (name, patterns) in HANDLERS {
+        let r = sb
+            .http
+            .post(format!("{}/v1/handlers", sb.nodes[0].url()))
+            .json(&serde_json::json!({
+                "name": name,
+                "url": sb.receiver.url(name),
+                "event_types": patterns,
+                "timeout_ms": plan.timeout_ms,
+                "max_attempts": plan.max_attempts,
+            }))
+            .send()
+            .await?;
+        let status = r.status();
+        let v: serde_json::Value = r.json().await?;
+        if status.as_u16() != 201 {
+            bail!("handler {name}: {status} {v}");
+        }
+        sb.receiver
+            .set_secret(name, v["secret"].as_str().unwrap_or_default());
+        ids.insert(
+            v["id"].as_str().unwrap_or_default().to_string(),
+            name.to_string(),
+        );
+    }
+    Ok(ids)
+}
+
+/// Samples `GET /admin/lanes` of every node until `stop`.
+fn sampler(
+    http: reqwest::Client,
+    urls: Vec<(String, String)>,
+    start: Instant,
+    stop: Arc<AtomicBool>,
+    out: Arc<Mutex<Vec<LaneSample>>>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        while !stop.load(Ordering::Relaxed) {
+            let polls = urls.iter().map(|(node, url)| {
+                let http = http.clone();
+                async move {
+                    let at = start.elapsed().as_millis() as u64;
+                    let v: serde_json::Value = http
+                        .get(format!("{url}/admin/lanes"))
+                        .timeout(Duration::from_millis(1_000))
+                        .send()
+                        .await
+                        .ok()?
+                        .json()
+                        .await
+                        .ok()?;
+                    Some(lane_samples(&v, node, at))
+                }
+            });
+            let got = futures::future::join_all(polls).await;
+            out.lock()
+                .expect("samples")
+                .extend(got.into_iter().flatten().flatten());
+            tokio::time::sleep(Duration::from_millis(SAMPLE_MS)).await;
+        }
+    })
+}
+
+fn lane_samples(v: &serde_json::Value, node: &str, at: u64) -> Vec<LaneSample> {
+    v["lanes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|l| {
+            Some(LaneSample {
+                at_ms: at,
+                node: node.to_string(),
+                lane: u16::try_from(l["lane"].as_u64()?).ok()?,
+                owner: l["owner"].as_str().map(str::to_owned),
+                epoch: l["epoch"].as_i64()?,
+            })
+        })
+        .collect()
+}
+
+/// Every node ready and every lane owned and active, as each node sees it.
+async fn healthy(sb: &Sandbox) -> bool {
+    for url in sb.all_urls() {
+        let ready = sb
+            .http
+            .get(format!("{url}/readyz"))
+            .timeout(Duration::from_secs(1))
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success());
+        if !ready {
+            return false;
+        }
+        let Ok(r) = sb
+            .http
+            .get(format!("{url}/admin/lanes"))
+            .timeout(Duration::from_secs(1))
+            .send()
+            .await
+        else {
+            return false;
+        };
+        let Ok(v) = r.json::<serde_json::Value>().await else {
+            return false;
+        };
+        let lanes = v["lanes"].as_array().cloned().unwrap_or_default();
+        if lanes.is_empty()
+            || lanes
+                .iter()
+                .any(|l| l["owner"].is_null() || l["state"].as_str() != Some("active"))
+        {
+            return false;
+        }
+    }
+    true
+}
+
+async fn dead_letters(
+    sb: &Sandbox,
+    ids: &HashMap<String, String>,
+) -> anyhow::Result<Vec<(String, String)>> {
+    let mut out = Vec::new();
+    let urls = sb.live_urls();
+    let url = urls.first().context("no live node")?;
+    let mut after: Option<i64> = None;
+    loop {
+        let mut q = format!("{url}/admin/dead-letters?limit=1000");
+        if let Some(a) = after {
+            q.push_str(&format!("&after={a}"));
+        }
+        let v: serde_json::Value = sb.http.get(q).send().await?.json().await?;
+        for d in v["dead_letters"].as_array().into_iter().flatten() {
+            let h = d["handler_id"].as_str().unwrap_or_default();
+            out.push((
+                ids.get(h).cloned().unwrap_or_else(|| h.to_string()),
+                d["event_id"].as_str().unwrap_or_default().to_string(),
+            ));
+        }
+        match v["next_after"].as_i64() {
+            Some(a) => after = Some(a),
+            None => return Ok(out),
+        }
+    }
+}
+
+async fn resolve(sb: &Sandbox, target: Target, count: usize) -> Vec<usize> {
+    let n = sb.nodes.len();
+    if n == 1 {
+        return vec![0];
+    }
+    let leader = sb.leader().await;
+    let followers: Vec<usize> = (0..n)
+        .filter(|i| Some(*i) != leader && sb.nodes[*i].running())
+        .collect();
+    let mut out = Vec::new();
+    match target {
+        Target::Leader => out.extend(leader),
+        Target::Follower(pick) => {
+            for k in 0..count.min(followers.len()) {
+                out.push(followers[(pick as usize + k) % followers.len()]);
+            }
+        }
+    }
+    if out.is_empty() {
+        out.push(0);
+    }
+    out
+}
+
+async fn drive_inner(sb: &mut Sandbox, plan: &Plan, ctx: &Ctx) -> anyhow::Result<Outcome> {
+    let ids = register(sb, plan).await?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let samples: Arc<Mutex<Vec<LaneSample>>> = Arc::default();
+    let node_urls: Vec<(String, String)> = sb
+        .nodes
+        .iter()
+        .map(|n| (n.id.to_string(), n.url()))
+        .collect();
+    let sampler = sampler(
+        sb.http.clone(),
+        node_urls,
+        sb.start,
+        stop.clone(),
+        samples.clone(),
+    );
+    let payloads = Arc::new(publisher::payloads());
+    let urls = Arc::new(Mutex::new(sb.live_urls()));
+    let published: Arc<Mutex<Vec<Published>>> = Arc::default();
+    let t0 = Instant::now();
+    let until = t0 + Duration::from_millis(plan.publish_ms);
+    let mut pubs = Vec::new();
+    for p in 0..3 {
+        let spec = PubSpec {
+            name: format!("p{p}"),
+            keys: 20,
+            max_batch: 10,
+            pause_ms: 40,
+            unkeyed_percent: 10,
+        };
+        pubs.push(tokio::spawn(publisher::run(
+            spec,
+            plan.seed,
+            payloads.clone(),
+            urls.clone(),
+            until,
+            published.clone(),
+        )));
+    }
+    let journal = sb.dir.join("child-publisher.jsonl");
+    let mut child = if plan.child_publisher {
+        Some(
+            tokio::process::Command::new(&ctx.me)
+                .arg("publish-child")
+                .args(["--seed", &plan.seed.to_string()])
+                .arg("--out")
+                .arg(&journal)
+                .args(sb.all_urls())
+                .stdout(std::process::Stdio::null())
+                .kill_on_drop(true)
+                .spawn()
+                .context("cannot start the child publisher")?,
+        )
+    } else {
+        None
+    };
+
+    // Per fault: from its start until every node is ready and every lane
+    // owned and active again (after the fault's own end: restart, SIGCONT,
+    // heal), bounded.
+    let mut fault_recovery: Vec<Option<u64>> = Vec::new();
+    for step in &plan.steps {
+        tokio::time::sleep_until((t0 + Duration::from_millis(step.at_ms)).into()).await;
+        let at = sb.now_ms();
+        let started = Instant::now();
+        let what = inject(sb, &step.fault, &urls, &mut child, ctx.pg.as_ref()).await?;
+        println!("  {at:>6} ms  {what}");
+        let bound = Duration::from_millis(crate::LEASE_MS + crate::LEASE_MARGIN_MS + 20_000);
+        let mut rec = None;
+        while started.elapsed() < bound {
+            if healthy(sb).await {
+                rec = Some(started.elapsed().as_millis() as u64);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        println!(
+            "  {:>6} ms  {}",
+            sb.now_ms(),
+            match rec {
+                Some(ms) => format!("healthy again, {ms} ms after the fault started"),
+                None => format!("NOT healthy within {bound:?} of the fault's start"),
+            }
+        );
+        fault_recovery.push(rec);
+    }
+    tokio::time::sleep_until(until.into()).await;
+    let mut stats = publisher::PubStats::default();
+    for p in pubs {
+        let s = p.await?;
+        stats.calls += s.calls;
+        stats.failed_calls += s.failed_calls;
+    }
+    if let Some(mut c) = child.take() {
+        let _ = c.kill().await;
+    }
+    sb.receiver.set_mode(Mode::Healthy);
+    sb.heal().await?;
+    *urls.lock().expect("urls") = sb.live_urls();
+    let healed = Instant::now();
+    println!(
+        "  {:>6} ms  faults over, healed ({} publish calls, {} failed and sent again)",
+        sb.now_ms(),
+        stats.calls,
+        stats.failed_calls
+    );
+
+    // Recovery: every node ready, every lane owned.
+    let bound = Duration::from_millis(crate::LEASE_MS + crate::LEASE_MARGIN_MS + 30_000);
+    let mut healthy_at_end = false;
+    while healed.elapsed() < bound {
+        if healthy(sb).await {
+            healthy_at_end = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The slowest fault's recovery; `None` if any fault, or the final heal,
+    // missed its bound.
+    let recovered_ms = if healthy_at_end && fault_recovery.iter().all(Option::is_some) {
+        Some(fault_recovery.iter().flatten().copied().max().unwrap_or(0))
+    } else {
+        None
+    };
+
+    // Drain: every expected delivery accepted or dead-lettered.
+    let mut all = published.lock().expect("published").clone();
+    if plan.child_publisher {
+        let text = std::fs::read_to_string(&journal).unwrap_or_default();
+        all.extend(publisher::read_journal(&text, "child"));
+    }
+    let handlers: Vec<HandlerSpec> = HANDLERS
+        .iter()
+        .map(|(n, p)| HandlerSpec {
+            name: n.to_string(),
+            patterns: p.iter().map(|s| s.to_string()).collect(),
+            timeout_ms: plan.timeout_ms,
+            dead_letters_expected: plan.dead_letters_expected,
+        })
+        .collect();
+    let expected: HashSet<(String, String)> = all
+        .iter()
+        .filter(|p| p.acked)
+        .flat_map(|p| {
+            handlers
+                .iter()
+                .filter(|h| h.matches(&p.event_type))
+                .map(|h| (h.name.clone(), p.id.clone()))
+        })
+        .collect();
+    let drain_bound = Duration::from_secs(120);
+    let mut drained_ms = None;
+    let mut dead = Vec::new();
+    let mut last_dl = Instant::now() - Duration::from_secs(10);
+    while healed.elapsed() < drain_bound {
+        let log = sb.receiver.log();
+        let mut done: HashSet<(String, String)> = log
+            .iter()
+            .filter(|r| matches!(r.status, Some(s) if (200..300).contains(&s)))
+            .map(|r| (r.handler.clone(), r.event_id.clone()))
+            .collect();
+        if plan.dead_letters_expected && last_dl.elapsed() > Duration::from_secs(1) {
+            dead = dead_letters(sb, &ids).await.unwrap_or_default();
+            last_dl = Instant::now();
+        }
+        done.extend(dead.iter().cloned());
+        if expected.iter().all(|e| done.contains(e)) {
+            drained_ms = Some(healed.elapsed().as_millis() as u64);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    // Let stray repeats arrive before judging.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    dead = dead_letters(sb, &ids).await.unwrap_or(dead);
+    stop.store(true, Ordering::Relaxed);
+    let _ = sampler.await;
+    let lanes = samples
+        .lock()
+        .expect("samples")
+        .iter()
+        .map(|s| s.lane)
+        .max()
+        .map_or(256, |m| m + 1);
+    let record = Record {
+        lanes,
+        published: all,
+        handlers,
+        requests: sb.receiver.log(),
+        samples: samples.lock().expect("samples").clone(),
+        dead_letters: dead,
+        recovered_ms,
+        sample_slack_ms: 4 * SAMPLE_MS,
+    };
+    let report = oracle::judge(&record);
+    std::fs::write(
+        sb.dir.join("requests.json"),
+        serde_json::to_vec(&record.requests).unwrap_or_default(),
+    )
+    .ok();
+    Ok(Outcome::Ran {
+        report: Box::new(report),
+        drained_ms,
+    })
+}
+
+/// Carries out one fault (including its end); returns a description.
+async fn inject(
+    sb: &mut Sandbox,
+    fault: &Fault,
+    urls: &Arc<Mutex<Vec<String>>>,
+    child: &mut Option<tokio::process::Child>,
+    pg: Option<&Arc<PgServer>>,
+) -> anyhow::Result<String> {
+    let set_urls = |sb: &Sandbox| *urls.lock().expect("urls") = sb.live_urls();
+    let ids = |sb: &Sandbox, v: &[usize]| {
+        v.iter()
+            .map(|i| sb.nodes[*i].id.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    Ok(match fault {
+        Fault::Kill {
+            target,
+            count,
+            down_ms,
+        } => {
+            let v = resolve(sb, *target, *count).await;
+            for &i in &v {
+                sb.kill(i).await;
+            }
+            set_urls(sb);
+            tokio::time::sleep(Duration::from_millis(*down_ms)).await;
+            for &i in &v {
+                sb.spawn(i).await?;
+            }
+            set_urls(sb);
+            format!(
+                "SIGKILL node {} ({target:?}), restarted after {down_ms} ms",
+                ids(sb, &v)
+            )
+        }
+        Fault::Pause { target, ms } => {
+            let i = resolve(sb, *target, 1).await[0];
+            sb.pause(i, true).await;
+            set_urls(sb);
+            tokio::time::sleep(Duration::from_millis(*ms)).await;
+            sb.pause(i, false).await;
+            set_urls(sb);
+            format!("SIGSTOP node {} for {ms} ms, then SIGCONT", sb.nodes[i].id)
+        }
+        Fault::Partition { target, ms } => {
+            let i = resolve(sb, *target, 1).await[0];
+            sb.isolate(i, true);
+            tokio::time::sleep(Duration::from_millis(*ms)).await;
+            sb.isolate(i, false);
+            format!(
+                "partitioned node {} ({target:?}) for {ms} ms",
+                sb.nodes[i].id
+            )
+        }
+        Fault::OneWay { from, loss, ms } => {
+            let i = resolve(sb, *from, 1).await[0];
+            sb.one_way(i, *loss);
+            tokio::time::sleep(Duration::from_millis(*ms)).await;
+            for p in &sb.raft_proxies {
+                p.heal();
+            }
+            format!(
+                "node {} cannot send, other links drop {loss} % of chunks, for {ms} ms",
+                sb.nodes[i].id
+            )
+        }
+        Fault::DbRestart { down_ms } => {
+            let pg = pg.context("db-restart needs PostgreSQL")?;
+            pg.down().await?;
+            tokio::time::sleep(Duration::from_millis(*down_ms)).await;
+            pg.up().await?;
+            format!("database stopped, started again after {down_ms} ms")
+        }
+        Fault::DbCut { ms } => {
+            let p = sb.db_proxy.as_ref().context("db-cut needs the db proxy")?;
+            // A slow database first (every chunk 150 ms late), then none.
+            p.set(None, crate::proxy::LinkMode::Delay(150));
+            tokio::time::sleep(Duration::from_millis(1_000)).await;
+            p.set(None, crate::proxy::LinkMode::Cut);
+            tokio::time::sleep(Duration::from_millis(*ms)).await;
+            p.heal();
+            format!(
+                "database links delayed 150 ms for 1 s, then cut (new ones refused) for {ms} ms"
+            )
+        }
+        Fault::RollingRestart { gap_ms } => {
+            for i in 0..sb.nodes.len() {
+                sb.stop(i).await;
+                set_urls(sb);
+                sb.spawn(i).await?;
+                sb.wait_ready(i, Duration::from_secs(30)).await?;
+                set_urls(sb);
+                tokio::time::sleep(Duration::from_millis(*gap_ms)).await;
+            }
+            format!(
+                "rolling restart of {} node(s), {gap_ms} ms apart",
+                sb.nodes.len()
+            )
+        }
+        Fault::Endpoint { mode, ms } => {
+            sb.receiver.set_mode(*mode);
+            tokio::time::sleep(Duration::from_millis(*ms)).await;
+            sb.receiver.set_mode(Mode::Healthy);
+            format!("endpoint {mode:?} for {ms} ms")
+        }
+        Fault::KillPublisher => {
+            let mut c = child.take().context("no child publisher")?;
+            let _ = c.kill().await;
+            "SIGKILL the child publisher".to_string()
+        }
+    })
+}
