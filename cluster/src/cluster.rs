@@ -450,13 +450,19 @@ impl Inner {
 
     /// Publishes owned and releasing lanes from the applied state and the
     /// holder lease.
-    fn publish(&self, applied: &Applied, was_valid: &mut bool) {
-        let now = self.now_ms();
-        let valid = self
-            .holder
+    /// Whether this node may work lanes now: lease valid, and after a lapse
+    /// the log applied up to the renewal that ended it
+    /// ([`HolderLease::may_work`]).
+    fn may_work(&self, applied: &Applied) -> bool {
+        let applied_index = applied.data.last_applied.map_or(0, |l| l.index);
+        self.holder
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .valid(&self.cfg.lease, now);
+            .may_work(&self.cfg.lease, self.now_ms(), applied_index)
+    }
+
+    fn publish(&self, applied: &Applied, was_valid: &mut bool) {
+        let valid = self.may_work(applied);
         if valid != *was_valid {
             if valid {
                 tracing::info!(
@@ -728,12 +734,16 @@ impl Cluster {
             .state
             .members
             .contains_key(&inner.me());
-        member
-            && inner
-                .holder
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .valid(&inner.cfg.lease, inner.now_ms())
+        member && inner.may_work(&inner.sm.current())
+    }
+
+    /// Whether this node may hand work over right now: its lease is valid by
+    /// its own clock and, after a lapse, it has applied the log up to the
+    /// renewal that ended the lapse. Cheap (a lock and a clock read): lane
+    /// owners check it before every attempt, because after a pause (SIGSTOP)
+    /// their timers may fire before [`Cluster::owned_lanes`] is emptied.
+    pub fn may_work(&self) -> bool {
+        self.inner.may_work(&self.inner.sm.current())
     }
 
     /// The leader's id and HTTP address, as far as this node knows.
@@ -926,7 +936,7 @@ async fn renew_loop(inner: Arc<Inner>) {
                         .holder
                         .lock()
                         .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .committed(sent_at);
+                        .committed(&lease, sent_at, r.index);
                 }
                 Ok(r) => {
                     tracing::debug!(reason = ?r.reason, "lease renewal refused (not a member yet?)")

@@ -117,17 +117,43 @@ impl LeaseConfig {
 }
 
 /// Holder side: the node's own view of its lease.
+///
+/// After a lapse (the process was frozen, or cut off) the node's applied
+/// state may be stale: the leader may have given its lanes away meanwhile.
+/// The renewal that ends a lapse therefore also asks the node to apply the
+/// log up to that renewal's index before it works lanes again
+/// ([`HolderLease::may_work`]): everything the leader decided before the
+/// renewal is then known here.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct HolderLease {
     /// Send time of the newest renewal known to be committed.
     sent_at_ms: Option<u64>,
+    /// Log index to apply before working lanes again (after a lapse).
+    resume_index: u64,
 }
 
 impl HolderLease {
-    /// A renewal sent at `sent_at_ms` was committed. Older acknowledgements
-    /// arriving late never shorten the lease.
-    pub fn committed(&mut self, sent_at_ms: u64) {
+    /// A renewal sent at `sent_at_ms` was committed (at log `index`, when
+    /// known). Older acknowledgements arriving late never shorten the lease.
+    /// A renewal sent after the lease had lapsed (or the first one) sets
+    /// the index to catch up to.
+    pub fn committed(&mut self, cfg: &LeaseConfig, sent_at_ms: u64, index: Option<u64>) {
+        let lapsed = self
+            .sent_at_ms
+            .is_none_or(|s| s.saturating_add(cfg.lease_ms) <= sent_at_ms);
+        if lapsed {
+            if let Some(i) = index {
+                self.resume_index = self.resume_index.max(i);
+            }
+        }
         self.sent_at_ms = Some(self.sent_at_ms.map_or(sent_at_ms, |s| s.max(sent_at_ms)));
+    }
+
+    /// Whether the node may work its lanes at `now_ms` with its state
+    /// machine applied up to `applied_index`: the lease is valid and, after
+    /// a lapse, the log is applied up to the renewal that ended it.
+    pub fn may_work(&self, cfg: &LeaseConfig, now_ms: u64, applied_index: u64) -> bool {
+        self.valid(cfg, now_ms) && applied_index >= self.resume_index
     }
 
     /// Milliseconds the lanes may still be worked at `now_ms` (0 when lost or
@@ -173,7 +199,7 @@ mod tests {
     fn holder_stops_before_leader_reassigns() {
         let mut h = HolderLease::default();
         assert!(!h.valid(&CFG, 0), "no lease before the first renewal");
-        h.committed(1_000); // sent at 1,000; the leader applies it later, at 1,200.
+        h.committed(&CFG, 1_000, None); // sent at 1,000; the leader applies it later, at 1,200.
         assert_eq!(h.remaining_ms(&CFG, 2_000), 2_000);
         assert!(h.valid(&CFG, 3_999));
         assert!(!h.valid(&CFG, 4_000));
@@ -183,10 +209,29 @@ mod tests {
     }
 
     #[test]
+    fn after_a_lapse_the_log_must_be_applied_up_to_the_renewal() {
+        let mut h = HolderLease::default();
+        h.committed(&CFG, 1_000, Some(10));
+        assert!(!h.may_work(&CFG, 1_500, 9), "first renewal: catch up first");
+        assert!(h.may_work(&CFG, 1_500, 10));
+        h.committed(&CFG, 1_500, Some(20)); // within the lease: no catch-up
+        assert!(h.may_work(&CFG, 2_000, 10));
+        // Frozen from 2,000 to 9,000: the lease lapsed at 4,500.
+        assert!(!h.may_work(&CFG, 9_000, 10));
+        h.committed(&CFG, 9_000, Some(50));
+        assert!(h.valid(&CFG, 9_100));
+        assert!(
+            !h.may_work(&CFG, 9_100, 49),
+            "the leader may have moved its lanes"
+        );
+        assert!(h.may_work(&CFG, 9_100, 50));
+    }
+
+    #[test]
     fn late_acknowledgement_of_an_older_renewal_does_not_shorten_the_lease() {
         let mut h = HolderLease::default();
-        h.committed(2_000);
-        h.committed(1_000);
+        h.committed(&CFG, 2_000, None);
+        h.committed(&CFG, 1_000, None);
         assert!(h.valid(&CFG, 4_500));
     }
 }

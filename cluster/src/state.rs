@@ -118,6 +118,12 @@ pub struct CommandResult {
     pub ok: bool,
     /// Why the command was refused (lowercase, no final period).
     pub reason: Option<String>,
+    /// Log index the command was applied at (set for
+    /// [`Command::RenewLease`]: a node whose lease lapsed works again only
+    /// once it applied the log up to its renewal, see
+    /// [`crate::lease::HolderLease`]).
+    #[serde(default)]
+    pub index: Option<u64>,
 }
 
 impl CommandResult {
@@ -125,12 +131,14 @@ impl CommandResult {
         CommandResult {
             ok: true,
             reason: None,
+            index: None,
         }
     }
     fn refused(reason: String) -> Self {
         CommandResult {
             ok: false,
             reason: Some(reason),
+            index: None,
         }
     }
 }
@@ -231,7 +239,10 @@ impl ClusterState {
                 let rec = self.leases.entry(*node).or_default();
                 rec.renewals += 1;
                 rec.last_index = index;
-                CommandResult::ok()
+                CommandResult {
+                    index: Some(index),
+                    ..CommandResult::ok()
+                }
             }
             Command::Incarnate { node, incarnation } => {
                 if !self.members.contains_key(node) {
