@@ -9,7 +9,14 @@
 //! GET /v1/handlers          200 {"handlers": [<handler>, ...]}  (creation order)
 //! GET /v1/handlers/{id}     200 <handler> | 404 not_found
 //! DELETE /v1/handlers/{id}  200 {"deleted": id, "discarded_deliveries": n} | 404
+//! POST /v1/handlers/{id}/enable  200 <handler> | 404
 //! ```
+//!
+//! A webhook answering `410 Gone` disables its handler (`"state":
+//! "disabled"`): its pending deliveries are kept and not attempted, and
+//! events published meanwhile create none for it. `POST
+//! /v1/handlers/{id}/enable` enables it again (idempotent); the kept
+//! deliveries resume in order per key.
 //!
 //! A handler's routes (`event_types`) are exact event types or prefixes with
 //! one trailing `*`. Deleting a handler discards its pending deliveries; the
@@ -443,6 +450,31 @@ pub(crate) async fn delete(
         deleted: id,
         discarded_deliveries: discarded,
     }))
+}
+
+/// Handler of `POST /v1/handlers/{id}/enable`: sets the handler `enabled`
+/// (a no-op if it is) and tells the node, whose lanes resume its kept
+/// deliveries, in order per key; other nodes follow at their next catalog
+/// reload. Answers the handler.
+pub(crate) async fn enable(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+) -> Result<axum::Json<HandlerView>, ApiError> {
+    check_handler_id(&id)?;
+    let was = state
+        .store
+        .get_handler(&id)
+        .await
+        .map_err(|e| not_found(e, &id))?
+        .state;
+    let handler = state
+        .store
+        .set_handler_state(&id, HandlerState::Enabled)
+        .await
+        .map_err(|e| not_found(e, &id))?;
+    crate::telemetry::handler_enabled(&id, was);
+    state.node.handlers_changed();
+    Ok(axum::Json(handler.into()))
 }
 
 /// A store `NotFound` for handler `id` as a message naming the id.

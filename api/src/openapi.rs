@@ -211,6 +211,21 @@ fn describe(op: Operation, s: &mut Schemas) -> Described {
                 ),
             )
         },
+        Operation::EnableHandler => Described {
+            parameters: vec![path_id("handler id (`hdl_` + 32 hex digits)", handler_id())],
+            ..d(
+                "handlers",
+                "Enable a handler",
+                "A webhook answering `410 Gone` disables its handler: its pending deliveries \
+                 are kept, not attempted. Enabling resumes them, in order per key (this node at \
+                 once, the others at their next catalog reload). Idempotent.",
+                (
+                    StatusCode::OK,
+                    "the handler, enabled",
+                    json(s.of::<HandlerView>()),
+                ),
+            )
+        },
         Operation::ListDeadLetters => Described {
             parameters: DeadLetterQuery::into_params(|| Some(ParameterIn::Query)),
             ..d(

@@ -35,6 +35,9 @@ pub enum Operation {
     /// `DELETE /v1/handlers/{id}`: remove a handler, discarding its pending
     /// deliveries.
     DeleteHandler,
+    /// `POST /v1/handlers/{id}/enable`: enable a handler (disabled by a
+    /// `410 Gone` answer); its kept deliveries resume, in order per key.
+    EnableHandler,
     /// `GET /admin/dead-letters`: list dead letters.
     ListDeadLetters,
     /// `POST /admin/dead-letters/{id}/replay`: replay one dead letter.
@@ -100,6 +103,7 @@ impl Operation {
             Operation::ListHandlers => "listHandlers",
             Operation::GetHandler => "getHandler",
             Operation::DeleteHandler => "deleteHandler",
+            Operation::EnableHandler => "enableHandler",
             Operation::ListDeadLetters => "listDeadLetters",
             Operation::ReplayDeadLetter => "replayDeadLetter",
             Operation::ReplayDeadLetters => "replayDeadLetters",
@@ -147,7 +151,7 @@ impl Operation {
             Operation::ListHandlers | Operation::HandlerSummaries => STORE.to_vec(),
             // `invalid_parameter`: a path segment that does not decode
             // (`%FF`); `not_found` also for an id that is no handler id.
-            Operation::GetHandler | Operation::DeleteHandler => {
+            Operation::GetHandler | Operation::DeleteHandler | Operation::EnableHandler => {
                 [&[E::InvalidParameter, E::NotFound][..], &STORE].concat()
             }
             Operation::ListDeadLetters | Operation::ReplayDeadLetter => {
@@ -184,6 +188,7 @@ impl Operation {
             Operation::ListHandlers => get(handlers::list),
             Operation::GetHandler => get(handlers::get),
             Operation::DeleteHandler => delete(handlers::delete),
+            Operation::EnableHandler => post(handlers::enable),
             Operation::ListDeadLetters => get(admin::list_dead_letters),
             Operation::ReplayDeadLetter => post(admin::replay_one),
             Operation::ReplayDeadLetters => post(admin::replay_bulk),
@@ -234,6 +239,11 @@ pub const ROUTES: &[RouteSpec] = &[
         Method::DELETE,
         "/v1/handlers/{id}",
         Operation::DeleteHandler,
+    ),
+    spec(
+        Method::POST,
+        "/v1/handlers/{id}/enable",
+        Operation::EnableHandler,
     ),
     spec(
         Method::GET,

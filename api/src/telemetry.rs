@@ -8,6 +8,7 @@
 //! | `lanebus_api_errors_total` | counter | `code` ([`crate::ErrorCode`]) | every error answer |
 //! | `lanebus_deliveries_discarded_total` | counter | | pending deliveries discarded by `DELETE /v1/handlers/{id}` |
 //! | `lanebus_dead_letters_replayed_total` | counter | | dead letters put back by a replay |
+//! | `lanebus_handlers_enabled_total` | counter | | handlers enabled by `POST /v1/handlers/{id}/enable` (a `410 Gone` disables one: `lanebus_handlers_disabled_total`, from the node) |
 //!
 //! The node installs the recorder; it may call [`describe_metrics`] once
 //! after that to give these metrics their help text.
@@ -34,6 +35,10 @@ pub fn describe_metrics() {
         "lanebus_dead_letters_replayed_total",
         "dead letters put back as deliveries"
     );
+    metrics::describe_counter!(
+        "lanebus_handlers_enabled_total",
+        "handlers enabled through the API"
+    );
 }
 
 /// A publish committed.
@@ -56,6 +61,12 @@ pub(crate) fn handler_deleted(handler_id: &str, discarded: u64) {
         discarded_deliveries = discarded,
         "handler deleted"
     );
+}
+
+/// A handler was enabled (`was` is its state before).
+pub(crate) fn handler_enabled(handler_id: &str, was: lanebus_store::HandlerState) {
+    metrics::counter!("lanebus_handlers_enabled_total").increment(1);
+    tracing::info!(handler_id, was = was.as_str(), "handler enabled");
 }
 
 /// Dead letters were replayed (`replayed` of them), asked for by handler

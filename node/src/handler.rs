@@ -14,9 +14,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use lanebus_store::{Delivery, Handler as HandlerConfig};
+use lanebus_store::{Delivery, Handler as HandlerConfig, HandlerState};
 use tokio::sync::Semaphore;
 
+use crate::catalog::HandlerCatalog;
 use crate::retry::AttemptOutcome;
 use crate::webhook::WebhookSender;
 
@@ -64,11 +65,24 @@ pub trait Handler: Send + Sync + 'static {
     async fn handle(&self, delivery: &Delivery) -> Result<(), HandlerError>;
 }
 
+/// Why [`Dispatcher::attempt_checked`] sent nothing (no attempt was made,
+/// nothing is to be recorded).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotAttempted {
+    /// The handler was deleted while the attempt waited for its permit.
+    HandlerDeleted,
+    /// The handler was disabled while the attempt waited for its permit.
+    HandlerDisabled,
+}
+
 /// Hands a delivery over to its handler: webhook or in-process.
 ///
 /// A handler's `max_in_flight` bounds its concurrent attempts on this node:
 /// an attempt waits for one of the handler's permits before it is sent (the
 /// delivery counts as in flight meanwhile; its timeout starts with the send).
+/// [`attempt_checked`](Self::attempt_checked) looks the handler up again
+/// once it holds the permit, so attempts queued behind a slow handler are
+/// not sent after it was deleted or disabled.
 #[derive(Clone)]
 pub struct Dispatcher {
     webhook: WebhookSender,
@@ -104,7 +118,64 @@ impl Dispatcher {
         }
     }
 
-    /// Makes attempt number `attempt` (1, 2, ...) of `delivery`.
+    /// Forgets a deleted handler's semaphore (attempts still holding or
+    /// waiting for one of its permits keep their own reference).
+    fn forget(&self, handler_id: &str) {
+        self.permits
+            .lock()
+            .expect("not poisoned")
+            .remove(handler_id);
+    }
+
+    /// Forgets the semaphores of handlers not in `known` (deleted ones).
+    pub fn retain_known(&self, known: &HashMap<String, Arc<HandlerConfig>>) {
+        self.permits
+            .lock()
+            .expect("not poisoned")
+            .retain(|id, _| known.contains_key(id));
+    }
+
+    /// Number of handlers with a semaphore (tests).
+    pub fn semaphores(&self) -> usize {
+        self.permits.lock().expect("not poisoned").len()
+    }
+
+    /// Makes attempt number `attempt` (1, 2, ...) of `delivery`, first
+    /// waiting for one of the handler's permits; then looks the handler up
+    /// in `catalog` ([`HandlerCatalog::current`]: after a change made through
+    /// this node's API, a fresh read) and sends with its current settings,
+    /// or sends nothing if it was deleted or disabled meanwhile.
+    ///
+    /// # Errors
+    /// [`NotAttempted`] when nothing was sent; the delivery is untouched.
+    pub async fn attempt_checked(
+        &self,
+        catalog: &HandlerCatalog,
+        handler: &HandlerConfig,
+        delivery: &Delivery,
+        attempt: u32,
+    ) -> Result<AttemptOutcome, NotAttempted> {
+        let semaphore = self.semaphore(handler);
+        let Ok(permit) = semaphore.acquire_owned().await else {
+            return Ok(AttemptOutcome::Failed {
+                error: "node shutting down".into(),
+                retry_after: None,
+            });
+        };
+        match catalog.current(&handler.id).await {
+            None => {
+                drop(permit);
+                self.forget(&handler.id);
+                Err(NotAttempted::HandlerDeleted)
+            }
+            Some(h) if h.state != HandlerState::Enabled => Err(NotAttempted::HandlerDisabled),
+            Some(h) => Ok(self.hand_over(&h, delivery, attempt).await),
+        }
+    }
+
+    /// Makes attempt number `attempt` (1, 2, ...) of `delivery`, after
+    /// waiting for one of the handler's permits, without looking the
+    /// handler up again (see [`attempt_checked`](Self::attempt_checked)).
     pub async fn attempt(
         &self,
         handler: &HandlerConfig,
@@ -117,6 +188,16 @@ impl Dispatcher {
                 retry_after: None,
             };
         };
+        self.hand_over(handler, delivery, attempt).await
+    }
+
+    /// The hand-over itself, the permit already held.
+    async fn hand_over(
+        &self,
+        handler: &HandlerConfig,
+        delivery: &Delivery,
+        attempt: u32,
+    ) -> AttemptOutcome {
         if let Some(name) = in_process_name(&handler.url) {
             let Some(h) = self.in_process.get(name) else {
                 return AttemptOutcome::Failed {
@@ -138,5 +219,112 @@ impl Dispatcher {
             };
         }
         self.webhook.send(handler, delivery, attempt).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::sync::Notify;
+
+    /// Counts calls and holds each until released.
+    struct Gate {
+        calls: AtomicUsize,
+        release: Notify,
+    }
+
+    #[async_trait]
+    impl Handler for Gate {
+        async fn handle(&self, _: &Delivery) -> Result<(), HandlerError> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            self.release.notified().await;
+            Ok(())
+        }
+    }
+
+    fn delivery(id: i64, handler_id: &str) -> Delivery {
+        Delivery {
+            id,
+            lane: 0,
+            handler_id: handler_id.into(),
+            event_id: format!("e{id}"),
+            event_type: "t.x".into(),
+            key: None,
+            seq: None,
+            attempts: 0,
+            due_at: chrono::Utc::now(),
+            last_error: None,
+            payload: bytes::Bytes::from_static(b"{}"),
+            published_at: chrono::Utc::now(),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_attempt_waiting_for_a_slot_is_not_sent_after_its_handler_is_deleted() {
+        let store = lanebus_store::open("sqlite::memory:").await.expect("store");
+        let h = store
+            .create_handler(lanebus_store::NewHandler {
+                name: "gate".into(),
+                url: format!("{IN_PROCESS_PREFIX}gate"),
+                event_types: vec!["*".into()],
+                max_attempts: 3,
+                timeout_ms: 60_000,
+                max_in_flight: 1,
+                secret: lanebus_store::generate_secret(),
+            })
+            .await
+            .expect("handler");
+        let catalog = Arc::new(HandlerCatalog::new(store.clone()));
+        catalog.reload_fresh().await.expect("reload");
+        let gate = Arc::new(Gate {
+            calls: AtomicUsize::new(0),
+            release: Notify::new(),
+        });
+        let mut in_process: HashMap<String, Arc<dyn Handler>> = HashMap::new();
+        in_process.insert("gate".into(), gate.clone());
+        let dispatcher = Dispatcher::new(WebhookSender::new().expect("sender"), in_process);
+        let config = catalog.get(&h.id).expect("cached");
+
+        let (d1, c1, h1) = (dispatcher.clone(), catalog.clone(), config.clone());
+        let first =
+            tokio::spawn(
+                async move { d1.attempt_checked(&c1, &h1, &delivery(1, &h1.id), 1).await },
+            );
+        while gate.calls.load(Ordering::SeqCst) == 0 {
+            tokio::task::yield_now().await;
+        }
+        // The second waits for the only slot.
+        let (d2, c2, h2) = (dispatcher.clone(), catalog.clone(), config.clone());
+        let second =
+            tokio::spawn(
+                async move { d2.attempt_checked(&c2, &h2, &delivery(2, &h2.id), 1).await },
+            );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(dispatcher.semaphores(), 1);
+
+        // Deleted (through the API: store, then a reload asked for).
+        store.delete_handler(&h.id).await.expect("delete");
+        catalog.request_reload();
+        gate.release.notify_one();
+        assert_eq!(
+            first.await.expect("first"),
+            Ok(AttemptOutcome::Delivered),
+            "the attempt in flight finishes"
+        );
+        assert_eq!(
+            second.await.expect("second"),
+            Err(NotAttempted::HandlerDeleted)
+        );
+        assert_eq!(
+            gate.calls.load(Ordering::SeqCst),
+            1,
+            "sent after the delete"
+        );
+        assert_eq!(
+            dispatcher.semaphores(),
+            0,
+            "the deleted handler's semaphore is kept"
+        );
     }
 }

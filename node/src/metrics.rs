@@ -12,8 +12,12 @@
 //! | `lanebus_commit_to_handler_seconds` | histogram | `handler` (published_at to the 2xx) |
 //! | `lanebus_lane_backlog` | gauge | `lane` (queued on this node) |
 //! | `lanebus_lane_in_flight` | gauge | `lane` |
-//! | `lanebus_store_fenced_out_total` | counter | `op` = `claim`, `complete`, `reschedule`, `dead_letter` |
+//! | `lanebus_store_fenced_out_total` | counter | `op` = `claim`, `complete`, `reschedule`, `dead_letter`, `discard` (items the store did not act on: fenced out, or the row was gone) |
 //! | `lanebus_store_errors_total` | counter | `op` |
+//! | `lanebus_handlers_disabled_total` | counter | `handler`, `reason` = `gone` (a `410` answer disabled it here) |
+//! | `lanebus_handlers_disabled` | gauge | disabled handlers in the catalog as this node last read it |
+//! | `lanebus_orphan_deliveries_discarded_total` | counter | `handler` (deliveries of a deleted handler found after the delete, discarded) |
+//! | `lanebus_buffered_payload_bytes` | gauge | payload bytes of the deliveries held in memory (queued + in flight), see `--buffer-bytes` |
 //!
 //! The API's own metrics (`lanebus_events_published_total`, ...) are listed
 //! in `lanebus_api::telemetry`; they go to the same recorder.
@@ -74,6 +78,23 @@ fn describe() {
         "lanebus_store_errors_total",
         "failed store calls by operation"
     );
+    metrics::describe_counter!(
+        "lanebus_handlers_disabled_total",
+        "handlers disabled by this node, by reason (gone: a 410 answer)"
+    );
+    metrics::describe_gauge!(
+        "lanebus_handlers_disabled",
+        "disabled handlers in the handler catalog as last read"
+    );
+    metrics::describe_counter!(
+        "lanebus_orphan_deliveries_discarded_total",
+        "deliveries of a deleted handler found after the delete and discarded"
+    );
+    metrics::describe_gauge!(
+        "lanebus_buffered_payload_bytes",
+        metrics::Unit::Bytes,
+        "payload bytes of the deliveries held in memory by this node's lanes"
+    );
 }
 
 /// An attempt finished: `outcome` is `completed`, `failed` or `dead_lettered`.
@@ -104,4 +125,28 @@ pub fn fenced_out(op: &'static str, n: u64) {
 /// A store call of `op` failed.
 pub fn store_error(op: &'static str) {
     metrics::counter!("lanebus_store_errors_total", "op" => op).increment(1);
+}
+
+/// This node disabled a handler; `reason` is `gone` (a `410` answer).
+pub fn handler_disabled(handler_id: &str, reason: &'static str) {
+    metrics::counter!("lanebus_handlers_disabled_total", "handler" => handler_id.to_owned(), "reason" => reason)
+        .increment(1);
+}
+
+/// Disabled handlers in the catalog, as of the last reload.
+pub fn handlers_disabled(n: usize) {
+    metrics::gauge!("lanebus_handlers_disabled").set(n as f64);
+}
+
+/// `n` deliveries of the deleted handler `handler_id` were discarded.
+pub fn orphans_discarded(handler_id: &str, n: usize) {
+    if n > 0 {
+        metrics::counter!("lanebus_orphan_deliveries_discarded_total", "handler" => handler_id.to_owned())
+            .increment(n as u64);
+    }
+}
+
+/// Payload bytes held in memory by the node's lanes.
+pub fn buffered_bytes(n: usize) {
+    metrics::gauge!("lanebus_buffered_payload_bytes").set(n as f64);
 }

@@ -451,7 +451,11 @@ impl LaneQueue {
     }
 
     /// Drops every *queued* delivery of a handler (deleted, or unknown after a
-    /// catalog reload). In-flight ones settle as usual. Returns the dropped ids.
+    /// catalog reload). In-flight ones settle as usual. Returns the dropped ids
+    /// (the owner discards their rows). Rows a trim of the handler left in
+    /// the store are read again (a rescan from the trim's resume cursor): the
+    /// delete removed those it saw, but a publish that committed after the
+    /// delete may have left some, which must be found to be discarded.
     pub fn drop_handler(&mut self, handler_id: &str) -> Vec<i64> {
         let mut dropped = Vec::new();
         let keys: Vec<SlotKey> = self
@@ -472,11 +476,20 @@ impl LaneQueue {
                 self.slots.remove(&k);
             }
         }
-        // Its rows left in the store are gone with it.
-        self.trims.retain(|k, _| match k {
-            TrimKey::Slot(s) => s.handler_id != handler_id,
-            TrimKey::Handler(h) => h != handler_id,
+        let mut resume = None::<i64>;
+        self.trims.retain(|k, t| {
+            let of_handler = match k {
+                TrimKey::Slot(s) => s.handler_id == handler_id,
+                TrimKey::Handler(h) => h == handler_id,
+            };
+            if of_handler {
+                resume = Some(resume.map_or(t.resume, |r| r.min(t.resume)));
+            }
+            !of_handler
         });
+        if let Some(from) = resume {
+            self.rescan_from = Some(self.rescan_from.map_or(from, |r| r.min(from)));
+        }
         dropped
     }
 
@@ -1084,7 +1097,7 @@ mod tests {
     }
 
     #[test]
-    fn deleting_a_handler_forgets_its_trims() {
+    fn deleting_a_handler_forgets_its_trims_and_rescans_once_for_late_rows() {
         let mut q = LaneQueue::new();
         let t1 = q.begin_claim();
         q.accept_batch(
@@ -1097,6 +1110,22 @@ mod tests {
         assert_eq!(q.trimmed_handlers(), BTreeSet::from(["off".to_string()]));
         assert!(q.drop_handler("off").is_empty());
         assert!(!q.trimmed());
-        assert!(!q.release(hold), "nothing to rescan for a deleted handler");
+        // Rows a late publish left for it must be found to be discarded:
+        // one rescan from where the trim left rows.
+        assert!(q.release(hold));
+        let t2 = q.begin_claim();
+        assert_eq!(t2.after(), 0);
+        // Read again, they are queued (and dropped once the catalog
+        // confirms the handler is gone); no rescan after that one.
+        assert_eq!(
+            q.accept_batch(
+                t2,
+                vec![d(1, "off", Some("a"), 1), d(2, "off", Some("a"), 2)],
+                2
+            ),
+            2
+        );
+        assert_eq!(q.drop_handler("off"), vec![1, 2]);
+        assert!(!q.release(hold));
     }
 }

@@ -38,6 +38,11 @@
 //!
 //! A handler's `max_attempts` counts every attempt, the first one included:
 //! with `max_attempts = 8` the eighth failure dead-letters the delivery.
+//!
+//! # `410 Gone`
+//!
+//! [`AttemptOutcome::Gone`] leads to [`Decision::Disable`] at any attempt:
+//! the handler is disabled and its deliveries are kept, not dead-lettered.
 
 use std::time::{Duration, SystemTime};
 
@@ -103,6 +108,12 @@ pub enum AttemptOutcome {
         /// Delay the endpoint asked for (`Retry-After` on 429/503).
         retry_after: Option<Duration>,
     },
+    /// The endpoint answered `410 Gone`: a failed attempt that also disables
+    /// the handler (DESIGN.md section 5). `error` is kept as `last_error`.
+    Gone {
+        /// Human-readable reason (`http 410`).
+        error: String,
+    },
 }
 
 /// What to do after an attempt.
@@ -122,6 +133,14 @@ pub enum Decision {
         /// Error of the last attempt.
         error: String,
     },
+    /// The endpoint is gone (`410`): record the failed attempt (due at
+    /// once, so it goes first when the handler is enabled again), disable
+    /// the handler and keep the delivery without attempting it. Never a
+    /// dead letter, whatever the attempt count.
+    Disable {
+        /// Error of this attempt.
+        error: String,
+    },
 }
 
 /// Decides after attempt number `attempt` (1 for the first) of a handler
@@ -136,6 +155,9 @@ pub fn decide(
 ) -> Decision {
     match outcome {
         AttemptOutcome::Delivered => Decision::Complete,
+        AttemptOutcome::Gone { error } => Decision::Disable {
+            error: error.clone(),
+        },
         AttemptOutcome::Failed { error, retry_after } => {
             if attempt >= max_attempts.max(1) {
                 return Decision::DeadLetter {
@@ -257,6 +279,23 @@ mod tests {
                 error: "http 500".into()
             }
         );
+    }
+
+    #[test]
+    fn gone_disables_instead_of_retrying_or_dead_lettering() {
+        let p = RetryPolicy::default();
+        let gone = AttemptOutcome::Gone {
+            error: "http 410".into(),
+        };
+        for attempt in [1, 7, 8, 100] {
+            assert_eq!(
+                decide(&p, attempt, 8, &gone, 0.5),
+                Decision::Disable {
+                    error: "http 410".into()
+                },
+                "attempt {attempt}"
+            );
+        }
     }
 
     #[test]

@@ -23,8 +23,13 @@
 //!
 //! Outcomes ([`classify`]): a 2xx completes; anything else, a timeout or a
 //! transport error is a failed attempt; `429`/`503` with `Retry-After` set the
-//! next attempt's time. `410 Gone` is a failed attempt for now (disabling the
-//! handler comes later). Redirects are not followed: a 3xx is a failure.
+//! next attempt's time (never sooner than the backoff's base delay, see
+//! [`crate::retry`]). `410 Gone` ([`AttemptOutcome::Gone`]) is a failed
+//! attempt that also disables the handler: the key handler records the
+//! attempt, sets the handler `disabled` in the store, and its deliveries are
+//! kept without being attempted (on every node, once its catalog reloads)
+//! until `POST /v1/handlers/{id}/enable`. Redirects are not followed: a 3xx
+//! is a failure.
 
 use std::sync::Once;
 use std::time::{Duration, SystemTime};
@@ -160,10 +165,15 @@ pub fn verify(
 }
 
 /// Classifies an HTTP answer. `retry_after` is the raw `Retry-After` header;
-/// it only counts on 429 and 503.
+/// it only counts on 429 and 503. `410 Gone` is [`AttemptOutcome::Gone`].
 pub fn classify(status: u16, retry_after: Option<&str>, now: SystemTime) -> AttemptOutcome {
     if (200..300).contains(&status) {
         return AttemptOutcome::Delivered;
+    }
+    if status == 410 {
+        return AttemptOutcome::Gone {
+            error: "http 410".into(),
+        };
     }
     let retry_after = if status == 429 || status == 503 {
         retry_after.and_then(|v| parse_retry_after(v, now))
@@ -388,11 +398,17 @@ mod tests {
                 retry_after: None
             }
         );
+        // 410 Gone disables the handler (DESIGN.md section 5), Retry-After or not.
         assert_eq!(
             classify(410, None, now),
-            AttemptOutcome::Failed {
-                error: "http 410".into(),
-                retry_after: None
+            AttemptOutcome::Gone {
+                error: "http 410".into()
+            }
+        );
+        assert_eq!(
+            classify(410, Some("7"), now),
+            AttemptOutcome::Gone {
+                error: "http 410".into()
             }
         );
         assert_eq!(

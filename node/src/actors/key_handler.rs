@@ -24,6 +24,18 @@
 //! backoff until it succeeds or the lane owner is gone: the attempt's outcome
 //! is known and must not be lost, and attempting again would repeat a
 //! delivery without a cause.
+//!
+//! Handlers that change under a delivery:
+//! - `410 Gone` ([`Decision::Disable`]): the attempt is recorded as failed
+//!   (due at once), the handler is set `disabled` in the store, and the
+//!   delivery goes back to the lane owner's queue ([`Parked`]), where it
+//!   waits, not attempted, until the handler is enabled again. If the store
+//!   cannot disable it, the delivery is retried after the backoff instead.
+//! - Disabled meanwhile (before a retry, or while waiting for a permit): no
+//!   attempt, [`Parked`] likewise.
+//! - Deleted meanwhile: no attempt; the delivery is discarded in the store
+//!   (a no-op when the delete removed it already; it removes a row a late
+//!   publish left behind) and settled as [`SettledOutcome::HandlerGone`].
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,15 +43,17 @@ use std::time::Duration;
 use actix::prelude::*;
 use chrono::Utc;
 use lanebus_store::{
-    DeadLetterRequest, Delivery, DeliveryRef, Epoch, Handler as HandlerConfig, Reschedule,
+    DeadLetterRequest, Delivery, DeliveryRef, Epoch, Handler as HandlerConfig, HandlerState,
+    Reschedule,
 };
 
-use super::lane_owner::{LaneOwner, Retrying, Settled, SettledOutcome};
+use super::lane_owner::{LaneOwner, Parked, Retrying, Settled, SettledOutcome};
 use super::store_actor::{
-    CompleteDelivery, DeadLetterDelivery, RescheduleDelivery, StoreActor, StoreCallError,
+    CompleteDelivery, DeadLetterDelivery, DiscardDelivery, RescheduleDelivery, StoreActor,
+    StoreCallError,
 };
 use crate::catalog::HandlerCatalog;
-use crate::handler::Dispatcher;
+use crate::handler::{Dispatcher, NotAttempted};
 use crate::metrics;
 use crate::retry::{decide, AttemptOutcome, Decision, RetryPolicy, MAX_DELAY};
 
@@ -80,6 +94,9 @@ enum Record {
     Complete(DeliveryRef),
     Reschedule(Reschedule),
     DeadLetter(DeadLetterRequest),
+    /// A `410 Gone`: the failed attempt (written as a reschedule), after
+    /// which the handler is disabled and the delivery parked.
+    Disable(Reschedule),
 }
 
 impl KeyHandler {
@@ -91,14 +108,23 @@ impl KeyHandler {
     fn run(&mut self, delivery: Delivery, handler: Arc<HandlerConfig>, ctx: &mut Context<Self>) {
         let attempt = delivery.attempts + 1;
         let dispatcher = self.deps.dispatcher.clone();
+        let catalog = self.deps.catalog.clone();
         let (d, h) = (delivery.clone(), handler.clone());
         // The hand-over (body, signature, HTTP) runs on the tokio workers.
-        let send = tokio::spawn(async move { dispatcher.attempt(&h, &d, attempt).await });
+        let send =
+            tokio::spawn(
+                async move { dispatcher.attempt_checked(&catalog, &h, &d, attempt).await },
+            );
         ctx.spawn(send.into_actor(self).map(move |joined, act, ctx| {
-            let outcome = joined.unwrap_or_else(|e| AttemptOutcome::Failed {
-                error: format!("attempt task failed: {e}"),
-                retry_after: None,
-            });
+            let outcome = match joined {
+                Ok(Ok(outcome)) => outcome,
+                Ok(Err(NotAttempted::HandlerDeleted)) => return act.gone(delivery, ctx),
+                Ok(Err(NotAttempted::HandlerDisabled)) => return act.park(delivery),
+                Err(e) => AttemptOutcome::Failed {
+                    error: format!("attempt task failed: {e}"),
+                    retry_after: None,
+                },
+            };
             act.decided(delivery, handler, attempt, outcome, ctx);
         }));
     }
@@ -148,6 +174,18 @@ impl KeyHandler {
                     last_error: error,
                 })
             }
+            Decision::Disable { error } => {
+                metrics::delivery_outcome(&handler.id, "failed");
+                tracing::warn!(delivery = delivery.id, handler = %handler.id, attempt, error = %error, "410 Gone: disabling the handler; its deliveries are kept until it is enabled");
+                Record::Disable(Reschedule {
+                    id: delivery.id,
+                    lane,
+                    epoch,
+                    attempts: attempt,
+                    due_at: Utc::now(),
+                    last_error: format!("{error} (handler disabled)"),
+                })
+            }
             Decision::DeadLetter { error } => {
                 metrics::delivery_outcome(&handler.id, "dead_lettered");
                 tracing::info!(delivery = delivery.id, handler = %handler.id, attempt, error = %error, "dead letter");
@@ -174,7 +212,9 @@ impl KeyHandler {
         let fut = async move {
             let res = match &record {
                 Record::Complete(r) => sa.send(CompleteDelivery(*r)).await,
-                Record::Reschedule(r) => sa.send(RescheduleDelivery(r.clone())).await,
+                Record::Reschedule(r) | Record::Disable(r) => {
+                    sa.send(RescheduleDelivery(r.clone())).await
+                }
                 Record::DeadLetter(r) => sa.send(DeadLetterDelivery(r.clone())).await,
             };
             (record, res.unwrap_or(Err(StoreCallError::Stopped)))
@@ -194,6 +234,12 @@ impl KeyHandler {
                         // queued deliveries in the store meanwhile.
                         act.deps.owner.do_send(Retrying { id });
                         ctx.run_later(wait, move |act, ctx| act.retry(delivery, ctx));
+                    }
+                    Record::Disable(r) => {
+                        delivery.attempts = r.attempts;
+                        delivery.due_at = r.due_at;
+                        delivery.last_error = Some(r.last_error);
+                        act.disable(delivery, ctx);
                     }
                 },
                 // Fenced out, or the row is gone (handler deleted).
@@ -218,10 +264,72 @@ impl KeyHandler {
             return;
         }
         match self.deps.catalog.get(&delivery.handler_id) {
-            Some(h) => self.run(delivery, h, ctx),
-            // Deleted while waiting: its rows are gone with it.
-            None => self.settle(delivery.id, SettledOutcome::Refused, ctx),
+            Some(h) if h.state == HandlerState::Enabled => self.run(delivery, h, ctx),
+            // Disabled while waiting (a 410 elsewhere, or by hand): keep it.
+            Some(_) => self.park(delivery),
+            // Deleted while waiting.
+            None => self.gone(delivery, ctx),
         }
+    }
+
+    /// After a `410` was recorded: disables the handler, then parks the
+    /// delivery. If the store cannot disable it, retries after the backoff
+    /// (the next attempt, or the next `410`, tries again).
+    fn disable(&mut self, delivery: Delivery, ctx: &mut Context<Self>) {
+        let catalog = self.deps.catalog.clone();
+        let id = delivery.handler_id.clone();
+        let fut = async move { catalog.set_state(&id, HandlerState::Disabled).await };
+        ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| match res {
+            Ok(_) => {
+                metrics::handler_disabled(&delivery.handler_id, "gone");
+                act.park(delivery);
+            }
+            Err(lanebus_store::StoreError::NotFound(_)) => act.gone(delivery, ctx),
+            Err(e) => {
+                let wait = act
+                    .deps
+                    .retry
+                    .backoff(delivery.attempts.max(1), rand::random::<f64>())
+                    .max(act.deps.retry.base);
+                tracing::warn!(delivery = delivery.id, handler = %delivery.handler_id, error = %e, retry_in_ms = wait.as_millis() as u64, "could not disable the handler after a 410; retrying the delivery");
+                act.deps.owner.do_send(Retrying { id: delivery.id });
+                ctx.run_later(wait, move |act, ctx| act.retry(delivery, ctx));
+            }
+        }));
+    }
+
+    /// The handler is disabled: hands the delivery back to the lane owner,
+    /// which keeps it queued, not attempted, until the handler is enabled.
+    fn park(&mut self, delivery: Delivery) {
+        self.deps.owner.do_send(Parked { delivery });
+    }
+
+    /// The handler is deleted: discards the delivery's row (if a late
+    /// publish left one; the delete removed the others) and settles it.
+    fn gone(&mut self, delivery: Delivery, ctx: &mut Context<Self>) {
+        let sa = self.deps.store_actor.clone();
+        let r = DeliveryRef {
+            id: delivery.id,
+            lane: delivery.lane,
+            epoch: self.deps.epoch,
+            attempts: delivery.attempts,
+        };
+        let handler_id = delivery.handler_id.clone();
+        let fut = async move { sa.send(DiscardDelivery(r)).await };
+        ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
+            match res {
+                Ok(Ok(true)) => {
+                    metrics::orphans_discarded(&handler_id, 1);
+                    tracing::info!(delivery = r.id, handler = %handler_id, "discarded a delivery of a deleted handler");
+                }
+                Ok(Ok(false)) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(delivery = r.id, handler = %handler_id, error = %e, "could not discard a delivery of a deleted handler");
+                }
+                Err(_) => {}
+            }
+            act.settle(r.id, SettledOutcome::HandlerGone, ctx);
+        }));
     }
 
     fn settle(&mut self, id: i64, outcome: SettledOutcome, _ctx: &mut Context<Self>) {

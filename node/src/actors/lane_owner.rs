@@ -37,10 +37,10 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use chrono::Utc;
-use lanebus_store::{Epoch, HandlerState, Lane, LaneClaim};
+use lanebus_store::{DeliveryRef, Epoch, HandlerState, Lane, LaneClaim};
 
 use super::key_handler::{Attempt, KeyHandler, KeyHandlerDeps};
-use super::store_actor::{ClaimLane, StoreActor, StoreCallError};
+use super::store_actor::{ClaimLane, DiscardDelivery, StoreActor, StoreCallError};
 use crate::catalog::HandlerCatalog;
 use crate::handler::Dispatcher;
 use crate::metrics;
@@ -174,6 +174,9 @@ pub enum SettledOutcome {
     DeadLettered,
     /// The store refused the write: fenced out, or the row is gone.
     Refused,
+    /// Its handler was deleted: nothing was sent (the row, if a late publish
+    /// left one, was discarded). Says nothing about the lane's ownership.
+    HandlerGone,
 }
 
 /// Fact: a delivery handed out to a key handler is done with.
@@ -184,6 +187,17 @@ pub struct Settled {
     pub id: i64,
     /// What happened.
     pub outcome: SettledOutcome,
+}
+
+/// Fact: an in-flight delivery was not attempted because its handler is
+/// disabled (a `410 Gone`, or by hand); any failed attempt is recorded.
+/// The owner puts it back at the head of its key, where it waits until the
+/// handler is enabled again.
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "()")]
+pub struct Parked {
+    /// The delivery, with its attempt count and due time as recorded.
+    pub delivery: lanebus_store::Delivery,
 }
 
 /// Fact: an in-flight delivery failed an attempt and waits for its retry
@@ -222,6 +236,9 @@ pub struct LaneOwner {
     /// Dispatch is held until the next claim confirms ownership.
     suspect: bool,
     reloading: bool,
+    /// Unknown handlers were met during a reload that may have started
+    /// before they were seen: reload once more before dropping anything.
+    reload_again: bool,
     key_handlers: HashMap<SlotKey, Addr<KeyHandler>>,
     due_timer: Option<(chrono::DateTime<Utc>, SpawnHandle)>,
     claim_errors: u32,
@@ -244,6 +261,7 @@ impl LaneOwner {
             claim_retry: None,
             suspect: false,
             reloading: false,
+            reload_again: false,
             key_handlers: HashMap::new(),
             due_timer: None,
             claim_errors: 0,
@@ -344,9 +362,12 @@ impl LaneOwner {
         new
     }
 
-    /// A handler id we do not know: reload, then drop what is still unknown.
+    /// A handler id we do not know: reload, then drop (and discard) what is
+    /// still unknown. Only a reload that started after the deliveries were
+    /// seen may condemn them, so one asked for during a reload runs after it.
     fn reload_catalog(&mut self, ctx: &mut Context<Self>) {
         if self.reloading {
+            self.reload_again = true;
             return;
         }
         self.reloading = true;
@@ -354,8 +375,12 @@ impl LaneOwner {
         let fut = async move { catalog.reload_fresh().await };
         ctx.spawn(fut.into_actor(self).map(|res, act, ctx| {
             act.reloading = false;
+            if std::mem::take(&mut act.reload_again) {
+                act.reload_catalog(ctx);
+                return;
+            }
             match res {
-                Ok(()) => act.drop_unknown_handlers(),
+                Ok(()) => act.drop_unknown_handlers(ctx),
                 Err(e) => {
                     tracing::warn!(lane = act.lane, error = %e, "handler catalog reload failed")
                 }
@@ -364,15 +389,52 @@ impl LaneOwner {
         }));
     }
 
-    fn drop_unknown_handlers(&mut self) {
+    /// Drops the queued deliveries of handlers the catalog no longer has
+    /// (confirmed gone by a reload started after they were seen) and
+    /// discards their rows: `DELETE /v1/handlers/{id}` removed the rows it
+    /// saw, but a publish that read the handler before the delete and
+    /// committed after it leaves rows nobody would ever complete.
+    fn drop_unknown_handlers(&mut self, ctx: &mut Context<Self>) {
         let catalog = self.deps.catalog.all();
+        self.deps.dispatcher.retain_known(&catalog);
         let mut handlers = self.queue.queued_handlers();
         handlers.extend(self.queue.trimmed_handlers());
         for h in handlers {
-            if !catalog.contains_key(&h) {
-                let dropped = self.queue.drop_handler(&h);
-                tracing::info!(lane = self.lane, handler = %h, dropped = dropped.len(), "dropped deliveries of a deleted handler");
+            if catalog.contains_key(&h) {
+                continue;
             }
+            let dropped = self.queue.drop_handler(&h);
+            if dropped.is_empty() {
+                continue;
+            }
+            tracing::debug!(lane = self.lane, handler = %h, dropped = dropped.len(), "dropped deliveries of a deleted handler");
+            let refs: Vec<_> = dropped
+                .iter()
+                .map(|&id| DeliveryRef {
+                    id,
+                    lane: self.lane,
+                    epoch: self.epoch,
+                    attempts: 0,
+                })
+                .collect();
+            let sa = self.deps.store_actor.clone();
+            let (lane, handler) = (self.lane, h.clone());
+            let fut = async move {
+                let answers = futures::future::join_all(
+                    refs.into_iter().map(|r| sa.send(DiscardDelivery(r))),
+                )
+                .await;
+                let discarded = answers.iter().filter(|a| matches!(a, Ok(Ok(true)))).count();
+                let failed = answers.iter().filter(|a| !matches!(a, Ok(Ok(_)))).count();
+                if discarded > 0 {
+                    metrics::orphans_discarded(&handler, discarded);
+                    tracing::info!(lane, handler = %handler, discarded, "discarded deliveries of a deleted handler (published as it was deleted)");
+                }
+                if failed > 0 {
+                    tracing::warn!(lane, handler = %handler, failed, "could not discard deliveries of a deleted handler; a later claim finds them again");
+                }
+            };
+            ctx.spawn(fut.into_actor(self));
         }
     }
 
@@ -527,7 +589,7 @@ impl Handler<CatalogChanged> for LaneOwner {
 
     fn handle(&mut self, _: CatalogChanged, ctx: &mut Self::Context) {
         if !self.reloading {
-            self.drop_unknown_handlers();
+            self.drop_unknown_handlers(ctx);
         }
         self.dispatch(ctx);
     }
@@ -547,6 +609,16 @@ impl Handler<StopLane> for LaneOwner {
 
     fn handle(&mut self, _: StopLane, ctx: &mut Self::Context) {
         ctx.stop();
+    }
+}
+
+impl Handler<Parked> for LaneOwner {
+    type Result = ();
+
+    fn handle(&mut self, msg: Parked, ctx: &mut Self::Context) {
+        if self.queue.requeue(msg.delivery) {
+            self.dispatch(ctx);
+        }
     }
 }
 

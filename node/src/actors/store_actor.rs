@@ -4,7 +4,8 @@
 //!  LaneOwner ──ClaimLane──┐                      ┌─ complete([...])     one call
 //!  KeyHandler ─Complete───┤  pending, per tick   ├─ reschedule([...])   one call
 //!  KeyHandler ─Reschedule─┼──────────────────────┼─ dead_letter([...])  one call
-//!  KeyHandler ─DeadLetter─┘  (size or interval)  └─ claim([lanes...])   one call
+//!  KeyHandler ─DeadLetter─┤  (size or interval)  ├─ discard([...])     one call
+//!  LaneOwner ──Discard────┘                      └─ claim([lanes...])   one call
 //! ```
 //!
 //! A tick starts when the first request arrives and fires after
@@ -85,6 +86,12 @@ pub struct CompleteDelivery(pub DeliveryRef);
 #[rtype(result = "Result<bool, StoreCallError>")]
 pub struct RescheduleDelivery(pub Reschedule);
 
+/// Command: discard a delivery whose handler is gone (no completion row,
+/// [`Store::discard`]). Answers `true` if the store deleted it.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<bool, StoreCallError>")]
+pub struct DiscardDelivery(pub DeliveryRef);
+
 /// Command: move a delivery to the dead letters. Answers `true` if moved.
 #[derive(Debug, Message)]
 #[rtype(result = "Result<bool, StoreCallError>")]
@@ -98,11 +105,16 @@ struct Pending {
     completes: Vec<(DeliveryRef, Reply<bool>)>,
     reschedules: Vec<(Reschedule, Reply<bool>)>,
     dead_letters: Vec<(DeadLetterRequest, Reply<bool>)>,
+    discards: Vec<(DeliveryRef, Reply<bool>)>,
 }
 
 impl Pending {
     fn len(&self) -> usize {
-        self.claims.len() + self.completes.len() + self.reschedules.len() + self.dead_letters.len()
+        self.claims.len()
+            + self.completes.len()
+            + self.reschedules.len()
+            + self.dead_letters.len()
+            + self.discards.len()
     }
 }
 
@@ -167,6 +179,7 @@ async fn run_tick(store: Arc<dyn Store>, batch: Pending) {
         completes,
         reschedules,
         dead_letters,
+        discards,
     } = batch;
     if !completes.is_empty() {
         let refs: Vec<DeliveryRef> = completes.iter().map(|(r, _)| *r).collect();
@@ -189,6 +202,10 @@ async fn run_tick(store: Arc<dyn Store>, batch: Pending) {
             |r| r.id,
             "dead_letter",
         );
+    }
+    if !discards.is_empty() {
+        let refs: Vec<DeliveryRef> = discards.iter().map(|(r, _)| *r).collect();
+        answer_items(store.discard(&refs).await, discards, |r| r.id, "discard");
     }
     if !claims.is_empty() {
         // One lane once per call; a repeated lane (not expected) gets an
@@ -311,6 +328,17 @@ impl Handler<DeadLetterDelivery> for StoreActor {
     fn handle(&mut self, msg: DeadLetterDelivery, ctx: &mut Self::Context) -> Self::Result {
         let (tx, rx) = oneshot::channel();
         self.pending.dead_letters.push((msg.0, tx));
+        self.enqueued(ctx);
+        waiter(rx)
+    }
+}
+
+impl Handler<DiscardDelivery> for StoreActor {
+    type Result = ResponseFuture<Result<bool, StoreCallError>>;
+
+    fn handle(&mut self, msg: DiscardDelivery, ctx: &mut Self::Context) -> Self::Result {
+        let (tx, rx) = oneshot::channel();
+        self.pending.discards.push((msg.0, tx));
         self.enqueued(ctx);
         waiter(rx)
     }

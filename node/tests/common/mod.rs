@@ -235,6 +235,21 @@ impl Api {
     pub async fn get(&self, path: &str) -> anyhow::Result<(u16, Value)> {
         self.call(reqwest::Method::GET, path, None).await
     }
+
+    pub async fn post(&self, path: &str, body: Value) -> anyhow::Result<(u16, Value)> {
+        self.call(reqwest::Method::POST, path, Some(body)).await
+    }
+
+    /// The node's Prometheus text.
+    pub async fn metrics(&self) -> anyhow::Result<String> {
+        Ok(self
+            .http
+            .get(format!("{}/metrics", self.base))
+            .send()
+            .await?
+            .text()
+            .await?)
+    }
 }
 
 /// The real payloads of `shared/data`.
