@@ -143,15 +143,16 @@ pub struct Record {
     pub published: Vec<Published>,
     /// Handlers.
     pub handlers: Vec<HandlerSpec>,
-    /// Receiver log, in arrival order.
+    /// Receiver log (any order: judged in arrival order).
     pub requests: Vec<Request>,
     /// Admin API samples.
     pub samples: Vec<LaneSample>,
     /// Dead letters as (handler name, event id).
     pub dead_letters: Vec<(String, String)>,
-    /// Milliseconds from the start of the slowest fault until full health
-    /// (every node ready, every lane owned and active); `None` if a fault or
-    /// the final heal was not followed by health within the bound.
+    /// Milliseconds from the end of the slowest fault (restart, SIGCONT,
+    /// heal) until full health (every node ready, every lane owned and
+    /// active); `None` if a fault or the final heal was not followed by
+    /// health within the bound.
     pub recovered_ms: Option<u64>,
     /// How far a lane sample may lag the request it explains, in
     /// milliseconds (the sampling interval plus slack).
@@ -262,6 +263,10 @@ impl Epochs {
 
 /// Judges one scenario.
 pub fn judge(rec: &Record) -> Report {
+    // The receiver logs a request when it is answered; judge in arrival
+    // order.
+    let mut requests: Vec<&Request> = rec.requests.iter().collect();
+    requests.sort_by(|a, b| a.arrived_ms.total_cmp(&b.arrived_ms));
     let mut r = Report {
         requests: rec.requests.len(),
         recovered_ms: rec.recovered_ms,
@@ -284,7 +289,7 @@ pub fn judge(rec: &Record) -> Report {
 
     // Which (handler, event) pairs were accepted, and when first.
     let mut accepted_at: HashMap<(&str, &str), f64> = HashMap::new();
-    for q in &rec.requests {
+    for q in &requests {
         if q.accepted() {
             let at = q.answered_ms.unwrap_or(q.arrived_ms);
             accepted_at
@@ -296,7 +301,7 @@ pub fn judge(rec: &Record) -> Report {
 
     // 5. in-doubt batches: all or nothing.
     let mut committed_batches: HashSet<&str> = HashSet::new();
-    for q in &rec.requests {
+    for q in &requests {
         if let Some(p) = events.get(q.event_id.as_str()) {
             if !p.acked {
                 committed_batches.insert(p.batch.as_str());
@@ -344,7 +349,7 @@ pub fn judge(rec: &Record) -> Report {
 
     // Unexpected, corrupted, bad signatures.
     let mut unexpected_seen: HashSet<(&str, &str)> = HashSet::new();
-    for q in &rec.requests {
+    for q in &requests {
         if !q.signature_ok {
             r.bad_signatures += 1;
             r.problem(format!("bad signature: {} {}", q.handler, q.event_id));
@@ -379,7 +384,7 @@ pub fn judge(rec: &Record) -> Report {
 
     // 3. repeats.
     let mut last: HashMap<(&str, &str), &Request> = HashMap::new();
-    for q in &rec.requests {
+    for q in &requests {
         let pair = (q.handler.as_str(), q.event_id.as_str());
         if let Some(prev) = last.get(&pair) {
             let timeout = handlers
@@ -424,7 +429,7 @@ pub fn judge(rec: &Record) -> Report {
         last_arrival: HashMap<&'a str, f64>,
     }
     let mut streams: HashMap<(&str, &str), Stream> = HashMap::new();
-    for q in &rec.requests {
+    for q in &requests {
         let Some(key) = q.key.as_deref() else {
             continue;
         };
@@ -709,6 +714,19 @@ mod tests {
         let r = judge(&rec);
         assert_eq!(r.repeats.node_timeout, 1, "{r:#?}");
         assert!(r.passed());
+    }
+
+    #[test]
+    fn a_log_in_answer_order_is_judged_in_arrival_order() {
+        let mut rec = base();
+        // c's first attempt is answered after the timeout, after its second
+        // attempt was answered: logged second, arrived first.
+        rec.requests[3].answered_ms = Some(2_100.0);
+        rec.requests.push(req("c", "k", 3, 2, 1_200.0, Some(200)));
+        rec.requests.swap(3, 4);
+        let r = judge(&rec);
+        assert!(r.passed(), "{r:#?}");
+        assert_eq!(r.repeats.failed, 2);
     }
 
     #[test]

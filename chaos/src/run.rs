@@ -347,16 +347,15 @@ async fn drive_inner(sb: &mut Sandbox, plan: &Plan, ctx: &Ctx) -> anyhow::Result
         None
     };
 
-    // Per fault: from its start until every node is ready and every lane
-    // owned and active again (after the fault's own end: restart, SIGCONT,
-    // heal), bounded.
+    // Per fault: from its end (the restart, SIGCONT, heal) until every node
+    // is ready and every lane owned and active again, bounded.
     let mut fault_recovery: Vec<Option<u64>> = Vec::new();
     for step in &plan.steps {
         tokio::time::sleep_until((t0 + Duration::from_millis(step.at_ms)).into()).await;
         let at = sb.now_ms();
-        let started = Instant::now();
         let what = inject(sb, &step.fault, &urls, &mut child, ctx.pg.as_ref()).await?;
         println!("  {at:>6} ms  {what}");
+        let started = Instant::now();
         let bound = Duration::from_millis(crate::LEASE_MS + crate::LEASE_MARGIN_MS + 20_000);
         let mut rec = None;
         while started.elapsed() < bound {
@@ -370,8 +369,8 @@ async fn drive_inner(sb: &mut Sandbox, plan: &Plan, ctx: &Ctx) -> anyhow::Result
             "  {:>6} ms  {}",
             sb.now_ms(),
             match rec {
-                Some(ms) => format!("healthy again, {ms} ms after the fault started"),
-                None => format!("NOT healthy within {bound:?} of the fault's start"),
+                Some(ms) => format!("healthy again, {ms} ms after the fault ended"),
+                None => format!("NOT healthy within {bound:?} of the fault's end"),
             }
         );
         fault_recovery.push(rec);

@@ -41,6 +41,42 @@ use tokio::sync::watch;
 /// Lanes owned by this node and the epoch of each.
 pub type OwnedLanes = BTreeMap<Lane, Epoch>;
 
+/// Whether this node may hand work over right now: checked by lane owners
+/// before dispatching and by key handlers before every attempt. In a cluster
+/// it is [`Cluster::may_work`] (lease valid by this node's clock, and after a
+/// lapse the Raft log applied up to the renewal that ended it): after a pause
+/// (SIGSTOP) the actors' timers may fire before the lanes are taken away, and
+/// an attempt sent then could overtake the new owner's deliveries of the same
+/// key. Always open without a cluster.
+#[derive(Clone, Default)]
+pub struct WorkGate(Option<Arc<dyn Fn() -> bool + Send + Sync>>);
+
+impl WorkGate {
+    /// A gate that asks `open` each time.
+    pub fn new(open: impl Fn() -> bool + Send + Sync + 'static) -> Self {
+        WorkGate(Some(Arc::new(open)))
+    }
+
+    /// Whether work may be handed over now.
+    pub fn open(&self) -> bool {
+        self.0.as_ref().is_none_or(|f| f())
+    }
+}
+
+impl std::fmt::Debug for WorkGate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "WorkGate(lease)"
+        } else {
+            "WorkGate(always)"
+        })
+    }
+}
+
+/// How long a closed [`WorkGate`] defers a dispatch or an attempt before
+/// asking again.
+pub const GATE_RECHECK: Duration = Duration::from_millis(50);
+
 /// What the node must do with its lanes now.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LaneWork {

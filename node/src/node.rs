@@ -46,7 +46,7 @@ use crate::actors::lane_owner::{Drain, LaneDeps, StopLane, Wake};
 use crate::actors::{LaneBoard, LaneConfig, LaneOwner, LaneState, StoreActor, StoreActorConfig};
 use crate::assignment::{
     owner_node, plan_lanes, AssignmentError, LaneAssignment, LaneWork, LocalAssignment,
-    RaftAssignment, Running,
+    RaftAssignment, Running, WorkGate,
 };
 use crate::catalog::HandlerCatalog;
 use crate::handler::{Dispatcher, Handler};
@@ -680,6 +680,13 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
         dispatcher,
         board,
         config: lane_config,
+        gate: match &cluster {
+            Some(c) => {
+                let c = c.clone();
+                WorkGate::new(move || c.may_work())
+            }
+            None => WorkGate::default(),
+        },
     };
     let (assignment, drain_bound): (Arc<dyn LaneAssignment>, Duration) =
         match (&cluster, &opts.cluster) {

@@ -52,6 +52,7 @@ use super::store_actor::{
     CompleteDelivery, DeadLetterDelivery, DiscardDelivery, RescheduleDelivery, StoreActor,
     StoreCallError,
 };
+use crate::assignment::{WorkGate, GATE_RECHECK};
 use crate::catalog::HandlerCatalog;
 use crate::handler::{Dispatcher, NotAttempted};
 use crate::metrics;
@@ -82,6 +83,8 @@ pub struct KeyHandlerDeps {
     pub catalog: Arc<HandlerCatalog>,
     /// Backoff parameters.
     pub retry: RetryPolicy,
+    /// Closed while this node must not hand work over (lease lapsed).
+    pub gate: WorkGate,
 }
 
 /// The key handler actor. See the module docs.
@@ -106,6 +109,20 @@ impl KeyHandler {
     }
 
     fn run(&mut self, delivery: Delivery, handler: Arc<HandlerConfig>, ctx: &mut Context<Self>) {
+        if !self.deps.gate.open() {
+            // The node's lease lapsed (a pause, a cut): send nothing. Ask
+            // again while the lane owner lives; once it is stopped (the lane
+            // moved) this key handler goes too, and the delivery stays in
+            // the store for the next owner.
+            if self.deps.owner.connected() {
+                ctx.run_later(GATE_RECHECK, move |act, ctx| {
+                    act.run(delivery, handler, ctx)
+                });
+            } else {
+                ctx.stop();
+            }
+            return;
+        }
         let attempt = delivery.attempts + 1;
         let dispatcher = self.deps.dispatcher.clone();
         let catalog = self.deps.catalog.clone();

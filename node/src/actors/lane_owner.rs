@@ -41,6 +41,7 @@ use lanebus_store::{DeliveryRef, Epoch, HandlerState, Lane, LaneClaim};
 
 use super::key_handler::{Attempt, KeyHandler, KeyHandlerDeps};
 use super::store_actor::{ClaimLane, DiscardDelivery, StoreActor, StoreCallError};
+use crate::assignment::{WorkGate, GATE_RECHECK};
 use crate::catalog::HandlerCatalog;
 use crate::handler::Dispatcher;
 use crate::metrics;
@@ -222,6 +223,8 @@ pub struct LaneDeps {
     pub board: Arc<LaneBoard>,
     /// Tuning.
     pub config: LaneConfig,
+    /// Closed while this node must not hand work over (lease lapsed).
+    pub gate: WorkGate,
 }
 
 /// The lane owner actor. See the module docs.
@@ -235,6 +238,8 @@ pub struct LaneOwner {
     claim_retry: Option<SpawnHandle>,
     /// Dispatch is held until the next claim confirms ownership.
     suspect: bool,
+    /// A dispatch deferred by the closed work gate is scheduled.
+    gate_recheck: bool,
     reloading: bool,
     /// Unknown handlers were met during a reload that may have started
     /// before they were seen: reload once more before dropping anything.
@@ -260,6 +265,7 @@ impl LaneOwner {
             claim_again: false,
             claim_retry: None,
             suspect: false,
+            gate_recheck: false,
             reloading: false,
             reload_again: false,
             key_handlers: HashMap::new(),
@@ -446,6 +452,19 @@ impl LaneOwner {
             }
             return;
         }
+        if !self.deps.gate.open() {
+            // This node's lease lapsed: hand nothing over; the lane is taken
+            // away shortly, or the gate opens again at the same epoch.
+            self.publish_status();
+            if !self.gate_recheck {
+                self.gate_recheck = true;
+                ctx.run_later(GATE_RECHECK, |act, ctx| {
+                    act.gate_recheck = false;
+                    act.dispatch(ctx);
+                });
+            }
+            return;
+        }
         if self.suspect {
             self.publish_status();
             return;
@@ -538,6 +557,7 @@ fn key_handler_deps(deps: &LaneDeps, epoch: Epoch, owner: Addr<LaneOwner>) -> Ke
         dispatcher: deps.dispatcher.clone(),
         catalog: deps.catalog.clone(),
         retry: deps.config.retry,
+        gate: deps.gate.clone(),
     }
 }
 
