@@ -105,6 +105,7 @@ impl LocalCluster {
         store: &str,
         args: &[&str],
     ) -> Self {
+        crate::webhook::install_crypto_provider();
         LocalCluster {
             bin: bin.into(),
             dir: dir.into(),
