@@ -27,7 +27,8 @@ use crate::{ApiState, Limits};
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PublishRequest {
-    /// The batch, 1 to [`Limits::max_batch`] events.
+    /// The batch, 1 to [`Limits::max_batch`] events (default 1,000).
+    #[schema(min_items = 1)]
     pub events: Vec<EventIn>,
 }
 
@@ -37,16 +38,31 @@ pub struct PublishRequest {
 pub struct EventIn {
     /// Client id (1 to 128 printable ASCII characters); a UUIDv7 when absent.
     #[serde(default)]
-    #[schema(min_length = 1, max_length = 128, example = "evt_42")]
+    #[schema(
+        min_length = 1,
+        max_length = 128,
+        pattern = "^[!-~]{1,128}$",
+        example = "evt_42"
+    )]
     pub id: Option<String>,
     /// Dotted event type such as `issues.opened`.
     #[serde(rename = "type")]
-    #[schema(example = "issues.opened")]
+    #[schema(
+        min_length = 1,
+        max_length = 128,
+        pattern = "^[A-Za-z0-9._:/-]{1,128}$",
+        example = "issues.opened"
+    )]
     pub event_type: String,
-    /// Ordering key, up to 256 bytes; events with one key are delivered in
-    /// publish order. No key, no ordering.
+    /// Ordering key, 1 to 256 bytes without control characters; events
+    /// with one key are delivered in publish order. No key, no ordering.
     #[serde(default)]
-    #[schema(example = "repo-1")]
+    #[schema(
+        min_length = 1,
+        max_length = 256,
+        pattern = "^[^\\u0000-\\u001f\\u007f-\\u009f]+$",
+        example = "repo-1"
+    )]
     pub key: Option<String>,
     /// Any JSON value, kept byte for byte.
     #[schema(value_type = serde_json::Value)]
