@@ -316,8 +316,12 @@ fn row_line(r: &Row) -> String {
             report: x,
             drained_ms,
         } => {
-            let other =
-                x.corrupted + x.bad_signatures + x.unexpected + x.torn_batches + x.two_owners;
+            let other = x.corrupted
+                + x.bad_signatures
+                + x.unexpected
+                + x.torn_batches
+                + x.two_owners
+                + x.completed_and_dead;
             format!(
                 "| {} | {} | {}{} | {} | {} | {} | {} / {} / {} / {} | {} | {} | {} | {} | {:.0} | {} |",
                 r.name,

@@ -189,6 +189,10 @@ pub struct Report {
     pub dead_lettered: usize,
     /// Expected deliveries neither delivered nor (where allowed) dead-lettered.
     pub lost: usize,
+    /// Deliveries dead-lettered although an attempt had succeeded in time:
+    /// a delivery ends once, completed or dead-lettered (invariant 1; what a
+    /// deposed owner's unfenced dead letter would leave).
+    pub completed_and_dead: usize,
     /// Repeats by cause.
     pub repeats: Repeats,
     /// Order violations.
@@ -222,6 +226,7 @@ impl Report {
             && self.unexpected == 0
             && self.torn_batches == 0
             && self.two_owners == 0
+            && self.completed_and_dead == 0
             && self.recovered_ms.is_some()
     }
 
@@ -296,6 +301,26 @@ pub fn judge(rec: &Record) -> Report {
                 .entry((q.handler.as_str(), q.event_id.as_str()))
                 .and_modify(|t| *t = t.min(at))
                 .or_insert(at);
+        }
+    }
+
+    // Pairs with an attempt the node could have seen succeed.
+    let in_time: HashSet<(&str, &str)> = requests
+        .iter()
+        .filter(|q| {
+            handlers
+                .get(q.handler.as_str())
+                .is_some_and(|h| q.succeeded_in_time(h.timeout_ms))
+        })
+        .map(|q| (q.handler.as_str(), q.event_id.as_str()))
+        .collect();
+    for pair in &dead {
+        if in_time.contains(pair) {
+            r.completed_and_dead += 1;
+            r.problem(format!(
+                "dead-lettered after an attempt succeeded in time: {} {}",
+                pair.0, pair.1
+            ));
         }
     }
 
@@ -714,6 +739,21 @@ mod tests {
         let r = judge(&rec);
         assert_eq!(r.repeats.node_timeout, 1, "{r:#?}");
         assert!(r.passed());
+    }
+
+    #[test]
+    fn a_dead_letter_of_a_delivery_that_succeeded_in_time_fails() {
+        let mut rec = base();
+        rec.handlers[0].dead_letters_expected = true;
+        rec.dead_letters.push(("h".into(), "b".into()));
+        let r = judge(&rec);
+        assert_eq!(r.completed_and_dead, 1, "{r:#?}");
+        assert!(!r.passed());
+        // Answered 2xx only after the timeout: the dead letter is legitimate.
+        rec.requests[2].answered_ms = Some(5_000.0);
+        rec.requests[2].arrived_ms = 30.0;
+        let r = judge(&rec);
+        assert_eq!(r.completed_and_dead, 0, "{r:#?}");
     }
 
     #[test]
