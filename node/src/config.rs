@@ -66,10 +66,17 @@ pub struct NodeArgs {
     #[arg(long, env = "LANEBUS_POLL_INTERVAL_MS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub poll_interval_ms: Option<u64>,
-    /// Most deliveries held per lane (queued + in flight) [default: 1000].
+    /// Most deliveries held per lane (queued + in flight), 1 to 100000
+    /// [default: 256].
     #[arg(long, env = "LANEBUS_LANE_BUFFER")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lane_buffer: Option<usize>,
+    /// Payload bytes all lanes of the node may hold in memory together, 1
+    /// MiB to 64 GiB; lanes claim fewer deliveries when it is short, at
+    /// least one each [default: 268435456 (256 MiB)].
+    #[arg(long, env = "LANEBUS_BUFFER_BYTES")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub buffer_bytes: Option<u64>,
     /// Store actor flush interval, in milliseconds [default: 2].
     #[arg(long, env = "LANEBUS_FLUSH_INTERVAL_MS")]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -120,6 +127,7 @@ pub struct NodeConfig {
     pub retry_cap: Duration,
     pub poll_interval: Option<Duration>,
     pub lane_buffer: usize,
+    pub buffer_bytes: usize,
     pub flush_interval: Duration,
     pub single: bool,
     pub lease: lanebus_cluster::LeaseConfig,
@@ -154,6 +162,7 @@ impl NodeConfig {
         o.lane.retry.base = self.retry_base;
         o.lane.retry.cap = self.retry_cap;
         o.lane.buffer_cap = self.lane_buffer;
+        o.lane.buffer_bytes = self.buffer_bytes;
         o.poll_interval = self.poll_interval;
         o.store_actor.flush_interval = self.flush_interval;
         if !self.single {
@@ -276,10 +285,16 @@ pub fn validate(a: NodeArgs) -> anyhow::Result<NodeConfig> {
             bail!("poll_interval_ms must be 1 to 60000, got {p}");
         }
     }
-    let lane_buffer = a.lane_buffer.unwrap_or(1_000);
+    let lane_buffer = a.lane_buffer.unwrap_or(256);
     if !(1..=100_000).contains(&lane_buffer) {
         bail!("lane_buffer must be 1 to 100000, got {lane_buffer}");
     }
+    let buffer_bytes = a.buffer_bytes.unwrap_or(256 << 20);
+    if !((1 << 20)..=(64 << 30)).contains(&buffer_bytes) {
+        bail!("buffer_bytes must be 1048576 (1 MiB) to 68719476736 (64 GiB), got {buffer_bytes}");
+    }
+    let buffer_bytes = usize::try_from(buffer_bytes)
+        .with_context(|| format!("buffer_bytes {buffer_bytes} does not fit this machine"))?;
     let flush_ms = a.flush_interval_ms.unwrap_or(2);
     if flush_ms > 1_000 {
         bail!("flush_interval_ms must be 0 to 1000, got {flush_ms}");
@@ -310,6 +325,7 @@ pub fn validate(a: NodeArgs) -> anyhow::Result<NodeConfig> {
         retry_cap: Duration::from_millis(retry_cap_ms),
         poll_interval: a.poll_interval_ms.map(Duration::from_millis),
         lane_buffer,
+        buffer_bytes,
         flush_interval: Duration::from_millis(flush_ms),
         single: a.single,
         lease,
@@ -368,6 +384,13 @@ mod tests {
         assert_eq!(c.store, "sqlite:///tmp/x/lanebus.db");
         assert_eq!(c.http_addr, "127.0.0.1:8080".parse().unwrap());
         assert_eq!(c.retry_base, Duration::from_millis(500));
+        // The CLI defaults are the library's (LaneConfig) defaults.
+        let lane = lanebus_node::actors::LaneConfig::default();
+        assert_eq!(c.lane_buffer, 256);
+        assert_eq!(c.lane_buffer, lane.buffer_cap);
+        assert_eq!(c.buffer_bytes, 256 << 20);
+        assert_eq!(c.buffer_bytes, lane.buffer_bytes);
+        assert_eq!(c.node_options().lane.buffer_bytes, c.buffer_bytes);
     }
 
     #[test]
@@ -401,6 +424,13 @@ mod tests {
             ..base()
         })
         .contains("lane_buffer"));
+        for bad in [0, (1 << 20) - 1, (64 << 30) + 1] {
+            assert!(err(NodeArgs {
+                buffer_bytes: Some(bad),
+                ..base()
+            })
+            .contains("buffer_bytes"));
+        }
         assert!(err(NodeArgs {
             retry_cap_ms: Some(86_400_001),
             ..base()

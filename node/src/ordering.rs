@@ -139,6 +139,8 @@ struct Held {
     pos: i64,
     /// Cursor of the claim that returned it (a claim from there re-reads it).
     from: i64,
+    /// Its payload's length, in bytes ([`LaneQueue::bytes`]).
+    size: usize,
 }
 
 /// What was trimmed: one slot, or every slot of a handler.
@@ -191,6 +193,8 @@ pub struct LaneQueue {
     in_flight_per_handler: HashMap<String, usize>,
     queued: usize,
     in_flight: usize,
+    /// Payload bytes of the held deliveries (queued and in flight).
+    bytes: usize,
     /// Claim cursor of the lane.
     cursor: i64,
     /// Highest cursor reached.
@@ -269,8 +273,10 @@ impl LaneQueue {
                     slot: slot_key.clone(),
                     pos,
                     from: ticket.after,
+                    size: d.payload.len(),
                 },
             );
+            self.bytes += d.payload.len();
             self.slots
                 .entry(slot_key)
                 .or_default()
@@ -408,7 +414,9 @@ impl LaneQueue {
         if !slot.in_flight.remove(&id) {
             return None;
         }
-        self.held.remove(&id);
+        if let Some(h) = self.held.remove(&id) {
+            self.bytes -= h.size;
+        }
         self.retrying.remove(&id);
         self.tombstones.insert(id, self.tickets);
         self.in_flight -= 1;
@@ -467,7 +475,9 @@ impl LaneQueue {
         for k in keys {
             let slot = self.slots.get_mut(&k).expect("present");
             for (_, d) in std::mem::take(&mut slot.pending) {
-                self.held.remove(&d.id);
+                if let Some(h) = self.held.remove(&d.id) {
+                    self.bytes -= h.size;
+                }
                 self.tombstones.insert(d.id, self.tickets);
                 self.queued -= 1;
                 dropped.push(d.id);
@@ -566,6 +576,7 @@ impl LaneQueue {
             for (_, d) in pending {
                 if let Some(h) = self.held.remove(&d.id) {
                     resume = resume.min(h.from);
+                    self.bytes -= h.size;
                 }
                 self.queued -= 1;
                 dropped.push(d.id);
@@ -669,6 +680,12 @@ impl LaneQueue {
     /// Deliveries handed out and not yet settled.
     pub fn in_flight(&self) -> usize {
         self.in_flight
+    }
+
+    /// Payload bytes of the deliveries held (queued and in flight), as
+    /// [`crate::budget`] counts them.
+    pub fn bytes(&self) -> usize {
+        self.bytes
     }
 
     /// Whether the slot has nothing queued or in flight (its key handler can go).

@@ -39,6 +39,7 @@ use actix::prelude::*;
 use chrono::Utc;
 use lanebus_store::{DeliveryRef, Epoch, HandlerState, Lane, LaneClaim};
 
+use super::budget::BufferBudget;
 use super::key_handler::{Attempt, KeyHandler, KeyHandlerDeps};
 use super::store_actor::{ClaimLane, DiscardDelivery, StoreActor, StoreCallError};
 use crate::assignment::{WorkGate, GATE_RECHECK};
@@ -52,10 +53,10 @@ use crate::retry::RetryPolicy;
 #[derive(Debug, Clone, Copy)]
 pub struct LaneConfig {
     /// Held deliveries (queued + in flight) at which a lane stops claiming
-    /// (default 128). A claim asks for up to this many, because rows already
-    /// held may come back (PostgreSQL cursor), so a lane holds at most twice
-    /// this. It bounds the node's memory: lanes × 2 × buffer × payload size
-    /// (256 × 256 × 8 KB ≈ 512 MB at worst with GitHub-sized payloads).
+    /// (default 256, as `--lane-buffer`). A claim asks for up to this many,
+    /// because rows already held may come back (PostgreSQL cursor), so a
+    /// lane holds at most twice this. Their payloads are bounded node-wide
+    /// by [`buffer_bytes`](Self::buffer_bytes).
     ///
     /// The buffer is shared by the lane's keys, but a key whose head keeps
     /// failing (or a disabled handler) does not hold up the others: when the
@@ -63,6 +64,11 @@ pub struct LaneConfig {
     /// re-read later (see [`crate::ordering`]). Known limit: a buffer all
     /// taken by heads being retried still waits for one of them to settle.
     pub buffer_cap: usize,
+    /// Payload bytes all lanes of the node may hold in memory together
+    /// (default 256 MiB, `--buffer-bytes`): a lane claims fewer rows when
+    /// the budget is short, and at least one when it holds nothing (see
+    /// [`super::budget`]; the bound is this plus one payload per lane).
+    pub buffer_bytes: usize,
     /// Claim at least this often without a wake-up (default 100 ms for
     /// stores without push wake-ups, 1 s with).
     pub poll_interval: Duration,
@@ -73,7 +79,8 @@ pub struct LaneConfig {
 impl Default for LaneConfig {
     fn default() -> Self {
         LaneConfig {
-            buffer_cap: 128,
+            buffer_cap: 256,
+            buffer_bytes: 256 << 20,
             poll_interval: Duration::from_millis(100),
             retry: RetryPolicy::default(),
         }
@@ -116,9 +123,15 @@ pub struct LaneStatus {
 #[derive(Debug, Default)]
 pub struct LaneBoard {
     lanes: RwLock<BTreeMap<Lane, LaneStatus>>,
+    budget: BufferBudget,
 }
 
 impl LaneBoard {
+    /// The node-wide budget of buffered payload bytes, shared by its lanes.
+    pub fn budget(&self) -> &BufferBudget {
+        &self.budget
+    }
+
     /// Snapshot by lane number.
     pub fn snapshot(&self) -> BTreeMap<Lane, LaneStatus> {
         self.lanes.read().expect("not poisoned").clone()
@@ -251,6 +264,8 @@ pub struct LaneOwner {
     more_waiting: bool,
     /// Stop once nothing is in flight; claim and hand out nothing more.
     draining: bool,
+    /// The queue's payload bytes as last counted in the node's budget.
+    counted_bytes: std::cell::Cell<usize>,
 }
 
 impl LaneOwner {
@@ -273,6 +288,16 @@ impl LaneOwner {
             claim_errors: 0,
             more_waiting: false,
             draining: false,
+            counted_bytes: std::cell::Cell::new(0),
+        }
+    }
+
+    /// Brings the node's budget up to date with the queue's payload bytes.
+    fn count_bytes(&self) {
+        let now = self.queue.bytes();
+        let before = self.counted_bytes.replace(now);
+        if before != now {
+            self.deps.board.budget().moved(before, now);
         }
     }
 
@@ -291,12 +316,23 @@ impl LaneOwner {
         if self.held() >= self.deps.config.buffer_cap && !self.suspect {
             return;
         }
+        // Ask for a full buffer: rows already held may be returned again (see
+        // the store's claim cursor docs) and must not crowd out new ones;
+        // fewer when the node's payload budget is short.
+        let reservation = self.deps.board.budget().reserve(
+            self.deps.config.buffer_cap.max(1),
+            self.held(),
+            self.deps.config.buffer_bytes,
+        );
+        if reservation.rows == 0 && !self.suspect {
+            // Spent: a settlement here or the poll interval tries again.
+            self.deps.board.budget().claimed(reservation, 0, 0);
+            return;
+        }
+        let limit = reservation.rows.max(1) as u32;
         self.claiming = true;
         self.claim_again = false;
         let ticket = self.queue.begin_claim();
-        // Ask for a full buffer: rows already held may be returned again (see
-        // the store's claim cursor docs) and must not crowd out new ones.
-        let limit = self.deps.config.buffer_cap.max(1) as u32;
         let claim = LaneClaim {
             lane: self.lane,
             epoch: self.epoch,
@@ -306,18 +342,29 @@ impl LaneOwner {
         let fut = self.deps.store_actor.send(ClaimLane(claim));
         ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
             act.claiming = false;
-            match res.unwrap_or(Err(StoreCallError::Stopped)) {
-                Ok(batch) if !batch.owned => {
+            let res = res.unwrap_or(Err(StoreCallError::Stopped));
+            let bytes_before = act.queue.bytes();
+            let rows_before = act.held();
+            let res = res.map(|batch| (batch, bytes_before, rows_before));
+            match res {
+                Ok((batch, _, _)) if !batch.owned => {
+                    act.deps.board.budget().claimed(reservation, 0, 0);
                     tracing::info!(lane = act.lane, epoch = act.epoch, "fenced out: stopping the lane");
                     ctx.stop();
                 }
-                Ok(batch) => {
+                Ok((batch, bytes_before, rows_before)) => {
                     act.claim_errors = 0;
                     act.suspect = false;
                     let returned = batch.deliveries.len();
                     act.more_waiting = returned >= limit as usize;
                     let moved = batch.next_after > ticket.after();
                     let new = act.accepted(ticket, batch.deliveries, batch.next_after, ctx);
+                    act.deps.board.budget().claimed(
+                        reservation,
+                        act.queue.bytes().saturating_sub(bytes_before),
+                        act.held().saturating_sub(rows_before),
+                    );
+                    act.count_bytes();
                     act.dispatch(ctx);
                     // A rescan re-reads rows already held, and rows of
                     // trimmed keys are passed over: keep going after a full
@@ -329,8 +376,12 @@ impl LaneOwner {
                         act.claim(ctx);
                     }
                 }
-                Err(StoreCallError::Stopped) => ctx.stop(),
+                Err(StoreCallError::Stopped) => {
+                    act.deps.board.budget().claimed(reservation, 0, 0);
+                    ctx.stop();
+                }
                 Err(e) => {
+                    act.deps.board.budget().claimed(reservation, 0, 0);
                     act.claim_errors += 1;
                     let wait = Duration::from_millis(50 * 2u64.pow(act.claim_errors.min(6)));
                     tracing::warn!(lane = act.lane, error = %e, retry_in_ms = wait.as_millis() as u64, "claim failed");
@@ -535,6 +586,7 @@ impl LaneOwner {
     }
 
     fn publish_status(&self) {
+        self.count_bytes();
         let (queued, in_flight) = (self.queue.queued(), self.queue.in_flight());
         self.deps.board.set(
             self.lane,
@@ -583,6 +635,9 @@ impl Actor for LaneOwner {
     }
 
     fn stopped(&mut self, _ctx: &mut Self::Context) {
+        // Its deliveries are dropped with it.
+        let counted = self.counted_bytes.replace(0);
+        self.deps.board.budget().moved(counted, 0);
         self.deps.board.set(
             self.lane,
             LaneStatus {

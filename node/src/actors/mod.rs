@@ -4,7 +4,11 @@
 //! - [`StoreActor`]: one per node, batches store calls.
 //! - [`LaneOwner`]: one per owned lane.
 //! - [`KeyHandler`]: one per (handler, key) with work.
+//!
+//! [`budget`] is the node-wide budget of buffered payload bytes the lane
+//! owners share (pure arithmetic plus counters).
 
+pub mod budget;
 pub mod key_handler;
 pub mod lane_owner;
 pub mod store_actor;

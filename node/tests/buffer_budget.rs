@@ -1,0 +1,116 @@
+//! The node-wide budget of buffered payload bytes (`--buffer-bytes`): with
+//! a backlog of large payloads the lanes hold at most the budget plus one
+//! payload per lane, and everything still arrives, in order per key.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use anyhow::ensure;
+use common::{test_options, Backend, TestDb};
+use lanebus_node::receiver::{Action, Expected, Receiver, Rule};
+use lanebus_store::{NewEvent, NewHandler};
+
+const PAYLOAD: usize = 256 << 10;
+const EVENTS: usize = 160;
+const KEYS: usize = 8;
+const BUDGET: usize = 4 << 20;
+
+async fn large_backlog_stays_within_the_budget(backend: Backend) -> anyhow::Result<()> {
+    let db = TestDb::new(backend, "buffer_budget").await?;
+    let rx = Receiver::start().await?;
+    rx.add_rule(Rule {
+        handler: Some("big".into()),
+        key: None,
+        action: Action::Delay(Duration::from_millis(20)),
+    });
+    // The backlog is stored before the node starts: 40 MiB of payloads.
+    let store = lanebus_store::open(&db.url).await?;
+    let h = store
+        .create_handler(NewHandler {
+            name: "big".into(),
+            url: rx.url("big"),
+            event_types: vec!["*".into()],
+            max_attempts: 8,
+            timeout_ms: 10_000,
+            max_in_flight: 64,
+            secret: lanebus_store::generate_secret(),
+        })
+        .await?;
+    rx.set_secret("big", &h.secret);
+    let filler = "x".repeat(PAYLOAD - 20);
+    let mut expected = Vec::new();
+    // One event per transaction (a PostgreSQL claim returns the rest of a
+    // publishing transaction whole, past its limit).
+    for i in 0..EVENTS {
+        let key = format!("big-{}", i % KEYS);
+        let id = format!("big-{i}");
+        expected.push(Expected {
+            handler: "big".into(),
+            event_id: id.clone(),
+            key: Some(key.clone()),
+        });
+        store
+            .publish(vec![NewEvent {
+                id: Some(id),
+                event_type: "push".into(),
+                key: Some(key),
+                payload: format!("{{\"n\":{i},\"f\":\"{filler}\"}}").into_bytes(),
+            }])
+            .await?;
+    }
+    drop(store);
+
+    let mut opts = test_options(&db.url);
+    opts.lane.buffer_bytes = BUDGET;
+    let node = lanebus_node::start(opts).await?;
+    let budget = node.state.board().budget();
+    // At most one payload over per lane holding something (8 keys: at most
+    // 8 lanes).
+    let bound = BUDGET + KEYS * PAYLOAD;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut max_held = 0;
+    while rx.accepted_distinct() < EVENTS {
+        max_held = max_held.max(budget.held());
+        ensure!(
+            Instant::now() < deadline,
+            "not delivered: {:?}",
+            rx.verdict(&expected)
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    ensure!(
+        max_held <= bound,
+        "held {max_held} payload bytes, over the budget of {BUDGET} (+ one payload per lane)"
+    );
+    ensure!(max_held >= PAYLOAD, "the budget gauge never moved");
+    let v = rx.verdict(&expected);
+    ensure!(v.exact(), "{v:?}");
+    // Everything settled: nothing counted any more.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while budget.held() != 0 {
+        ensure!(
+            Instant::now() < deadline,
+            "{} bytes still counted",
+            budget.held()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    node.shutdown().await?;
+    db.drop_db().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_backlog_stays_within_the_budget_sqlite() {
+    large_backlog_stays_within_the_budget(Backend::Sqlite)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_backlog_stays_within_the_budget_postgres() {
+    large_backlog_stays_within_the_budget(Backend::Postgres)
+        .await
+        .unwrap();
+}
