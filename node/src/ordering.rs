@@ -1114,6 +1114,50 @@ mod tests {
     }
 
     #[test]
+    fn payload_bytes_are_counted_while_held_and_freed_when_they_leave() {
+        let mut q = LaneQueue::new();
+        let t1 = q.begin_claim();
+        // Payload `{}`: 2 bytes each.
+        q.accept_batch(
+            t1,
+            vec![
+                d(1, "h", Some("a"), 1),
+                d(2, "h", Some("a"), 2),
+                d(3, "h", Some("b"), 1),
+                d(4, "off", Some("c"), 1),
+            ],
+            4,
+        );
+        assert_eq!(q.bytes(), 8);
+        // A repeat is not counted twice.
+        let t2 = q.begin_claim();
+        q.accept_batch(t2, vec![d(1, "h", Some("a"), 1)], 4);
+        assert_eq!(q.bytes(), 8);
+        let out = q.next_ready(t0(), |h| {
+            if h == "off" {
+                HandlerGate::Hold
+            } else {
+                open(h)
+            }
+        });
+        assert_eq!(out.len(), 2);
+        // In flight still counts; settled does not.
+        assert_eq!(q.bytes(), 8);
+        q.settled(1);
+        assert_eq!(q.bytes(), 6);
+        // Requeued: still held.
+        let three = out.into_iter().find(|d| d.id == 3).expect("3 handed out");
+        assert!(q.requeue(three));
+        assert_eq!(q.bytes(), 6);
+        // Trimmed and dropped ones leave memory.
+        assert_eq!(q.drop_handler("off"), vec![4]);
+        assert_eq!(q.bytes(), 4);
+        let hold = |_: &str| HandlerGate::Hold;
+        assert_eq!(q.trim(t0(), 1, hold).len(), 2);
+        assert_eq!(q.bytes(), 0);
+    }
+
+    #[test]
     fn deleting_a_handler_forgets_its_trims_and_rescans_once_for_late_rows() {
         let mut q = LaneQueue::new();
         let t1 = q.begin_claim();
