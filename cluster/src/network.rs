@@ -13,7 +13,8 @@
 //! need no ids. Forwarded writes use their own connection so that a write
 //! waiting for its commit does not hold up heartbeats or votes. Connecting has
 //! its own timeout ([`CONNECT_TIMEOUT`]); every request has one too (openraft's
-//! `RPCOption::hard_ttl` for Raft RPCs). After any error the connection is
+//! `RPCOption::hard_ttl` for Raft RPCs). After any error, or when the caller
+//! drops a request half-way (openraft times RPCs out itself), the connection is
 //! dropped and the next request connects again; a request on a reused
 //! connection that finds it dead is retried once on a fresh one.
 //!
@@ -189,42 +190,47 @@ impl Transport {
                     source: io::Error::other("network cut by the test hook"),
                 });
             }
+            // The stream is taken out of the pool for the request and put
+            // back only after its answer was read: if the caller drops this
+            // future half-way (openraft wraps RPCs in its own timeout), the
+            // stream goes with it instead of staying pooled with an answer
+            // still unread, which the next request would take for its own.
             let reused = conn.is_some();
-            if conn.is_none() {
-                let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
-                    .await
-                    .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))
-                    .and_then(|r| r)
-                    .map_err(|source| CallError::Unreachable {
-                        addr: addr.to_owned(),
-                        source,
-                    })?;
-                // Small frames must not wait for Nagle's algorithm.
-                let _ = stream.set_nodelay(true);
-                *conn = Some(stream);
-            }
-            let Some(stream) = conn.as_mut() else {
-                continue;
+            let mut stream = match conn.take() {
+                Some(s) => s,
+                None => {
+                    let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
+                        .await
+                        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))
+                        .and_then(|r| r)
+                        .map_err(|source| CallError::Unreachable {
+                            addr: addr.to_owned(),
+                            source,
+                        })?;
+                    // Small frames must not wait for Nagle's algorithm.
+                    let _ = stream.set_nodelay(true);
+                    stream
+                }
             };
             let result = tokio::time::timeout(timeout, async {
-                write_frame(stream, &bytes).await?;
-                read_frame(stream).await
+                write_frame(&mut stream, &bytes).await?;
+                read_frame(&mut stream).await
             })
             .await
             .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "request timed out"))
             .and_then(|r| r);
             match result {
                 Ok(answer) => {
-                    return decode(&answer).map_err(|e| {
-                        *conn = None;
-                        CallError::Network {
-                            addr: addr.to_owned(),
-                            source: io::Error::other(e),
-                        }
-                    })
+                    let decoded = decode(&answer).map_err(|e| CallError::Network {
+                        addr: addr.to_owned(),
+                        source: io::Error::other(e),
+                    });
+                    if decoded.is_ok() {
+                        *conn = Some(stream);
+                    }
+                    return decoded;
                 }
                 Err(source) => {
-                    *conn = None;
                     // A pooled connection the peer closed (it restarted):
                     // one fresh try. A timeout is not retried.
                     if reused && attempt == 0 && source.kind() != io::ErrorKind::TimedOut {
@@ -451,6 +457,66 @@ mod tests {
         let err = read_frame(&mut c).await.unwrap_err();
         assert!(err.to_string().contains("too large"), "{err}");
         server.await.expect("server");
+    }
+
+    /// Regression: openraft wraps each RPC in its own timeout and drops our
+    /// future half-way; the pooled connection then held an unread answer
+    /// that the next request took for its own (an AppendEntries answered
+    /// `Conflict` for `prev_log_id = None`, and openraft panicked).
+    #[tokio::test]
+    async fn a_request_dropped_half_way_does_not_leave_its_answer_to_the_next() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let answer = |reason: &str| {
+            encode(&RpcResponse::ClientWrite(Ok(CommandResult {
+                ok: true,
+                reason: Some(reason.into()),
+                index: None,
+            })))
+            .expect("encode")
+        };
+        let (first, second) = (answer("first"), answer("second"));
+        let count = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut s, _)) = listener.accept().await else {
+                    return;
+                };
+                let (first, second, count) = (first.clone(), second.clone(), count.clone());
+                tokio::spawn(async move {
+                    while read_frame(&mut s).await.is_ok() {
+                        if count.fetch_add(1, Ordering::SeqCst) == 0 {
+                            // Answer the first request late, after the caller
+                            // gave up on it.
+                            tokio::time::sleep(Duration::from_millis(150)).await;
+                            let _ = write_frame(&mut s, &first).await;
+                        } else {
+                            let _ = write_frame(&mut s, &second).await;
+                        }
+                    }
+                });
+            }
+        });
+        let t = Transport::new(NetSwitch::default());
+        let req = RpcRequest::ClientWrite(Command::RenewLease { node: 1 });
+        let long = Duration::from_secs(2);
+        let cut = tokio::time::timeout(
+            Duration::from_millis(50),
+            t.call(&addr, Channel::Write, &req, long),
+        )
+        .await;
+        assert!(cut.is_err(), "the first call should have been dropped");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        match t.call(&addr, Channel::Write, &req, long).await {
+            Ok(RpcResponse::ClientWrite(Ok(r))) => {
+                assert_eq!(
+                    r.reason.as_deref(),
+                    Some("second"),
+                    "got the dropped request's answer"
+                )
+            }
+            other => panic!("unexpected answer: {other:?}"),
+        }
     }
 
     #[tokio::test]
