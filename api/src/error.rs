@@ -57,9 +57,9 @@ pub enum ErrorCode {
     /// 414: the request URI (path and query) exceeds
     /// [`crate::MAX_URI_BYTES`]; on every path.
     UriTooLong,
-    /// 400: a refusal from a lower layer that no other code names (the
-    /// safety net's answer for an unexpected 4xx status; not expected in
-    /// practice).
+    /// 400: the HTTP server could not parse the request (before any route
+    /// is known, [`crate::serve`]), or a lower layer refused it with a 4xx
+    /// status no other code names (the safety net's answer).
     BadRequest,
     /// 409: a unique constraint the operation does not absorb
     /// ([`StoreError::Conflict`]).
@@ -147,7 +147,9 @@ impl ErrorCode {
             ErrorCode::PathNotFound => "no such path",
             ErrorCode::MethodNotAllowed => "the path exists, the method does not",
             ErrorCode::UriTooLong => "the request uri (path and query) exceeds 8192 bytes",
-            ErrorCode::BadRequest => "a refusal from a lower layer that no other code names",
+            ErrorCode::BadRequest => {
+                "the request does not parse as http, or a lower layer refused it"
+            }
             ErrorCode::Conflict => "a unique constraint the operation does not absorb",
             ErrorCode::NotReady => "the node is not ready",
             ErrorCode::StoreUnavailable => "the store cannot be reached",
@@ -261,17 +263,21 @@ pub(crate) struct ErrorDetail<'a> {
     message: &'a str,
 }
 
-/// The JSON error body for `code` and `message` with `status` (the safety net
-/// of `crate::routes` keeps a 5xx status other than 500 with `internal`).
-pub(crate) fn error_response(status: StatusCode, code: ErrorCode, message: &str) -> Response {
-    let body = serde_json::to_vec(&ErrorBody {
+/// The bytes of the error body `{"error": {"code", "message"}}`.
+pub(crate) fn error_body(code: ErrorCode, message: &str) -> Vec<u8> {
+    serde_json::to_vec(&ErrorBody {
         error: ErrorDetail {
             code: code.as_str(),
             message,
         },
     })
-    .unwrap_or_else(|_| br#"{"error":{"code":"internal","message":"error body"}}"#.to_vec());
-    let mut res = (status, body).into_response();
+    .unwrap_or_else(|_| br#"{"error":{"code":"internal","message":"error body"}}"#.to_vec())
+}
+
+/// The JSON error body for `code` and `message` with `status` (the safety net
+/// of `crate::routes` keeps a 5xx status other than 500 with `internal`).
+pub(crate) fn error_response(status: StatusCode, code: ErrorCode, message: &str) -> Response {
+    let mut res = (status, error_body(code, message)).into_response();
     res.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),

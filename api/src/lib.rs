@@ -62,6 +62,7 @@ pub mod handlers;
 mod health;
 pub mod openapi;
 mod routes;
+pub mod serve;
 mod telemetry;
 pub mod ui;
 

@@ -89,8 +89,9 @@ const EVERY_ROUTE: [ErrorCode; 1] = [ErrorCode::UriTooLong];
 
 /// Longest request URI (path and query) the router reads, in bytes; longer
 /// is `414 uri_too_long` with the JSON error shape, on every path. (Past
-/// 65,534 bytes the HTTP server itself refuses the request line, before any
-/// router runs; axum offers no hook there.)
+/// 65,534 bytes hyper itself refuses the request line, before any router
+/// runs, with an empty body: served through [`crate::serve::listener`], as
+/// the node does, that answer gets the JSON shape too.)
 pub const MAX_URI_BYTES: usize = 8_192;
 
 impl Operation {
@@ -281,7 +282,8 @@ pub const ROUTES: &[RouteSpec] = &[
 /// [`MAX_URI_BYTES`] (414 JSON), and a safety net that turns any other
 /// non-JSON error answer into the JSON error shape.
 ///
-/// Serve it with `axum::serve(listener, router(state))`.
+/// Serve it with `axum::serve(lanebus_api::serve::listener(tcp), router(state))`
+/// ([`crate::serve`]: hyper's own refusals get the JSON shape too).
 pub fn router(state: ApiState) -> Router {
     let max_body = state.limits.max_body_bytes;
     ROUTES

@@ -245,7 +245,77 @@ async fn documented_codes_are_exactly_the_error_codes(app: TestApp) {
     assert_eq!(listed, all);
 }
 
+/// Sends `request` (raw bytes) to `addr` and reads the answer until the
+/// server closes: (status, headers in lowercase, body).
+async fn raw_call(addr: std::net::SocketAddr, request: &[u8]) -> (u16, String, String) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    tcp.write_all(request).await.expect("write");
+    let mut out = Vec::new();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        tcp.read_to_end(&mut out),
+    )
+    .await
+    .expect("answer within 10 s")
+    .ok();
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head.get(9..12).and_then(|s| s.parse().ok()).unwrap_or(0);
+    (status, head.to_ascii_lowercase(), body.to_owned())
+}
+
+/// Served through `lanebus_api::serve::listener` (as the node serves it),
+/// even the answers hyper writes itself, before any router runs, have the
+/// JSON error shape: a request line over hyper's 65,534-byte URI limit, and
+/// a request that does not parse. Ordinary traffic passes unchanged.
+async fn answers_of_the_http_server_itself_are_json_too(app: TestApp) {
+    seed(&app).await;
+    let before = app.snapshot().await;
+    let tcp = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = tcp.local_addr().expect("addr");
+    let app_router = app.app.clone();
+    let server = tokio::spawn(async move {
+        let _ = axum::serve(lanebus_api::serve::listener(tcp), app_router).await;
+    });
+
+    let huge = format!(
+        "GET /v1/handlers/{} HTTP/1.1\r\nhost: x\r\n\r\n",
+        "z".repeat(70_000)
+    );
+    let (status, head, body) = raw_call(addr, huge.as_bytes()).await;
+    assert_eq!(status, 414, "{head}");
+    assert!(head.contains("content-type: application/json"), "{head}");
+    let v: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body:?}"));
+    assert_eq!(v["error"]["code"], "uri_too_long", "{body}");
+
+    let (status, head, body) = raw_call(
+        addr,
+        b"GET /healthz HTTP/1.1\r\nhost: x\r\nbad header\r\n\r\n",
+    )
+    .await;
+    assert_eq!(status, 400, "{head}");
+    let v: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body:?}"));
+    assert_eq!(v["error"]["code"], "bad_request", "{body}");
+
+    // Keep-alive traffic, an error answer of the router included, unchanged.
+    let (status, head, body) = raw_call(
+        addr,
+        b"GET /v1/handlers/hdl_x HTTP/1.1\r\nhost: x\r\n\r\nGET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+    )
+    .await;
+    assert_eq!(status, 404, "{head}");
+    assert!(body.contains(r#""code":"not_found""#), "{body}");
+    assert!(body.contains("HTTP/1.1 200 OK"), "{body}");
+    assert!(body.ends_with(r#"{"status":"ok"}"#), "{body}");
+    server.abort();
+    assert_eq!(app.snapshot().await, before);
+}
+
 on_every_backend!(
+    answers_of_the_http_server_itself_are_json_too,
     nul_and_control_characters_in_ids_are_not_found_not_500,
     too_long_uris_are_414_json_on_every_path,
     bulk_replay_needs_an_explicit_selection,

@@ -669,7 +669,9 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
         limits: opts.limits,
     });
     tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
+        // The wrapped listener gives hyper's own refusals (a URI over its
+        // limit, an unparsable request) the API's JSON error shape.
+        if let Err(e) = axum::serve(lanebus_api::serve::listener(listener), app).await {
             tracing::error!(error = %e, "http server stopped");
         }
     });
