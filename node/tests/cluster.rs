@@ -548,3 +548,62 @@ on_both!(
     whole_cluster_restarts
 );
 on_both!(same_id_twice_never_both_deliver, same_id_twice);
+
+/// A lease not longer than the longest handler timeout is refused at start,
+/// with the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_shorter_than_a_handler_timeout_is_refused() {
+    let db = TestDb::new(Backend::Sqlite, "leasecheck").await.unwrap();
+    let store = lanebus_store::open(&db.url).await.unwrap();
+    store
+        .create_handler(NewHandler {
+            name: "slow".into(),
+            url: "http://127.0.0.1:9/slow".into(),
+            event_types: vec!["*".into()],
+            max_attempts: 3,
+            timeout_ms: 5_000,
+            max_in_flight: 1,
+            secret: lanebus_store::generate_secret(),
+        })
+        .await
+        .unwrap();
+    let dir = std::env::temp_dir().join(format!(
+        "lanebus-leasecheck-{}",
+        uuid::Uuid::now_v7().simple()
+    ));
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_lanebus"))
+        .args([
+            "node",
+            "--id",
+            "1",
+            "--http-addr",
+            "127.0.0.1:0",
+            "--raft-addr",
+            "127.0.0.1:0",
+        ])
+        .arg("--data-dir")
+        .arg(&dir)
+        .args([
+            "--store",
+            &db.url,
+            "--bootstrap",
+            "--lease-ms",
+            "3000",
+            "--renew-interval-ms",
+            "500",
+        ])
+        .env_remove("LANEBUS_CONFIG")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "started with a lease below a handler timeout"
+    );
+    assert!(
+        stderr.contains("lease_ms 3000 must be longer than the longest handler timeout (5000 ms)"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    db.drop_db().await;
+}
