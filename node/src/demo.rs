@@ -179,7 +179,7 @@ const VICTIM: u64 = 3;
 
 async fn lane_table(cluster: &LocalCluster, via: u64) -> String {
     match cluster.get_json(via, "/admin/lanes").await {
-        Ok(body) => crate::lanes_table(&body),
+        Ok(body) => crate::admin::lanes_table(&body),
         Err(e) => format!("(lane table unavailable: {e})\n"),
     }
 }
