@@ -249,7 +249,7 @@ pub struct NewHandler {
 /// A registered handler.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Handler {
-    /// Stable id, `hdl_` + 26 characters.
+    /// Stable id, `hdl_` + 32 lowercase hex digits (a UUIDv7 in simple form).
     pub id: String,
     /// Human-readable name.
     pub name: String,
