@@ -15,6 +15,11 @@
 //! reservation is released and the bytes actually accepted are counted as
 //! held until their deliveries settle or are dropped from memory.
 //!
+//! While the budget is spent, lanes drop from memory what they hold but
+//! cannot attempt (a disabled handler's deliveries, the followers of a key
+//! being retried; they stay in the store, see [`crate::ordering`]), so such
+//! deliveries cannot pin the budget and stop the claims of every lane.
+//!
 //! A lane that holds nothing may always claim one delivery, even when the
 //! budget is spent, so no lane starves: the bound is therefore the budget
 //! plus one payload per lane (plus, on PostgreSQL, the rest of a publishing

@@ -24,8 +24,9 @@
 //!
 //! A full buffer does not hold up the lane's other keys behind a key whose
 //! head is being retried (or a disabled handler): after each dispatch the
-//! queue releases the trims whose cause went and, when the buffer is full,
-//! trims what is stalled ([`LaneQueue::trim`], [`LaneQueue::release`]; the
+//! queue releases the trims whose cause went and, when the buffer (or the
+//! node's payload budget, [`super::budget`]) is full, trims what is stalled
+//! ([`LaneQueue::trim`], [`LaneQueue::release`]; the
 //! design is in [`crate::ordering`]). Key handlers report a failed attempt
 //! with [`Retrying`]. The claim cursor lives in the queue, which moves it
 //! back for a rescan; while a rescan is under way a full batch is followed
@@ -319,14 +320,27 @@ impl LaneOwner {
         // Ask for a full buffer: rows already held may be returned again (see
         // the store's claim cursor docs) and must not crowd out new ones;
         // fewer when the node's payload budget is short.
-        let reservation = self.deps.board.budget().reserve(
-            self.deps.config.buffer_cap.max(1),
-            self.held(),
-            self.deps.config.buffer_bytes,
-        );
+        // A lane holding nothing probes with one row (a full batch follows
+        // at once if it comes back full): idle lanes polling must not
+        // reserve the whole budget every tick and starve the busy ones.
+        let want = if self.held() == 0 {
+            1
+        } else {
+            self.deps.config.buffer_cap.max(1)
+        };
+        let reservation =
+            self.deps
+                .board
+                .budget()
+                .reserve(want, self.held(), self.deps.config.buffer_bytes);
         if reservation.rows == 0 && !self.suspect {
             // Spent: a settlement here or the poll interval tries again.
+            // Meanwhile what this lane holds but cannot attempt (a disabled
+            // handler's deliveries, a retried key's followers) must not pin
+            // the budget, or lanes holding only such would never claim
+            // again: leave it in the store.
             self.deps.board.budget().claimed(reservation, 0, 0);
+            self.trim_stalled();
             return;
         }
         let limit = reservation.rows.max(1) as u32;
@@ -495,6 +509,29 @@ impl LaneOwner {
         }
     }
 
+    /// Drops from memory every stalled delivery of the lane (as a full
+    /// buffer would, [`LaneQueue::trim`]), for the node's payload budget.
+    fn trim_stalled(&mut self) {
+        let catalog = self.deps.catalog.all();
+        let gate = |h: &str| match catalog.get(h) {
+            Some(c) if c.state == HandlerState::Enabled => HandlerGate::Open {
+                max_in_flight: c.max_in_flight.max(1) as usize,
+            },
+            _ => HandlerGate::Hold,
+        };
+        let dropped = self.queue.trim(Utc::now(), 1, gate);
+        if !dropped.is_empty() {
+            tracing::debug!(
+                lane = self.lane,
+                dropped = dropped.len(),
+                "payload budget spent: left stalled deliveries in the store"
+            );
+            let queue = &self.queue;
+            self.key_handlers.retain(|slot, _| !queue.slot_idle(slot));
+            self.publish_status();
+        }
+    }
+
     fn dispatch(&mut self, ctx: &mut Context<Self>) {
         if self.draining {
             self.publish_status();
@@ -550,13 +587,19 @@ impl LaneOwner {
         // Stalled keys and handlers must not hold up the rest of the lane.
         let rescan = self.queue.release(gate);
         let cap = self.deps.config.buffer_cap.max(1);
-        let dropped = self.queue.trim(now, cap, gate);
+        // When the node's payload budget is spent, stalled deliveries (a
+        // disabled handler's, a retried key's followers) make room too, or
+        // they would pin the budget and slow every other lane to one
+        // delivery at a time.
+        let spent = self.deps.board.budget().held() >= self.deps.config.buffer_bytes;
+        let dropped = self.queue.trim(now, if spent { 1 } else { cap }, gate);
         if !dropped.is_empty() {
             tracing::debug!(
                 lane = self.lane,
                 dropped = dropped.len(),
-                "buffer full: left stalled deliveries in the store"
+                "buffer or payload budget full: left stalled deliveries in the store"
             );
+            self.count_bytes();
             let queue = &self.queue;
             self.key_handlers.retain(|slot, _| !queue.slot_idle(slot));
         }
