@@ -95,7 +95,8 @@ pub struct Request {
     pub attempt: u32,
     /// Arrival, milliseconds since the run started.
     pub arrived_ms: f64,
-    /// When the answer was written, if one was (`None`: reset or dropped).
+    /// When the answer was about to be written, if one was (`None`: reset
+    /// or dropped).
     pub answered_ms: Option<f64>,
     /// Status answered (`None`: reset or dropped without an answer).
     pub status: Option<u16>,
@@ -103,6 +104,8 @@ pub struct Request {
     pub data: Option<String>,
     /// Whether the signature verified.
     pub signature_ok: bool,
+    /// The node that sent it (its `--id`), when the receiver could tell.
+    pub sender: Option<String>,
 }
 
 impl Request {
@@ -237,17 +240,23 @@ impl Report {
     }
 }
 
-/// Epochs per lane over time, from the samples.
-struct Epochs {
-    /// lane -> (at_ms, epoch), sorted by time.
-    by_lane: HashMap<u16, Vec<(u64, i64)>>,
+/// One sample of a lane: (at_ms, epoch, owner).
+type Seen<'a> = (u64, i64, Option<&'a str>);
+
+/// Epochs and owners per lane over time, from the samples.
+struct Epochs<'a> {
+    /// lane -> samples, sorted by time.
+    by_lane: HashMap<u16, Vec<Seen<'a>>>,
 }
 
-impl Epochs {
-    fn new(samples: &[LaneSample]) -> Epochs {
-        let mut by_lane: HashMap<u16, Vec<(u64, i64)>> = HashMap::new();
+impl<'a> Epochs<'a> {
+    fn new(samples: &'a [LaneSample]) -> Epochs<'a> {
+        let mut by_lane: HashMap<u16, Vec<Seen>> = HashMap::new();
         for s in samples {
-            by_lane.entry(s.lane).or_default().push((s.at_ms, s.epoch));
+            by_lane
+                .entry(s.lane)
+                .or_default()
+                .push((s.at_ms, s.epoch, s.owner.as_deref()));
         }
         for v in by_lane.values_mut() {
             v.sort_unstable();
@@ -255,14 +264,31 @@ impl Epochs {
         Epochs { by_lane }
     }
 
-    /// The highest epoch seen for `lane` at or before `at_ms`.
-    fn at(&self, lane: u16, at_ms: f64) -> Option<i64> {
+    /// The highest epoch seen for `lane` at or before `at_ms`, with its owner.
+    fn latest(&self, lane: u16, at_ms: f64) -> Option<(i64, Option<&'a str>)> {
         self.by_lane.get(&lane).and_then(|v| {
             v.iter()
-                .take_while(|(t, _)| (*t as f64) <= at_ms)
-                .map(|(_, e)| *e)
-                .max()
+                .take_while(|(t, _, _)| (*t as f64) <= at_ms)
+                .map(|(_, e, o)| (*e, *o))
+                .max_by_key(|(e, _)| *e)
         })
+    }
+
+    /// The highest epoch seen for `lane` at or before `at_ms`.
+    fn at(&self, lane: u16, at_ms: f64) -> Option<i64> {
+        self.latest(lane, at_ms).map(|(e, _)| e)
+    }
+
+    /// Whether `q` was sent by a node that no longer owned its lane: a
+    /// delivery in flight on a deposed owner (e.g. frozen mid-send) that
+    /// went out after the lane changed owner. Owners read `<id>` or
+    /// `<id>/<incarnation>`.
+    fn stale_sender(&self, lane: u16, q: &Request, at_ms: f64) -> bool {
+        let Some(sender) = q.sender.as_deref() else {
+            return false;
+        };
+        matches!(self.latest(lane, at_ms), Some((_, Some(owner)))
+            if owner.split('/').next() != Some(sender))
     }
 }
 
@@ -422,7 +448,9 @@ pub fn judge(rec: &Record) -> Report {
                 r.repeats.failed += 1;
             } else if q.attempt > prev.attempt {
                 r.repeats.node_timeout += 1;
-            } else if owner_changed(epoch_before, epoch_after) {
+            } else if owner_changed(epoch_before, epoch_after)
+                || epochs.stale_sender(lane, q, q.arrived_ms + slack)
+            {
                 r.repeats.owner_change += 1;
             } else {
                 r.repeats.unattributed += 1;
@@ -494,7 +522,9 @@ pub fn judge(rec: &Record) -> Report {
         } else if s.max_pos.is_some_and(|m| m > pos) {
             let lane = lane_of_request(q, &events, rec.lanes);
             let prev = s.last_arrival[q.event_id.as_str()];
-            if owner_changed(epochs.at(lane, prev), epochs.at(lane, q.arrived_ms + slack)) {
+            if owner_changed(epochs.at(lane, prev), epochs.at(lane, q.arrived_ms + slack))
+                || epochs.stale_sender(lane, q, q.arrived_ms + slack)
+            {
                 r.rewinds += 1;
             } else {
                 r.out_of_order += 1;
@@ -605,6 +635,7 @@ mod tests {
             status,
             data: Some(format!("{{\"id\":\"{id}\"}}")),
             signature_ok: true,
+            sender: Some("1".into()),
         }
     }
 
@@ -723,6 +754,23 @@ mod tests {
         let r = judge(&rec);
         assert_eq!(r.repeats.unattributed, 2);
         assert_eq!(r.out_of_order, 1);
+    }
+
+    #[test]
+    fn a_repeat_from_a_deposed_owner_is_an_owner_change() {
+        let mut rec = base();
+        // Node 2 took the lane over at epoch 2 (sampled at 45 ms) and sent
+        // c; node 1, frozen mid-send before, sends c again at 60 ms.
+        rec.samples = vec![sample(0, "k", "1", 1), sample(45, "k", "2/7", 2)];
+        rec.requests[3].sender = Some("2".into());
+        rec.requests[3].arrived_ms = 50.0;
+        rec.requests.push(req("c", "k", 3, 1, 60.0, Some(200)));
+        let r = judge(&rec);
+        assert!(r.passed(), "{r:#?}");
+        assert_eq!(r.repeats.owner_change, 1);
+        // The same repeat from the current owner has no cause.
+        rec.requests[4].sender = Some("2".into());
+        assert_eq!(judge(&rec).repeats.unattributed, 1);
     }
 
     #[test]

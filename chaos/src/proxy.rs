@@ -221,17 +221,19 @@ fn proc_addr(a: SocketAddr) -> Option<String> {
 }
 
 /// The inode of the socket `local` → `remote` in `/proc/net/tcp` text.
+/// Only a socket that an fd holds has one: a TIME_WAIT entry of an earlier
+/// connection on the same ports shows inode 0 and is skipped.
 fn find_inode(table: &str, local: &str, remote: &str) -> Option<u64> {
     table.lines().skip(1).find_map(|l| {
         let f: Vec<&str> = l.split_whitespace().collect();
         (f.len() > 9 && f[1] == local && f[2] == remote)
-            .then(|| f[9].parse().ok())
+            .then(|| f[9].parse().ok().filter(|i| *i != 0))
             .flatten()
     })
 }
 
 /// Which source process holds the client end of an accepted connection.
-fn identify(peer: SocketAddr, listen: SocketAddr, sources: &Sources) -> Option<String> {
+pub(crate) fn identify(peer: SocketAddr, listen: SocketAddr, sources: &Sources) -> Option<String> {
     let pids: Vec<(u32, String)> = sources
         .lock()
         .expect("sources lock")
@@ -241,8 +243,13 @@ fn identify(peer: SocketAddr, listen: SocketAddr, sources: &Sources) -> Option<S
     if pids.is_empty() {
         return None;
     }
-    let table = std::fs::read_to_string("/proc/net/tcp").ok()?;
-    let inode = find_inode(&table, &proc_addr(peer)?, &proc_addr(listen)?)?;
+    // /proc/net/tcp is read in pages, not atomically: with sockets coming
+    // and going an entry can be skipped, so look again before giving up.
+    let (local, remote) = (proc_addr(peer)?, proc_addr(listen)?);
+    let inode = (0..4).find_map(|_| {
+        let table = std::fs::read_to_string("/proc/net/tcp").ok()?;
+        find_inode(&table, &local, &remote)
+    })?;
     let needle = format!("socket:[{inode}]");
     for (pid, name) in pids {
         let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
@@ -273,6 +280,14 @@ mod tests {
             Some(4242)
         );
         assert_eq!(find_inode(table, "0100007F:1F91", "0100007F:D431"), None);
+        let with_time_wait = format!(
+            "{}   1: 0100007F:1F90 0100007F:D431 06 00000000:00000000 03:00000000 00000000     0        0 0 1\n",
+            table.lines().next().unwrap()
+        ) + table.lines().nth(1).unwrap();
+        assert_eq!(
+            find_inode(&with_time_wait, "0100007F:1F90", "0100007F:D431"),
+            Some(4242)
+        );
     }
 
     #[tokio::test]

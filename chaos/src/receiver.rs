@@ -23,6 +23,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::oracle::Request;
+use crate::proxy::{identify, Sources};
 use crate::rng::coin;
 
 /// How the endpoint behaves.
@@ -106,9 +107,12 @@ pub struct Receiver {
 
 impl Receiver {
     /// Starts on `127.0.0.1:0`; times are measured from `start`.
-    pub async fn start(seed: u64, start: Instant) -> anyhow::Result<Receiver> {
+    /// `sources` names the node processes, to tell which node sent a
+    /// request (see [`crate::proxy::identify`]).
+    pub async fn start(seed: u64, start: Instant, sources: Sources) -> anyhow::Result<Receiver> {
         let listener = TcpListener::bind(("127.0.0.1", 0)).await?;
-        let port = listener.local_addr()?.port();
+        let listen = listener.local_addr()?;
+        let port = listen.port();
         let rx = Receiver {
             inner: Arc::new(Mutex::new(Inner {
                 mode: Mode::Healthy,
@@ -122,10 +126,11 @@ impl Receiver {
         };
         let me = rx.clone();
         tokio::spawn(async move {
-            while let Ok((sock, _)) = listener.accept().await {
+            while let Ok((sock, peer)) = listener.accept().await {
                 let me = me.clone();
+                let sender = identify(peer, listen, &sources);
                 tokio::spawn(async move {
-                    let _ = me.serve(sock).await;
+                    let _ = me.serve(sock, sender).await;
                 });
             }
         });
@@ -162,7 +167,7 @@ impl Receiver {
         self.start.elapsed().as_secs_f64() * 1e3
     }
 
-    async fn serve(&self, mut sock: TcpStream) -> anyhow::Result<()> {
+    async fn serve(&self, mut sock: TcpStream, sender: Option<String>) -> anyhow::Result<()> {
         let mut buf: Vec<u8> = Vec::with_capacity(16 << 10);
         loop {
             // Head.
@@ -242,6 +247,7 @@ impl Receiver {
                 status: None,
                 data: data_member(&body),
                 signature_ok,
+                sender: sender.clone(),
             };
             let status = match answer {
                 Answer::Status(s) => Some(s),
@@ -272,9 +278,12 @@ impl Receiver {
                     "Internal Server Error"
                 }
             );
+            // Stamped before writing: the sender cannot have seen the answer
+            // earlier, so order checks against it raise no false alarm when
+            // this process is slow to get back to the task after the write.
+            rec.answered_ms = Some(self.ms());
             let written = sock.write_all(reply.as_bytes()).await;
             rec.status = status;
-            rec.answered_ms = Some(self.ms());
             if written.is_err() {
                 // The sender had hung up: it never saw the answer.
                 rec.status = None;

@@ -149,7 +149,10 @@ async fn register(sb: &Sandbox, plan: &Plan) -> anyhow::Result<HashMap<String, S
     Ok(ids)
 }
 
-/// Samples `GET /admin/lanes` of every node until `stop`.
+/// Samples `GET /admin/lanes` of every node until `stop`, one loop per node
+/// so that a frozen node does not slow the others' sampling. A sample is
+/// stamped when its answer arrived: an epoch never looks older than it is
+/// (the oracle allows for the other direction with its slack).
 fn sampler(
     http: reqwest::Client,
     urls: Vec<(String, String)>,
@@ -158,29 +161,32 @@ fn sampler(
     out: Arc<Mutex<Vec<LaneSample>>>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        while !stop.load(Ordering::Relaxed) {
-            let polls = urls.iter().map(|(node, url)| {
-                let http = http.clone();
-                async move {
-                    let at = start.elapsed().as_millis() as u64;
-                    let v: serde_json::Value = http
-                        .get(format!("{url}/admin/lanes"))
-                        .timeout(Duration::from_millis(1_000))
-                        .send()
-                        .await
-                        .ok()?
-                        .json()
-                        .await
-                        .ok()?;
-                    Some(lane_samples(&v, node, at))
+        let loops = urls.into_iter().map(|(node, url)| {
+            let (http, stop, out) = (http.clone(), stop.clone(), out.clone());
+            async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let got = async {
+                        http.get(format!("{url}/admin/lanes"))
+                            .timeout(Duration::from_millis(1_000))
+                            .send()
+                            .await
+                            .ok()?
+                            .json::<serde_json::Value>()
+                            .await
+                            .ok()
+                    }
+                    .await;
+                    if let Some(v) = got {
+                        let at = start.elapsed().as_millis() as u64;
+                        out.lock()
+                            .expect("samples")
+                            .extend(lane_samples(&v, &node, at));
+                    }
+                    tokio::time::sleep(Duration::from_millis(SAMPLE_MS)).await;
                 }
-            });
-            let got = futures::future::join_all(polls).await;
-            out.lock()
-                .expect("samples")
-                .extend(got.into_iter().flatten().flatten());
-            tokio::time::sleep(Duration::from_millis(SAMPLE_MS)).await;
-        }
+            }
+        });
+        futures::future::join_all(loops).await;
     })
 }
 
@@ -481,9 +487,21 @@ async fn drive_inner(sb: &mut Sandbox, plan: &Plan, ctx: &Ctx) -> anyhow::Result
         samples: samples.lock().expect("samples").clone(),
         dead_letters: dead,
         recovered_ms,
-        sample_slack_ms: 4 * SAMPLE_MS,
+        sample_slack_ms: 8 * SAMPLE_MS,
     };
     let report = oracle::judge(&record);
+    std::fs::write(
+        sb.dir.join("samples.json"),
+        serde_json::to_vec(
+            &record
+                .samples
+                .iter()
+                .map(|s| (s.at_ms, &s.node, s.lane, &s.owner, s.epoch))
+                .collect::<Vec<_>>(),
+        )
+        .unwrap_or_default(),
+    )
+    .ok();
     std::fs::write(
         sb.dir.join("requests.json"),
         serde_json::to_vec(&record.requests).unwrap_or_default(),

@@ -260,7 +260,7 @@ impl Sandbox {
             }
             Store::Sqlite => (format!("sqlite://{}", dir.join("store.db").display()), None),
         };
-        let receiver = Receiver::start(seed, start).await?;
+        let receiver = Receiver::start(seed, start, sources.clone()).await?;
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(3))
             .build()?;
