@@ -1,5 +1,6 @@
 //! End-to-end delivery through a real node (in-process), its HTTP API, a
-//! real webhook receiver and a real database, on SQLite and PostgreSQL.
+//! real webhook receiver and a real database, on SQLite, PostgreSQL and
+//! MongoDB.
 
 mod common;
 
@@ -500,6 +501,13 @@ async fn retry_after_defers_the_next_attempt_postgres() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_after_defers_the_next_attempt_mongodb() {
+    retry_after_defers_the_next_attempt(Backend::Mongodb)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deleted_handler_drops_its_deliveries_sqlite() {
     deleted_handler_drops_its_deliveries(Backend::Sqlite)
         .await
@@ -514,6 +522,13 @@ async fn deleted_handler_drops_its_deliveries_postgres() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleted_handler_drops_its_deliveries_mongodb() {
+    deleted_handler_drops_its_deliveries(Backend::Mongodb)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_input_ten_fold_sqlite() {
     real_input_ten_fold(Backend::Sqlite).await.unwrap();
 }
@@ -521,6 +536,11 @@ async fn real_input_ten_fold_sqlite() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_input_ten_fold_postgres() {
     real_input_ten_fold(Backend::Postgres).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_input_ten_fold_mongodb() {
+    real_input_ten_fold(Backend::Mongodb).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -538,6 +558,13 @@ async fn failing_keys_retry_without_holding_up_others_postgres() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_keys_retry_without_holding_up_others_mongodb() {
+    failing_keys_retry_without_holding_up_others(Backend::Mongodb)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_letters_then_replay_sqlite() {
     dead_letters_then_replay(Backend::Sqlite).await.unwrap();
 }
@@ -545,4 +572,9 @@ async fn dead_letters_then_replay_sqlite() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_letters_then_replay_postgres() {
     dead_letters_then_replay(Backend::Postgres).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_then_replay_mongodb() {
+    dead_letters_then_replay(Backend::Mongodb).await.unwrap();
 }

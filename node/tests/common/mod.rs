@@ -3,6 +3,9 @@
 //!
 //! PostgreSQL tests need `LANEBUS_TEST_POSTGRES_URL` (a server where the test
 //! may create databases); `scripts/test` starts a throwaway one and sets it.
+//! MongoDB tests need `LANEBUS_TEST_MONGODB_URI` (a replica set; each test
+//! uses its own database in it); `scripts/test` starts a MongoDB-compatible
+//! test server and sets it. Without the variable those tests fail.
 
 #![allow(dead_code)]
 
@@ -16,11 +19,42 @@ use lanebus_node::{NodeHandle, NodeOptions, StoreSource};
 use serde_json::Value;
 use sqlx::Connection as _;
 
-/// The two backends every applicable test runs on.
+/// The backends the tests run on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
     Sqlite,
     Postgres,
+    Mongodb,
+}
+
+/// The MongoDB server of the tests.
+pub const MONGODB_URI_VAR: &str = "LANEBUS_TEST_MONGODB_URI";
+
+/// Lanes of a MongoDB test store (instead of the default 256). On the test
+/// server (SecantusDB) each `$unionWith` sub-pipeline of a claim costs about
+/// a scan of `deliveries` (a 64-lane claim chunk took 14 s with 1,800
+/// deliveries stored, where each lane alone answers in 50 ms; MongoDB uses
+/// the `(lane, pos)` index for each), so a claim's cost grows with the lanes
+/// claimed together. 16 lanes keep the node tests to minutes there; keys
+/// share lanes more, which the per-key order checks only make harder.
+pub const MONGODB_TEST_LANES: u16 = 16;
+
+/// `LANEBUS_TEST_MONGODB_URI` with its database (the URL's path) set to `db`.
+pub fn mongodb_url(db: &str) -> anyhow::Result<String> {
+    let Ok(base) = std::env::var(MONGODB_URI_VAR) else {
+        bail!(
+            "{MONGODB_URI_VAR} is not set: the MongoDB tests need a replica set. Run them with \
+             scripts/test, which starts a MongoDB-compatible test server, or set it to \
+             mongodb://HOST:PORT/?replicaSet=NAME for a MongoDB you run"
+        );
+    };
+    // By hand, not url::Url: a seed list (h1,h2,h3) is no URL host.
+    let (head, query) = base.split_at(base.find('?').unwrap_or(base.len()));
+    let hosts_from = head.find("://").map_or(0, |i| i + 3);
+    let hosts_end = head[hosts_from..]
+        .find('/')
+        .map_or(head.len(), |i| hosts_from + i);
+    Ok(format!("{}/{db}{query}", &head[..hosts_end]))
 }
 
 /// A fresh, empty database for one test.
@@ -29,6 +63,7 @@ pub struct TestDb {
     pub url: String,
     dir: Option<PathBuf>,
     pg: Option<(String, String)>,
+    mongo: bool,
 }
 
 fn unique(name: &str) -> String {
@@ -52,6 +87,7 @@ impl TestDb {
                     url,
                     dir: Some(dir),
                     pg: None,
+                    mongo: false,
                 })
             }
             Backend::Postgres => {
@@ -76,6 +112,22 @@ impl TestDb {
                     url: u.to_string(),
                     dir: None,
                     pg: Some((admin, db)),
+                    mongo: false,
+                })
+            }
+            Backend::Mongodb => {
+                let url = mongodb_url(&format!("lanebus_{name}").to_lowercase())?;
+                // Created with MONGODB_TEST_LANES lanes before any node opens
+                // it (an existing store keeps its lane count).
+                lanebus_store::mongodb::MongoStore::connect_with_lanes(&url, MONGODB_TEST_LANES)
+                    .await
+                    .with_context(|| format!("cannot open the MongoDB test store at {url}"))?;
+                Ok(TestDb {
+                    backend,
+                    url,
+                    dir: None,
+                    pg: None,
+                    mongo: true,
                 })
             }
         }
@@ -91,6 +143,11 @@ impl TestDb {
                 let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS \"{db}\" WITH (FORCE)"))
                     .execute(&mut conn)
                     .await;
+            }
+        }
+        if self.mongo {
+            if let Ok(store) = lanebus_store::mongodb::MongoStore::connect(&self.url).await {
+                let _ = store.database().drop().await;
             }
         }
     }
