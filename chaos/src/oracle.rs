@@ -279,6 +279,15 @@ impl<'a> Epochs<'a> {
         self.latest(lane, at_ms).map(|(e, _)| e)
     }
 
+    /// Whether the lane had changed owner at least once by `at_ms`.
+    fn changed_by(&self, lane: u16, at_ms: f64) -> bool {
+        self.by_lane.get(&lane).is_some_and(|v| {
+            let mut seen = v.iter().take_while(|(t, _, _)| (*t as f64) <= at_ms);
+            seen.next()
+                .is_some_and(|(_, first, _)| seen.any(|(_, e, _)| e != first))
+        })
+    }
+
     /// Whether `q` was sent by a node that no longer owned its lane: a
     /// delivery in flight on a deposed owner (e.g. frozen mid-send) that
     /// went out after the lane changed owner. Owners read `<id>` or
@@ -434,9 +443,16 @@ pub fn judge(rec: &Record) -> Report {
     let slack = rec.sample_slack_ms as f64;
 
     // 3. repeats.
+    // An attempt number lower than one already seen comes from an older
+    // owner's state (one owner only counts up): with the lane's owner
+    // changed by then, a deposed owner's send, e.g. one frozen mid-send.
+    let mut max_attempt: HashMap<(&str, &str), u32> = HashMap::new();
     let mut last: HashMap<(&str, &str), &Request> = HashMap::new();
     for q in &requests {
         let pair = (q.handler.as_str(), q.event_id.as_str());
+        let older_state = max_attempt.get(&pair).is_some_and(|m| q.attempt < *m);
+        let m = max_attempt.entry(pair).or_insert(q.attempt);
+        *m = (*m).max(q.attempt);
         if let Some(prev) = last.get(&pair) {
             let timeout = handlers
                 .get(q.handler.as_str())
@@ -450,6 +466,7 @@ pub fn judge(rec: &Record) -> Report {
                 r.repeats.node_timeout += 1;
             } else if owner_changed(epoch_before, epoch_after)
                 || epochs.stale_sender(lane, q, q.arrived_ms + slack)
+                || (older_state && epochs.changed_by(lane, q.arrived_ms + slack))
             {
                 r.repeats.owner_change += 1;
             } else {
@@ -480,6 +497,7 @@ pub fn judge(rec: &Record) -> Report {
         max_pos: Option<usize>,
         seq_at: BTreeMap<usize, i64>,
         last_arrival: HashMap<&'a str, f64>,
+        max_attempt: HashMap<&'a str, u32>,
     }
     let mut streams: HashMap<(&str, &str), Stream> = HashMap::new();
     for q in &requests {
@@ -498,6 +516,7 @@ pub fn judge(rec: &Record) -> Report {
                 max_pos: None,
                 seq_at: BTreeMap::new(),
                 last_arrival: HashMap::new(),
+                max_attempt: HashMap::new(),
             });
         let first = !s.last_arrival.contains_key(q.event_id.as_str());
         if first {
@@ -522,8 +541,13 @@ pub fn judge(rec: &Record) -> Report {
         } else if s.max_pos.is_some_and(|m| m > pos) {
             let lane = lane_of_request(q, &events, rec.lanes);
             let prev = s.last_arrival[q.event_id.as_str()];
+            let older_state = s
+                .max_attempt
+                .get(q.event_id.as_str())
+                .is_some_and(|m| q.attempt < *m);
             if owner_changed(epochs.at(lane, prev), epochs.at(lane, q.arrived_ms + slack))
                 || epochs.stale_sender(lane, q, q.arrived_ms + slack)
+                || (older_state && epochs.changed_by(lane, q.arrived_ms + slack))
             {
                 r.rewinds += 1;
             } else {
@@ -560,6 +584,11 @@ pub fn judge(rec: &Record) -> Report {
         }
         s.max_pos = Some(s.max_pos.map_or(pos, |m| m.max(pos)));
         s.last_arrival.insert(q.event_id.as_str(), q.arrived_ms);
+        let m = s
+            .max_attempt
+            .entry(q.event_id.as_str())
+            .or_insert(q.attempt);
+        *m = (*m).max(q.attempt);
     }
 
     // 4. one owner per (lane, epoch); epochs never go back on a node.
@@ -770,6 +799,24 @@ mod tests {
         assert_eq!(r.repeats.owner_change, 1);
         // The same repeat from the current owner has no cause.
         rec.requests[4].sender = Some("2".into());
+        assert_eq!(judge(&rec).repeats.unattributed, 1);
+    }
+
+    #[test]
+    fn a_lower_attempt_after_an_owner_change_is_a_deposed_owners_send() {
+        let mut rec = base();
+        rec.samples = vec![sample(0, "k", "1", 1), sample(25, "k", "2", 2)];
+        // c: attempt 2 from the new owner, then the old owner's attempt 1
+        // (sender unknown), frozen mid-send before the change.
+        rec.requests[3].attempt = 2;
+        let mut stale = req("c", "k", 3, 1, 60.0, Some(200));
+        stale.sender = None;
+        rec.requests.push(stale);
+        let r = judge(&rec);
+        assert!(r.passed(), "{r:#?}");
+        assert_eq!(r.repeats.owner_change, 1);
+        // Without any owner change it has no cause.
+        rec.samples = vec![sample(0, "k", "1", 1)];
         assert_eq!(judge(&rec).repeats.unattributed, 1);
     }
 
