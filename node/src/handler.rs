@@ -73,6 +73,10 @@ pub enum NotAttempted {
     HandlerDeleted,
     /// The handler was disabled while the attempt waited for its permit.
     HandlerDisabled,
+    /// This node's work gate closed while the attempt waited for its permit
+    /// (its lease lapsed, e.g. the process was paused): nothing was sent;
+    /// ask again later (see [`crate::assignment::WorkGate`]).
+    Paused,
 }
 
 /// Hands a delivery over to its handler: webhook or in-process.
@@ -88,6 +92,7 @@ pub struct Dispatcher {
     webhook: WebhookSender,
     in_process: Arc<HashMap<String, Arc<dyn Handler>>>,
     permits: Arc<Mutex<Permits>>,
+    gate: crate::assignment::WorkGate,
 }
 
 /// Per handler id: its `max_in_flight` and the semaphore enforcing it.
@@ -100,7 +105,16 @@ impl Dispatcher {
             webhook,
             in_process: Arc::new(in_process),
             permits: Arc::default(),
+            gate: crate::assignment::WorkGate::default(),
         }
+    }
+
+    /// The same dispatcher, checking `gate` once an attempt has its permit,
+    /// right before it is sent: an attempt that waited for a permit through
+    /// a pause of the process must not be sent after the lane moved.
+    pub fn with_gate(mut self, gate: crate::assignment::WorkGate) -> Self {
+        self.gate = gate;
+        self
     }
 
     /// The handler's semaphore, re-created when its limit changed (attempts
@@ -162,6 +176,9 @@ impl Dispatcher {
                 retry_after: None,
             });
         };
+        if !self.gate.open() {
+            return Err(NotAttempted::Paused);
+        }
         match catalog.current(&handler.id).await {
             None => {
                 drop(permit);

@@ -649,7 +649,15 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
     };
 
     let store_actor = StoreActor::new(store.clone(), opts.store_actor).start();
-    let dispatcher = Dispatcher::new(WebhookSender::new()?, opts.in_process.clone());
+    let gate = match &cluster {
+        Some(c) => {
+            let c = c.clone();
+            WorkGate::new(move || c.may_work())
+        }
+        None => WorkGate::default(),
+    };
+    let dispatcher =
+        Dispatcher::new(WebhookSender::new()?, opts.in_process.clone()).with_gate(gate.clone());
     let board = Arc::new(LaneBoard::default());
     let owners: Owners = Arc::default();
     let state = Arc::new(NodeState {
@@ -682,13 +690,7 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
         dispatcher,
         board,
         config: lane_config,
-        gate: match &cluster {
-            Some(c) => {
-                let c = c.clone();
-                WorkGate::new(move || c.may_work())
-            }
-            None => WorkGate::default(),
-        },
+        gate,
     };
     let (assignment, drain_bound): (Arc<dyn LaneAssignment>, Duration) =
         match (&cluster, &opts.cluster) {

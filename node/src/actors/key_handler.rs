@@ -137,6 +137,14 @@ impl KeyHandler {
                 Ok(Ok(outcome)) => outcome,
                 Ok(Err(NotAttempted::HandlerDeleted)) => return act.gone(delivery, ctx),
                 Ok(Err(NotAttempted::HandlerDisabled)) => return act.park(delivery),
+                Ok(Err(NotAttempted::Paused)) => {
+                    // The gate closed while waiting for a permit: try again
+                    // (run() waits while it stays closed).
+                    ctx.run_later(GATE_RECHECK, move |act, ctx| {
+                        act.run(delivery, handler, ctx)
+                    });
+                    return;
+                }
                 Err(e) => AttemptOutcome::Failed {
                     error: format!("attempt task failed: {e}"),
                     retry_after: None,
