@@ -182,3 +182,89 @@ async fn run_postgres() -> anyhow::Result<()> {
     db.drop_db().await;
     Ok(())
 }
+
+/// MongoDB: a transaction on a session of the store's client (`publish_in`)
+/// held open while other events publish and are delivered; its event is
+/// delivered after the commit (the lane's position counter orders commits,
+/// so a late commit is not skipped), an aborted one leaves nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_in_delivers_on_commit_only_mongodb() {
+    run_mongodb().await.unwrap();
+}
+
+async fn run_mongodb() -> anyhow::Result<()> {
+    let db = TestDb::new(Backend::Mongodb, "outbox").await?;
+    let rx = Receiver::start().await?;
+    let node = start_node(&db.url).await?;
+    let api = Api::new(&node.base_url());
+    let h = api.create_handler("all", &rx.url("all"), &["*"], 8).await?;
+    rx.set_secret("all", &h.secret);
+    // The application's own store (and client) on the same database.
+    let app = lanebus_store::mongodb::MongoStore::connect(&db.url).await?;
+
+    let mut tx = app.client().start_session().await?;
+    tx.start_transaction().await?;
+    app.publish_in(&mut tx, vec![event("late-commit", "k-late")])
+        .await?;
+    let mut tx_ab = app.client().start_session().await?;
+    tx_ab.start_transaction().await?;
+    app.publish_in(&mut tx_ab, vec![event("aborted", "k-ab")])
+        .await?;
+
+    // Meanwhile, other events (other keys) publish and are delivered. They
+    // must be in other lanes: publishers into one lane are serialized (the
+    // open transaction holds the lane's position counter until it ends).
+    let lanes = common::MONGODB_TEST_LANES;
+    let held = [
+        lanebus_store::lane_of_key("k-late", lanes),
+        lanebus_store::lane_of_key("k-ab", lanes),
+    ];
+    for k in 0..3 {
+        ensure!(
+            !held.contains(&lanebus_store::lane_of_key(&format!("k-{k}"), lanes)),
+            "k-{k} shares a lane with an open transaction"
+        );
+    }
+    let mut others = Vec::new();
+    for k in 0..3 {
+        others.extend(api_events(&format!("during-{k}"), 5, &format!("k-{k}")));
+    }
+    api.publish(&others, 5).await?;
+    ensure!(
+        rx.wait_accepted(others.len(), Duration::from_secs(60))
+            .await,
+        "events published during the open transactions"
+    );
+    ensure!(
+        !got(&rx, "late-commit") && !got(&rx, "aborted"),
+        "an event of an open transaction was delivered"
+    );
+
+    tx.commit_transaction().await?;
+    tx_ab.abort_transaction().await?;
+    ensure!(
+        rx.wait_until(Duration::from_secs(60), |log| log
+            .iter()
+            .any(|r| r.event_id == "late-commit" && r.accepted()))
+            .await,
+        "the late commit was not delivered"
+    );
+    api.publish(&api_events("after", 1, "k-ab"), 100).await?;
+    ensure!(
+        rx.wait_until(Duration::from_secs(60), |log| log
+            .iter()
+            .any(|r| r.event_id == "after-0" && r.accepted()))
+            .await,
+        "event after the abort not delivered"
+    );
+    ensure!(!got(&rx, "aborted"), "an aborted event was delivered");
+    let counts = node.store().counts().await?;
+    ensure!(
+        counts.events == 17,
+        "store holds {} events, expected 17 (the aborted one must not exist)",
+        counts.events
+    );
+    node.shutdown().await?;
+    db.drop_db().await;
+    Ok(())
+}
