@@ -1,5 +1,6 @@
 //! The cluster as child processes (`lanebus node --bootstrap/--join`), on
-//! SQLite and PostgreSQL, with short leases (1500 ms lease, 300 ms renewals,
+//! SQLite and PostgreSQL (formation and a follower killed also on MongoDB),
+//! with short leases (1500 ms lease, 300 ms renewals,
 //! 500 ms margin; handler timeouts of 1000 ms, below the lease):
 //!
 //! - three nodes: every lane has one owner, counts differ by at most one,
@@ -18,8 +19,8 @@
 //! - two processes started with the same id never both deliver a delivery.
 //!
 //! The run size scales with `LANEBUS_TEST_CLUSTER_EVENTS` (default 3,000
-//! events over 300 keys; the 20,000 over 1,000 keys works too, it
-//! only takes longer in a debug build).
+//! events over 300 keys, 1,500 over 150 on MongoDB; the 20,000 over
+//! 1,000 keys works too, it only takes longer in a debug build).
 
 mod common;
 
@@ -48,10 +49,14 @@ const ARGS: &[&str] = &[
 ];
 
 fn run_size() -> (usize, usize) {
+    run_size_default(3_000)
+}
+
+fn run_size_default(default: usize) -> (usize, usize) {
     let events = std::env::var("LANEBUS_TEST_CLUSTER_EVENTS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(3_000);
+        .unwrap_or(default);
     (events, (events / 10).clamp(1, 1_000))
 }
 
@@ -245,7 +250,13 @@ async fn three_nodes_balanced(backend: Backend) -> anyhow::Result<()> {
 async fn killed_during_run(backend: Backend, kill_leader: bool) -> anyhow::Result<()> {
     let mut f = Fixture::new(backend, if kill_leader { "killleader" } else { "kill3" }).await?;
     f.start(&[1, 2, 3]).await?;
-    let (n, keys) = run_size();
+    // MongoDB: a smaller default run (the test server is slow; see
+    // common::MONGODB_TEST_LANES).
+    let (n, keys) = if backend == Backend::Mongodb {
+        run_size_default(1_500)
+    } else {
+        run_size()
+    };
     let exp = f.publish(n, keys, "run").await?;
     ensure!(
         f.rx.wait_accepted(exp.len() / 3, Duration::from_secs(120))
@@ -537,6 +548,21 @@ async fn leader_killed(b: Backend) -> anyhow::Result<()> {
 }
 
 on_both!(follower_killed_lanes_move_nothing_lost, follower_killed);
+
+/// On MongoDB: formation and a follower SIGKILLed during a run.
+mod mongodb {
+    use super::*;
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn three_nodes_every_lane_one_owner_same_view() {
+        let _one = SERIAL.lock().await;
+        three_nodes_balanced(Backend::Mongodb).await.unwrap();
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn follower_killed_lanes_move_nothing_lost() {
+        let _one = SERIAL.lock().await;
+        follower_killed(Backend::Mongodb).await.unwrap();
+    }
+}
 on_both!(leader_killed_nothing_lost, leader_killed);
 on_both!(frozen_past_lease_stops_by_itself, paused_past_lease);
 on_both!(

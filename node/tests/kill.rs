@@ -192,3 +192,8 @@ async fn killed_and_restarted_sqlite() {
 async fn killed_and_restarted_postgres() {
     killed_and_restarted(Backend::Postgres).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_and_restarted_mongodb() {
+    killed_and_restarted(Backend::Mongodb).await.unwrap();
+}
