@@ -297,13 +297,11 @@ impl Sandbox {
             }
             sb.nodes.push(node);
         }
-        sb.spawn(0).await?;
-        sb.wait_ready(0, Duration::from_secs(30)).await?;
+        sb.first_start(0).await?;
         sb.clustered = sb.term(0).await.unwrap_or(0) > 0;
         if sb.clustered {
             for i in 1..n {
-                sb.spawn(i).await?;
-                sb.wait_ready(i, Duration::from_secs(30)).await?;
+                sb.first_start(i).await?;
             }
             if proxied && !flags.advertise_flag {
                 sb.move_behind_proxies(seed).await?;
@@ -369,6 +367,31 @@ impl Sandbox {
     /// Milliseconds since the run started.
     pub fn now_ms(&self) -> u64 {
         self.start.elapsed().as_millis() as u64
+    }
+
+    /// First start of node `i`, until ready. A free port can be taken by
+    /// another process between our probe and the node's bind: then the node
+    /// gets new ports and one more try.
+    async fn first_start(&mut self, i: usize) -> anyhow::Result<()> {
+        for attempt in 0..2 {
+            self.spawn(i).await?;
+            match self.wait_ready(i, Duration::from_secs(30)).await {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    let log = std::fs::read_to_string(&self.nodes[i].log).unwrap_or_default();
+                    if attempt == 1 || !log.contains("Address already in use") {
+                        return Err(e);
+                    }
+                    self.kill(i).await;
+                    let node = &mut self.nodes[i];
+                    node.http = format!("127.0.0.1:{}", free_port()?).parse()?;
+                    node.raft_bind = format!("127.0.0.1:{}", free_port()?).parse()?;
+                    node.starts = 0;
+                    let _ = std::fs::remove_dir_all(&node.data_dir);
+                }
+            }
+        }
+        unreachable!("the loop returns")
     }
 
     /// Starts node `i`'s process (first start: `--bootstrap` or `--join`).
