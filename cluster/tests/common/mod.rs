@@ -225,8 +225,14 @@ where
     }
 }
 
+/// One member as the replicated state holds it: id, raft address, HTTP
+/// address, voter, leaving, lane count.
+pub type MemberRow = (u64, String, String, bool, bool, usize);
+/// One lane as the replicated state holds it: owner, epoch, state.
+pub type LaneRow = (Option<u64>, u64, lanebus_cluster::assignment::LaneState);
+
 /// The replicated part of a view: what must be equal on every node.
-pub fn replicated(v: &ClusterView) -> impl PartialEq + std::fmt::Debug {
+pub fn replicated(v: &ClusterView) -> (Vec<MemberRow>, Vec<LaneRow>) {
     let members: Vec<_> = v
         .members
         .iter()
@@ -247,6 +253,26 @@ pub fn replicated(v: &ClusterView) -> impl PartialEq + std::fmt::Debug {
         .map(|l| (l.owner, l.epoch, l.state))
         .collect();
     (members, lanes)
+}
+
+/// What the replicated state must become after the owners of `before`'s
+/// lanes restarted from their data dirs: the same members and owners, every
+/// owned lane one epoch further (a restarted process records its new
+/// incarnation, which moves its lanes to the next epoch so that nothing the
+/// previous process did at the old epoch can be mistaken for its own).
+pub fn after_restart(before: &(Vec<MemberRow>, Vec<LaneRow>)) -> (Vec<MemberRow>, Vec<LaneRow>) {
+    let lanes = before
+        .1
+        .iter()
+        .map(|&(owner, epoch, state)| {
+            (
+                owner,
+                if owner.is_some() { epoch + 1 } else { epoch },
+                state,
+            )
+        })
+        .collect();
+    (before.0.clone(), lanes)
 }
 
 /// Lane → (owner, epoch) of a view.
