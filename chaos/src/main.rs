@@ -374,10 +374,14 @@ fn table(rows: &[Row], total_secs: f64, seed: u64) -> String {
         .iter()
         .filter(|r| matches!(&r.outcome, Outcome::Ran { report, .. } if report.passed()))
         .count();
+    let errors = rows
+        .iter()
+        .filter(|r| matches!(r.outcome, Outcome::Error(_)))
+        .count();
     let _ = writeln!(
         s,
-        "\n{passed} of {ran} scenarios passed, {} skipped, {:.0} s in total",
-        rows.len() - ran,
+        "\n{passed} of {ran} scenarios passed, {errors} harness errors, {} skipped, {:.0} s in total",
+        rows.len() - ran - errors,
         total_secs
     );
     s
