@@ -279,12 +279,14 @@ impl<'a> Epochs<'a> {
         self.latest(lane, at_ms).map(|(e, _)| e)
     }
 
-    /// Whether the lane had changed owner at least once by `at_ms`.
+    /// Whether the lane had changed owner at least once by `at_ms`: two
+    /// epochs seen, or an epoch above 1 (the epoch counts owner changes,
+    /// some of which may predate the first sample).
     fn changed_by(&self, lane: u16, at_ms: f64) -> bool {
         self.by_lane.get(&lane).is_some_and(|v| {
             let mut seen = v.iter().take_while(|(t, _, _)| (*t as f64) <= at_ms);
             seen.next()
-                .is_some_and(|(_, first, _)| seen.any(|(_, e, _)| e != first))
+                .is_some_and(|(_, first, _)| *first > 1 || seen.any(|(_, e, _)| e != first))
         })
     }
 
