@@ -86,12 +86,25 @@ pub struct LocalCluster {
     http: reqwest::Client,
 }
 
-/// A free local TCP port (bound then released: another process may take
-/// it in between, which the tests accept).
+/// A free local TCP port, bound then released, so the child node can bind
+/// it.
+///
+/// Chosen at random below Linux's default ephemeral range (32768-60999):
+/// a port the kernel hands out for `bind(0)` or for an outgoing connection
+/// of any concurrently running test could be taken again before the child
+/// binds it ("address already in use", seen with parallel tests); a random
+/// port in 20000-32767 is only ever taken by another caller of this
+/// function, and rarely. Falls back to `bind(0)` if none is free.
 ///
 /// # Errors
 /// If no port can be bound.
 pub fn free_port() -> std::io::Result<SocketAddr> {
+    for _ in 0..64 {
+        let port: u16 = rand::random_range(20_000..32_768);
+        if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+            return l.local_addr();
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()
 }
 
@@ -372,8 +385,15 @@ pub struct Repeats {
     pub unexplained: Vec<String>,
 }
 
+/// How long after a fault a request the faulted node had already written
+/// may still arrive at the receiver (socket buffers, the receiver's own
+/// scheduling on a loaded machine), in milliseconds: a first arrival up to
+/// this long after the fault still counts as in flight at the fault.
+pub const IN_AIR_MS: f64 = 250.0;
+
 /// Classifies repeats: a delivery may be accepted twice only if its first
-/// acceptance came before one of `events_ms` and the second after it, and
+/// acceptance came before one of `events_ms` (or within [`IN_AIR_MS`] after
+/// it) and the second after it, and
 /// each (handler, key) has at most one such repeat per event (only its
 /// in-flight delivery can be cut).
 pub fn repeats(log: &[Received], events_ms: &[f64]) -> Repeats {
@@ -395,7 +415,7 @@ pub fn repeats(log: &[Received], events_ms: &[f64]) -> Repeats {
         for pair in times.windows(2) {
             let cut = events_ms
                 .iter()
-                .position(|&e| pair[0].0 < e && pair[1].0 > e);
+                .position(|&e| pair[0].0 < e + IN_AIR_MS && pair[1].0 > e);
             match cut {
                 Some(i) => {
                     let n = per_slot
