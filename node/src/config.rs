@@ -111,6 +111,13 @@ pub struct NodeArgs {
     #[arg(long, env = "LANEBUS_HANDOVER_DRAIN_MS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub handover_drain_ms: Option<u64>,
+    /// Local IP address webhook requests are sent from, such as 10.0.0.5
+    /// (the address must be on one of this host's interfaces; pins the
+    /// egress address a receiver's firewall sees) [default: chosen by the
+    /// OS].
+    #[arg(long, env = "LANEBUS_WEBHOOK_SOURCE_IP")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub webhook_source_ip: Option<String>,
 }
 
 /// The validated configuration of a node.
@@ -133,6 +140,7 @@ pub struct NodeConfig {
     pub lease: lanebus_cluster::LeaseConfig,
     pub voters: usize,
     pub handover_drain: Option<Duration>,
+    pub webhook_source_ip: Option<std::net::IpAddr>,
 }
 
 /// Raft timing that fits the lease: elections must finish well within a
@@ -165,6 +173,7 @@ impl NodeConfig {
         o.lane.buffer_bytes = self.buffer_bytes;
         o.poll_interval = self.poll_interval;
         o.store_actor.flush_interval = self.flush_interval;
+        o.webhook_source_ip = self.webhook_source_ip;
         if !self.single {
             let mut c = lanebus_node::node::ClusterOptions::new(
                 self.id,
@@ -313,6 +322,15 @@ pub fn validate(a: NodeArgs) -> anyhow::Result<NodeConfig> {
     if a.single && (a.bootstrap || a.join.is_some()) {
         bail!("--single runs without a cluster: it excludes --bootstrap and --join");
     }
+    let webhook_source_ip = a
+        .webhook_source_ip
+        .as_deref()
+        .map(|v| {
+            v.parse::<std::net::IpAddr>().with_context(|| {
+                format!("webhook_source_ip {v:?} must be an IP address such as 10.0.0.5")
+            })
+        })
+        .transpose()?;
     Ok(NodeConfig {
         id,
         http_addr,
@@ -331,6 +349,7 @@ pub fn validate(a: NodeArgs) -> anyhow::Result<NodeConfig> {
         lease,
         voters,
         handover_drain: a.handover_drain_ms.map(Duration::from_millis),
+        webhook_source_ip,
     })
 }
 
@@ -391,6 +410,27 @@ mod tests {
         assert_eq!(c.buffer_bytes, 256 << 20);
         assert_eq!(c.buffer_bytes, lane.buffer_bytes);
         assert_eq!(c.node_options().lane.buffer_bytes, c.buffer_bytes);
+    }
+
+    #[test]
+    fn webhook_source_ip_is_an_ip_address() {
+        let c = validate(NodeArgs {
+            webhook_source_ip: Some("127.0.0.3".into()),
+            ..base()
+        })
+        .unwrap();
+        assert_eq!(
+            c.node_options().webhook_source_ip,
+            Some([127, 0, 0, 3].into())
+        );
+        assert_eq!(validate(base()).unwrap().webhook_source_ip, None);
+        let e = validate(NodeArgs {
+            webhook_source_ip: Some("127.0.0.3:80".into()),
+            ..base()
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("webhook_source_ip"), "{e}");
     }
 
     #[test]

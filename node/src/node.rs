@@ -177,6 +177,9 @@ pub struct NodeOptions {
     /// Run as a Raft cluster member; `None`: a single node owning every
     /// lane.
     pub cluster: Option<ClusterOptions>,
+    /// Local address webhook requests are sent from; `None`: the OS picks
+    /// (see [`WebhookSender::with_source_ip`]).
+    pub webhook_source_ip: Option<std::net::IpAddr>,
 }
 
 impl NodeOptions {
@@ -194,6 +197,7 @@ impl NodeOptions {
             limits: Limits::default(),
             drain_timeout: Duration::from_secs(5),
             cluster: None,
+            webhook_source_ip: None,
         }
     }
 }
@@ -656,8 +660,11 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
         }
         None => WorkGate::default(),
     };
-    let dispatcher =
-        Dispatcher::new(WebhookSender::new()?, opts.in_process.clone()).with_gate(gate.clone());
+    let dispatcher = Dispatcher::new(
+        WebhookSender::with_source_ip(opts.webhook_source_ip)?,
+        opts.in_process.clone(),
+    )
+    .with_gate(gate.clone());
     let board = Arc::new(LaneBoard::default());
     let owners: Owners = Arc::default();
     let state = Arc::new(NodeState {

@@ -202,8 +202,21 @@ impl WebhookSender {
     /// # Errors
     /// [`WebhookError::Client`] if the TLS setup fails.
     pub fn new() -> Result<Self, WebhookError> {
+        Self::with_source_ip(None)
+    }
+
+    /// A sender with its own connection pool whose connections are bound to
+    /// the local address `source` (reqwest's `ClientBuilder::local_address`;
+    /// `None`: the OS picks). Pins the egress address a receiver sees; the
+    /// chaos suite gives each node its own loopback address so its receiver
+    /// knows the sender from the peer address.
+    ///
+    /// # Errors
+    /// [`WebhookError::Client`] if the TLS setup fails.
+    pub fn with_source_ip(source: Option<std::net::IpAddr>) -> Result<Self, WebhookError> {
         install_crypto_provider();
         let client = reqwest::Client::builder()
+            .local_address(source)
             .redirect(reqwest::redirect::Policy::none())
             .pool_max_idle_per_host(256)
             .pool_idle_timeout(Duration::from_secs(90))
@@ -320,6 +333,56 @@ mod tests {
     const TS: i64 = 1614265330;
     const PAYLOAD: &[u8] = br#"{"test": 2432232314}"#;
     const EXPECTED: &str = "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=";
+
+    /// `with_source_ip` binds every connection to the given local address:
+    /// the receiver sees it as the peer (Linux routes all of 127.0.0.0/8 to
+    /// loopback).
+    #[tokio::test]
+    async fn requests_leave_from_the_source_ip() {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let peer = tokio::spawn(async move {
+            let (mut sock, peer) = listener.accept().await.unwrap();
+            let mut buf = vec![0u8; 64 << 10];
+            let _ = sock.read(&mut buf).await.unwrap();
+            sock.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                .await
+                .unwrap();
+            peer
+        });
+        let handler: HandlerConfig = serde_json::from_value(serde_json::json!({
+            "id": "hdl_00000000000000000000000000000001",
+            "name": "h",
+            "url": format!("http://127.0.0.1:{port}/hook"),
+            "event_types": ["*"],
+            "max_attempts": 1,
+            "timeout_ms": 5000,
+            "max_in_flight": 1,
+            "secret": SECRET,
+            "state": "enabled",
+            "created_at": "2026-01-01T00:00:00Z",
+        }))
+        .unwrap();
+        let delivery = Delivery {
+            id: 1,
+            lane: 0,
+            handler_id: handler.id.clone(),
+            event_id: "evt_1".into(),
+            event_type: "a.b".into(),
+            key: None,
+            seq: None,
+            attempts: 0,
+            due_at: Utc::now(),
+            last_error: None,
+            payload: bytes::Bytes::from_static(b"{}"),
+            published_at: Utc::now(),
+        };
+        let sender = WebhookSender::with_source_ip(Some([127, 0, 0, 7].into())).unwrap();
+        let out = sender.send(&handler, &delivery, 1).await;
+        assert!(matches!(out, AttemptOutcome::Delivered), "{out:?}");
+        assert_eq!(peer.await.unwrap().ip().to_string(), "127.0.0.7");
+    }
 
     #[test]
     fn signature_matches_the_standard_webhooks_test_vector() {
