@@ -205,10 +205,11 @@ async fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
     })?;
     let flags = sandbox::NodeFlags::probe(&bin).await?;
     println!(
-        "lanebus: {} (lease flags: {}, raft advertise address: {})",
+        "lanebus: {} (lease flags: {}, raft advertise address: {}, webhook source address: {})",
         bin.display(),
         flags.lease_flags,
-        flags.advertise_flag
+        flags.advertise_flag,
+        flags.source_ip_flag
     );
     let scripts = workspace_root().join("scripts");
     let pg = match cli.store {
@@ -321,6 +322,7 @@ fn row_line(r: &Row) -> String {
                 + x.unexpected
                 + x.torn_batches
                 + x.two_owners
+                + x.deposed_sends
                 + x.completed_and_dead;
             format!(
                 "| {} | {} | {}{} | {} | {} | {} | {} / {} / {} / {} | {} | {} | {} | {} | {:.0} | {} |",

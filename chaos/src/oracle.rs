@@ -24,8 +24,10 @@
 //!    attempt failed as the receiver saw it (non-2xx, reset, no answer, or an
 //!    answer later than the handler's timeout); the node saw it fail
 //!    (`lanebus-attempt` grew although the receiver answered 2xx in time,
-//!    e.g. a paused node whose timer fired); the lane's epoch grew between
-//!    the two attempts (owner change). Anything else is unattributed.
+//!    e.g. a paused node whose timer fired); the lane changed owner between
+//!    the two attempts: the two came from different nodes, or the lane's
+//!    epoch grew, or the sender no longer owned the lane. Anything else is
+//!    unattributed.
 //! 4. **Fencing**: one epoch of a lane has one owner, in every sample from
 //!    every node; a node never shows a lane's epoch going back.
 //! 5. **Atomic publish**: a batch whose publisher died before the answer is
@@ -212,6 +214,12 @@ pub struct Report {
     pub torn_batches: usize,
     /// Lane epochs seen with two owners, or epochs going back.
     pub two_owners: usize,
+    /// Requests a deposed owner sent beyond the one per (handler, key) it
+    /// may have had in flight when its lane moved (invariant 3: a repeat
+    /// after an owner change is allowed only for a delivery in flight at
+    /// the change; invariant 4: a deposed owner's completions touch
+    /// nothing, so it cannot go on to the key's next delivery).
+    pub deposed_sends: usize,
     /// Milliseconds to recover (see [`Record::recovered_ms`]).
     pub recovered_ms: Option<u64>,
     /// The first problems found, for the log.
@@ -229,6 +237,7 @@ impl Report {
             && self.unexpected == 0
             && self.torn_batches == 0
             && self.two_owners == 0
+            && self.deposed_sends == 0
             && self.completed_and_dead == 0
             && self.recovered_ms.is_some()
     }
@@ -288,6 +297,37 @@ impl<'a> Epochs<'a> {
             seen.next()
                 .is_some_and(|(_, first, _)| *first > 1 || seen.any(|(_, e, _)| e != first))
         })
+    }
+
+    /// The epoch at which `sender` had certainly lost `lane` by `at_ms`, if
+    /// it had: the samples show `sender` owning an epoch E0 and, by
+    /// `at_ms`, a later epoch E of another owner; and every epoch after E0
+    /// seen up to `at_ms + guard_ms` was sampled (epochs count owner
+    /// changes and restarts one by one, so a gap could hide a regain) and
+    /// none is `sender`'s. `None`: it may have been the owner (never seen
+    /// owning the lane, seen owning it again, or a gap in the samples).
+    fn deposed(&self, lane: u16, sender: &str, at_ms: f64, guard_ms: f64) -> Option<i64> {
+        let mine = |o: Option<&str>| o.is_some_and(|o| o.split('/').next() == Some(sender));
+        let (epoch, _) = self.latest(lane, at_ms)?;
+        let mut owners: BTreeMap<i64, Option<&str>> = BTreeMap::new();
+        for (t, e, o) in self.by_lane.get(&lane)? {
+            if (*t as f64) > at_ms + guard_ms {
+                break;
+            }
+            owners.entry(*e).or_insert(*o);
+        }
+        let e0 = owners
+            .range(..=epoch)
+            .rev()
+            .find(|(_, o)| mine(**o))
+            .map(|(e, _)| *e)?;
+        if e0 == epoch {
+            return None;
+        }
+        let last = *owners.keys().next_back()?;
+        ((e0 + 1)..=last)
+            .all(|e| owners.get(&e).is_some_and(|o| !mine(*o)))
+            .then_some(epoch)
     }
 
     /// Whether `q` was sent by a node that no longer owned its lane: a
@@ -466,7 +506,8 @@ pub fn judge(rec: &Record) -> Report {
                 r.repeats.failed += 1;
             } else if q.attempt > prev.attempt {
                 r.repeats.node_timeout += 1;
-            } else if owner_changed(epoch_before, epoch_after)
+            } else if other_sender(prev, q)
+                || owner_changed(epoch_before, epoch_after)
                 || epochs.stale_sender(lane, q, q.arrived_ms + slack)
                 || (older_state && epochs.changed_by(lane, q.arrived_ms + slack))
             {
@@ -481,6 +522,35 @@ pub fn judge(rec: &Record) -> Report {
             }
         }
         last.insert(pair, q);
+    }
+
+    // 3 and 4. A deposed owner sends at most what it had in flight when
+    // its lane moved: one delivery per (handler, key), or per unkeyed
+    // delivery. More means it went on working for a lane it had lost.
+    // Only senders the receiver knows count, and only while they had
+    // certainly lost the lane (see `Epochs::deposed`; guard: the sampling
+    // slack plus 3 s).
+    let mut deposed_seen: HashMap<(&str, &str, &str, u16, i64), usize> = HashMap::new();
+    for q in &requests {
+        let Some(sender) = q.sender.as_deref() else {
+            continue;
+        };
+        let lane = lane_of_request(q, &events, rec.lanes);
+        let Some(epoch) = epochs.deposed(lane, sender, q.arrived_ms, slack + 3_000.0) else {
+            continue;
+        };
+        let stream = q.key.as_deref().unwrap_or(q.event_id.as_str());
+        let n = deposed_seen
+            .entry((q.handler.as_str(), stream, sender, lane, epoch))
+            .or_default();
+        *n += 1;
+        if *n > 1 {
+            r.deposed_sends += 1;
+            r.problem(format!(
+                "deposed owner kept sending: node {sender} sent {} {} (attempt {}) at {:.0} ms, request {n} of {} {stream} since lane {lane} moved to epoch {epoch}",
+                q.handler, q.event_id, q.attempt, q.arrived_ms, q.handler
+            ));
+        }
     }
 
     // 2. order per (handler, key).
@@ -499,6 +569,7 @@ pub fn judge(rec: &Record) -> Report {
         max_pos: Option<usize>,
         seq_at: BTreeMap<usize, i64>,
         last_arrival: HashMap<&'a str, f64>,
+        last_sender: HashMap<&'a str, Option<&'a str>>,
         max_attempt: HashMap<&'a str, u32>,
     }
     let mut streams: HashMap<(&str, &str), Stream> = HashMap::new();
@@ -518,6 +589,7 @@ pub fn judge(rec: &Record) -> Report {
                 max_pos: None,
                 seq_at: BTreeMap::new(),
                 last_arrival: HashMap::new(),
+                last_sender: HashMap::new(),
                 max_attempt: HashMap::new(),
             });
         let first = !s.last_arrival.contains_key(q.event_id.as_str());
@@ -543,11 +615,13 @@ pub fn judge(rec: &Record) -> Report {
         } else if s.max_pos.is_some_and(|m| m > pos) {
             let lane = lane_of_request(q, &events, rec.lanes);
             let prev = s.last_arrival[q.event_id.as_str()];
+            let prev_sender = s.last_sender.get(q.event_id.as_str()).copied().flatten();
             let older_state = s
                 .max_attempt
                 .get(q.event_id.as_str())
                 .is_some_and(|m| q.attempt < *m);
-            if owner_changed(epochs.at(lane, prev), epochs.at(lane, q.arrived_ms + slack))
+            if (prev_sender.is_some() && q.sender.is_some() && prev_sender != q.sender.as_deref())
+                || owner_changed(epochs.at(lane, prev), epochs.at(lane, q.arrived_ms + slack))
                 || epochs.stale_sender(lane, q, q.arrived_ms + slack)
                 || (older_state && epochs.changed_by(lane, q.arrived_ms + slack))
             {
@@ -586,6 +660,8 @@ pub fn judge(rec: &Record) -> Report {
         }
         s.max_pos = Some(s.max_pos.map_or(pos, |m| m.max(pos)));
         s.last_arrival.insert(q.event_id.as_str(), q.arrived_ms);
+        s.last_sender
+            .insert(q.event_id.as_str(), q.sender.as_deref());
         let m = s
             .max_attempt
             .entry(q.event_id.as_str())
@@ -622,6 +698,15 @@ pub fn judge(rec: &Record) -> Report {
         last_epoch.insert(k, (s.at_ms, s.epoch));
     }
     r
+}
+
+/// Whether two attempts of one delivery came from different nodes: a node
+/// sends only for lanes it owns (or owned, when its send was in flight as
+/// the lane moved), so the lane changed owner between them. Sound only when
+/// the receiver knows each sender for certain (each node sends from its own
+/// address, see `sandbox::source_ip`).
+fn other_sender(prev: &Request, q: &Request) -> bool {
+    matches!((&prev.sender, &q.sender), (Some(a), Some(b)) if a != b)
 }
 
 fn owner_changed(before: Option<i64>, after: Option<i64>) -> bool {
@@ -805,11 +890,60 @@ mod tests {
     }
 
     #[test]
+    fn a_repeat_from_another_node_is_an_owner_change_even_unsampled() {
+        let mut rec = base();
+        // b and c answered to node 1; node 2 sends them again (the lane
+        // moved between two samples and back, or faster than sampling):
+        // two nodes sent one delivery, so the lane changed owner.
+        let mut b = req("b", "k", 2, 1, 60.0, Some(200));
+        b.sender = Some("2".into());
+        let mut c = req("c", "k", 3, 1, 70.0, Some(200));
+        c.sender = Some("2".into());
+        rec.requests.extend([b, c]);
+        let r = judge(&rec);
+        assert!(r.passed(), "{r:#?}");
+        assert_eq!((r.repeats.owner_change, r.rewinds), (2, 1));
+        // From the same node, with no epoch change seen, it has no cause.
+        rec.requests[4].sender = Some("1".into());
+        rec.requests[5].sender = Some("1".into());
+        let r = judge(&rec);
+        assert_eq!(r.repeats.unattributed, 2);
+        assert_eq!(r.out_of_order, 1);
+        // Nor when the receiver could not tell the sender.
+        rec.requests[4].sender = None;
+        assert_eq!(judge(&rec).repeats.unattributed, 2);
+    }
+
+    #[test]
+    fn a_deposed_owner_may_send_what_it_had_in_flight_but_no_more() {
+        let mut rec = base();
+        // Node 2 owns the lane from epoch 2 (sampled at 35 ms) and sends c;
+        // node 1 sends b again at 50 ms: its one delivery of key k in flight
+        // at the change.
+        rec.samples = vec![sample(0, "k", "1", 1), sample(35, "k", "2", 2)];
+        rec.requests[3].sender = Some("2".into());
+        rec.requests.push(req("b", "k", 2, 1, 50.0, Some(200)));
+        let r = judge(&rec);
+        assert!(r.passed(), "{r:#?}");
+        assert_eq!(r.deposed_sends, 0);
+        // Then it goes on to c: it worked on a lane it had lost.
+        rec.requests.push(req("c", "k", 3, 1, 60.0, Some(200)));
+        let r = judge(&rec);
+        assert_eq!(r.deposed_sends, 1, "{r:#?}");
+        assert!(!r.passed());
+        // Unless it owned the lane again (epoch 3, sampled a little late).
+        rec.samples.push(sample(900, "k", "1/2", 3));
+        assert_eq!(judge(&rec).deposed_sends, 0);
+    }
+
+    #[test]
     fn a_lower_attempt_after_an_owner_change_is_a_deposed_owners_send() {
         let mut rec = base();
         rec.samples = vec![sample(0, "k", "1", 1), sample(25, "k", "2", 2)];
         // c: attempt 2 from the new owner, then the old owner's attempt 1
         // (sender unknown), frozen mid-send before the change.
+        rec.requests[2].sender = Some("2".into());
+        rec.requests[3].sender = Some("2".into());
         rec.requests[3].attempt = 2;
         let mut stale = req("c", "k", 3, 1, 60.0, Some(200));
         stale.sender = None;

@@ -128,7 +128,10 @@ impl Receiver {
         tokio::spawn(async move {
             while let Ok((sock, peer)) = listener.accept().await {
                 let me = me.clone();
-                let sender = identify(peer, listen, &sources);
+                // A node with its own source address is known by it; else
+                // by the socket's owner process.
+                let sender =
+                    crate::sandbox::sender_of(peer).or_else(|| identify(peer, listen, &sources));
                 tokio::spawn(async move {
                     let _ = me.serve(sock, sender).await;
                 });

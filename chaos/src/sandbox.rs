@@ -161,6 +161,10 @@ pub struct NodeFlags {
     pub lease_flags: bool,
     /// Whether `--raft-advertise-addr` exists.
     pub advertise_flag: bool,
+    /// Whether `--webhook-source-ip` exists: each node then sends its
+    /// webhooks from its own loopback address ([`source_ip`]), and the
+    /// receiver knows the sender from the peer address.
+    pub source_ip_flag: bool,
 }
 
 impl NodeFlags {
@@ -175,6 +179,7 @@ impl NodeFlags {
         Ok(NodeFlags {
             lease_flags: help.contains("--lease-ms") && help.contains("--lease-margin-ms"),
             advertise_flag: help.contains("--raft-advertise-addr"),
+            source_ip_flag: help.contains("--webhook-source-ip"),
         })
     }
 }
@@ -418,12 +423,18 @@ impl Sandbox {
             .args(["--store", &self.store_url])
             .args(["--retry-base-ms", "50", "--retry-cap-ms", "400"])
             .env("LANEBUS_LOG", "info")
+            // The receiver is on loopback, which the SSRF guard refuses
+            // unless allowed.
+            .env("LANEBUS_WEBHOOK_ALLOW_CIDRS", "127.0.0.0/8,::1/128")
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
             .kill_on_drop(true);
         if let Some(a) = adv {
             cmd.args(["--raft-advertise-addr", &a.to_string()]);
+        }
+        if self.flags.source_ip_flag {
+            cmd.args(["--webhook-source-ip", &source_ip(node.id).to_string()]);
         }
         if self.flags.lease_flags {
             cmd.args(["--lease-ms", &crate::LEASE_MS.to_string()])
@@ -624,6 +635,23 @@ async fn signal(pid: u32, sig: &str) {
         .arg(pid.to_string())
         .status()
         .await;
+}
+
+/// The loopback address node `id` sends its webhooks from when the node has
+/// `--webhook-source-ip`: `127.0.1.<id>` (Linux routes all of 127.0.0.0/8
+/// to loopback, so the receiver on 127.0.0.1 sees it as the peer).
+pub fn source_ip(id: u64) -> std::net::Ipv4Addr {
+    std::net::Ipv4Addr::new(127, 0, 1, u8::try_from(id).expect("node ids up to 255"))
+}
+
+/// The node id of a webhook request's peer address (see [`source_ip`]).
+pub fn sender_of(peer: SocketAddr) -> Option<String> {
+    match peer.ip() {
+        std::net::IpAddr::V4(v4) if v4.octets()[..3] == [127, 0, 1] && v4.octets()[3] > 0 => {
+            Some(v4.octets()[3].to_string())
+        }
+        _ => None,
+    }
 }
 
 /// A port that was free a moment ago.
