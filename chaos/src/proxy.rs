@@ -90,21 +90,27 @@ impl Proxy {
             let mut n: u64 = 0;
             while let Ok((sock, peer)) = listener.accept().await {
                 n += 1;
-                let src = identify(peer, listen, &sources);
-                let mode = st.lock().expect("proxy lock").mode(src.as_deref());
-                if mode == LinkMode::Cut {
-                    drop(sock);
-                    continue;
-                }
-                let st2 = st.clone();
-                let src2 = src.clone();
+                let st = st.clone();
+                let sources = sources.clone();
                 let rng = Rng::derive(seed ^ n, "proxy");
-                let h = tokio::spawn(async move {
-                    let _ = pipe(sock, target, st2, src2, rng).await;
+                // Identifying reads /proc (blocking, and slow on a busy
+                // machine): off the accept loop and off the runtime's
+                // worker threads.
+                tokio::spawn(async move {
+                    let src = identify_async(peer, listen, sources).await;
+                    let mode = st.lock().expect("proxy lock").mode(src.as_deref());
+                    if mode == LinkMode::Cut {
+                        drop(sock);
+                        return;
+                    }
+                    let (st2, src2) = (st.clone(), src.clone());
+                    let h = tokio::spawn(async move {
+                        let _ = pipe(sock, target, st2, src2, rng).await;
+                    });
+                    let mut s = st.lock().expect("proxy lock");
+                    s.conns.retain(|(_, h)| !h.is_finished());
+                    s.conns.push((src, h.abort_handle()));
                 });
-                let mut s = st.lock().expect("proxy lock");
-                s.conns.retain(|(_, h)| !h.is_finished());
-                s.conns.push((src, h.abort_handle()));
             }
         })
         .abort_handle();
@@ -230,6 +236,26 @@ fn find_inode(table: &str, local: &str, remote: &str) -> Option<u64> {
             .then(|| f[9].parse().ok().filter(|i| *i != 0))
             .flatten()
     })
+}
+
+/// At most two identifications at once: under a reconnect storm (a cut
+/// link refuses every connection, the node connects again at once) each
+/// reads `/proc/net/tcp`, large on a busy machine; unbounded, they starved
+/// the suite's own runtime (health checks, lane sampling) for minutes.
+/// Waiting connections just wait, which slows the storm down.
+static IDENTIFY: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(2);
+
+/// [`identify`] off the runtime's worker threads, two at a time.
+pub(crate) async fn identify_async(
+    peer: SocketAddr,
+    listen: SocketAddr,
+    sources: Sources,
+) -> Option<String> {
+    let _permit = IDENTIFY.acquire().await.ok()?;
+    tokio::task::spawn_blocking(move || identify(peer, listen, &sources))
+        .await
+        .ok()
+        .flatten()
 }
 
 /// Which source process holds the client end of an accepted connection.

@@ -23,7 +23,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::oracle::Request;
-use crate::proxy::{identify, Sources};
+use crate::proxy::{identify_async, Sources};
 use crate::rng::coin;
 
 /// How the endpoint behaves.
@@ -128,11 +128,15 @@ impl Receiver {
         tokio::spawn(async move {
             while let Ok((sock, peer)) = listener.accept().await {
                 let me = me.clone();
-                // A node with its own source address is known by it; else
-                // by the socket's owner process.
-                let sender =
-                    crate::sandbox::sender_of(peer).or_else(|| identify(peer, listen, &sources));
+                let sources = sources.clone();
                 tokio::spawn(async move {
+                    // A node with its own source address is known by it;
+                    // else by the socket's owner process (reads /proc:
+                    // blocking).
+                    let sender = match crate::sandbox::sender_of(peer) {
+                        Some(s) => Some(s),
+                        None => identify_async(peer, listen, sources).await,
+                    };
                     let _ = me.serve(sock, sender).await;
                 });
             }

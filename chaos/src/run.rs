@@ -59,6 +59,12 @@ const HANDLERS: &[(&str, &[&str])] = &[
     ("odd", &["chaos.*", "push"]),
 ];
 
+/// Time allowed for health after a fault's end beyond lease + margin, in
+/// milliseconds: a bound for a machine under load, not an invariant (the
+/// slowest recovery seen was 15 s, with load average 23 on 2 cores; the
+/// table reports each scenario's actual time).
+const RECOVERY_SLACK_MS: u64 = 40_000;
+
 /// How often the lane table is sampled, in milliseconds.
 const SAMPLE_MS: u64 = 250;
 
@@ -362,7 +368,8 @@ async fn drive_inner(sb: &mut Sandbox, plan: &Plan, ctx: &Ctx) -> anyhow::Result
         let what = inject(sb, &step.fault, &urls, &mut child, ctx.pg.as_ref()).await?;
         println!("  {at:>6} ms  {what}");
         let started = Instant::now();
-        let bound = Duration::from_millis(crate::LEASE_MS + crate::LEASE_MARGIN_MS + 20_000);
+        let bound =
+            Duration::from_millis(crate::LEASE_MS + crate::LEASE_MARGIN_MS + RECOVERY_SLACK_MS);
         let mut rec = None;
         while started.elapsed() < bound {
             if healthy(sb).await {
@@ -403,7 +410,7 @@ async fn drive_inner(sb: &mut Sandbox, plan: &Plan, ctx: &Ctx) -> anyhow::Result
     );
 
     // Recovery: every node ready, every lane owned.
-    let bound = Duration::from_millis(crate::LEASE_MS + crate::LEASE_MARGIN_MS + 30_000);
+    let bound = Duration::from_millis(crate::LEASE_MS + crate::LEASE_MARGIN_MS + RECOVERY_SLACK_MS);
     let mut healthy_at_end = false;
     while healed.elapsed() < bound {
         if healthy(sb).await {
@@ -604,7 +611,7 @@ async fn inject(
                 sb.stop(i).await;
                 set_urls(sb);
                 sb.spawn(i).await?;
-                sb.wait_ready(i, Duration::from_secs(30)).await?;
+                sb.wait_ready(i, Duration::from_secs(60)).await?;
                 set_urls(sb);
                 tokio::time::sleep(Duration::from_millis(*gap_ms)).await;
             }

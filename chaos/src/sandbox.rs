@@ -336,17 +336,17 @@ impl Sandbox {
                 .with_context(|| format!("cannot put a proxy on {recorded}"))?;
             self.raft_proxies.push(p);
             self.spawn(i).await?;
-            self.wait_ready(i, Duration::from_secs(30)).await?;
+            self.wait_ready(i, Duration::from_secs(60)).await?;
         }
         // Every lane owned again before the scenario starts.
-        let deadline = Instant::now() + Duration::from_secs(30);
+        let deadline = Instant::now() + Duration::from_secs(60);
         while Instant::now() < deadline {
             if self.all_lanes_active().await {
                 return Ok(());
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        bail!("lanes not all active within 30 s after moving the nodes behind proxies")
+        bail!("lanes not all active within 60 s after moving the nodes behind proxies")
     }
 
     /// Whether node 1's `GET /admin/lanes` shows every lane owned and active.
@@ -380,7 +380,7 @@ impl Sandbox {
     async fn first_start(&mut self, i: usize) -> anyhow::Result<()> {
         for attempt in 0..2 {
             self.spawn(i).await?;
-            match self.wait_ready(i, Duration::from_secs(30)).await {
+            match self.wait_ready(i, Duration::from_secs(60)).await {
                 Ok(()) => return Ok(()),
                 Err(e) => {
                     let log = std::fs::read_to_string(&self.nodes[i].log).unwrap_or_default();
