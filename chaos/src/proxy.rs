@@ -238,56 +238,109 @@ fn find_inode(table: &str, local: &str, remote: &str) -> Option<u64> {
     })
 }
 
-/// At most two identifications at once: under a reconnect storm (a cut
-/// link refuses every connection, the node connects again at once) each
-/// reads `/proc/net/tcp`, large on a busy machine; unbounded, they starved
-/// the suite's own runtime (health checks, lane sampling) for minutes.
-/// Waiting connections just wait, which slows the storm down.
-static IDENTIFY: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(2);
+/// One connection waiting to be identified.
+struct Pending {
+    peer: SocketAddr,
+    listen: SocketAddr,
+    sources: Sources,
+    answer: tokio::sync::oneshot::Sender<Option<String>>,
+}
 
-/// [`identify`] off the runtime's worker threads, two at a time.
+/// The identifying thread's queue. Identifying reads `/proc/net/tcp` (large
+/// on a busy machine) and every source's fd table: one thread does it for
+/// every connection waiting at that moment with one read of each, so a
+/// reconnect storm (a cut link refuses every connection, the nodes connect
+/// again at once) costs one pass per batch, not one per connection. Done
+/// per connection, on the runtime or in a bounded pool, such storms starved
+/// the suite's health checks for minutes, or queued connections behind
+/// dead ones until no link worked.
+static IDENTIFIER: std::sync::OnceLock<std::sync::mpsc::Sender<Pending>> =
+    std::sync::OnceLock::new();
+
+/// Which source process holds the client end of an accepted connection
+/// (`None`: none of `sources`), found on the identifying thread.
 pub(crate) async fn identify_async(
     peer: SocketAddr,
     listen: SocketAddr,
     sources: Sources,
 ) -> Option<String> {
-    let _permit = IDENTIFY.acquire().await.ok()?;
-    tokio::task::spawn_blocking(move || identify(peer, listen, &sources))
-        .await
-        .ok()
-        .flatten()
+    let queue = IDENTIFIER.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<Pending>();
+        std::thread::spawn(move || {
+            while let Ok(first) = rx.recv() {
+                let mut batch = vec![first];
+                batch.extend(rx.try_iter());
+                identify_batch(batch);
+            }
+        });
+        tx
+    });
+    let (answer, got) = tokio::sync::oneshot::channel();
+    queue
+        .send(Pending {
+            peer,
+            listen,
+            sources,
+            answer,
+        })
+        .ok()?;
+    got.await.ok().flatten()
 }
 
-/// Which source process holds the client end of an accepted connection.
-pub(crate) fn identify(peer: SocketAddr, listen: SocketAddr, sources: &Sources) -> Option<String> {
-    let pids: Vec<(u32, String)> = sources
-        .lock()
-        .expect("sources lock")
-        .iter()
-        .map(|(p, n)| (*p, n.clone()))
-        .collect();
-    if pids.is_empty() {
-        return None;
-    }
-    // /proc/net/tcp is read in pages, not atomically: with sockets coming
-    // and going an entry can be skipped, so look again before giving up.
-    let (local, remote) = (proc_addr(peer)?, proc_addr(listen)?);
-    let inode = (0..4).find_map(|_| {
-        let table = std::fs::read_to_string("/proc/net/tcp").ok()?;
-        find_inode(&table, &local, &remote)
-    })?;
-    let needle = format!("socket:[{inode}]");
-    for (pid, name) in pids {
-        let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
-            continue;
+/// Answers a batch: `/proc/net/tcp` read until every entry is found (at
+/// most 4 times: it is read in pages, not atomically), each source's fds
+/// listed once.
+fn identify_batch(batch: Vec<Pending>) {
+    let mut inodes: Vec<Option<u64>> = vec![None; batch.len()];
+    for _ in 0..4 {
+        let Ok(table) = std::fs::read_to_string("/proc/net/tcp") else {
+            break;
         };
-        for fd in dir.flatten() {
-            if std::fs::read_link(fd.path()).is_ok_and(|t| t.to_string_lossy() == needle) {
-                return Some(name);
+        for (p, slot) in batch.iter().zip(inodes.iter_mut()) {
+            if slot.is_none() {
+                if let (Some(l), Some(r)) = (proc_addr(p.peer), proc_addr(p.listen)) {
+                    *slot = find_inode(&table, &l, &r);
+                }
+            }
+        }
+        if inodes.iter().all(Option::is_some) {
+            break;
+        }
+    }
+    let mut owner: HashMap<u64, String> = HashMap::new();
+    let mut listed: std::collections::HashSet<u32> = std::collections::HashSet::new();
+    for p in &batch {
+        let pids: Vec<(u32, String)> = p
+            .sources
+            .lock()
+            .expect("sources lock")
+            .iter()
+            .map(|(pid, n)| (*pid, n.clone()))
+            .collect();
+        for (pid, name) in pids {
+            if !listed.insert(pid) {
+                continue;
+            }
+            let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+                continue;
+            };
+            for fd in dir.flatten() {
+                if let Ok(t) = std::fs::read_link(fd.path()) {
+                    if let Some(i) = t
+                        .to_string_lossy()
+                        .strip_prefix("socket:[")
+                        .and_then(|r| r.strip_suffix(']'))
+                        .and_then(|r| r.parse().ok())
+                    {
+                        owner.insert(i, name.clone());
+                    }
+                }
             }
         }
     }
-    None
+    for (p, inode) in batch.into_iter().zip(inodes) {
+        let _ = p.answer.send(inode.and_then(|i| owner.get(&i).cloned()));
+    }
 }
 
 #[cfg(test)]
@@ -346,7 +399,9 @@ mod tests {
         c.read_exact(&mut b).await.unwrap();
         assert_eq!(&b, b"hi");
         assert_eq!(
-            identify(c.local_addr().unwrap(), p.listen, &sources).as_deref(),
+            identify_async(c.local_addr().unwrap(), p.listen, sources.clone())
+                .await
+                .as_deref(),
             Some("me")
         );
         p.set(Some("me"), LinkMode::Cut);

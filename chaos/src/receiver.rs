@@ -108,7 +108,7 @@ pub struct Receiver {
 impl Receiver {
     /// Starts on `127.0.0.1:0`; times are measured from `start`.
     /// `sources` names the node processes, to tell which node sent a
-    /// request (see [`crate::proxy::identify`]).
+    /// request (see [`crate::proxy::identify_async`]).
     pub async fn start(seed: u64, start: Instant, sources: Sources) -> anyhow::Result<Receiver> {
         let listener = TcpListener::bind(("127.0.0.1", 0)).await?;
         let listen = listener.local_addr()?;
