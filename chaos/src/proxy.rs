@@ -97,7 +97,16 @@ impl Proxy {
                 // machine): off the accept loop and off the runtime's
                 // worker threads.
                 tokio::spawn(async move {
-                    let src = identify_async(peer, listen, sources).await;
+                    // Only a proxy with a per-source mode (a partition or
+                    // one-way cut under way) needs the source: identifying
+                    // costs /proc reads, which a loaded machine makes slow,
+                    // and a link waiting for them is a link down.
+                    let per_source = !st.lock().expect("proxy lock").by_source.is_empty();
+                    let src = if per_source {
+                        identify_async(peer, listen, sources).await
+                    } else {
+                        None
+                    };
                     let mode = st.lock().expect("proxy lock").mode(src.as_deref());
                     if mode == LinkMode::Cut {
                         drop(sock);
@@ -132,10 +141,13 @@ impl Proxy {
             None => s.default = mode,
         }
         if mode == LinkMode::Cut {
+            // A connection of unknown source (accepted while no link had a
+            // mode of its own) may be the cut source's: it goes too, and
+            // comes back identified.
             let cut: Vec<AbortHandle> = s
                 .conns
                 .iter()
-                .filter(|(c, _)| source.is_none() || c.as_deref() == source)
+                .filter(|(c, _)| source.is_none() || c.is_none() || c.as_deref() == source)
                 .filter(|(c, _)| {
                     source.is_some() || c.as_deref().is_none_or(|c| !s.by_source.contains_key(c))
                 })
