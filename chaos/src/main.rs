@@ -37,8 +37,12 @@ use run::{Ctx, Outcome};
 
 /// Lease the nodes are started with (when `lanebus node` has the flags),
 /// in milliseconds: short, so that failovers fit in a quick run, and above
-/// the handler timeout ([`plan::TIMEOUT_MS`]) as the node requires.
-pub const LEASE_MS: u64 = 3_000;
+/// the handler timeout ([`plan::TIMEOUT_MS`]) as the node requires. The
+/// node derives its Raft timing from it (elections after 1 to 2 s here,
+/// heartbeats every 250 ms): with a 3 s lease (elections after 0.6 to
+/// 1.25 s) a 2-core machine under load average 20 starved elections until
+/// the cluster had no leader for 50 s after a partition.
+pub const LEASE_MS: u64 = 6_000;
 /// Lease renewal interval, in milliseconds.
 pub const RENEW_MS: u64 = 500;
 /// Safety margin before a dead node's lanes move, in milliseconds.

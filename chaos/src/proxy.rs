@@ -238,16 +238,30 @@ fn proc_addr(a: SocketAddr) -> Option<String> {
     }
 }
 
+/// Every socket of `/proc/net/tcp` text held by an fd: (local, remote) →
+/// inode. Only a socket that an fd holds has one: a TIME_WAIT entry of an
+/// earlier connection on the same ports shows inode 0 and is skipped.
+fn inode_index(table: &str) -> HashMap<(String, String), u64> {
+    let mut out = HashMap::new();
+    for l in table.lines().skip(1) {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        if f.len() > 9 {
+            if let Some(i) = f[9].parse::<u64>().ok().filter(|i| *i != 0) {
+                out.insert((f[1].to_string(), f[2].to_string()), i);
+            }
+        }
+    }
+    out
+}
+
 /// The inode of the socket `local` → `remote` in `/proc/net/tcp` text.
 /// Only a socket that an fd holds has one: a TIME_WAIT entry of an earlier
 /// connection on the same ports shows inode 0 and is skipped.
+#[cfg(test)]
 fn find_inode(table: &str, local: &str, remote: &str) -> Option<u64> {
-    table.lines().skip(1).find_map(|l| {
-        let f: Vec<&str> = l.split_whitespace().collect();
-        (f.len() > 9 && f[1] == local && f[2] == remote)
-            .then(|| f[9].parse().ok().filter(|i| *i != 0))
-            .flatten()
-    })
+    inode_index(table)
+        .get(&(local.to_string(), remote.to_string()))
+        .copied()
 }
 
 /// One connection waiting to be identified.
@@ -308,10 +322,13 @@ fn identify_batch(batch: Vec<Pending>) {
         let Ok(table) = std::fs::read_to_string("/proc/net/tcp") else {
             break;
         };
+        // Parsed once per read (thousands of lines on a busy machine; a
+        // scan per connection made a storm's batch take seconds).
+        let index = inode_index(&table);
         for (p, slot) in batch.iter().zip(inodes.iter_mut()) {
             if slot.is_none() {
                 if let (Some(l), Some(r)) = (proc_addr(p.peer), proc_addr(p.listen)) {
-                    *slot = find_inode(&table, &l, &r);
+                    *slot = index.get(&(l, r)).copied();
                 }
             }
         }

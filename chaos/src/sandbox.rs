@@ -254,6 +254,9 @@ impl Sandbox {
         proxied: bool,
     ) -> anyhow::Result<Sandbox> {
         let start = Instant::now();
+        // A directory kept from an earlier run with the same seed would
+        // hand its data dirs (an old cluster) to the new nodes.
+        let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir)?;
         let sources: Sources = Arc::default();
         let (store_url, db_proxy) = match store {
