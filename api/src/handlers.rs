@@ -8,15 +8,33 @@
 //!        "max_in_flight", "secret", "state", "created_at"}
 //! GET /v1/handlers          200 {"handlers": [<handler>, ...]}  (creation order)
 //! GET /v1/handlers/{id}     200 <handler> | 404 not_found
+//! PATCH /v1/handlers/{id} {"name"?, "url"?, "event_types"?, "max_attempts"?,
+//!                          "timeout_ms"?, "max_in_flight"?, "rate_limit"?}
+//!                           200 <handler> | 404 | 422 invalid_handler
 //! DELETE /v1/handlers/{id}  200 {"deleted": id, "discarded_deliveries": n} | 404
 //! POST /v1/handlers/{id}/enable  200 <handler> | 404
+//! POST /v1/handlers/{id}/secret/rotate {"secret"?, "grace_period_s"?}
+//!                           200 <handler> | 404 | 422 invalid_handler
 //! ```
 //!
 //! A webhook answering `410 Gone` disables its handler (`"state":
-//! "disabled"`): its pending deliveries are kept and not attempted, and
-//! events published meanwhile create none for it. `POST
-//! /v1/handlers/{id}/enable` enables it again (idempotent); the kept
-//! deliveries resume in order per key.
+//! "disabled"`, `"state_reason": "gone"`), and so does a run of failures
+//! without a success as long as the node's auto-disable period
+//! (`"failing"`): its pending deliveries are kept and not attempted, and so
+//! are those of events published meanwhile. `POST /v1/handlers/{id}/enable`
+//! enables it again (idempotent); the kept deliveries resume in order per
+//! key.
+//!
+//! `PATCH` is a JSON merge patch of the settings: absent fields stay,
+//! `"rate_limit": null` removes the limit; other fields cannot be null. The
+//! result is checked like a registration. Route changes apply to events
+//! published after the change.
+//!
+//! Secret rotation: the new secret (given, or generated) signs at once;
+//! the old one keeps signing next to it for `grace_period_s` (default 24 h),
+//! so `webhook-signature` carries `v1,<new> v1,<old>` meanwhile (Standard
+//! Webhooks allows several space-separated signatures) and receivers can
+//! switch secrets at any moment of that period.
 //!
 //! A handler's routes (`event_types`) are exact event types or prefixes with
 //! one trailing `*`. Deleting a handler discards its pending deliveries; the
@@ -28,7 +46,10 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use base64::Engine as _;
 use chrono::{DateTime, Utc};
-use lanebus_store::{generate_secret, handler_defaults, route, Handler, HandlerState, NewHandler};
+use lanebus_store::{
+    generate_secret, handler_defaults, route, Handler, HandlerPatch, HandlerState, NewHandler,
+    RateLimit,
+};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
@@ -172,6 +193,45 @@ pub struct HandlerView {
     /// Registration time (RFC 3339).
     #[schema(value_type = String, format = DateTime)]
     pub created_at: DateTime<Utc>,
+    /// Requests per second and burst, or `null` when unlimited.
+    pub rate_limit: Option<RateLimitView>,
+    /// While the secret replaced by the last rotation still signs (next to
+    /// `secret`): the end of its grace period (RFC 3339); `null` otherwise.
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub previous_secret_until: Option<DateTime<Utc>>,
+    /// When `state` last changed (RFC 3339), `null` if never.
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub state_changed_at: Option<DateTime<Utc>>,
+    /// Why: `gone` (a `410` answer), `failing` (failed without a success
+    /// for the node's auto-disable period), `api` (by hand); `null` if never.
+    pub state_reason: Option<String>,
+    /// Start of the current run of failed attempts without a success (RFC
+    /// 3339), `null` when the last outcome was a success.
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub failing_since: Option<DateTime<Utc>>,
+}
+
+/// A per-handler rate limit: a token bucket per handler on each node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RateLimitView {
+    /// Requests per second each node sends to the handler, 1 to 100,000.
+    #[schema(minimum = 1, maximum = 100_000)]
+    pub per_second: u32,
+    /// Requests a node may send at once after a quiet period, 1 to 100,000
+    /// (default: `per_second`).
+    #[serde(default)]
+    #[schema(minimum = 1, maximum = 100_000)]
+    pub burst: Option<u32>,
+}
+
+impl From<RateLimit> for RateLimitView {
+    fn from(r: RateLimit) -> Self {
+        RateLimitView {
+            per_second: r.per_second,
+            burst: Some(r.burst),
+        }
+    }
 }
 
 impl From<Handler> for HandlerView {
@@ -188,6 +248,12 @@ impl From<Handler> for HandlerView {
             secret,
             state,
             created_at,
+            rate_limit,
+            previous_secret: _,
+            previous_secret_until,
+            state_changed_at,
+            state_reason,
+            failing_since,
         } = h;
         HandlerView {
             id,
@@ -200,6 +266,11 @@ impl From<Handler> for HandlerView {
             secret,
             state: state.into(),
             created_at,
+            rate_limit: rate_limit.map(Into::into),
+            previous_secret_until: previous_secret_until.filter(|until| *until > Utc::now()),
+            state_changed_at,
+            state_reason,
+            failing_since,
         }
     }
 }
@@ -309,12 +380,12 @@ pub fn validate_secret(secret: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// Checks a registration request and fills in defaults (policy, secret).
+/// Checks a handler name: 1 to 128 characters, no control characters.
 ///
 /// # Errors
-/// `422 invalid_handler` naming the field and the value that was wrong.
-pub fn validate_handler(req: CreateHandler) -> Result<NewHandler, ApiError> {
-    let chars = req.name.chars().count();
+/// `422 invalid_handler`.
+fn validate_name(name: &str) -> Result<(), ApiError> {
+    let chars = name.chars().count();
     if !NAME_CHARS.contains(&chars) {
         return Err(invalid(format!(
             "name of {chars} characters must be {} to {} characters",
@@ -322,25 +393,43 @@ pub fn validate_handler(req: CreateHandler) -> Result<NewHandler, ApiError> {
             NAME_CHARS.end()
         )));
     }
-    if req.name.chars().any(char::is_control) {
+    if name.chars().any(char::is_control) {
         return Err(invalid(format!(
-            "name {:?} must not hold control characters",
-            req.name
+            "name {name:?} must not hold control characters"
         )));
     }
-    validate_url(&req.url)?;
-    if !ROUTES_PER_HANDLER.contains(&req.event_types.len()) {
+    Ok(())
+}
+
+/// Checks routes: 1 to 100, each an event type or a prefix with one
+/// trailing `*`.
+///
+/// # Errors
+/// `422 invalid_handler` naming the route.
+fn validate_routes(event_types: &[String]) -> Result<(), ApiError> {
+    if !ROUTES_PER_HANDLER.contains(&event_types.len()) {
         return Err(invalid(format!(
             "event_types holds {} routes, expected {} to {}",
-            req.event_types.len(),
+            event_types.len(),
             ROUTES_PER_HANDLER.start(),
             ROUTES_PER_HANDLER.end()
         )));
     }
-    for (i, pattern) in req.event_types.iter().enumerate() {
+    for (i, pattern) in event_types.iter().enumerate() {
         route::validate_pattern(pattern)
             .map_err(|e| invalid(format!("event_types[{i}]: {}", store_message(&e))))?;
     }
+    Ok(())
+}
+
+/// Checks a registration request and fills in defaults (policy, secret).
+///
+/// # Errors
+/// `422 invalid_handler` naming the field and the value that was wrong.
+pub fn validate_handler(req: CreateHandler) -> Result<NewHandler, ApiError> {
+    validate_name(&req.name)?;
+    validate_url(&req.url)?;
+    validate_routes(&req.event_types)?;
     let max_attempts = in_range(
         "max_attempts",
         req.max_attempts.unwrap_or(handler_defaults::MAX_ATTEMPTS),
@@ -372,6 +461,145 @@ pub fn validate_handler(req: CreateHandler) -> Result<NewHandler, ApiError> {
         max_in_flight,
         secret,
     })
+}
+
+/// Allowed `rate_limit.per_second` and `rate_limit.burst`.
+pub const RATE_LIMIT: RangeInclusive<u32> = 1..=100_000;
+/// Allowed `grace_period_s` of a secret rotation: up to 30 days.
+pub const GRACE_PERIOD_S: RangeInclusive<u64> = 0..=2_592_000;
+/// Default `grace_period_s` of a secret rotation: 24 hours.
+pub const DEFAULT_GRACE_PERIOD_S: u64 = 86_400;
+
+/// `Some(value)` for a field that is present (`null` included), so that
+/// `Option<Option<T>>` tells absent (`None`) from `null` (`Some(None)`).
+fn present<'de, D, T>(d: D) -> Result<Option<Option<T>>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    Option::<T>::deserialize(d).map(Some)
+}
+
+/// Body of `PATCH /v1/handlers/{id}`: a JSON merge patch of the settings.
+/// Absent fields stay as they are; only `rate_limit` may be `null`
+/// (removes the limit). Unknown fields (`secret`, `state`: see their own
+/// endpoints) are refused.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UpdateHandler {
+    /// 1 to 128 characters, no control characters.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<String>)]
+    pub name: Option<Option<String>>,
+    /// As at registration.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<String>)]
+    pub url: Option<Option<String>>,
+    /// Routes, as at registration; they apply to events published after
+    /// the change.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<Vec<String>>)]
+    pub event_types: Option<Option<Vec<String>>>,
+    /// 1 to 100.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<u32>, minimum = 1, maximum = 100)]
+    pub max_attempts: Option<Option<u32>>,
+    /// 100 to 300,000 ms.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<u64>, minimum = 100, maximum = 300_000)]
+    pub timeout_ms: Option<Option<u64>>,
+    /// 1 to 10,000.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<u32>, minimum = 1, maximum = 10_000)]
+    pub max_in_flight: Option<Option<u32>>,
+    /// A rate limit, or `null` to remove it.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<RateLimitView>)]
+    pub rate_limit: Option<Option<RateLimitView>>,
+}
+
+/// Checks a rate limit and fills in the burst (default: `per_second`).
+///
+/// # Errors
+/// `422 invalid_handler` naming the field.
+pub fn validate_rate_limit(r: RateLimitView) -> Result<RateLimit, ApiError> {
+    let per_second = in_range("rate_limit.per_second", r.per_second, &RATE_LIMIT)?;
+    let burst = in_range(
+        "rate_limit.burst",
+        r.burst.unwrap_or(per_second),
+        &RATE_LIMIT,
+    )?;
+    Ok(RateLimit { per_second, burst })
+}
+
+/// Checks a `PATCH` body field by field, with the rules of
+/// [`validate_handler`], and turns it into a store patch.
+///
+/// # Errors
+/// `422 invalid_handler` naming the field and the value that was wrong
+/// (`null` for a field other than `rate_limit` included).
+pub fn validate_patch(req: UpdateHandler) -> Result<HandlerPatch, ApiError> {
+    fn required<T>(field: &str, v: Option<Option<T>>) -> Result<Option<T>, ApiError> {
+        match v {
+            None => Ok(None),
+            Some(None) => Err(invalid(format!(
+                "{field} must not be null (leave it out to keep it)"
+            ))),
+            Some(Some(v)) => Ok(Some(v)),
+        }
+    }
+    let name = required("name", req.name)?;
+    if let Some(name) = &name {
+        validate_name(name)?;
+    }
+    let url = required("url", req.url)?;
+    if let Some(url) = &url {
+        validate_url(url)?;
+    }
+    let event_types = required("event_types", req.event_types)?;
+    if let Some(types) = &event_types {
+        validate_routes(types)?;
+    }
+    let max_attempts = required("max_attempts", req.max_attempts)?
+        .map(|v| in_range("max_attempts", v, &MAX_ATTEMPTS))
+        .transpose()?;
+    let timeout_ms = required("timeout_ms", req.timeout_ms)?
+        .map(|v| in_range("timeout_ms", v, &TIMEOUT_MS))
+        .transpose()?;
+    let max_in_flight = required("max_in_flight", req.max_in_flight)?
+        .map(|v| in_range("max_in_flight", v, &MAX_IN_FLIGHT))
+        .transpose()?;
+    let rate_limit = match req.rate_limit {
+        None => None,
+        Some(None) => Some(None),
+        Some(Some(r)) => Some(Some(validate_rate_limit(r)?)),
+    };
+    Ok(HandlerPatch {
+        name,
+        url,
+        event_types,
+        max_attempts,
+        timeout_ms,
+        max_in_flight,
+        rate_limit,
+    })
+}
+
+/// Body of `POST /v1/handlers/{id}/secret/rotate` (`{}` for the defaults).
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RotateSecret {
+    /// The new secret, `whsec_` + standard base64 of 24 to 64 bytes;
+    /// generated when absent.
+    #[serde(default)]
+    #[schema(pattern = "^whsec_[A-Za-z0-9+/]+={0,2}$")]
+    pub secret: Option<String>,
+    /// How long the old secret keeps signing next to the new one, in
+    /// seconds, 0 to 2,592,000 (30 days); default 86,400 (24 h). 0 drops it
+    /// at once.
+    #[serde(default)]
+    #[schema(minimum = 0, maximum = 2_592_000)]
+    pub grace_period_s: Option<u64>,
 }
 
 /// Body of `GET /v1/handlers`.
@@ -469,12 +697,73 @@ pub(crate) async fn enable(
         .state;
     let handler = state
         .store
-        .set_handler_state(&id, HandlerState::Enabled)
+        .change_handler_state(&id, HandlerState::Enabled, "api")
         .await
         .map_err(|e| not_found(e, &id))?;
     crate::telemetry::handler_enabled(&id, was);
     state.node.handlers_changed();
     Ok(axum::Json(handler.into()))
+}
+
+/// Handler of `PATCH /v1/handlers/{id}`: changes the settings given (see
+/// [`UpdateHandler`]) and tells the node, whose lanes use them from the
+/// next attempt; other nodes follow at their next catalog reload.
+pub(crate) async fn update(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+    Json(req): Json<UpdateHandler>,
+) -> Result<axum::Json<HandlerView>, ApiError> {
+    check_handler_id(&id)?;
+    let patch = validate_patch(req)?;
+    let handler = state
+        .store
+        .update_handler(&id, &patch)
+        .await
+        .map_err(|e| refused(e, &id))?;
+    tracing::info!(handler_id = %id, url = %handler.url, routes = ?handler.event_types, rate_limit = ?handler.rate_limit, "handler updated");
+    state.node.handlers_changed();
+    Ok(axum::Json(handler.into()))
+}
+
+/// Handler of `POST /v1/handlers/{id}/secret/rotate`: the new secret (given
+/// or generated) signs from now on; the old one too until the grace period
+/// ends. Answers the handler with its new secret.
+pub(crate) async fn rotate_secret(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+    Json(req): Json<RotateSecret>,
+) -> Result<axum::Json<HandlerView>, ApiError> {
+    check_handler_id(&id)?;
+    let secret = match req.secret {
+        Some(s) => {
+            validate_secret(&s)?;
+            s
+        }
+        None => generate_secret(),
+    };
+    let grace = in_range(
+        "grace_period_s",
+        req.grace_period_s.unwrap_or(DEFAULT_GRACE_PERIOD_S),
+        &GRACE_PERIOD_S,
+    )?;
+    let until = Utc::now() + chrono::Duration::seconds(i64::try_from(grace).unwrap_or(i64::MAX));
+    let handler = state
+        .store
+        .rotate_handler_secret(&id, &secret, until)
+        .await
+        .map_err(|e| refused(e, &id))?;
+    tracing::info!(handler_id = %id, previous_secret_until = %until, "handler secret rotated");
+    state.node.handlers_changed();
+    Ok(axum::Json(handler.into()))
+}
+
+/// A store error of a change to handler `id`: `Invalid` as `422
+/// invalid_handler`, `NotFound` naming the id, others as usual.
+fn refused(e: lanebus_store::StoreError, id: &str) -> ApiError {
+    match e {
+        lanebus_store::StoreError::Invalid(m) => invalid(m),
+        other => not_found(other, id),
+    }
 }
 
 /// A store `NotFound` for handler `id` as a message naming the id.

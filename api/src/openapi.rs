@@ -51,7 +51,10 @@ use crate::admin::{
 };
 use crate::error::{ErrorBody, ErrorCode};
 use crate::events::{PublishAnswer, PublishRequest};
-use crate::handlers::{CreateHandler, Deleted, HandlerList, HandlerView, HANDLER_ID_PATTERN};
+use crate::handlers::{
+    CreateHandler, Deleted, HandlerList, HandlerView, RotateSecret, UpdateHandler,
+    HANDLER_ID_PATTERN,
+};
 use crate::health::Status;
 use crate::routes::{Operation, ROUTES};
 use crate::{ClusterView, JoinRequest, RemoveRequest};
@@ -222,6 +225,43 @@ fn describe(op: Operation, s: &mut Schemas) -> Described {
                 (
                     StatusCode::OK,
                     "the handler, enabled",
+                    json(s.of::<HandlerView>()),
+                ),
+            )
+        },
+        Operation::UpdateHandler => Described {
+            parameters: vec![path_id("handler id (`hdl_` + 32 hex digits)", handler_id())],
+            body: Some(s.of::<UpdateHandler>()),
+            ..d(
+                "handlers",
+                "Change a handler's settings",
+                "A JSON merge patch: absent fields stay as they are, `\"rate_limit\": null` \
+                 removes the rate limit, other fields cannot be null. The result is checked \
+                 like a registration. Route changes apply to events published after the \
+                 change; the other settings to the next attempt (this node at once, the others \
+                 at their next catalog reload).",
+                (
+                    StatusCode::OK,
+                    "the handler, changed",
+                    json(s.of::<HandlerView>()),
+                ),
+            )
+        },
+        Operation::RotateHandlerSecret => Described {
+            parameters: vec![path_id("handler id (`hdl_` + 32 hex digits)", handler_id())],
+            body: Some(s.of::<RotateSecret>()),
+            ..d(
+                "handlers",
+                "Rotate a handler's signing secret",
+                "The new secret (given, or generated) signs from now on. The old one keeps \
+                 signing for the grace period (default 24 h): `webhook-signature` then carries \
+                 both signatures, space-separated (`v1,<new> v1,<old>`), so a receiver knowing \
+                 either secret verifies every request. A secret still in an earlier grace \
+                 period stops signing. The answer shows the new `secret` and \
+                 `previous_secret_until`.",
+                (
+                    StatusCode::OK,
+                    "the handler with its new secret",
                     json(s.of::<HandlerView>()),
                 ),
             )

@@ -15,7 +15,7 @@
 use axum::extract::DefaultBodyLimit;
 use axum::http::{header, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post, MethodRouter};
+use axum::routing::{delete, get, patch, post, MethodRouter};
 use axum::Router;
 
 use crate::error::{error_response, ApiError, ErrorCode};
@@ -38,6 +38,11 @@ pub enum Operation {
     /// `POST /v1/handlers/{id}/enable`: enable a handler (disabled by a
     /// `410 Gone` answer); its kept deliveries resume, in order per key.
     EnableHandler,
+    /// `PATCH /v1/handlers/{id}`: change a handler's settings.
+    UpdateHandler,
+    /// `POST /v1/handlers/{id}/secret/rotate`: a new signing secret, the old
+    /// one signing too for a grace period.
+    RotateHandlerSecret,
     /// `GET /admin/dead-letters`: list dead letters.
     ListDeadLetters,
     /// `POST /admin/dead-letters/{id}/replay`: replay one dead letter.
@@ -105,6 +110,8 @@ impl Operation {
             Operation::GetHandler => "getHandler",
             Operation::DeleteHandler => "deleteHandler",
             Operation::EnableHandler => "enableHandler",
+            Operation::UpdateHandler => "updateHandler",
+            Operation::RotateHandlerSecret => "rotateHandlerSecret",
             Operation::ListDeadLetters => "listDeadLetters",
             Operation::ReplayDeadLetter => "replayDeadLetter",
             Operation::ReplayDeadLetters => "replayDeadLetters",
@@ -150,6 +157,12 @@ impl Operation {
             ]
             .concat(),
             Operation::ListHandlers | Operation::HandlerSummaries => STORE.to_vec(),
+            Operation::UpdateHandler | Operation::RotateHandlerSecret => [
+                &JSON_BODY[..],
+                &[E::InvalidParameter, E::NotFound, E::InvalidHandler],
+                &STORE,
+            ]
+            .concat(),
             // `invalid_parameter`: a path segment that does not decode
             // (`%FF`); `not_found` also for an id that is no handler id.
             Operation::GetHandler | Operation::DeleteHandler | Operation::EnableHandler => {
@@ -190,6 +203,8 @@ impl Operation {
             Operation::GetHandler => get(handlers::get),
             Operation::DeleteHandler => delete(handlers::delete),
             Operation::EnableHandler => post(handlers::enable),
+            Operation::UpdateHandler => patch(handlers::update),
+            Operation::RotateHandlerSecret => post(handlers::rotate_secret),
             Operation::ListDeadLetters => get(admin::list_dead_letters),
             Operation::ReplayDeadLetter => post(admin::replay_one),
             Operation::ReplayDeadLetters => post(admin::replay_bulk),
@@ -241,10 +256,16 @@ pub const ROUTES: &[RouteSpec] = &[
         "/v1/handlers/{id}",
         Operation::DeleteHandler,
     ),
+    spec(Method::PATCH, "/v1/handlers/{id}", Operation::UpdateHandler),
     spec(
         Method::POST,
         "/v1/handlers/{id}/enable",
         Operation::EnableHandler,
+    ),
+    spec(
+        Method::POST,
+        "/v1/handlers/{id}/secret/rotate",
+        Operation::RotateHandlerSecret,
     ),
     spec(
         Method::GET,

@@ -20,16 +20,40 @@
 //!
 //! Metric: `lanebus_handlers_disabled` (gauge), the disabled handlers in
 //! the catalog as of the last reload.
+//!
+//! # Auto-disable
+//!
+//! Key handlers report every attempt's outcome ([`HandlerCatalog::record_outcome`]).
+//! The start of a run of failures is kept in the store
+//! ([`Handler::failing_since`](lanebus_store::Handler::failing_since)), so
+//! all nodes share it and a restart does not reset it: a failure while the
+//! catalog shows none sets it, a success while it shows one clears it
+//! (so the store is written at these changes only, once per catalog
+//! reload at most). A failure while it is older than the node's
+//! auto-disable period ([`HandlerCatalog::set_auto_disable_after`], default
+//! [`DEFAULT_AUTO_DISABLE_AFTER`], 5 days) disables the handler with reason
+//! `failing`, like a `410` does with reason `gone`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 use lanebus_store::{Handler as HandlerConfig, HandlerState, Store, StoreError};
 use tokio::sync::{watch, Mutex, Notify};
 
+/// Default auto-disable period: a handler failing without a success for 5
+/// days is disabled (issue #4).
+pub const DEFAULT_AUTO_DISABLE_AFTER: Duration = Duration::from_secs(5 * 24 * 3600);
+
 /// Cached handler catalog. See the module docs.
 pub struct HandlerCatalog {
+    /// Auto-disable period, in milliseconds.
+    auto_disable_after_ms: AtomicU64,
+    /// Per handler: the `failing_since` change last written, and the
+    /// catalog entry it was written against (written again only after a
+    /// reload brought a different entry).
+    failing_written: std::sync::Mutex<HashMap<String, (bool, usize)>>,
     store: Arc<dyn Store>,
     handlers: RwLock<Arc<HashMap<String, Arc<HandlerConfig>>>>,
     /// Number of the last reload started (under `lock`).
@@ -48,6 +72,8 @@ impl HandlerCatalog {
     /// An empty catalog over `store`; call [`reload_fresh`](Self::reload_fresh) to fill it.
     pub fn new(store: Arc<dyn Store>) -> Self {
         HandlerCatalog {
+            auto_disable_after_ms: AtomicU64::new(DEFAULT_AUTO_DISABLE_AFTER.as_millis() as u64),
+            failing_written: std::sync::Mutex::default(),
             store,
             handlers: RwLock::new(Arc::new(HashMap::new())),
             started: AtomicU64::new(0),
@@ -111,6 +137,99 @@ impl HandlerCatalog {
         let handler = self.store.set_handler_state(id, state).await?;
         self.reload_fresh().await?;
         Ok(handler)
+    }
+
+    /// As [`set_state`](Self::set_state), recording `reason` (`gone`,
+    /// `failing`, ...) in the handler's `state_reason`.
+    ///
+    /// # Errors
+    /// The store's error ([`StoreError::NotFound`] if the handler is gone).
+    pub async fn set_state_because(
+        &self,
+        id: &str,
+        state: HandlerState,
+        reason: &str,
+    ) -> Result<HandlerConfig, StoreError> {
+        let handler = self.store.change_handler_state(id, state, reason).await?;
+        self.reload_fresh().await?;
+        Ok(handler)
+    }
+
+    /// Sets the auto-disable period (see the module docs).
+    pub fn set_auto_disable_after(&self, after: Duration) {
+        self.auto_disable_after_ms
+            .store(after.as_millis() as u64, Ordering::SeqCst);
+    }
+
+    /// The auto-disable period.
+    pub fn auto_disable_after(&self) -> Duration {
+        Duration::from_millis(self.auto_disable_after_ms.load(Ordering::SeqCst))
+    }
+
+    /// Records an attempt's outcome for auto-disable (see the module docs):
+    /// cheap when nothing is to be written; store writes run in a spawned
+    /// task (needs a tokio runtime).
+    pub fn record_outcome(self: &Arc<Self>, handler_id: &str, success: bool) {
+        let Some(h) = self.get(handler_id) else {
+            return;
+        };
+        let entry = Arc::as_ptr(&h) as usize;
+        let now = chrono::Utc::now();
+        let write = match (success, h.failing_since) {
+            (true, None) | (false, Some(_)) => None,
+            (true, Some(_)) => Some(false),
+            (false, None) => Some(true),
+        };
+        if let Some(failing) = write {
+            {
+                let mut written = self.failing_written.lock().expect("not poisoned");
+                if written.get(handler_id) == Some(&(failing, entry)) {
+                    return;
+                }
+                written.insert(handler_id.to_owned(), (failing, entry));
+            }
+            let (me, id) = (self.clone(), handler_id.to_owned());
+            tokio::spawn(async move {
+                match me.store.mark_handler_failing(&id, failing, now).await {
+                    Ok(()) => me.changed.notify_one(),
+                    Err(e) => {
+                        tracing::debug!(handler = %id, error = %e, "could not record the handler's failure run")
+                    }
+                }
+            });
+            return;
+        }
+        let Some(since) = h.failing_since.filter(|_| !success) else {
+            return;
+        };
+        let after =
+            chrono::Duration::from_std(self.auto_disable_after()).unwrap_or(chrono::Duration::MAX);
+        if h.state != HandlerState::Enabled || now - since < after {
+            return;
+        }
+        {
+            // Once per catalog entry.
+            let mut written = self.failing_written.lock().expect("not poisoned");
+            if written.get(handler_id) == Some(&(true, entry + 1)) {
+                return;
+            }
+            written.insert(handler_id.to_owned(), (true, entry + 1));
+        }
+        let (me, id) = (self.clone(), handler_id.to_owned());
+        tokio::spawn(async move {
+            match me
+                .set_state_because(&id, HandlerState::Disabled, "failing")
+                .await
+            {
+                Ok(_) => {
+                    crate::metrics::handler_disabled(&id, "failing");
+                    tracing::warn!(handler = %id, failing_since = %since, after_s = me.auto_disable_after().as_secs(), "handler failed without a success for the auto-disable period: disabled; its deliveries are kept until it is enabled");
+                }
+                Err(e) => {
+                    tracing::warn!(handler = %id, error = %e, "could not auto-disable the handler")
+                }
+            }
+        });
     }
 
     /// Waits until a reload that started after this call has completed

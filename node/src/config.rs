@@ -118,6 +118,12 @@ pub struct NodeArgs {
     #[arg(long, env = "LANEBUS_WEBHOOK_SOURCE_IP")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub webhook_source_ip: Option<String>,
+    /// Disable a handler whose attempts failed without a single success
+    /// for this long, in seconds, 1 to 31536000 (a year); its deliveries
+    /// are kept until it is enabled [default: 432000 (5 days)].
+    #[arg(long, env = "LANEBUS_AUTO_DISABLE_AFTER_S")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub auto_disable_after_s: Option<u64>,
 }
 
 /// The validated configuration of a node.
@@ -141,6 +147,7 @@ pub struct NodeConfig {
     pub voters: usize,
     pub handover_drain: Option<Duration>,
     pub webhook_source_ip: Option<std::net::IpAddr>,
+    pub auto_disable_after: Duration,
 }
 
 /// Raft timing that fits the lease: elections must finish well within a
@@ -174,6 +181,7 @@ impl NodeConfig {
         o.poll_interval = self.poll_interval;
         o.store_actor.flush_interval = self.flush_interval;
         o.webhook_source_ip = self.webhook_source_ip;
+        o.auto_disable_after = self.auto_disable_after;
         if !self.single {
             let mut c = lanebus_node::node::ClusterOptions::new(
                 self.id,
@@ -294,6 +302,13 @@ pub fn validate(a: NodeArgs) -> anyhow::Result<NodeConfig> {
             bail!("poll_interval_ms must be 1 to 60000, got {p}");
         }
     }
+    let auto_disable_after_s = a
+        .auto_disable_after_s
+        .unwrap_or(lanebus_node::catalog::DEFAULT_AUTO_DISABLE_AFTER.as_secs());
+    if !(1..=31_536_000).contains(&auto_disable_after_s) {
+        bail!("auto_disable_after_s must be 1 to 31536000, got {auto_disable_after_s}");
+    }
+    let auto_disable_after = Duration::from_secs(auto_disable_after_s);
     let lane_buffer = a.lane_buffer.unwrap_or(256);
     if !(1..=100_000).contains(&lane_buffer) {
         bail!("lane_buffer must be 1 to 100000, got {lane_buffer}");
@@ -350,6 +365,7 @@ pub fn validate(a: NodeArgs) -> anyhow::Result<NodeConfig> {
         voters,
         handover_drain: a.handover_drain_ms.map(Duration::from_millis),
         webhook_source_ip,
+        auto_disable_after,
     })
 }
 

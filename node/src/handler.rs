@@ -81,9 +81,12 @@ pub enum NotAttempted {
 
 /// Hands a delivery over to its handler: webhook or in-process.
 ///
-/// A handler's `max_in_flight` bounds its concurrent attempts on this node:
-/// an attempt waits for one of the handler's permits before it is sent (the
-/// delivery counts as in flight meanwhile; its timeout starts with the send).
+/// A handler's `max_in_flight` bounds its concurrent attempts on this node
+/// (one semaphore per handler, shared by all clones of the node's
+/// dispatcher and so by all its lanes): an attempt waits for one of the
+/// handler's permits before it is sent (the delivery counts as in flight
+/// meanwhile; its timeout starts with the send). A handler's rate limit is
+/// one token bucket per handler on this node ([`Dispatcher::rate_wait`]).
 /// [`attempt_checked`](Self::attempt_checked) looks the handler up again
 /// once it holds the permit, so attempts queued behind a slow handler are
 /// not sent after it was deleted or disabled.
@@ -92,6 +95,7 @@ pub struct Dispatcher {
     webhook: WebhookSender,
     in_process: Arc<HashMap<String, Arc<dyn Handler>>>,
     permits: Arc<Mutex<Permits>>,
+    rates: Arc<crate::rate::RateLimiter>,
     gate: crate::assignment::WorkGate,
 }
 
@@ -105,6 +109,7 @@ impl Dispatcher {
             webhook,
             in_process: Arc::new(in_process),
             permits: Arc::default(),
+            rates: Arc::default(),
             gate: crate::assignment::WorkGate::default(),
         }
     }
@@ -141,12 +146,25 @@ impl Dispatcher {
             .remove(handler_id);
     }
 
-    /// Forgets the semaphores of handlers not in `known` (deleted ones).
+    /// Forgets the semaphores of handlers not in `known` (deleted ones),
+    /// and the rate buckets of those without a rate limit.
     pub fn retain_known(&self, known: &HashMap<String, Arc<HandlerConfig>>) {
         self.permits
             .lock()
             .expect("not poisoned")
             .retain(|id, _| known.contains_key(id));
+        self.rates
+            .retain(|id| known.get(id).is_some_and(|h| h.rate_limit.is_some()));
+    }
+
+    /// Takes one token of the handler's rate limit on this node, if it
+    /// has one, and answers how long to wait before sending (zero: at
+    /// once). See [`crate::rate`]: waiting makes no attempt.
+    pub fn rate_wait(&self, handler: &HandlerConfig) -> Duration {
+        match handler.rate_limit {
+            Some(limit) => self.rates.reserve(&handler.id, limit),
+            None => Duration::ZERO,
+        }
     }
 
     /// Number of handlers with a semaphore (tests).

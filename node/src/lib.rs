@@ -29,6 +29,7 @@ pub mod local_cluster;
 pub mod metrics;
 pub mod node;
 pub mod ordering;
+pub mod rate;
 pub mod receiver;
 pub mod retry;
 pub mod sample_data;

@@ -127,9 +127,17 @@ pub fn store_error(op: &'static str) {
     metrics::counter!("lanebus_store_errors_total", "op" => op).increment(1);
 }
 
-/// This node disabled a handler; `reason` is `gone` (a `410` answer).
+/// This node disabled a handler; `reason` is `gone` (a `410` answer) or
+/// `failing` (failed without a success for the auto-disable period).
 pub fn handler_disabled(handler_id: &str, reason: &'static str) {
     metrics::counter!("lanebus_handlers_disabled_total", "handler" => handler_id.to_owned(), "reason" => reason)
+        .increment(1);
+}
+
+/// A delivery of `handler_id` waits for its rate limit's next token (no
+/// attempt is made meanwhile).
+pub fn rate_limited(handler_id: &str) {
+    metrics::counter!("lanebus_rate_limited_total", "handler" => handler_id.to_owned())
         .increment(1);
 }
 

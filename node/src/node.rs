@@ -166,6 +166,9 @@ pub struct NodeOptions {
     pub store_actor: StoreActorConfig,
     /// Reload the handler catalog at least this often (default 5 s).
     pub catalog_refresh: Duration,
+    /// Disable a handler whose attempts failed without a success for this
+    /// long (default 5 days, [`crate::catalog::DEFAULT_AUTO_DISABLE_AFTER`]).
+    pub auto_disable_after: Duration,
     /// In-process handlers, served for handlers whose URL is
     /// `http://inproc.invalid/NAME` (see [`crate::handler`]).
     pub in_process: HashMap<String, Arc<dyn Handler>>,
@@ -193,6 +196,7 @@ impl NodeOptions {
             poll_interval: None,
             store_actor: StoreActorConfig::default(),
             catalog_refresh: Duration::from_secs(5),
+            auto_disable_after: crate::catalog::DEFAULT_AUTO_DISABLE_AFTER,
             in_process: HashMap::new(),
             limits: Limits::default(),
             drain_timeout: Duration::from_secs(5),
@@ -599,6 +603,7 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
         StoreSource::Opened(s) => s.clone(),
     };
     let catalog = Arc::new(HandlerCatalog::new(store.clone()));
+    catalog.set_auto_disable_after(opts.auto_disable_after);
     catalog.reload_fresh().await?;
     tokio::spawn(catalog.clone().refresh_loop(opts.catalog_refresh));
     let longest_timeout_ms = catalog

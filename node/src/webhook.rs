@@ -6,6 +6,7 @@
 //! webhook-id: <event id>                 same on every attempt
 //! webhook-timestamp: <unix seconds>      time of this attempt
 //! webhook-signature: v1,<base64 HMAC-SHA256(secret, "{id}.{timestamp}.{body}")>
+//!                    (during a secret rotation's grace period: "v1,<new> v1,<old>")
 //! lanebus-key: <key>                     only for keyed events
 //! lanebus-sequence: <position within the key>
 //! lanebus-attempt: <1, 2, ...>
@@ -131,6 +132,28 @@ pub fn sign(
     ))
 }
 
+/// The `webhook-signature` value for `handler` of a request sent at
+/// `sent_at` (signed with its unix seconds, the `webhook-timestamp`):
+/// `v1,<sig>` with the current secret, followed, while the previous
+/// secret's grace period lasts at `sent_at`, by a space and `v1,<sig>` with
+/// the previous one. Standard Webhooks allows several space-separated
+/// signatures; a receiver knowing either secret verifies ([`verify`]).
+///
+/// # Errors
+/// [`WebhookError::BadSecret`] for a malformed secret.
+pub fn signature_header(
+    handler: &HandlerConfig,
+    msg_id: &str,
+    sent_at: DateTime<Utc>,
+    body: &[u8],
+) -> Result<String, WebhookError> {
+    let mut signatures = Vec::with_capacity(2);
+    for secret in handler.signing_secrets(sent_at) {
+        signatures.push(sign(secret, msg_id, sent_at.timestamp(), body)?);
+    }
+    Ok(signatures.join(" "))
+}
+
 /// Verifies a `webhook-signature` header (space-separated list of
 /// `v1,<sig>` entries; any match verifies) in constant time per entry.
 /// Does not check the timestamp's age; receivers that want replay
@@ -241,8 +264,9 @@ impl WebhookSender {
             delivery.published_at,
             &delivery.payload,
         );
-        let now = Utc::now().timestamp();
-        let signature = match sign(&handler.secret, &delivery.event_id, now, &body) {
+        let sent_at = Utc::now();
+        let now = sent_at.timestamp();
+        let signature = match signature_header(handler, &delivery.event_id, sent_at, &body) {
             Ok(s) => s,
             Err(e) => {
                 return AttemptOutcome::Failed {
@@ -382,6 +406,41 @@ mod tests {
         let out = sender.send(&handler, &delivery, 1).await;
         assert!(matches!(out, AttemptOutcome::Delivered), "{out:?}");
         assert_eq!(peer.await.unwrap().ip().to_string(), "127.0.0.7");
+    }
+
+    #[test]
+    fn during_a_rotation_both_secrets_sign_then_only_the_new_one() {
+        let new = lanebus_store::generate_secret();
+        let sent_at = DateTime::from_timestamp(TS, 500_000_000).expect("time");
+        let mut h = lanebus_store::Handler::registered(
+            "hdl_x".into(),
+            lanebus_store::NewHandler {
+                name: "n".into(),
+                url: "http://h/".into(),
+                event_types: vec!["*".into()],
+                max_attempts: 1,
+                timeout_ms: 1,
+                max_in_flight: 1,
+                secret: new.clone(),
+            },
+            sent_at,
+        );
+        h.previous_secret = Some(SECRET.into());
+        // Still in the grace period half a second after the timestamp's
+        // whole second: checked against the send time, not the header.
+        h.previous_secret_until = Some(sent_at + chrono::Duration::milliseconds(1));
+        let header = signature_header(&h, MSG_ID, sent_at, PAYLOAD).expect("sign");
+        let (first, second) = header.split_once(' ').expect("two signatures");
+        assert_eq!(second, EXPECTED, "the old secret's signature second");
+        assert_eq!(first, sign(&new, MSG_ID, TS, PAYLOAD).expect("sign"));
+        for secret in [SECRET, new.as_str()] {
+            assert!(verify(secret, MSG_ID, &TS.to_string(), &header, PAYLOAD));
+        }
+        let later = sent_at + chrono::Duration::milliseconds(1);
+        let header = signature_header(&h, MSG_ID, later, PAYLOAD).expect("sign");
+        assert!(!header.contains(' '), "{header}");
+        assert!(!verify(SECRET, MSG_ID, &TS.to_string(), &header, PAYLOAD));
+        assert!(verify(&new, MSG_ID, &TS.to_string(), &header, PAYLOAD));
     }
 
     #[test]

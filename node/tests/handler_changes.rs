@@ -1,9 +1,18 @@
 //! Handlers that change under their deliveries: a `410 Gone` disables the
-//! handler and `POST /v1/handlers/{id}/enable` resumes it; a handler
+//! handler (events published meanwhile are kept for it too) and `POST
+//! /v1/handlers/{id}/enable` resumes them, in order per key; a handler
 //! disabled while a delivery waits for its retry is not attempted again; a
 //! handler deleted while attempts wait for its concurrency slot gets no
 //! further request; deliveries a late publish leaves for a deleted handler
 //! are discarded (PostgreSQL race, and its outcome simulated on SQLite).
+//!
+//! Handler controls (issue #4): a per-handler rate limit defers deliveries
+//! without using up attempts; during a secret rotation's grace period every
+//! request verifies with the old secret and with the new one; a handler
+//! failing without a success for the auto-disable period is disabled (its
+//! deliveries kept) and enable resumes them in order; deleting a handler
+//! with 1,000 pending deliveries reports them, leaves no attempt behind and
+//! does not slow the other handler of the same lanes.
 
 mod common;
 
@@ -12,8 +21,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context as _};
-use common::{start_node, Api, Backend, TestDb};
+use common::{start_node, test_options, Api, Backend, TestDb};
 use lanebus_node::receiver::{Action, Expected, Receiver, Rule};
+use lanebus_node::webhook;
 use lanebus_store::{HandlerState, NewEvent, NewHandler, Store};
 use serde_json::{json, Value};
 
@@ -111,9 +121,7 @@ async fn gone_disables_and_enable_resumes(backend: Backend) -> anyhow::Result<()
         },
     });
     let events = keyed_events("gone", 30, 3);
-    let expected = expected_of("gone", &events);
-    // One batch: events published while the handler is disabled create no
-    // delivery for it (Store::set_handler_state).
+    let mut expected = expected_of("gone", &events);
     api.publish(&events, 30).await?;
     ensure!(
         rx.wait_until(Duration::from_secs(30), |log| log
@@ -139,6 +147,26 @@ async fn gone_disables_and_enable_resumes(backend: Backend) -> anyhow::Result<()
     ensure!(
         c.dead_letters == 0 && c.deliveries == (30 - accepted) as i64 && c.deliveries > 0,
         "while disabled: {c:?}, {accepted} accepted"
+    );
+    let h = api.get(&format!("/v1/handlers/{id}")).await?.1;
+    ensure!(
+        h["state_reason"] == "gone" && h["state_changed_at"].is_string(),
+        "disabling is not in the handler's JSON: {h}"
+    );
+    // Events published while it is disabled are kept for it too (same
+    // keys: they come after the earlier ones), not attempted.
+    let later: Vec<Value> = keyed_events("gone", 42, 3).split_off(30);
+    expected.extend(expected_of("gone", &later));
+    api.publish(&later, 12).await?;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    ensure!(
+        rx.requests().len() == answered,
+        "requests for events published while disabled"
+    );
+    let c = node.store().counts().await?;
+    ensure!(
+        c.deliveries == (42 - accepted) as i64 && c.dead_letters == 0,
+        "events published while disabled: {c:?}"
     );
     // (`lanebus_handlers_disabled`, the gauge, is process-wide and other
     // tests' nodes set it too: the counter is checked.)
@@ -181,9 +209,15 @@ async fn gone_disables_and_enable_resumes(backend: Backend) -> anyhow::Result<()
         "a signature did not verify"
     );
     wait_counts(&node.store(), "after enable", |c| {
-        c.deliveries == 0 && c.completions == 30 && c.dead_letters == 0
+        c.deliveries == 0 && c.completions == 42 && c.dead_letters == 0
     })
     .await?;
+    ensure!(
+        api.metrics()
+            .await?
+            .contains("lanebus_handlers_enabled_total"),
+        "enabling is not in the metrics"
+    );
     let (status, _) = api
         .post(
             "/v1/handlers/hdl_0123456789abcdef0123456789abcdef/enable",
@@ -472,4 +506,446 @@ async fn orphans_of_a_deleted_handler_are_discarded_sqlite() -> anyhow::Result<(
     node.shutdown().await?;
     db.drop_db().await;
     Ok(())
+}
+
+/// PATCHes a handler through the API; the answer must be `200`.
+async fn patch(api: &Api, id: &str, body: Value) -> anyhow::Result<Value> {
+    let res = reqwest::Client::new()
+        .patch(format!("{}/v1/handlers/{id}", api.base))
+        .json(&body)
+        .send()
+        .await?;
+    let status = res.status().as_u16();
+    let body: Value = res.json().await?;
+    ensure!(status == 200, "patch {id}: {status} {body}");
+    Ok(body)
+}
+
+fn unkeyed_events(prefix: &str, n: usize) -> Vec<Value> {
+    (0..n)
+        .map(|i| json!({"id": format!("{prefix}-{i}"), "type": "push", "payload": {"n": i}}))
+        .collect()
+}
+
+/// Most arrivals within any `window_ms` (sliding), from sorted times.
+fn most_in_window(times: &[f64], window_ms: f64) -> usize {
+    let mut most = 0;
+    let mut start = 0;
+    for end in 0..times.len() {
+        while times[end] - times[start] >= window_ms {
+            start += 1;
+        }
+        most = most.max(end - start + 1);
+    }
+    most
+}
+
+async fn handler_json(api: &Api, id: &str) -> anyhow::Result<Value> {
+    let (status, body) = api.get(&format!("/v1/handlers/{id}")).await?;
+    ensure!(status == 200, "get handler: {status} {body}");
+    Ok(body)
+}
+
+/// 30 deliveries (20 unkeyed, 10 on two keys) to a handler limited to 10
+/// requests a second, burst 1: at most about 10 arrive in any second, the
+/// whole run takes about 3 s, every request is attempt 1, nothing is
+/// dead-lettered, and per-key order holds.
+async fn rate_limit_defers_without_using_attempts(backend: Backend) -> anyhow::Result<()> {
+    let db = TestDb::new(backend, "rate_limit").await?;
+    let rx = Receiver::start().await?;
+    let node = start_node(&db.url).await?;
+    let api = Api::new(&node.base_url());
+    let (id, secret) = create(
+        &api,
+        "limited",
+        &rx.url("limited"),
+        json!({"max_attempts": 2}),
+    )
+    .await?;
+    rx.set_secret("limited", &secret);
+    let h = patch(
+        &api,
+        &id,
+        json!({"rate_limit": {"per_second": 10, "burst": 1}}),
+    )
+    .await?;
+    ensure!(
+        h["rate_limit"] == json!({"per_second": 10, "burst": 1}),
+        "{h}"
+    );
+    let mut evs = unkeyed_events("free", 20);
+    evs.extend(keyed_events("keyed", 10, 2));
+    api.publish(&evs, 30).await?;
+    let expected = expected_of("limited", &evs);
+    ensure!(
+        rx.wait_accepted(30, Duration::from_secs(30)).await,
+        "{:?}",
+        rx.verdict(&expected)
+    );
+    let reqs = rx.requests();
+    let mut times: Vec<f64> = reqs.iter().map(|r| r.arrived_ms).collect();
+    times.sort_by(f64::total_cmp);
+    let span_ms = times[times.len() - 1] - times[0];
+    let most = most_in_window(&times, 1000.0);
+    println!(
+        "rate limit 10/s: {} requests over {span_ms:.0} ms ({:.1}/s), at most {most} in any second",
+        reqs.len(),
+        (reqs.len() - 1) as f64 * 1000.0 / span_ms
+    );
+    ensure!(reqs.len() == 30, "{} requests", reqs.len());
+    ensure!(most <= 12, "{most} requests within one second at 10/s");
+    ensure!(
+        span_ms >= 2_500.0,
+        "30 requests at 10/s took only {span_ms} ms"
+    );
+    ensure!(
+        reqs.iter().all(|r| r.attempt == 1 && r.accepted()),
+        "a deferred delivery used up an attempt: {:?}",
+        reqs.iter().map(|r| r.attempt).collect::<Vec<_>>()
+    );
+    ensure!(
+        reqs.iter().all(|r| r.signature_ok == Some(true)),
+        "signatures"
+    );
+    let v = rx.verdict(&expected);
+    ensure!(v.exact(), "{v:?}");
+    wait_counts(&node.store(), "after the rate-limited run", |c| {
+        c.dead_letters == 0 && c.deliveries == 0 && c.completions == 30
+    })
+    .await?;
+    let metrics = api.metrics().await?;
+    ensure!(
+        metrics.contains(&format!("lanebus_rate_limited_total{{handler=\"{id}\"}}")),
+        "deferrals are not in the metrics"
+    );
+    node.shutdown().await?;
+    db.drop_db().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_limit_defers_without_using_attempts_sqlite() {
+    rate_limit_defers_without_using_attempts(Backend::Sqlite)
+        .await
+        .unwrap();
+}
+
+/// During the grace period every request carries `v1,<new> v1,<old>`: a
+/// receiver knowing only the old secret and one knowing only the new one
+/// both verify every request; once the old one is dropped only the new
+/// one verifies.
+async fn rotation_signs_with_both_secrets(backend: Backend) -> anyhow::Result<()> {
+    let db = TestDb::new(backend, "rotation").await?;
+    let rx = Receiver::start().await?;
+    let node = start_node(&db.url).await?;
+    let api = Api::new(&node.base_url());
+    let (id, old) = create(&api, "rotating", &rx.url("rotating"), json!({})).await?;
+    let (status, h) = api
+        .post(
+            &format!("/v1/handlers/{id}/secret/rotate"),
+            json!({"grace_period_s": 3600}),
+        )
+        .await?;
+    ensure!(status == 200, "rotate: {status} {h}");
+    let new = h["secret"].as_str().context("secret")?.to_string();
+    ensure!(new != old && h["previous_secret_until"].is_string(), "{h}");
+    rx.set_secret("rotating", &new);
+    let during = keyed_events("during", 12, 3);
+    api.publish(&during, 12).await?;
+    ensure!(
+        rx.wait_accepted(12, Duration::from_secs(30)).await,
+        "not delivered"
+    );
+    let verifies = |secret: &str, r: &lanebus_node::receiver::Received| {
+        webhook::verify(
+            secret,
+            &r.headers["webhook-id"],
+            &r.headers["webhook-timestamp"],
+            &r.headers["webhook-signature"],
+            r.body.as_bytes(),
+        )
+    };
+    let reqs = rx.requests();
+    for r in &reqs {
+        let sig = &r.headers["webhook-signature"];
+        ensure!(
+            sig.split(' ').count() == 2,
+            "two signatures expected: {sig}"
+        );
+        ensure!(
+            verifies(&old, r),
+            "{} does not verify with the old secret",
+            r.event_id
+        );
+        ensure!(
+            verifies(&new, r),
+            "{} does not verify with the new secret",
+            r.event_id
+        );
+    }
+    if let Ok(python) = std::env::var("LANEBUS_TEST_PYTHON") {
+        let picked: Vec<Value> = reqs
+            .iter()
+            .flat_map(|r| {
+                [&old, &new].map(|s| json!({"secret": s, "body": r.body, "headers": r.headers}))
+            })
+            .collect();
+        let path = std::env::temp_dir().join(format!(
+            "lanebus-rot-{}.json",
+            uuid::Uuid::now_v7().simple()
+        ));
+        std::fs::write(&path, serde_json::to_vec(&picked)?)?;
+        let out = std::process::Command::new(python)
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/tests/verify_standardwebhooks.py"
+            ))
+            .arg(&path)
+            .output()
+            .context("run python")?;
+        let _ = std::fs::remove_file(&path);
+        ensure!(
+            out.status.success(),
+            "standardwebhooks: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    // Grace 0: the previous secret stops signing at once.
+    let (status, h) = api
+        .post(
+            &format!("/v1/handlers/{id}/secret/rotate"),
+            json!({"grace_period_s": 0}),
+        )
+        .await?;
+    ensure!(
+        status == 200 && h["previous_secret_until"].is_null(),
+        "{status} {h}"
+    );
+    let newest = h["secret"].as_str().context("secret")?.to_string();
+    rx.set_secret("rotating", &newest);
+    let after = unkeyed_events("after", 4);
+    api.publish(&after, 4).await?;
+    ensure!(
+        rx.wait_accepted(16, Duration::from_secs(30)).await,
+        "not delivered"
+    );
+    for r in rx
+        .requests()
+        .iter()
+        .filter(|r| r.event_id.starts_with("after-"))
+    {
+        ensure!(
+            verifies(&newest, r),
+            "{} does not verify with the newest secret",
+            r.event_id
+        );
+        ensure!(
+            !verifies(&new, r),
+            "{} still signed with the dropped secret",
+            r.event_id
+        );
+        ensure!(
+            !r.headers["webhook-signature"].contains(' '),
+            "one signature expected"
+        );
+    }
+    node.shutdown().await?;
+    db.drop_db().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rotation_signs_with_both_secrets_sqlite() {
+    rotation_signs_with_both_secrets(Backend::Sqlite)
+        .await
+        .unwrap();
+}
+
+/// A handler answering 500 to everything for longer than the node's
+/// auto-disable period (2 s here) is disabled with reason `failing`; its
+/// deliveries are kept (not dead-lettered, no more requests) and enable
+/// delivers them in order per key.
+async fn failing_for_the_period_disables(backend: Backend) -> anyhow::Result<()> {
+    let db = TestDb::new(backend, "auto_disable").await?;
+    let rx = Receiver::start().await?;
+    let mut opts = test_options(&db.url);
+    opts.auto_disable_after = Duration::from_secs(2);
+    let node = lanebus_node::start(opts).await?;
+    let api = Api::new(&node.base_url());
+    let (id, secret) = create(
+        &api,
+        "failing",
+        &rx.url("failing"),
+        json!({"max_attempts": 100}),
+    )
+    .await?;
+    rx.set_secret("failing", &secret);
+    rx.add_rule(Rule {
+        handler: Some("failing".into()),
+        key: None,
+        action: Action::Status {
+            status: 500,
+            retry_after: None,
+        },
+    });
+    let evs = keyed_events("fail", 6, 2);
+    let started = Instant::now();
+    api.publish(&evs, 6).await?;
+    let disabled = loop {
+        let h = handler_json(&api, &id).await?;
+        if h["state"] == "disabled" {
+            break h;
+        }
+        ensure!(
+            started.elapsed() < Duration::from_secs(20),
+            "not disabled: {h}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let took = started.elapsed();
+    println!("auto-disabled after {took:?} (period 2 s)");
+    ensure!(
+        took >= Duration::from_secs(2),
+        "disabled after {took:?}, before the period"
+    );
+    ensure!(disabled["state_reason"] == "failing", "{disabled}");
+    ensure!(
+        disabled["state_changed_at"].is_string() && disabled["failing_since"].is_string(),
+        "{disabled}"
+    );
+    // Kept, not attempted: requests stop (after the catalog reload reached
+    // every lane) and nothing is dead-lettered.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let seen = rx.requests().len();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    ensure!(
+        rx.requests().len() == seen,
+        "{} requests after disabling",
+        rx.requests().len() - seen
+    );
+    let c = node.store().counts().await?;
+    ensure!(c.deliveries == 6 && c.dead_letters == 0, "{c:?}");
+    let metrics = api.metrics().await?;
+    ensure!(
+        metrics.contains(&format!(
+            "lanebus_handlers_disabled_total{{handler=\"{id}\",reason=\"failing\"}}"
+        )),
+        "auto-disable is not in the metrics"
+    );
+
+    rx.clear_rules();
+    let (status, body) = api
+        .post(&format!("/v1/handlers/{id}/enable"), json!({}))
+        .await?;
+    ensure!(
+        status == 200 && body["state"] == "enabled" && body["state_reason"] == "api",
+        "{status} {body}"
+    );
+    ensure!(body["failing_since"].is_null(), "{body}");
+    let expected = expected_of("failing", &evs);
+    ensure!(
+        rx.wait_accepted(6, Duration::from_secs(30)).await,
+        "{:?}",
+        rx.verdict(&expected)
+    );
+    let v = rx.verdict(&expected);
+    ensure!(v.exact(), "{v:?}");
+    node.shutdown().await?;
+    db.drop_db().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_for_the_period_disables_sqlite() {
+    failing_for_the_period_disables(Backend::Sqlite)
+        .await
+        .unwrap();
+}
+
+/// Two handlers on the same events (so the same lanes): `stuck` never
+/// answers (1,000 deliveries pending), `steady` is limited to 40 requests a
+/// second on 40 keys (each key's next delivery waits for the previous
+/// completion, so a stalled store or lane would slow it). Deleting `stuck`
+/// reports 1,000 discarded deliveries; `steady` keeps its rate (ratio of
+/// its request rate in the 2 s after the delete to the 2 s before, at least
+/// 0.8); `stuck` gets no further request.
+async fn delete_with_1000_pending(backend: Backend) -> anyhow::Result<()> {
+    let db = TestDb::new(backend, "delete_1000").await?;
+    let rx = Receiver::start().await?;
+    let (stuck_url, stuck_arrivals) = hanging_receiver().await?;
+    let node = start_node(&db.url).await?;
+    let api = Api::new(&node.base_url());
+    let (stuck, _) = create(
+        &api,
+        "stuck",
+        &stuck_url,
+        json!({"max_in_flight": 1, "timeout_ms": 1000, "max_attempts": 100}),
+    )
+    .await?;
+    let (steady, secret) = create(&api, "steady", &rx.url("steady"), json!({})).await?;
+    rx.set_secret("steady", &secret);
+    patch(
+        &api,
+        &steady,
+        json!({"rate_limit": {"per_second": 40, "burst": 1}}),
+    )
+    .await?;
+    let evs = keyed_events("del", 1000, 40);
+    api.publish(&evs, 500).await?;
+    // Let the steady handler reach its rate.
+    ensure!(
+        rx.wait_until(Duration::from_secs(30), |log| log.len() >= 20)
+            .await,
+        "steady handler not started"
+    );
+    let window = Duration::from_secs(2);
+    let n0 = rx.requests().len();
+    tokio::time::sleep(window).await;
+    let n1 = rx.requests().len();
+    let (status, body) = api.delete(&format!("/v1/handlers/{stuck}")).await?;
+    let deleted_at = Instant::now();
+    ensure!(status == 200, "delete: {status} {body}");
+    ensure!(
+        body["discarded_deliveries"] == 1000,
+        "discarded count: {body}"
+    );
+    let stuck_seen = stuck_arrivals.load(Ordering::SeqCst);
+    tokio::time::sleep(window.saturating_sub(deleted_at.elapsed())).await;
+    let n2 = rx.requests().len();
+    let before = (n1 - n0) as f64 / window.as_secs_f64();
+    let after = (n2 - n1) as f64 / window.as_secs_f64();
+    let ratio = after / before;
+    println!(
+        "steady handler: {before:.1}/s before the delete, {after:.1}/s after (ratio {ratio:.2})"
+    );
+    ensure!(
+        ratio >= 0.8,
+        "the delete slowed the other handler: {before:.1}/s -> {after:.1}/s"
+    );
+    // No retry loop left: the stuck handler's attempts (timeouts of 1 s,
+    // retries within 2 s) would show within 3 s.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let stuck_after = stuck_arrivals.load(Ordering::SeqCst);
+    ensure!(
+        stuck_after == stuck_seen,
+        "{} requests to the deleted handler after its delete",
+        stuck_after - stuck_seen
+    );
+    let c = node.store().counts().await?;
+    ensure!(c.dead_letters == 0, "{c:?}");
+    node.shutdown().await?;
+    db.drop_db().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_with_1000_pending_sqlite() {
+    delete_with_1000_pending(Backend::Sqlite).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_with_1000_pending_postgres() {
+    delete_with_1000_pending(Backend::Postgres).await.unwrap();
 }

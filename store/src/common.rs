@@ -158,7 +158,6 @@ impl NewHandler {
     /// # Errors
     /// [`StoreError::Invalid`] naming the field and the rule it breaks.
     pub fn validate(&self) -> Result<()> {
-        use base64::Engine as _;
         if self.name.trim().is_empty() || self.name.len() > 1024 {
             return Err(StoreError::Invalid(
                 "handler name must be 1 to 1024 bytes".into(),
@@ -198,18 +197,7 @@ impl NewHandler {
             ));
         }
         if !self.secret.is_empty() {
-            let decoded = self
-                .secret
-                .strip_prefix("whsec_")
-                .and_then(|b| base64::engine::general_purpose::STANDARD.decode(b).ok());
-            match decoded {
-                Some(bytes) if (24..=64).contains(&bytes.len()) => {}
-                _ => {
-                    return Err(StoreError::Invalid(
-                        "secret must be whsec_ followed by base64 of 24 to 64 bytes".into(),
-                    ))
-                }
-            }
+            validate_secret(&self.secret)?;
         }
         Ok(())
     }
@@ -224,6 +212,33 @@ impl NewHandler {
             self.secret = generate_secret();
         }
         Ok(self)
+    }
+}
+
+/// Checks a signing secret: `whsec_` + standard base64 of 24 to 64 bytes.
+///
+/// # Errors
+/// [`StoreError::Invalid`], without repeating the secret.
+pub(crate) fn validate_secret(secret: &str) -> Result<()> {
+    use base64::Engine as _;
+    let decoded = secret
+        .strip_prefix("whsec_")
+        .and_then(|b| base64::engine::general_purpose::STANDARD.decode(b).ok());
+    match decoded {
+        Some(bytes) if (24..=64).contains(&bytes.len()) => Ok(()),
+        _ => Err(StoreError::Invalid(
+            "secret must be whsec_ followed by base64 of 24 to 64 bytes".into(),
+        )),
+    }
+}
+
+/// `Ok` if a statement on handler `id` touched a row, else
+/// [`StoreError::NotFound`].
+pub(crate) fn handler_found(rows: u64, id: &str) -> Result<()> {
+    if rows == 0 {
+        Err(StoreError::NotFound(format!("handler {id}")))
+    } else {
+        Ok(())
     }
 }
 

@@ -269,6 +269,153 @@ pub struct Handler {
     pub state: HandlerState,
     /// Registration time.
     pub created_at: DateTime<Utc>,
+    /// Requests per second this handler accepts, if limited.
+    pub rate_limit: Option<RateLimit>,
+    /// The secret replaced by the last rotation, still signing (next to
+    /// [`secret`](Self::secret)) until
+    /// [`previous_secret_until`](Self::previous_secret_until).
+    pub previous_secret: Option<String>,
+    /// End of the previous secret's grace period; after it the previous
+    /// secret signs nothing (checked at send time).
+    pub previous_secret_until: Option<DateTime<Utc>>,
+    /// When [`state`](Self::state) last changed (`None`: never since creation).
+    pub state_changed_at: Option<DateTime<Utc>>,
+    /// Why it last changed: `gone` (a `410` answer), `failing` (failed
+    /// without a success for the node's auto-disable period), `api` (an
+    /// operator), or what the caller of [`Store::change_handler_state`] gave.
+    pub state_reason: Option<String>,
+    /// Start of the current run of failed attempts without a success, as
+    /// nodes record it ([`Store::mark_handler_failing`]); `None` when the
+    /// last recorded outcome was a success.
+    pub failing_since: Option<DateTime<Utc>>,
+}
+
+impl Handler {
+    /// A newly registered handler: `id`, the registration's settings,
+    /// enabled, no rate limit, no rotation or state history.
+    pub fn registered(id: String, h: NewHandler, created_at: DateTime<Utc>) -> Handler {
+        Handler {
+            id,
+            name: h.name,
+            url: h.url,
+            event_types: h.event_types,
+            max_attempts: h.max_attempts,
+            timeout_ms: h.timeout_ms,
+            max_in_flight: h.max_in_flight,
+            secret: h.secret,
+            state: HandlerState::Enabled,
+            created_at,
+            rate_limit: None,
+            previous_secret: None,
+            previous_secret_until: None,
+            state_changed_at: None,
+            state_reason: None,
+            failing_since: None,
+        }
+    }
+
+    /// The secrets that sign a request sent at `now`: the current one, then
+    /// the previous one while its grace period lasts.
+    pub fn signing_secrets(&self, now: DateTime<Utc>) -> Vec<&str> {
+        let mut secrets = vec![self.secret.as_str()];
+        if let (Some(old), Some(until)) = (&self.previous_secret, self.previous_secret_until) {
+            if now < until {
+                secrets.push(old.as_str());
+            }
+        }
+        secrets
+    }
+
+    /// Applies `patch` to a copy of this handler and checks the result with
+    /// the rules of [`NewHandler::validate`] (and [`RateLimit::validate`]).
+    ///
+    /// # Errors
+    /// [`StoreError::Invalid`] naming the field and the rule it breaks.
+    pub fn patched(&self, patch: &HandlerPatch) -> Result<Handler> {
+        let mut h = self.clone();
+        if let Some(v) = &patch.name {
+            h.name = v.clone();
+        }
+        if let Some(v) = &patch.url {
+            h.url = v.clone();
+        }
+        if let Some(v) = &patch.event_types {
+            h.event_types = v.clone();
+        }
+        if let Some(v) = patch.max_attempts {
+            h.max_attempts = v;
+        }
+        if let Some(v) = patch.timeout_ms {
+            h.timeout_ms = v;
+        }
+        if let Some(v) = patch.max_in_flight {
+            h.max_in_flight = v;
+        }
+        if let Some(v) = patch.rate_limit {
+            h.rate_limit = v;
+        }
+        NewHandler {
+            name: h.name.clone(),
+            url: h.url.clone(),
+            event_types: h.event_types.clone(),
+            max_attempts: h.max_attempts,
+            timeout_ms: h.timeout_ms,
+            max_in_flight: h.max_in_flight,
+            secret: h.secret.clone(),
+        }
+        .validate()?;
+        if let Some(r) = h.rate_limit {
+            r.validate()?;
+        }
+        Ok(h)
+    }
+}
+
+/// A per-handler rate limit: a token bucket refilled at `per_second`
+/// tokens a second, holding at most `burst` (each request takes one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RateLimit {
+    /// Requests per second, 1 to 100,000.
+    pub per_second: u32,
+    /// Requests that may go at once after an idle period, 1 to 100,000.
+    pub burst: u32,
+}
+
+impl RateLimit {
+    /// Checks both numbers are 1 to 100,000.
+    ///
+    /// # Errors
+    /// [`StoreError::Invalid`] naming the field.
+    pub fn validate(&self) -> Result<()> {
+        for (field, v) in [("per_second", self.per_second), ("burst", self.burst)] {
+            if !(1..=100_000).contains(&v) {
+                return Err(StoreError::Invalid(format!(
+                    "rate_limit.{field} {v} must be 1 to 100000"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A change of a handler's settings ([`Store::update_handler`]); `None`
+/// leaves a field as it is.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HandlerPatch {
+    /// New name.
+    pub name: Option<String>,
+    /// New webhook URL.
+    pub url: Option<String>,
+    /// New routes (apply to events published after the change).
+    pub event_types: Option<Vec<String>>,
+    /// New attempts before dead letter.
+    pub max_attempts: Option<u32>,
+    /// New per-attempt timeout, in milliseconds.
+    pub timeout_ms: Option<u64>,
+    /// New concurrent attempts per node.
+    pub max_in_flight: Option<u32>,
+    /// `Some(None)` removes the rate limit; `Some(Some(r))` sets it.
+    pub rate_limit: Option<Option<RateLimit>>,
 }
 
 /// One delivery as a claim returns it: the (event, handler) pair with what is
@@ -473,7 +620,8 @@ pub trait Store: Send + Sync + 'static {
     fn lanes(&self) -> u16;
 
     /// Publishes a batch in one transaction: events plus one delivery per
-    /// matching enabled handler; keyed events get the next sequence numbers
+    /// matching handler (enabled or disabled: a disabled handler's are kept
+    /// until it is enabled); keyed events get the next sequence numbers
     /// of their key in batch order. Ids already stored (or repeated within the
     /// batch) count as duplicates and create nothing.
     ///
@@ -533,18 +681,86 @@ pub trait Store: Send + Sync + 'static {
     /// One handler; [`StoreError::NotFound`] if absent.
     async fn get_handler(&self, id: &str) -> Result<Handler>;
     /// Enables or disables a handler (a `410 Gone` answer disables it), and
-    /// returns it. Disabling keeps its pending deliveries; publishes made
-    /// while it is disabled create none for it.
+    /// returns it, recording the reason `api`. Disabling keeps its pending
+    /// deliveries, and publishes made while it is disabled create
+    /// deliveries for it as for an enabled one: they are kept, not
+    /// attempted, until it is enabled.
     ///
     /// # Errors
     /// [`StoreError::NotFound`] if absent. The default implementation (for
     /// test doubles) answers [`StoreError::Invalid`].
     async fn set_handler_state(&self, id: &str, state: HandlerState) -> Result<Handler> {
-        let _ = (id, state);
+        self.change_handler_state(id, state, "api").await
+    }
+    /// As [`set_handler_state`](Self::set_handler_state), recording `reason`
+    /// and the time in [`Handler::state_reason`] and
+    /// [`Handler::state_changed_at`] when the state changes (setting the
+    /// state it has already changes nothing). Enabling clears
+    /// [`Handler::failing_since`].
+    ///
+    /// # Errors
+    /// [`StoreError::NotFound`] if absent. The default implementation (for
+    /// test doubles) answers [`StoreError::Invalid`].
+    async fn change_handler_state(
+        &self,
+        id: &str,
+        state: HandlerState,
+        reason: &str,
+    ) -> Result<Handler> {
+        let _ = (id, state, reason);
         Err(StoreError::Invalid(format!(
             "{} store cannot change handler state",
             self.backend()
         )))
+    }
+    /// Changes a handler's settings (see [`HandlerPatch`]), checked like a
+    /// registration ([`Handler::patched`]), and returns it. Route changes
+    /// apply to events published after the change; deliveries already
+    /// created keep going to the handler.
+    ///
+    /// # Errors
+    /// [`StoreError::NotFound`] if absent; [`StoreError::Invalid`] for a bad
+    /// field (nothing is changed). The default implementation (for test
+    /// doubles) answers [`StoreError::Invalid`].
+    async fn update_handler(&self, id: &str, patch: &HandlerPatch) -> Result<Handler> {
+        let _ = (id, patch);
+        Err(StoreError::Invalid(format!(
+            "{} store cannot change handlers",
+            self.backend()
+        )))
+    }
+    /// Rotates a handler's signing secret: `secret` becomes the current one
+    /// and the current one becomes [`Handler::previous_secret`], signing
+    /// too until `previous_until`. A secret still in a previous grace period
+    /// is dropped (two secrets sign at most).
+    ///
+    /// # Errors
+    /// [`StoreError::NotFound`] if absent; [`StoreError::Invalid`] for a
+    /// secret that is not `whsec_` + base64 of 24 to 64 bytes. The default
+    /// implementation (for test doubles) answers [`StoreError::Invalid`].
+    async fn rotate_handler_secret(
+        &self,
+        id: &str,
+        secret: &str,
+        previous_until: DateTime<Utc>,
+    ) -> Result<Handler> {
+        let _ = (id, secret, previous_until);
+        Err(StoreError::Invalid(format!(
+            "{} store cannot rotate secrets",
+            self.backend()
+        )))
+    }
+    /// Records the start of a run of failures (`failing == true`: sets
+    /// [`Handler::failing_since`] to `at` unless it is set) or its end
+    /// (`false`: clears it). Nodes call it only when the value they see in
+    /// their catalog is to change, so it is rare.
+    ///
+    /// # Errors
+    /// [`StoreError::NotFound`] if absent. The default implementation (for
+    /// test doubles) does nothing.
+    async fn mark_handler_failing(&self, id: &str, failing: bool, at: DateTime<Utc>) -> Result<()> {
+        let _ = (id, failing, at);
+        Ok(())
     }
     /// Removes a handler and discards its pending deliveries, returning how
     /// many were discarded; [`StoreError::NotFound`] if absent.

@@ -315,7 +315,11 @@ macro_rules! conformance {
 }
 
 conformance!(
-    publish_delivers_once_per_matching_enabled_handler,
+    publish_delivers_once_per_matching_handler,
+    handler_patch_changes_settings_and_checks_them,
+    secret_rotation_keeps_the_previous_secret_until_its_end,
+    handler_state_changes_record_time_and_reason,
+    failing_since_is_set_once_and_cleared,
     duplicates_are_counted_and_not_delivered,
     key_sequences_are_gapless_and_in_publish_order,
     concurrent_publishers_get_distinct_sequence_numbers,
@@ -419,7 +423,7 @@ fn dref(d: &Delivery, epoch: Epoch, attempts: u32) -> DeliveryRef {
 // Tests
 // ---------------------------------------------------------------------------
 
-async fn publish_delivers_once_per_matching_enabled_handler(h: &dyn Harness) {
+async fn publish_delivers_once_per_matching_handler(h: &dyn Harness) {
     let s = h.store();
     let exact = handler(&*s, "exact", &["issues.opened"]).await;
     let prefix = handler(&*s, "prefix", &["issues.*"]).await;
@@ -450,6 +454,8 @@ async fn publish_delivers_once_per_matching_enabled_handler(h: &dyn Harness) {
         .iter()
         .map(|d| (d.event_id.clone(), d.handler_id.clone()))
         .collect();
+    // The disabled handler gets its deliveries too: kept, not attempted,
+    // until it is enabled (issue #4, decided).
     let want: HashSet<(String, String)> = [
         ("e1", &exact),
         ("e1", &prefix),
@@ -459,14 +465,18 @@ async fn publish_delivers_once_per_matching_enabled_handler(h: &dyn Harness) {
         ("e3", &all),
         ("e3", &push),
         ("e4", &all),
+        ("e1", &disabled),
+        ("e2", &disabled),
+        ("e3", &disabled),
+        ("e4", &disabled),
     ]
     .into_iter()
     .map(|(e, h)| (e.to_string(), h.id.clone()))
     .collect();
     assert_eq!(
         ds.len(),
-        8,
-        "one delivery per (event, matching enabled handler): {ds:?}"
+        12,
+        "one delivery per (event, matching handler): {ds:?}"
     );
     assert_eq!(got, want);
 
@@ -494,9 +504,10 @@ async fn publish_delivers_once_per_matching_enabled_handler(h: &dyn Harness) {
     assert_eq!(e2.lane, lane_of_event(None, "e2", s.lanes()));
 
     let c = counts(&*s).await;
-    assert_eq!((c.events, c.deliveries), (4, 8));
+    assert_eq!((c.events, c.deliveries), (4, 12));
 
-    // Re-enabled, the handler gets later events (but not the ones it missed).
+    // Re-enabled, the handler keeps what it got while disabled, and gets
+    // later events.
     s.set_handler_state(&disabled.id, HandlerState::Enabled)
         .await
         .expect("enable");
@@ -509,7 +520,8 @@ async fn publish_delivers_once_per_matching_enabled_handler(h: &dyn Harness) {
         .filter(|d| d.handler_id == disabled.id)
         .map(|d| d.event_id.as_str())
         .collect();
-    assert_eq!(to_disabled, vec!["e5"]);
+    let to_disabled: HashSet<&str> = to_disabled.into_iter().collect();
+    assert_eq!(to_disabled, HashSet::from(["e1", "e2", "e3", "e4", "e5"]));
 }
 
 async fn duplicates_are_counted_and_not_delivered(h: &dyn Harness) {
@@ -1503,6 +1515,230 @@ async fn concurrent_publishes_of_one_id_store_it_once(h: &dyn Harness) {
         seqs_of_key(&claim_all(&*s).await, "k"),
         (1..=10).collect::<Vec<_>>()
     );
+}
+
+async fn handler_patch_changes_settings_and_checks_them(h: &dyn Harness) {
+    let s = h.store();
+    let a = handler(&*s, "a", &["issues.*"]).await;
+    let other = handler(&*s, "other", &["*"]).await;
+    let patch = HandlerPatch {
+        url: Some("https://example.com/new".into()),
+        event_types: Some(vec!["push".into()]),
+        max_attempts: Some(3),
+        timeout_ms: Some(2_000),
+        max_in_flight: Some(7),
+        rate_limit: Some(Some(RateLimit {
+            per_second: 5,
+            burst: 2,
+        })),
+        ..HandlerPatch::default()
+    };
+    let changed = s.update_handler(&a.id, &patch).await.expect("update");
+    assert_eq!(changed.name, "a", "absent fields stay");
+    assert_eq!(changed.url, "https://example.com/new");
+    assert_eq!(changed.event_types, vec!["push"]);
+    assert_eq!(
+        (
+            changed.max_attempts,
+            changed.timeout_ms,
+            changed.max_in_flight
+        ),
+        (3, 2_000, 7)
+    );
+    assert_eq!(
+        changed.rate_limit,
+        Some(RateLimit {
+            per_second: 5,
+            burst: 2
+        })
+    );
+    assert_eq!(changed.secret, a.secret);
+    assert_eq!(s.get_handler(&a.id).await.expect("get"), changed);
+    assert_eq!(
+        s.get_handler(&other.id).await.expect("get other"),
+        other,
+        "other handlers untouched"
+    );
+    // Routes apply to events published after the change.
+    s.publish(vec![
+        ev(Some("p1"), "push", None),
+        ev(Some("i1"), "issues.opened", None),
+    ])
+    .await
+    .expect("publish");
+    let to_a: Vec<String> = claim_all(&*s)
+        .await
+        .into_iter()
+        .filter(|d| d.handler_id == a.id)
+        .map(|d| d.event_id)
+        .collect();
+    assert_eq!(to_a, vec!["p1"]);
+
+    // The limit can be removed; bad fields change nothing.
+    let cleared = s
+        .update_handler(
+            &a.id,
+            &HandlerPatch {
+                rate_limit: Some(None),
+                ..HandlerPatch::default()
+            },
+        )
+        .await
+        .expect("clear rate limit");
+    assert_eq!(cleared.rate_limit, None);
+    for bad in [
+        HandlerPatch {
+            event_types: Some(vec!["bad*pattern*".into()]),
+            ..HandlerPatch::default()
+        },
+        HandlerPatch {
+            url: Some("ftp://example.com".into()),
+            ..HandlerPatch::default()
+        },
+        HandlerPatch {
+            max_attempts: Some(0),
+            ..HandlerPatch::default()
+        },
+        HandlerPatch {
+            rate_limit: Some(Some(RateLimit {
+                per_second: 0,
+                burst: 1,
+            })),
+            ..HandlerPatch::default()
+        },
+    ] {
+        let e = s.update_handler(&a.id, &bad).await.unwrap_err();
+        assert!(matches!(e, StoreError::Invalid(_)), "{bad:?}: {e}");
+    }
+    assert_eq!(s.get_handler(&a.id).await.expect("get"), cleared);
+    assert!(matches!(
+        s.update_handler("hdl_nope", &HandlerPatch::default()).await,
+        Err(StoreError::NotFound(_))
+    ));
+}
+
+async fn secret_rotation_keeps_the_previous_secret_until_its_end(h: &dyn Harness) {
+    let s = h.store();
+    let a = handler(&*s, "a", &["*"]).await;
+    assert_eq!(a.signing_secrets(Utc::now()), vec![a.secret.as_str()]);
+    let new = generate_secret();
+    let until = Utc::now() + chrono::Duration::hours(24);
+    let rotated = s
+        .rotate_handler_secret(&a.id, &new, until)
+        .await
+        .expect("rotate");
+    assert_eq!(rotated.secret, new);
+    assert_eq!(rotated.previous_secret.as_deref(), Some(a.secret.as_str()));
+    let stored_until = rotated.previous_secret_until.expect("until");
+    assert!(
+        (stored_until - until).num_milliseconds().abs() < 1,
+        "{stored_until} {until}"
+    );
+    assert_eq!(s.get_handler(&a.id).await.expect("get"), rotated);
+    assert_eq!(
+        rotated.signing_secrets(Utc::now()),
+        vec![new.as_str(), a.secret.as_str()],
+        "both sign during the grace period, the new one first"
+    );
+    assert_eq!(
+        rotated.signing_secrets(until + chrono::Duration::seconds(1)),
+        vec![new.as_str()],
+        "only the new one after it"
+    );
+    // A second rotation drops the first secret.
+    let newer = generate_secret();
+    let again = s
+        .rotate_handler_secret(&a.id, &newer, until)
+        .await
+        .expect("rotate again");
+    assert_eq!(
+        again.signing_secrets(Utc::now()),
+        vec![newer.as_str(), new.as_str()]
+    );
+    assert!(matches!(
+        s.rotate_handler_secret(&a.id, "not-a-secret", until).await,
+        Err(StoreError::Invalid(_))
+    ));
+    assert!(matches!(
+        s.rotate_handler_secret("hdl_nope", &generate_secret(), until)
+            .await,
+        Err(StoreError::NotFound(_))
+    ));
+    assert_eq!(s.get_handler(&a.id).await.expect("get"), again);
+}
+
+async fn handler_state_changes_record_time_and_reason(h: &dyn Harness) {
+    let s = h.store();
+    let a = handler(&*s, "a", &["*"]).await;
+    assert_eq!(
+        (a.state_changed_at, a.state_reason.as_deref()),
+        (None, None)
+    );
+    let before = Utc::now() - chrono::Duration::seconds(1);
+    let off = s
+        .change_handler_state(&a.id, HandlerState::Disabled, "gone")
+        .await
+        .expect("disable");
+    assert_eq!(off.state, HandlerState::Disabled);
+    assert_eq!(off.state_reason.as_deref(), Some("gone"));
+    let at = off.state_changed_at.expect("changed at");
+    assert!(at >= before && at <= Utc::now(), "{at}");
+    // The same state again changes nothing.
+    let same = s
+        .change_handler_state(&a.id, HandlerState::Disabled, "failing")
+        .await
+        .expect("disable again");
+    assert_eq!(same, off);
+    assert_eq!(s.get_handler(&a.id).await.expect("get"), off);
+    s.mark_handler_failing(&a.id, true, Utc::now())
+        .await
+        .expect("failing");
+    let on = s
+        .set_handler_state(&a.id, HandlerState::Enabled)
+        .await
+        .expect("enable");
+    assert_eq!(on.state, HandlerState::Enabled);
+    assert_eq!(on.state_reason.as_deref(), Some("api"));
+    assert!(on.state_changed_at.expect("changed") >= at);
+    assert_eq!(
+        on.failing_since, None,
+        "enabling starts a new failure count"
+    );
+    assert!(matches!(
+        s.change_handler_state("hdl_nope", HandlerState::Enabled, "api")
+            .await,
+        Err(StoreError::NotFound(_))
+    ));
+}
+
+async fn failing_since_is_set_once_and_cleared(h: &dyn Harness) {
+    let s = h.store();
+    let a = handler(&*s, "a", &["*"]).await;
+    assert_eq!(a.failing_since, None);
+    let t1 = Utc::now() - chrono::Duration::minutes(5);
+    s.mark_handler_failing(&a.id, true, t1).await.expect("mark");
+    let got = s.get_handler(&a.id).await.expect("get").failing_since;
+    assert_eq!(
+        got.map(|t| t.timestamp_micros()),
+        Some(t1.timestamp_micros())
+    );
+    // A later failure keeps the start of the run.
+    s.mark_handler_failing(&a.id, true, Utc::now())
+        .await
+        .expect("mark again");
+    let got = s.get_handler(&a.id).await.expect("get").failing_since;
+    assert_eq!(
+        got.map(|t| t.timestamp_micros()),
+        Some(t1.timestamp_micros())
+    );
+    s.mark_handler_failing(&a.id, false, Utc::now())
+        .await
+        .expect("clear");
+    assert_eq!(s.get_handler(&a.id).await.expect("get").failing_since, None);
+    assert!(matches!(
+        s.mark_handler_failing("hdl_nope", true, Utc::now()).await,
+        Err(StoreError::NotFound(_))
+    ));
 }
 
 /// Tests of PostgreSQL-only behaviour: commit-ordered cursor, NOTIFY.

@@ -123,6 +123,26 @@ impl KeyHandler {
             }
             return;
         }
+        let wait = self.deps.dispatcher.rate_wait(&handler);
+        if !wait.is_zero() {
+            // Over the handler's rate limit: wait for the token without
+            // making an attempt. Reported like a retry, so when the lane's
+            // buffer is full the handler's queued deliveries make room for
+            // other handlers' (they stay in the store).
+            metrics::rate_limited(&handler.id);
+            self.deps.owner.do_send(Retrying { id: delivery.id });
+            ctx.run_later(wait, move |act, ctx| act.send(delivery, handler, ctx));
+            return;
+        }
+        self.send(delivery, handler, ctx);
+    }
+
+    /// Makes the attempt (its rate-limit token taken).
+    fn send(&mut self, delivery: Delivery, handler: Arc<HandlerConfig>, ctx: &mut Context<Self>) {
+        if !self.deps.owner.connected() {
+            ctx.stop();
+            return;
+        }
         let attempt = delivery.attempts + 1;
         let dispatcher = self.deps.dispatcher.clone();
         let catalog = self.deps.catalog.clone();
@@ -171,6 +191,9 @@ impl KeyHandler {
             &outcome,
             rand::random::<f64>(),
         );
+        self.deps
+            .catalog
+            .record_outcome(&handler.id, matches!(decision, Decision::Complete));
         let record = match decision {
             Decision::Complete => {
                 metrics::delivery_outcome(&handler.id, "completed");
@@ -303,7 +326,11 @@ impl KeyHandler {
     fn disable(&mut self, delivery: Delivery, ctx: &mut Context<Self>) {
         let catalog = self.deps.catalog.clone();
         let id = delivery.handler_id.clone();
-        let fut = async move { catalog.set_state(&id, HandlerState::Disabled).await };
+        let fut = async move {
+            catalog
+                .set_state_because(&id, HandlerState::Disabled, "gone")
+                .await
+        };
         ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| match res {
             Ok(_) => {
                 metrics::handler_disabled(&delivery.handler_id, "gone");

@@ -370,3 +370,32 @@ pub fn expected(events: &[Published], handlers: &[Registered]) -> Vec<Expected> 
     }
     out
 }
+
+/// Verifies recorded requests (`[{"secret", "body", "headers"}, ...]`) with
+/// the official Python `standardwebhooks` package
+/// (`node/tests/verify_standardwebhooks.py`, run by `python`); answers the
+/// script's summary line.
+pub fn verify_with_python(python: &str, entries: &[Value]) -> anyhow::Result<String> {
+    let path = std::env::temp_dir().join(format!(
+        "lanebus-swh-{}.json",
+        uuid::Uuid::now_v7().simple()
+    ));
+    std::fs::write(&path, serde_json::to_vec(entries)?)?;
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/verify_standardwebhooks.py"
+    );
+    let out = std::process::Command::new(python)
+        .arg(script)
+        .arg(&path)
+        .output()
+        .context("run python")?;
+    let _ = std::fs::remove_file(&path);
+    anyhow::ensure!(
+        out.status.success(),
+        "standardwebhooks rejected signatures: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}

@@ -40,19 +40,12 @@ async fn next_counter(s: &MongoStore, id: &str) -> Result<i64> {
 }
 
 pub(super) async fn create_handler(s: &MongoStore, h: NewHandler) -> Result<Handler> {
-    let handler = Handler {
-        id: generate_handler_id(),
-        name: h.name,
-        url: h.url,
-        event_types: h.event_types,
-        max_attempts: h.max_attempts,
-        timeout_ms: h.timeout_ms,
-        max_in_flight: h.max_in_flight,
-        secret: h.secret,
-        state: HandlerState::Enabled,
+    let handler = Handler::registered(
+        generate_handler_id(),
+        h,
         // Stored with microsecond precision: truncate so the answer equals a later read.
-        created_at: from_micros(to_micros(Utc::now())),
-    };
+        from_micros(to_micros(Utc::now())),
+    );
     let seq = next_counter(s, names::HANDLERS).await?;
     s.coll(names::HANDLERS)
         .insert_one(doc! {
@@ -95,6 +88,21 @@ fn handler_from_doc(d: &Document) -> Result<Handler> {
         secret: get_string(d, "secret")?,
         state: HandlerState::parse(&get_string(d, "state")?),
         created_at: from_micros(get_int(d, "created_at")?),
+        rate_limit: match (
+            get_opt_int(d, "rate_limit_per_s")?,
+            get_opt_int(d, "rate_limit_burst")?,
+        ) {
+            (Some(per_second), Some(burst)) => Some(RateLimit {
+                per_second: to_u32(per_second),
+                burst: to_u32(burst),
+            }),
+            _ => None,
+        },
+        previous_secret: get_opt_string(d, "previous_secret")?,
+        previous_secret_until: get_opt_int(d, "previous_secret_until")?.map(from_micros),
+        state_changed_at: get_opt_int(d, "state_changed_at")?.map(from_micros),
+        state_reason: get_opt_string(d, "state_reason")?,
+        failing_since: get_opt_int(d, "failing_since")?.map(from_micros),
     })
 }
 
@@ -121,17 +129,129 @@ pub(super) async fn get_handler(s: &MongoStore, id: &str) -> Result<Handler> {
     handler_from_doc(&d)
 }
 
-pub(super) async fn set_handler_state(s: &MongoStore, id: &str, state: HandlerState) -> Result<()> {
+/// Sets the state, and time and reason when it changes (enabling clears
+/// `failing_since`); [`StoreError::NotFound`] if absent.
+pub(super) async fn change_handler_state(
+    s: &MongoStore,
+    id: &str,
+    state: HandlerState,
+    reason: &str,
+) -> Result<()> {
+    let mut set = doc! {
+        "state": state.as_str(),
+        "state_changed_at": to_micros(Utc::now()),
+        "state_reason": reason,
+    };
+    if state == HandlerState::Enabled {
+        set.insert("failing_since", ::mongodb::bson::Bson::Null);
+    }
+    let r = s
+        .coll(names::HANDLERS)
+        .update_one(
+            doc! { "_id": id, "state": { "$ne": state.as_str() } },
+            doc! { "$set": set },
+        )
+        .await
+        .map_err(map_err)?;
+    if r.matched_count == 0 {
+        // Already in that state, or absent.
+        get_handler(s, id).await?;
+    }
+    Ok(())
+}
+
+/// Read, merge, check, write (the last of concurrent changes wins).
+pub(super) async fn update_handler(
+    s: &MongoStore,
+    id: &str,
+    patch: &HandlerPatch,
+) -> Result<Handler> {
+    let h = get_handler(s, id).await?.patched(patch)?;
+    let rate = |f: fn(&RateLimit) -> u32| {
+        h.rate_limit
+            .as_ref()
+            .map_or(::mongodb::bson::Bson::Null, |r| {
+                ::mongodb::bson::Bson::Int64(i64::from(f(r)))
+            })
+    };
     let r = s
         .coll(names::HANDLERS)
         .update_one(
             doc! { "_id": id },
-            doc! { "$set": { "state": state.as_str() } },
+            doc! { "$set": {
+                "name": &h.name,
+                "url": &h.url,
+                "event_types": &h.event_types,
+                "max_attempts": i64::from(h.max_attempts),
+                "timeout_ms": i64::try_from(h.timeout_ms).unwrap_or(i64::MAX),
+                "max_in_flight": i64::from(h.max_in_flight),
+                "rate_limit_per_s": rate(|r| r.per_second),
+                "rate_limit_burst": rate(|r| r.burst),
+            } },
         )
         .await
         .map_err(map_err)?;
     if r.matched_count == 0 {
         return Err(StoreError::NotFound(format!("handler {id}")));
+    }
+    Ok(h)
+}
+
+/// The current secret becomes the previous one: a compare-and-set on the
+/// secret read, repeated if a concurrent rotation came first.
+pub(super) async fn rotate_handler_secret(
+    s: &MongoStore,
+    id: &str,
+    secret: &str,
+    previous_until: chrono::DateTime<Utc>,
+) -> Result<Handler> {
+    for _ in 0..8 {
+        let current = get_handler(s, id).await?;
+        let r = s
+            .coll(names::HANDLERS)
+            .update_one(
+                doc! { "_id": id, "secret": &current.secret },
+                doc! { "$set": {
+                    "secret": secret,
+                    "previous_secret": &current.secret,
+                    "previous_secret_until": to_micros(previous_until),
+                } },
+            )
+            .await
+            .map_err(map_err)?;
+        if r.matched_count == 1 {
+            return get_handler(s, id).await;
+        }
+    }
+    Err(StoreError::Conflict(format!(
+        "handler {id}: secret rotated concurrently, try again"
+    )))
+}
+
+pub(super) async fn mark_handler_failing(
+    s: &MongoStore,
+    id: &str,
+    failing: bool,
+    at: chrono::DateTime<Utc>,
+) -> Result<()> {
+    let (filter, set) = if failing {
+        (
+            doc! { "_id": id, "failing_since": ::mongodb::bson::Bson::Null },
+            doc! { "failing_since": to_micros(at) },
+        )
+    } else {
+        (
+            doc! { "_id": id },
+            doc! { "failing_since": ::mongodb::bson::Bson::Null },
+        )
+    };
+    let r = s
+        .coll(names::HANDLERS)
+        .update_one(filter, doc! { "$set": set })
+        .await
+        .map_err(map_err)?;
+    if r.matched_count == 0 {
+        get_handler(s, id).await?;
     }
     Ok(())
 }

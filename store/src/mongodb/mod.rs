@@ -34,7 +34,7 @@
 //!   inserted once and deleted once; claims only read (one fenced owner per
 //!   lane); completions append to `completions` (no unique index).
 //! - **Publish is one transaction** with read concern `snapshot` and write
-//!   concern `majority` (`publish.rs`): stored-id check, enabled handlers
+//!   concern `majority` (`publish.rs`): stored-id check, handlers
 //!   (routes are matched in Rust on the snapshot, so a handler registered
 //!   through another node is seen at once), the counters, `insertMany` of
 //!   events, `insertMany` of deliveries.
@@ -775,9 +775,37 @@ impl Store for MongoStore {
         catalog::get_handler(self, id).await
     }
 
-    async fn set_handler_state(&self, id: &str, state: HandlerState) -> Result<Handler> {
-        catalog::set_handler_state(self, id, state).await?;
+    async fn change_handler_state(
+        &self,
+        id: &str,
+        state: HandlerState,
+        reason: &str,
+    ) -> Result<Handler> {
+        catalog::change_handler_state(self, id, state, reason).await?;
         catalog::get_handler(self, id).await
+    }
+
+    async fn update_handler(&self, id: &str, patch: &HandlerPatch) -> Result<Handler> {
+        catalog::update_handler(self, id, patch).await
+    }
+
+    async fn rotate_handler_secret(
+        &self,
+        id: &str,
+        secret: &str,
+        previous_until: chrono::DateTime<chrono::Utc>,
+    ) -> Result<Handler> {
+        crate::common::validate_secret(secret)?;
+        catalog::rotate_handler_secret(self, id, secret, previous_until).await
+    }
+
+    async fn mark_handler_failing(
+        &self,
+        id: &str,
+        failing: bool,
+        at: chrono::DateTime<chrono::Utc>,
+    ) -> Result<()> {
+        catalog::mark_handler_failing(self, id, failing, at).await
     }
 
     async fn delete_handler(&self, id: &str) -> Result<u64> {

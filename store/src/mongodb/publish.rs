@@ -137,10 +137,11 @@ pub(super) async fn write(
         });
     }
 
-    // Enabled handlers in creation order, read in the transaction's snapshot.
+    // Handlers in creation order, read in the transaction's snapshot;
+    // disabled ones too (their deliveries are kept until they are enabled).
     let handlers: Vec<(String, Vec<String>)> = s
         .coll(names::HANDLERS)
-        .find(doc! { "state": "enabled" })
+        .find(doc! {})
         .projection(doc! { "_id": 1, "event_types": 1 })
         .sort(doc! { "seq": 1 })
         .batch_size(FULL_BATCH)

@@ -12,22 +12,17 @@ use crate::*;
 const DEFAULT_DEAD_LETTER_PAGE: u32 = 100;
 
 const HANDLER_COLUMNS: &str =
-    "id, name, url, event_types, max_attempts, timeout_ms, max_in_flight, secret, state, created_at";
+    "id, name, url, event_types, max_attempts, timeout_ms, max_in_flight, secret, state, created_at, \
+     rate_limit_per_s, rate_limit_burst, previous_secret, previous_secret_until, state_changed_at, \
+     state_reason, failing_since";
 
 pub(super) async fn create_handler(pool: &PgPool, h: NewHandler) -> Result<Handler> {
-    let handler = Handler {
-        id: generate_handler_id(),
-        name: h.name,
-        url: h.url,
-        event_types: h.event_types,
-        max_attempts: h.max_attempts,
-        timeout_ms: h.timeout_ms,
-        max_in_flight: h.max_in_flight,
-        secret: h.secret,
-        state: HandlerState::Enabled,
+    let handler = Handler::registered(
+        generate_handler_id(),
+        h,
         // timestamptz keeps microseconds: truncate so the answer equals a later read.
-        created_at: from_micros(to_micros(Utc::now())),
-    };
+        from_micros(to_micros(Utc::now())),
+    );
     sqlx::query(
         "INSERT INTO handlers (id, name, url, event_types, max_attempts, timeout_ms, max_in_flight, secret, state, created_at) \
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
@@ -64,6 +59,22 @@ fn handler_from_row(row: &PgRow) -> Result<Handler> {
         secret: row.try_get("secret").map_err(map_err)?,
         state: HandlerState::parse(&state),
         created_at: row.try_get("created_at").map_err(map_err)?,
+        rate_limit: rate_limit(
+            row.try_get("rate_limit_per_s").map_err(map_err)?,
+            row.try_get("rate_limit_burst").map_err(map_err)?,
+        ),
+        previous_secret: row.try_get("previous_secret").map_err(map_err)?,
+        previous_secret_until: row.try_get("previous_secret_until").map_err(map_err)?,
+        state_changed_at: row.try_get("state_changed_at").map_err(map_err)?,
+        state_reason: row.try_get("state_reason").map_err(map_err)?,
+        failing_since: row.try_get("failing_since").map_err(map_err)?,
+    })
+}
+
+fn rate_limit(per_s: Option<i32>, burst: Option<i32>) -> Option<RateLimit> {
+    Some(RateLimit {
+        per_second: to_u32(i64::from(per_s?)),
+        burst: to_u32(i64::from(burst?)),
     })
 }
 
@@ -91,21 +102,111 @@ pub(super) async fn get_handler(pool: &PgPool, id: &str) -> Result<Handler> {
     handler_from_row(&row)
 }
 
-pub(super) async fn set_handler_state(
+pub(super) async fn change_handler_state(
     pool: &PgPool,
     id: &str,
     state: HandlerState,
+    reason: &str,
 ) -> Result<Handler> {
     let row = sqlx::query(&format!(
-        "UPDATE handlers SET state = $2 WHERE id = $1 RETURNING {HANDLER_COLUMNS}"
+        "UPDATE handlers SET state = $2, \
+                state_changed_at = CASE WHEN state = $2 THEN state_changed_at ELSE $4 END, \
+                state_reason = CASE WHEN state = $2 THEN state_reason ELSE $3 END, \
+                failing_since = CASE WHEN $2 = 'enabled' THEN NULL ELSE failing_since END \
+         WHERE id = $1 RETURNING {HANDLER_COLUMNS}"
     ))
     .bind(id)
     .bind(state.as_str())
+    .bind(reason)
+    .bind(from_micros(to_micros(Utc::now())))
     .fetch_optional(pool)
     .await
     .map_err(map_err)?
     .ok_or_else(|| StoreError::NotFound(format!("handler {id}")))?;
     handler_from_row(&row)
+}
+
+/// Read, merge, check, write: one transaction holding the row lock.
+pub(super) async fn update_handler(
+    pool: &PgPool,
+    id: &str,
+    patch: &HandlerPatch,
+) -> Result<Handler> {
+    let mut tx = pool.begin().await.map_err(map_err)?;
+    let row = sqlx::query(&format!(
+        "SELECT {HANDLER_COLUMNS} FROM handlers WHERE id = $1 FOR UPDATE"
+    ))
+    .bind(id)
+    .fetch_optional(&mut *tx)
+    .await
+    .map_err(map_err)?
+    .ok_or_else(|| StoreError::NotFound(format!("handler {id}")))?;
+    let h = handler_from_row(&row)?.patched(patch)?;
+    sqlx::query(
+        "UPDATE handlers SET name = $2, url = $3, event_types = $4, max_attempts = $5, \
+                timeout_ms = $6, max_in_flight = $7, rate_limit_per_s = $8, rate_limit_burst = $9 \
+         WHERE id = $1",
+    )
+    .bind(id)
+    .bind(&h.name)
+    .bind(&h.url)
+    .bind(&h.event_types)
+    .bind(i32::try_from(h.max_attempts).unwrap_or(i32::MAX))
+    .bind(i64::try_from(h.timeout_ms).unwrap_or(i64::MAX))
+    .bind(i32::try_from(h.max_in_flight).unwrap_or(i32::MAX))
+    .bind(
+        h.rate_limit
+            .map(|r| i32::try_from(r.per_second).unwrap_or(i32::MAX)),
+    )
+    .bind(
+        h.rate_limit
+            .map(|r| i32::try_from(r.burst).unwrap_or(i32::MAX)),
+    )
+    .execute(&mut *tx)
+    .await
+    .map_err(map_err)?;
+    tx.commit().await.map_err(map_err)?;
+    Ok(h)
+}
+
+pub(super) async fn rotate_handler_secret(
+    pool: &PgPool,
+    id: &str,
+    secret: &str,
+    previous_until: DateTime<Utc>,
+) -> Result<Handler> {
+    let row = sqlx::query(&format!(
+        "UPDATE handlers SET previous_secret = secret, previous_secret_until = $3, secret = $2 \
+         WHERE id = $1 RETURNING {HANDLER_COLUMNS}"
+    ))
+    .bind(id)
+    .bind(secret)
+    .bind(from_micros(to_micros(previous_until)))
+    .fetch_optional(pool)
+    .await
+    .map_err(map_err)?
+    .ok_or_else(|| StoreError::NotFound(format!("handler {id}")))?;
+    handler_from_row(&row)
+}
+
+pub(super) async fn mark_handler_failing(
+    pool: &PgPool,
+    id: &str,
+    failing: bool,
+    at: DateTime<Utc>,
+) -> Result<()> {
+    let n = sqlx::query(
+        "UPDATE handlers SET failing_since = CASE WHEN $2 THEN coalesce(failing_since, $3) END \
+         WHERE id = $1",
+    )
+    .bind(id)
+    .bind(failing)
+    .bind(from_micros(to_micros(at)))
+    .execute(pool)
+    .await
+    .map_err(map_err)?
+    .rows_affected();
+    crate::common::handler_found(n, id)
 }
 
 /// Deletes the handler and its pending deliveries in one statement; returns

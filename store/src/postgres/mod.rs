@@ -122,7 +122,10 @@ pub const CHANNEL: &str = "lanebus";
 const MIGRATION_LOCK: i64 = 0x006c_616e_6562_7573;
 
 /// Schema migrations, applied in order; version `i + 1` is `MIGRATIONS[i]`.
-const MIGRATIONS: &[&str] = &[include_str!("../../migrations/postgres/0001_init.sql")];
+const MIGRATIONS: &[&str] = &[
+    include_str!("../../migrations/postgres/0001_init.sql"),
+    include_str!("../../migrations/postgres/0002_handler_controls.sql"),
+];
 
 /// The PostgreSQL store. Cheap to clone: clones share the pool.
 #[derive(Debug, Clone)]
@@ -471,8 +474,31 @@ impl Store for PgStore {
         catalog::get_handler(&self.pool, id).await
     }
 
-    async fn set_handler_state(&self, id: &str, state: HandlerState) -> Result<Handler> {
-        catalog::set_handler_state(&self.pool, id, state).await
+    async fn change_handler_state(
+        &self,
+        id: &str,
+        state: HandlerState,
+        reason: &str,
+    ) -> Result<Handler> {
+        catalog::change_handler_state(&self.pool, id, state, reason).await
+    }
+
+    async fn update_handler(&self, id: &str, patch: &HandlerPatch) -> Result<Handler> {
+        catalog::update_handler(&self.pool, id, patch).await
+    }
+
+    async fn rotate_handler_secret(
+        &self,
+        id: &str,
+        secret: &str,
+        previous_until: DateTime<Utc>,
+    ) -> Result<Handler> {
+        crate::common::validate_secret(secret)?;
+        catalog::rotate_handler_secret(&self.pool, id, secret, previous_until).await
+    }
+
+    async fn mark_handler_failing(&self, id: &str, failing: bool, at: DateTime<Utc>) -> Result<()> {
+        catalog::mark_handler_failing(&self.pool, id, failing, at).await
     }
 
     async fn delete_handler(&self, id: &str) -> Result<u64> {

@@ -2,7 +2,7 @@
 //!
 //! The statement checks client-supplied ids against `events`, raises the
 //! batch's key counters (row locks taken in key order), inserts the events
-//! and one delivery per matching enabled handler, and sends one NOTIFY. It
+//! and one delivery per matching handler (disabled ones too), and sends one NOTIFY. It
 //! runs in autocommit for [`Store::publish`](crate::Store::publish) (so a
 //! publish is one round trip: no BEGIN/COMMIT), or inside the caller's
 //! transaction for [`PgStore::publish_in`](super::PgStore::publish_in).

@@ -13,22 +13,17 @@ use crate::*;
 const DEFAULT_DEAD_LETTER_PAGE: u32 = 100;
 
 const HANDLER_COLUMNS: &str =
-    "id, name, url, event_types, max_attempts, timeout_ms, max_in_flight, secret, state, created_at";
+    "id, name, url, event_types, max_attempts, timeout_ms, max_in_flight, secret, state, created_at, \
+     rate_limit_per_s, rate_limit_burst, previous_secret, previous_secret_until, state_changed_at, \
+     state_reason, failing_since";
 
 pub(super) async fn create_handler(conn: &mut SqliteConnection, h: NewHandler) -> Result<Handler> {
-    let handler = Handler {
-        id: generate_handler_id(),
-        name: h.name,
-        url: h.url,
-        event_types: h.event_types,
-        max_attempts: h.max_attempts,
-        timeout_ms: h.timeout_ms,
-        max_in_flight: h.max_in_flight,
-        secret: h.secret,
-        state: HandlerState::Enabled,
+    let handler = Handler::registered(
+        generate_handler_id(),
+        h,
         // Stored with microsecond precision: truncate so the answer equals a later read.
-        created_at: from_micros(to_micros(Utc::now())),
-    };
+        from_micros(to_micros(Utc::now())),
+    );
     sqlx::query(
         "INSERT INTO handlers (id, name, url, event_types, max_attempts, timeout_ms, max_in_flight, secret, state, created_at) \
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
@@ -68,7 +63,31 @@ fn handler_from_row(row: &SqliteRow) -> Result<Handler> {
         secret: row.try_get("secret").map_err(map_err)?,
         state: HandlerState::parse(&state),
         created_at: from_micros(row.try_get("created_at").map_err(map_err)?),
+        rate_limit: match (
+            row.try_get::<Option<i64>, _>("rate_limit_per_s")
+                .map_err(map_err)?,
+            row.try_get::<Option<i64>, _>("rate_limit_burst")
+                .map_err(map_err)?,
+        ) {
+            (Some(per_second), Some(burst)) => Some(RateLimit {
+                per_second: to_u32(per_second),
+                burst: to_u32(burst),
+            }),
+            _ => None,
+        },
+        previous_secret: row.try_get("previous_secret").map_err(map_err)?,
+        previous_secret_until: time(row, "previous_secret_until")?,
+        state_changed_at: time(row, "state_changed_at")?,
+        state_reason: row.try_get("state_reason").map_err(map_err)?,
+        failing_since: time(row, "failing_since")?,
     })
+}
+
+fn time(row: &SqliteRow, column: &str) -> Result<Option<chrono::DateTime<Utc>>> {
+    Ok(row
+        .try_get::<Option<i64>, _>(column)
+        .map_err(map_err)?
+        .map(from_micros))
 }
 
 pub(super) async fn list_handlers(pool: &SqlitePool) -> Result<Vec<Handler>> {
@@ -83,12 +102,15 @@ pub(super) async fn list_handlers(pool: &SqlitePool) -> Result<Vec<Handler>> {
     .collect()
 }
 
-pub(super) async fn get_handler(pool: &SqlitePool, id: &str) -> Result<Handler> {
+pub(super) async fn get_handler<'e, E>(ex: E, id: &str) -> Result<Handler>
+where
+    E: sqlx::Executor<'e, Database = sqlx::Sqlite>,
+{
     let row = sqlx::query(&format!(
         "SELECT {HANDLER_COLUMNS} FROM handlers WHERE id = ?1"
     ))
     .bind(id)
-    .fetch_optional(pool)
+    .fetch_optional(ex)
     .await
     .map_err(map_err)?
     .ok_or_else(|| StoreError::NotFound(format!("handler {id}")))?;
@@ -184,20 +206,93 @@ pub(super) async fn counts(pool: &SqlitePool) -> Result<StoreCounts> {
     })
 }
 
-pub(super) async fn set_handler_state(
+pub(super) async fn change_handler_state(
     conn: &mut SqliteConnection,
     id: &str,
     state: HandlerState,
+    reason: &str,
 ) -> Result<()> {
-    let n = sqlx::query("UPDATE handlers SET state = ?1 WHERE id = ?2")
-        .bind(state.as_str())
-        .bind(id)
-        .execute(conn)
-        .await
-        .map_err(map_err)?
-        .rows_affected();
-    if n == 0 {
-        return Err(StoreError::NotFound(format!("handler {id}")));
-    }
-    Ok(())
+    let n = sqlx::query(
+        "UPDATE handlers SET state = ?1, \
+                state_changed_at = CASE WHEN state = ?1 THEN state_changed_at ELSE ?4 END, \
+                state_reason = CASE WHEN state = ?1 THEN state_reason ELSE ?3 END, \
+                failing_since = CASE WHEN ?1 = 'enabled' THEN NULL ELSE failing_since END \
+         WHERE id = ?2",
+    )
+    .bind(state.as_str())
+    .bind(id)
+    .bind(reason)
+    .bind(to_micros(Utc::now()))
+    .execute(conn)
+    .await
+    .map_err(map_err)?
+    .rows_affected();
+    crate::common::handler_found(n, id)
+}
+
+/// Read, merge, check, write, in the caller's write transaction.
+pub(super) async fn update_handler(
+    conn: &mut SqliteConnection,
+    id: &str,
+    patch: &HandlerPatch,
+) -> Result<Handler> {
+    let h = get_handler(&mut *conn, id).await?.patched(patch)?;
+    sqlx::query(
+        "UPDATE handlers SET name = ?2, url = ?3, event_types = ?4, max_attempts = ?5, \
+                timeout_ms = ?6, max_in_flight = ?7, rate_limit_per_s = ?8, rate_limit_burst = ?9 \
+         WHERE id = ?1",
+    )
+    .bind(id)
+    .bind(&h.name)
+    .bind(&h.url)
+    .bind(json(&h.event_types)?)
+    .bind(i64::from(h.max_attempts))
+    .bind(i64::try_from(h.timeout_ms).unwrap_or(i64::MAX))
+    .bind(i64::from(h.max_in_flight))
+    .bind(h.rate_limit.map(|r| i64::from(r.per_second)))
+    .bind(h.rate_limit.map(|r| i64::from(r.burst)))
+    .execute(conn)
+    .await
+    .map_err(map_err)?;
+    Ok(h)
+}
+
+pub(super) async fn rotate_handler_secret(
+    conn: &mut SqliteConnection,
+    id: &str,
+    secret: &str,
+    previous_until: chrono::DateTime<Utc>,
+) -> Result<()> {
+    let n = sqlx::query(
+        "UPDATE handlers SET previous_secret = secret, previous_secret_until = ?3, secret = ?2 \
+         WHERE id = ?1",
+    )
+    .bind(id)
+    .bind(secret)
+    .bind(to_micros(previous_until))
+    .execute(conn)
+    .await
+    .map_err(map_err)?
+    .rows_affected();
+    crate::common::handler_found(n, id)
+}
+
+pub(super) async fn mark_handler_failing(
+    conn: &mut SqliteConnection,
+    id: &str,
+    failing: bool,
+    at: chrono::DateTime<Utc>,
+) -> Result<()> {
+    let n = sqlx::query(
+        "UPDATE handlers SET failing_since = CASE WHEN ?2 THEN coalesce(failing_since, ?3) END \
+         WHERE id = ?1",
+    )
+    .bind(id)
+    .bind(failing)
+    .bind(to_micros(at))
+    .execute(conn)
+    .await
+    .map_err(map_err)?
+    .rows_affected();
+    crate::common::handler_found(n, id)
 }

@@ -57,7 +57,10 @@ pub const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 const POOL_SIZE: u32 = 8;
 
 /// Schema migrations, applied in order; version `i + 1` is `MIGRATIONS[i]`.
-const MIGRATIONS: &[&str] = &[include_str!("../../migrations/sqlite/0001_init.sql")];
+const MIGRATIONS: &[&str] = &[
+    include_str!("../../migrations/sqlite/0001_init.sql"),
+    include_str!("../../migrations/sqlite/0002_handler_controls.sql"),
+];
 
 /// The SQLite store. Cheap to clone: clones share the pool.
 #[derive(Debug, Clone)]
@@ -374,11 +377,50 @@ impl Store for SqliteStore {
         catalog::get_handler(&self.pool, id).await
     }
 
-    async fn set_handler_state(&self, id: &str, state: HandlerState) -> Result<Handler> {
+    async fn change_handler_state(
+        &self,
+        id: &str,
+        state: HandlerState,
+        reason: &str,
+    ) -> Result<Handler> {
         let (_guard, mut tx) = self.begin_write().await?;
-        catalog::set_handler_state(&mut tx, id, state).await?;
+        catalog::change_handler_state(&mut tx, id, state, reason).await?;
+        let h = catalog::get_handler(&mut *tx, id).await?;
         tx.commit().await.map_err(map_err)?;
-        catalog::get_handler(&self.pool, id).await
+        Ok(h)
+    }
+
+    async fn update_handler(&self, id: &str, patch: &HandlerPatch) -> Result<Handler> {
+        let (_guard, mut tx) = self.begin_write().await?;
+        let h = catalog::update_handler(&mut tx, id, patch).await?;
+        tx.commit().await.map_err(map_err)?;
+        Ok(h)
+    }
+
+    async fn rotate_handler_secret(
+        &self,
+        id: &str,
+        secret: &str,
+        previous_until: chrono::DateTime<chrono::Utc>,
+    ) -> Result<Handler> {
+        crate::common::validate_secret(secret)?;
+        let (_guard, mut tx) = self.begin_write().await?;
+        catalog::rotate_handler_secret(&mut tx, id, secret, previous_until).await?;
+        let h = catalog::get_handler(&mut *tx, id).await?;
+        tx.commit().await.map_err(map_err)?;
+        Ok(h)
+    }
+
+    async fn mark_handler_failing(
+        &self,
+        id: &str,
+        failing: bool,
+        at: chrono::DateTime<chrono::Utc>,
+    ) -> Result<()> {
+        let (_guard, mut tx) = self.begin_write().await?;
+        catalog::mark_handler_failing(&mut tx, id, failing, at).await?;
+        tx.commit().await.map_err(map_err)?;
+        Ok(())
     }
 
     async fn delete_handler(&self, id: &str) -> Result<u64> {

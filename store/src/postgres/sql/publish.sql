@@ -40,17 +40,18 @@ ev AS (
     RETURNING id, type, key, lane, seq
 ),
 dl AS (
-    -- One delivery per enabled handler whose route matches: the exact type,
-    -- or a pattern ending in '*' whose prefix starts the type. Matched here so
-    -- handlers registered by other nodes count without a cache. Inserted in
-    -- sequence order so a key's delivery ids follow its sequence numbers.
+    -- One delivery per handler whose route matches: the exact type, or a
+    -- pattern ending in '*' whose prefix starts the type. Disabled handlers
+    -- count too (their deliveries are kept until they are enabled). Matched
+    -- here so handlers registered by other nodes count without a cache.
+    -- Inserted in sequence order so a key's delivery ids follow its
+    -- sequence numbers.
     INSERT INTO deliveries (xid, lane, handler_id, event_id, key, seq)
     SELECT coalesce(ks.xid, pg_current_xact_id()::text::bigint), ev.lane, h.id, ev.id, ev.key, ev.seq
     FROM ev
     LEFT JOIN ks ON ks.key = ev.key
     JOIN handlers h
-      ON h.state = 'enabled'
-     AND EXISTS (
+      ON EXISTS (
             SELECT 1 FROM unnest(h.event_types) AS p
             WHERE p = ev.type OR (right(p, 1) = '*' AND starts_with(ev.type, left(p, -1)))
          )

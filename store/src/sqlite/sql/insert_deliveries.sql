@@ -1,6 +1,7 @@
--- One delivery per (new event, enabled handler whose route matches), in batch
--- order so that per key the delivery ids follow the sequence numbers. Routes
--- are matched here, in SQL, so a handler registered by another process is
+-- One delivery per (new event, handler whose route matches; disabled ones
+-- too: their deliveries are kept until they are enabled), in batch order so
+-- that per key the delivery ids follow the sequence numbers. Routes are
+-- matched here, in SQL, so a handler registered by another process is
 -- seen without a cache: exact type, or a pattern ending in '*' whose prefix
 -- starts the type. ?1: JSON array of the new event ids in batch order;
 -- ?2: due_at (µs).
@@ -8,8 +9,7 @@ INSERT INTO deliveries (lane, handler_id, event_id, key, seq, attempts, due_at)
 SELECT e.lane, h.id, e.id, e.key, e.seq, 0, ?2
 FROM json_each(?1) AS b
 JOIN events e ON e.id = b.value
-JOIN handlers h ON h.state = 'enabled'
-    AND EXISTS (
+JOIN handlers h ON EXISTS (
         SELECT 1 FROM json_each(h.event_types) AS p
         WHERE p.value = e.type
            OR (substr(p.value, -1) = '*'

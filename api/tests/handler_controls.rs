@@ -1,0 +1,278 @@
+//! Handler controls through the API (issue #4): `PATCH /v1/handlers/{id}`
+//! and `POST /v1/handlers/{id}/secret/rotate`, their answers and their
+//! refusals (which change nothing stored).
+
+mod common;
+
+use std::sync::atomic::Ordering;
+
+use axum::http::{Method, StatusCode};
+use chrono::{DateTime, Utc};
+use common::TestApp;
+use serde_json::{json, Value};
+
+async fn patch(app: &TestApp, id: &str, body: Value) -> common::Res {
+    app.call(
+        Method::PATCH,
+        &format!("/v1/handlers/{id}"),
+        Some("application/json"),
+        body.to_string().into_bytes(),
+    )
+    .await
+}
+
+async fn patch_changes_only_the_fields_given(app: TestApp) {
+    let id = app.create_handler("billing", &["invoice.*"]).await;
+    let before = app.get(&format!("/v1/handlers/{id}")).await.json;
+    assert_eq!(before["rate_limit"], Value::Null);
+    let changed = app.node.handlers_changed.load(Ordering::SeqCst);
+    let res = patch(
+        &app,
+        &id,
+        json!({"url": "https://example.com/v2", "event_types": ["push", "release.*"],
+               "timeout_ms": 2500, "max_in_flight": 3, "max_attempts": 4,
+               "rate_limit": {"per_second": 5, "burst": 2}}),
+    )
+    .await;
+    assert_eq!(res.status, StatusCode::OK, "{res:?}");
+    assert_eq!(res.json["name"], "billing", "absent fields stay");
+    assert_eq!(res.json["url"], "https://example.com/v2");
+    assert_eq!(res.json["event_types"], json!(["push", "release.*"]));
+    assert_eq!(
+        (
+            res.json["timeout_ms"].clone(),
+            res.json["max_in_flight"].clone(),
+            res.json["max_attempts"].clone()
+        ),
+        (json!(2500), json!(3), json!(4))
+    );
+    assert_eq!(res.json["rate_limit"], json!({"per_second": 5, "burst": 2}));
+    assert_eq!(res.json["secret"], before["secret"]);
+    assert_eq!(
+        app.node.handlers_changed.load(Ordering::SeqCst),
+        changed + 1,
+        "the node is told"
+    );
+    let got = app.get(&format!("/v1/handlers/{id}")).await;
+    assert_eq!(got.json, res.json);
+
+    // Burst defaults to per_second; null removes the limit.
+    let res = patch(&app, &id, json!({"rate_limit": {"per_second": 7}})).await;
+    assert_eq!(
+        res.json["rate_limit"],
+        json!({"per_second": 7, "burst": 7}),
+        "{res:?}"
+    );
+    let res = patch(&app, &id, json!({"rate_limit": null})).await;
+    assert_eq!(res.status, StatusCode::OK, "{res:?}");
+    assert_eq!(res.json["rate_limit"], Value::Null);
+    // An empty patch changes nothing.
+    let res = patch(&app, &id, json!({})).await;
+    assert_eq!(res.status, StatusCode::OK, "{res:?}");
+    assert_eq!(res.json["url"], "https://example.com/v2");
+}
+
+async fn bad_patches_are_refused_and_change_nothing(app: TestApp) {
+    let id = app.create_handler("billing", &["invoice.*"]).await;
+    let before = app.snapshot().await;
+    let changed = app.node.handlers_changed.load(Ordering::SeqCst);
+    let cases: Vec<(Value, u16, &str, &str)> = vec![
+        (
+            json!({"url": "ftp://example.com/x"}),
+            422,
+            "invalid_handler",
+            "scheme",
+        ),
+        (
+            json!({"url": "https://u:p@example.com/"}),
+            422,
+            "invalid_handler",
+            "credentials",
+        ),
+        (
+            json!({"url": null}),
+            422,
+            "invalid_handler",
+            "url must not be null",
+        ),
+        (json!({"name": ""}), 422, "invalid_handler", "name"),
+        (
+            json!({"event_types": []}),
+            422,
+            "invalid_handler",
+            "event_types",
+        ),
+        (
+            json!({"event_types": ["a*b"]}),
+            422,
+            "invalid_handler",
+            "event_types[0]",
+        ),
+        (
+            json!({"max_attempts": 0}),
+            422,
+            "invalid_handler",
+            "max_attempts 0",
+        ),
+        (
+            json!({"timeout_ms": 99}),
+            422,
+            "invalid_handler",
+            "timeout_ms 99",
+        ),
+        (
+            json!({"max_in_flight": 10_001}),
+            422,
+            "invalid_handler",
+            "max_in_flight 10001",
+        ),
+        (
+            json!({"rate_limit": {"per_second": 0}}),
+            422,
+            "invalid_handler",
+            "rate_limit.per_second 0",
+        ),
+        (
+            json!({"rate_limit": {"per_second": 5, "burst": 0}}),
+            422,
+            "invalid_handler",
+            "rate_limit.burst 0",
+        ),
+        (
+            json!({"rate_limit": {"burst": 5}}),
+            422,
+            "invalid_body",
+            "per_second",
+        ),
+        (json!({"secret": "whsec_x"}), 422, "invalid_body", "secret"),
+        (json!({"state": "enabled"}), 422, "invalid_body", "state"),
+        (
+            json!({"max_attempts": "3"}),
+            422,
+            "invalid_body",
+            "max_attempts",
+        ),
+        (json!([1]), 422, "invalid_body", ""),
+    ];
+    let mut failures = Vec::new();
+    for (body, status, code, mentions) in cases {
+        let res = patch(&app, &id, body.clone()).await;
+        let message = res.json["error"]["message"].as_str().unwrap_or_default();
+        if res.status.as_u16() != status
+            || res.json["error"]["code"] != code
+            || !message.contains(mentions)
+        {
+            failures.push(format!(
+                "{body}: expected {status} {code} {mentions:?}, got {res:?}"
+            ));
+        }
+    }
+    let res = app
+        .call(
+            Method::PATCH,
+            &format!("/v1/handlers/{id}"),
+            Some("application/json"),
+            b"{\"url\": ".to_vec(),
+        )
+        .await;
+    assert_eq!(
+        (res.status, res.json["error"]["code"].clone()),
+        (StatusCode::BAD_REQUEST, json!("invalid_json")),
+        "{res:?}"
+    );
+    for unknown in ["hdl_0193a5b2c4d87e6f8a9b0c1d2e3f4a5b", "hdl_nope"] {
+        let res = patch(&app, unknown, json!({"name": "x"})).await;
+        assert_eq!(res.status, StatusCode::NOT_FOUND, "{res:?}");
+        assert_eq!(res.json["error"]["code"], "not_found");
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert_eq!(app.snapshot().await, before, "nothing changed");
+    assert_eq!(app.node.handlers_changed.load(Ordering::SeqCst), changed);
+}
+
+fn time(v: &Value) -> DateTime<Utc> {
+    v.as_str()
+        .expect("a time")
+        .parse()
+        .expect("an RFC 3339 time")
+}
+
+async fn rotation_answers_the_new_secret_and_the_grace_period(app: TestApp) {
+    let id = app.create_handler("billing", &["invoice.*"]).await;
+    let old = app.get(&format!("/v1/handlers/{id}")).await.json["secret"].clone();
+    let res = app
+        .post(&format!("/v1/handlers/{id}/secret/rotate"), json!({}))
+        .await;
+    assert_eq!(res.status, StatusCode::OK, "{res:?}");
+    assert_ne!(res.json["secret"], old);
+    assert!(res.json["secret"]
+        .as_str()
+        .expect("secret")
+        .starts_with("whsec_"));
+    let until = time(&res.json["previous_secret_until"]);
+    let want = Utc::now() + chrono::Duration::hours(24);
+    assert!(
+        (until - want).num_seconds().abs() < 60,
+        "default 24 h: {until}"
+    );
+    let stored = app.store.get_handler(&id).await.expect("get");
+    assert_eq!(stored.previous_secret.as_deref(), old.as_str());
+    assert_eq!(json!(stored.secret), res.json["secret"]);
+
+    // A given secret; grace 0 drops the old one at once.
+    let given = format!(
+        "whsec_{}",
+        base64::Engine::encode(&base64::engine::general_purpose::STANDARD, [9u8; 32])
+    );
+    let res = app
+        .post(
+            &format!("/v1/handlers/{id}/secret/rotate"),
+            json!({"secret": given, "grace_period_s": 0}),
+        )
+        .await;
+    assert_eq!(res.status, StatusCode::OK, "{res:?}");
+    assert_eq!(res.json["secret"], given.as_str());
+    assert_eq!(res.json["previous_secret_until"], Value::Null);
+
+    let before = app.snapshot().await;
+    for (body, code, mentions) in [
+        (json!({"secret": "whsec_!!"}), "invalid_handler", "base64"),
+        (json!({"secret": "nope"}), "invalid_handler", "whsec_"),
+        (
+            json!({"grace_period_s": 2_592_001}),
+            "invalid_handler",
+            "grace_period_s 2592001",
+        ),
+        (json!({"grace": 1}), "invalid_body", "grace"),
+    ] {
+        let res = app
+            .post(&format!("/v1/handlers/{id}/secret/rotate"), body.clone())
+            .await;
+        assert_eq!(
+            res.status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{body}: {res:?}"
+        );
+        assert_eq!(res.json["error"]["code"], code, "{body}: {res:?}");
+        let message = res.json["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(mentions), "{body}: {message}");
+        assert!(
+            !message.contains("!!"),
+            "the secret is not repeated: {message}"
+        );
+    }
+    let res = app
+        .post(
+            "/v1/handlers/hdl_0193a5b2c4d87e6f8a9b0c1d2e3f4a5b/secret/rotate",
+            json!({}),
+        )
+        .await;
+    assert_eq!(res.status, StatusCode::NOT_FOUND, "{res:?}");
+    assert_eq!(app.snapshot().await, before, "nothing changed");
+}
+
+on_every_backend!(
+    patch_changes_only_the_fields_given,
+    bad_patches_are_refused_and_change_nothing,
+    rotation_answers_the_new_secret_and_the_grace_period
+);
