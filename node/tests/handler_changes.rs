@@ -17,7 +17,7 @@
 mod common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context as _};
@@ -324,16 +324,23 @@ async fn disabled_while_retrying_stops_retries_postgres() {
 }
 
 /// A receiver that counts requests as they arrive and never answers (the
-/// attempt times out).
-async fn hanging_receiver() -> anyhow::Result<(String, Arc<AtomicUsize>)> {
+/// attempt times out); `.2` is the shortest time between two arrivals.
+async fn hanging_receiver() -> anyhow::Result<(String, Arc<AtomicUsize>, Arc<Mutex<Duration>>)> {
     let arrivals = Arc::new(AtomicUsize::new(0));
-    let counter = arrivals.clone();
+    let closest = Arc::new(Mutex::new(Duration::MAX));
+    let last = Arc::new(Mutex::new(None::<Instant>));
+    let (counter, closest_seen) = (arrivals.clone(), closest.clone());
     let app = axum::Router::new().route(
         "/hang",
         axum::routing::post(move || {
-            let counter = counter.clone();
+            let (counter, closest, last) = (counter.clone(), closest_seen.clone(), last.clone());
             async move {
                 counter.fetch_add(1, Ordering::SeqCst);
+                let now = Instant::now();
+                if let Some(before) = last.lock().expect("lock").replace(now) {
+                    let mut c = closest.lock().expect("lock");
+                    *c = (*c).min(now - before);
+                }
                 tokio::time::sleep(Duration::from_secs(120)).await;
                 "late"
             }
@@ -344,12 +351,12 @@ async fn hanging_receiver() -> anyhow::Result<(String, Arc<AtomicUsize>)> {
     tokio::spawn(async move {
         let _ = axum::serve(listener, app).await;
     });
-    Ok((url, arrivals))
+    Ok((url, arrivals, closest))
 }
 
 async fn delete_stops_attempts_waiting_for_a_slot(backend: Backend) -> anyhow::Result<()> {
     let db = TestDb::new(backend, "delete_waiting").await?;
-    let (url, arrivals) = hanging_receiver().await?;
+    let (url, arrivals, closest) = hanging_receiver().await?;
     let node = start_node(&db.url).await?;
     let api = Api::new(&node.base_url());
     let (id, _) = create(
@@ -369,6 +376,15 @@ async fn delete_stops_attempts_waiting_for_a_slot(backend: Backend) -> anyhow::R
         ensure!(Instant::now() < deadline, "no request arrived");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    // max_in_flight 1 holds node-wide: the 20 deliveries are spread over
+    // the lanes, yet each request waits for the previous one's timeout
+    // (1 s).
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let gap = *closest.lock().expect("lock");
+    ensure!(
+        gap >= Duration::from_millis(500),
+        "two requests {gap:?} apart to a handler with max_in_flight 1"
+    );
     let (status, body) = api.delete(&format!("/v1/handlers/{id}")).await?;
     ensure!(status == 200, "delete: {status} {body}");
     let at_delete = arrivals.load(Ordering::SeqCst);
@@ -874,7 +890,7 @@ async fn failing_for_the_period_disables_sqlite() {
 async fn delete_with_1000_pending(backend: Backend) -> anyhow::Result<()> {
     let db = TestDb::new(backend, "delete_1000").await?;
     let rx = Receiver::start().await?;
-    let (stuck_url, stuck_arrivals) = hanging_receiver().await?;
+    let (stuck_url, stuck_arrivals, stuck_closest) = hanging_receiver().await?;
     let node = start_node(&db.url).await?;
     let api = Api::new(&node.base_url());
     let (stuck, _) = create(
@@ -912,6 +928,11 @@ async fn delete_with_1000_pending(backend: Backend) -> anyhow::Result<()> {
         "discarded count: {body}"
     );
     let stuck_seen = stuck_arrivals.load(Ordering::SeqCst);
+    let gap = *stuck_closest.lock().expect("lock");
+    ensure!(
+        stuck_seen >= 2 && gap >= Duration::from_millis(500),
+        "max_in_flight 1 is per node, not per lane: {stuck_seen} requests, two {gap:?} apart"
+    );
     tokio::time::sleep(window.saturating_sub(deleted_at.elapsed())).await;
     let n2 = rx.requests().len();
     let before = (n1 - n0) as f64 / window.as_secs_f64();
