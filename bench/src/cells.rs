@@ -1,0 +1,466 @@
+//! Named cells: one scenario each, modelled on the reference's tables (seed
+//! `000_…`). A cell is serialized as JSON and handed to the sample runner of
+//! each build, so base and candidate run exactly the same scenario.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// What a cell measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    /// Events per second written by publishers (nothing dispatched).
+    Publish,
+    /// Deliveries per second completed from a preloaded backlog.
+    Dispatch,
+    /// Publishing at a fixed rate while dispatching: accepted rate and
+    /// commit-to-handler latency.
+    Mixed,
+}
+
+/// How events are published.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Via {
+    /// `Store::publish` (what the HTTP API calls, without HTTP).
+    Store,
+    /// `publish_in` inside a caller's transaction (PostgreSQL).
+    PublishIn,
+    /// `POST /v1/events` on an in-process node.
+    Http,
+}
+
+/// The reference's dispatcher configurations translated to ours.
+///
+/// | reference | its meaning | ours |
+/// | --- | --- | --- |
+/// | `defaults` | concurrency 10, batch 10, poll 1 s, pool 10 | handler `max_in_flight` 10, `--lane-buffer` 10, poll 1 s |
+/// | `mid` | concurrency 50, batch 200, pool 20 | `max_in_flight` 50, lane buffer 200, poll 1 s |
+/// | `tuned` | concurrency 200, batch 200, pool 40, poll 50 ms | `max_in_flight` 200, lane buffer 200, poll 50 ms |
+/// | `ours` | – | our defaults: `max_in_flight` 64, lane buffer 256, poll 1 s (push wake-ups) |
+///
+/// The reference's concurrency is per process; ours is per handler and
+/// node. Its batch is the claim size; ours is the lane buffer (a claim asks
+/// for up to the buffer). Its pool size has no counterpart: the store's
+/// pool is fixed by the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Settings {
+    /// Reference `defaults`.
+    Defaults,
+    /// Reference `mid`.
+    Mid,
+    /// Reference `tuned`.
+    Tuned,
+    /// Our own defaults.
+    Ours,
+}
+
+impl Settings {
+    /// Handler `max_in_flight`.
+    pub fn max_in_flight(self) -> u32 {
+        match self {
+            Settings::Defaults => 10,
+            Settings::Mid => 50,
+            Settings::Tuned => 200,
+            Settings::Ours => 64,
+        }
+    }
+    /// Lane buffer (claim size).
+    pub fn lane_buffer(self) -> usize {
+        match self {
+            Settings::Defaults => 10,
+            Settings::Mid | Settings::Tuned => 200,
+            Settings::Ours => 256,
+        }
+    }
+    /// Poll interval (`None`: the node's default).
+    pub fn poll(self) -> Option<Duration> {
+        match self {
+            Settings::Defaults | Settings::Mid => Some(Duration::from_secs(1)),
+            Settings::Tuned => Some(Duration::from_millis(50)),
+            Settings::Ours => None,
+        }
+    }
+}
+
+/// One named scenario.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Cell {
+    /// Unique name, such as `pg-dispatch-1n-tuned`.
+    pub name: String,
+    /// Human title for the report.
+    pub title: String,
+    /// What is measured.
+    pub kind: Kind,
+    /// `postgres` or `sqlite`.
+    pub store: String,
+    /// Concurrent publishers.
+    pub publishers: usize,
+    /// Events per publish call.
+    pub batch: usize,
+    /// Matching handlers (fan-out).
+    pub handlers: usize,
+    /// Distinct keys (0: unkeyed).
+    pub keys: usize,
+    /// Publish path.
+    pub via: Via,
+    /// Dispatcher settings.
+    pub settings: Settings,
+    /// Events preloaded before a dispatch sample.
+    pub preload: usize,
+    /// Events per second offered in a mixed sample.
+    pub rate: u64,
+    /// Warm-up window, seconds.
+    pub warmup_s: f64,
+    /// Steady window, seconds.
+    pub steady_s: f64,
+    /// Payload size, bytes (a JSON object of about this size).
+    pub payload_bytes: usize,
+}
+
+impl Default for Cell {
+    fn default() -> Self {
+        Cell {
+            name: String::new(),
+            title: String::new(),
+            kind: Kind::Publish,
+            store: "postgres".into(),
+            publishers: 8,
+            batch: 1,
+            handlers: 1,
+            keys: 0,
+            via: Via::Store,
+            settings: Settings::Tuned,
+            preload: 0,
+            rate: 0,
+            warmup_s: 2.0,
+            steady_s: 8.0,
+            payload_bytes: 200,
+        }
+    }
+}
+
+impl Cell {
+    /// The unit rates and counters are given per.
+    pub fn unit(&self) -> &'static str {
+        match self.kind {
+            Kind::Publish => "event",
+            Kind::Dispatch | Kind::Mixed => "delivery",
+        }
+    }
+}
+
+fn publish(
+    name: &str,
+    title: &str,
+    p: usize,
+    batch: usize,
+    handlers: usize,
+    keys: usize,
+    via: Via,
+) -> Cell {
+    Cell {
+        name: name.into(),
+        title: title.into(),
+        kind: Kind::Publish,
+        publishers: p,
+        batch,
+        handlers,
+        keys,
+        via,
+        ..Cell::default()
+    }
+}
+
+fn dispatch(
+    name: &str,
+    title: &str,
+    settings: Settings,
+    handlers: usize,
+    keys: usize,
+    preload: usize,
+) -> Cell {
+    Cell {
+        name: name.into(),
+        title: title.into(),
+        kind: Kind::Dispatch,
+        settings,
+        handlers,
+        keys,
+        preload,
+        warmup_s: 2.0,
+        steady_s: 6.0,
+        ..Cell::default()
+    }
+}
+
+fn mixed(name: &str, title: &str, rate: u64, settings: Settings) -> Cell {
+    Cell {
+        name: name.into(),
+        title: title.into(),
+        kind: Kind::Mixed,
+        settings,
+        publishers: 4,
+        batch: 1,
+        keys: 1000,
+        rate,
+        warmup_s: 2.0,
+        steady_s: 8.0,
+        ..Cell::default()
+    }
+}
+
+/// The quick set (the gate; under 10 minutes with two pairs).
+pub fn quick() -> Vec<Cell> {
+    vec![
+        publish(
+            "pg-publish-p8-b1",
+            "PostgreSQL publish, P=8, batch 1",
+            8,
+            1,
+            1,
+            0,
+            Via::Store,
+        ),
+        publish(
+            "pg-publish-p8-b100",
+            "PostgreSQL publish, P=8, batch 100",
+            8,
+            100,
+            1,
+            0,
+            Via::Store,
+        ),
+        dispatch(
+            "pg-dispatch-1n-tuned",
+            "PostgreSQL dispatch, 1 node, tuned",
+            Settings::Tuned,
+            1,
+            0,
+            120_000,
+        ),
+        dispatch(
+            "pg-dispatch-1n-tuned-fan5",
+            "PostgreSQL dispatch, fan-out 5, 1 node, tuned",
+            Settings::Tuned,
+            5,
+            0,
+            40_000,
+        ),
+        mixed(
+            "pg-mixed-1000",
+            "PostgreSQL mixed, 1,000/s, tuned",
+            1000,
+            Settings::Tuned,
+        ),
+    ]
+}
+
+/// The full set: the quick set plus the rest of the reference's tables that
+/// run on one machine.
+pub fn full() -> Vec<Cell> {
+    let mut v = quick();
+    v.extend([
+        publish(
+            "pg-publish-p1-b1",
+            "PostgreSQL publish, P=1, batch 1",
+            1,
+            1,
+            1,
+            0,
+            Via::Store,
+        ),
+        publish(
+            "pg-publish-p1-b100",
+            "PostgreSQL publish, P=1, batch 100",
+            1,
+            100,
+            1,
+            0,
+            Via::Store,
+        ),
+        publish(
+            "pg-publish-p8-b1-h5",
+            "PostgreSQL publish, P=8, batch 1, 5 handlers",
+            8,
+            1,
+            5,
+            0,
+            Via::Store,
+        ),
+        publish(
+            "pg-publish-p8-b100-h5",
+            "PostgreSQL publish, P=8, batch 100, 5 handlers",
+            8,
+            100,
+            5,
+            0,
+            Via::Store,
+        ),
+        publish(
+            "pg-publish-p8-b1-k1000",
+            "PostgreSQL publish, P=8, batch 1, 1,000 distinct keys",
+            8,
+            1,
+            1,
+            1000,
+            Via::Store,
+        ),
+        publish(
+            "pg-publish-p8-b1-hot10",
+            "PostgreSQL publish, P=8, batch 1, 10 hot keys",
+            8,
+            1,
+            1,
+            10,
+            Via::Store,
+        ),
+        publish(
+            "pg-publish-p8-b1-hot1",
+            "PostgreSQL publish, P=8, batch 1, 1 hot key",
+            8,
+            1,
+            1,
+            1,
+            Via::Store,
+        ),
+        publish(
+            "pg-publish-in-p8-b1",
+            "PostgreSQL publish_in, P=8, batch 1",
+            8,
+            1,
+            1,
+            0,
+            Via::PublishIn,
+        ),
+        publish(
+            "pg-publish-in-p8-b100",
+            "PostgreSQL publish_in, P=8, batch 100",
+            8,
+            100,
+            1,
+            0,
+            Via::PublishIn,
+        ),
+        publish(
+            "pg-publish-http-p8-b1",
+            "PostgreSQL HTTP API, P=8, batch 1",
+            8,
+            1,
+            1,
+            0,
+            Via::Http,
+        ),
+        publish(
+            "pg-publish-http-p8-b100",
+            "PostgreSQL HTTP API, P=8, batch 100",
+            8,
+            100,
+            1,
+            0,
+            Via::Http,
+        ),
+        dispatch(
+            "pg-dispatch-1n-defaults",
+            "PostgreSQL dispatch, 1 node, defaults",
+            Settings::Defaults,
+            1,
+            0,
+            60_000,
+        ),
+        dispatch(
+            "pg-dispatch-1n-mid",
+            "PostgreSQL dispatch, 1 node, mid",
+            Settings::Mid,
+            1,
+            0,
+            120_000,
+        ),
+        dispatch(
+            "pg-dispatch-1n-ours",
+            "PostgreSQL dispatch, 1 node, our defaults",
+            Settings::Ours,
+            1,
+            0,
+            120_000,
+        ),
+        dispatch(
+            "pg-dispatch-1n-tuned-k1000",
+            "PostgreSQL dispatch, 1,000 distinct keys, 1 node, tuned",
+            Settings::Tuned,
+            1,
+            1000,
+            60_000,
+        ),
+        dispatch(
+            "pg-dispatch-1n-tuned-hot10",
+            "PostgreSQL dispatch, 10 hot keys, 1 node, tuned",
+            Settings::Tuned,
+            1,
+            10,
+            30_000,
+        ),
+        mixed(
+            "pg-mixed-1000-defaults",
+            "PostgreSQL mixed, 1,000/s, defaults",
+            1000,
+            Settings::Defaults,
+        ),
+        mixed(
+            "pg-mixed-5000",
+            "PostgreSQL mixed, 5,000/s, tuned",
+            5000,
+            Settings::Tuned,
+        ),
+        Cell {
+            store: "sqlite".into(),
+            ..publish(
+                "sqlite-publish-p1-b100",
+                "SQLite publish, P=1, batch 100",
+                1,
+                100,
+                1,
+                0,
+                Via::Store,
+            )
+        },
+        Cell {
+            store: "sqlite".into(),
+            ..dispatch(
+                "sqlite-dispatch-1n-tuned",
+                "SQLite dispatch, 1 node, tuned",
+                Settings::Tuned,
+                1,
+                0,
+                60_000,
+            )
+        },
+    ]);
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cell_names_are_unique_and_round_trip() {
+        let cells = full();
+        let mut names: Vec<&str> = cells.iter().map(|c| c.name.as_str()).collect();
+        names.sort_unstable();
+        let n = names.len();
+        names.dedup();
+        assert_eq!(names.len(), n);
+        for c in &cells {
+            let back: Cell = serde_json::from_str(&serde_json::to_string(c).unwrap()).unwrap();
+            assert_eq!(&back, c);
+        }
+        // Unknown future fields are tolerated, missing ones defaulted.
+        let c: Cell = serde_json::from_str(r#"{"name":"x","kind":"dispatch"}"#).unwrap();
+        assert_eq!(c.kind, Kind::Dispatch);
+        assert_eq!(c.store, "postgres");
+    }
+}

@@ -1,0 +1,190 @@
+//! `lanebus-bench`: the benchmark harness (see `bench/README.md`).
+//!
+//! ```text
+//! lanebus-bench quick [--base REF] [--candidate .|REF] [--pairs N] ...
+//! lanebus-bench full  [--base REF] ...
+//! lanebus-bench sample --spec JSON     (the sample runner; run by the harness)
+//! lanebus-bench cells                  (lists the cells of both sets)
+//! ```
+
+mod cells;
+mod exact;
+mod gate;
+mod peers;
+mod pg;
+mod report;
+mod run;
+mod sample;
+mod stats;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "lanebus-bench",
+    about = "lanebus benchmark harness: interleaved base and candidate, exact PostgreSQL counters, exactness, peers"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// The quick set (the gate): 5 cells, 2 pairs, peers with 20,000 jobs.
+    Quick(RunArgs),
+    /// The full set: every cell, 3 pairs, peers with 100,000 jobs.
+    Full(RunArgs),
+    /// Runs one sample and prints `SAMPLE {json}` (used by the harness).
+    Sample {
+        /// The sample spec as JSON.
+        #[arg(long)]
+        spec: String,
+    },
+    /// Lists the cells.
+    Cells,
+}
+
+#[derive(Debug, Args)]
+struct RunArgs {
+    /// Base git ref (must contain bench/).
+    #[arg(long, default_value = "HEAD")]
+    base: String,
+    /// Patch applied to the base tree before building.
+    #[arg(long)]
+    base_patch: Option<PathBuf>,
+    /// Candidate: `.` (this binary's tree) or a git ref.
+    #[arg(long, default_value = ".")]
+    candidate: String,
+    /// Patch applied to the candidate tree (HEAD for `.`) before building.
+    #[arg(long)]
+    candidate_patch: Option<PathBuf>,
+    /// Pairs per cell (default: 2 quick, 3 full).
+    #[arg(long)]
+    pairs: Option<usize>,
+    /// Only these cells (comma-separated names).
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+    /// Skip the peers.
+    #[arg(long)]
+    no_peers: bool,
+    /// Jobs per peer (default: 20,000 quick, 100,000 full).
+    #[arg(long)]
+    peer_jobs: Option<usize>,
+    /// Port of the harness's PostgreSQL.
+    #[arg(long, default_value_t = 55571)]
+    port: u16,
+    /// Output directory (default bench/results/runs/<timestamp>).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Target dir for building base and patched sides (default: the
+    /// repository's target/).
+    #[arg(long)]
+    target_dir: Option<PathBuf>,
+    /// Cargo profile of side builds (measure with `release`; run the
+    /// harness itself with the same profile).
+    #[arg(long, default_value = "release")]
+    profile: String,
+}
+
+fn run_set(set: &str, a: RunArgs) -> ExitCode {
+    let (mut cells, pairs, jobs) = match set {
+        "quick" => (cells::quick(), 2, 20_000),
+        _ => (cells::full(), 3, 100_000),
+    };
+    if !a.only.is_empty() {
+        cells.retain(|c| a.only.contains(&c.name));
+        if cells.is_empty() {
+            eprintln!(
+                "no cell matches --only {:?}; `lanebus-bench cells` lists them",
+                a.only
+            );
+            return ExitCode::from(2);
+        }
+    }
+    let opts = run::RunOptions {
+        cells,
+        set: set.into(),
+        base: a.base,
+        base_patch: a.base_patch,
+        candidate: a.candidate,
+        candidate_patch: a.candidate_patch,
+        pairs: a.pairs.unwrap_or(pairs).max(1),
+        peers: !a.no_peers,
+        peer_jobs: a.peer_jobs.unwrap_or(jobs),
+        port: a.port,
+        out: a.out,
+        target_dir: a.target_dir,
+        profile: a.profile,
+    };
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("tokio: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match rt.block_on(run::run(opts)) {
+        Ok((dir, passed)) => {
+            println!("report: {}", dir.join("report.md").display());
+            if passed {
+                println!("GATE PASS");
+                ExitCode::SUCCESS
+            } else {
+                println!("GATE FAIL (see the Gate section of the report)");
+                ExitCode::from(1)
+            }
+        }
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let cli = Cli::parse();
+    match cli.command {
+        Cmd::Quick(a) => run_set("quick", a),
+        Cmd::Full(a) => run_set("full", a),
+        Cmd::Cells => {
+            for c in cells::full() {
+                println!("{:<30} {}", c.name, c.title);
+            }
+            ExitCode::SUCCESS
+        }
+        Cmd::Sample { spec } => {
+            let spec: sample::SampleSpec = match serde_json::from_str(&spec) {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("bad --spec: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            let rt = match tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("tokio: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            match rt.block_on(sample::run(spec)) {
+                Ok(out) => {
+                    println!("SAMPLE {}", serde_json::to_string(&out).unwrap_or_default());
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("sample failed: {e:#}");
+                    ExitCode::from(2)
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,254 @@
+//! Peers side by side on the harness's PostgreSQL (DESIGN.md section 10):
+//! graphile-worker 0.17 (batched completion and local queue, and its
+//! defaults) and pg-boss 10, installed with `npm install` into
+//! `bench/peers/node_modules` and driven by `bench/peers/driver.mjs`; and
+//! pgbench running the minimal insert-then-delete work per item (100 rows
+//! per statement) as the raw ceiling. Each peer gets its own database; the
+//! counters are read around the drain only (snapshots as for our cells).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{bail, Context as _};
+use serde::{Deserialize, Serialize};
+use sqlx::{Connection as _, PgConnection};
+use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader};
+
+use crate::pg;
+
+/// One peer's measurement.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct PeerResult {
+    /// Peer name.
+    pub name: String,
+    /// Jobs (items for pgbench).
+    pub jobs: u64,
+    /// Jobs enqueued per second (100 per call).
+    pub enqueue_rate: Option<f64>,
+    /// Jobs drained per second by no-op handlers.
+    pub drain_rate: Option<f64>,
+    /// Counters per job over the drain (see [`pg::per_unit`]).
+    pub counters: BTreeMap<String, f64>,
+    /// Settings or what went wrong.
+    pub note: String,
+}
+
+impl PeerResult {
+    /// A peer that could not be measured.
+    pub fn failed(name: &str, why: &str) -> Self {
+        PeerResult {
+            name: name.into(),
+            note: format!("failed: {why}"),
+            ..PeerResult::default()
+        }
+    }
+}
+
+async fn fresh_db(server: &pg::Server, name: &str) -> anyhow::Result<(String, PgConnection)> {
+    let mut admin = PgConnection::connect(&server.url).await?;
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        .execute(&mut admin)
+        .await?;
+    sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(&mut admin)
+        .await?;
+    let url = pg::with_db(&server.url, name)?;
+    let mut c = PgConnection::connect(&url).await?;
+    sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        .execute(&mut c)
+        .await?;
+    Ok((url, c))
+}
+
+async fn drop_db(server: &pg::Server, name: &str) {
+    if let Ok(mut admin) = PgConnection::connect(&server.url).await {
+        let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+            .execute(&mut admin)
+            .await;
+    }
+}
+
+/// Installs the peers (once) and runs each; a peer that fails is reported
+/// as failed, the others still run.
+///
+/// # Errors
+/// If npm cannot install the peers.
+pub async fn run_all(
+    repo: &Path,
+    server: &pg::Server,
+    jobs: usize,
+) -> anyhow::Result<Vec<PeerResult>> {
+    let dir = repo.join("bench/peers");
+    let mut out = Vec::new();
+    if !dir.join("node_modules/graphile-worker").exists()
+        || !dir.join("node_modules/pg-boss").exists()
+    {
+        eprintln!("installing peers with npm (graphile-worker 0.17, pg-boss 10)...");
+        let st = tokio::process::Command::new("npm")
+            .args(["install", "--no-audit", "--no-fund", "--silent"])
+            .current_dir(&dir)
+            .status()
+            .await?;
+        if !st.success() {
+            bail!("npm install in {} failed", dir.display());
+        }
+    }
+    let pm = pg::postmaster_pid(&server.dir);
+    for (peer, note) in [
+        (
+            "graphile-batched",
+            "graphile-worker 0.17, concurrency 10, completeJobBatchDelay 0, localQueue 500",
+        ),
+        ("graphile", "graphile-worker 0.17, concurrency 10, defaults"),
+        ("pg-boss", "pg-boss 10, batchSize 100, polling 0.5 s"),
+    ] {
+        eprintln!("peer {peer}: {jobs} jobs");
+        let r = tokio::time::timeout(
+            Duration::from_secs(300),
+            run_js(&dir, server, pm, peer, jobs),
+        )
+        .await;
+        out.push(match r {
+            Ok(Ok(mut r)) => {
+                r.note = note.into();
+                r
+            }
+            Ok(Err(e)) => PeerResult::failed(peer, &format!("{e:#}")),
+            Err(_) => PeerResult::failed(peer, "timed out after 300 s"),
+        });
+        drop_db(server, &format!("peer_{}", peer.replace('-', "_"))).await;
+    }
+    eprintln!("pgbench ceiling");
+    out.push(match pgbench(server, pm).await {
+        Ok(r) => r,
+        Err(e) => PeerResult::failed("pgbench", &format!("{e:#}")),
+    });
+    drop_db(server, "peer_pgbench").await;
+    Ok(out)
+}
+
+async fn run_js(
+    dir: &Path,
+    server: &pg::Server,
+    pm: Option<u32>,
+    peer: &str,
+    jobs: usize,
+) -> anyhow::Result<PeerResult> {
+    let db = format!("peer_{}", peer.replace('-', "_"));
+    let (url, mut probe) = fresh_db(server, &db).await?;
+    let mut child = tokio::process::Command::new("node")
+        .arg(dir.join("driver.mjs"))
+        .arg(peer)
+        .arg(&url)
+        .arg(jobs.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting node")?;
+    let pid = child.id().context("node pid")?;
+    let mut stdin = child.stdin.take().context("stdin")?;
+    let mut lines = BufReader::new(child.stdout.take().context("stdout")?).lines();
+    let mut stderr = child.stderr.take().context("stderr")?;
+    let enq = read_line(&mut lines, "ENQUEUED ").await;
+    let enq = match enq {
+        Ok(v) => v,
+        Err(e) => {
+            let mut err = String::new();
+            let _ = tokio::io::AsyncReadExt::read_to_string(&mut stderr, &mut err).await;
+            bail!(
+                "{e}: {}",
+                err.lines().take(8).collect::<Vec<_>>().join(" | ")
+            );
+        }
+    };
+    sqlx::query("CHECKPOINT").execute(&mut probe).await?;
+    pg::reset(&mut probe).await?;
+    let s0 = pg::snapshot(&mut probe, pm, pg::tree_cpu(pid)).await?;
+    stdin.write_all(b"GO\n").await?;
+    stdin.flush().await?;
+    let drained = read_line(&mut lines, "DRAINED ").await?;
+    let s1 = pg::snapshot(&mut probe, pm, pg::tree_cpu(pid)).await?;
+    let _ = child.wait().await;
+    Ok(PeerResult {
+        name: peer.into(),
+        jobs: jobs as u64,
+        enqueue_rate: Some(enq.0 / enq.1),
+        drain_rate: Some(drained.0 / drained.1),
+        counters: pg::per_unit(&s0, &s1, drained.0 as u64),
+        note: String::new(),
+    })
+}
+
+/// Reads lines until one starts with `want`; parses "<count> <seconds>".
+async fn read_line(
+    lines: &mut tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+    want: &str,
+) -> anyhow::Result<(f64, f64)> {
+    while let Some(l) = lines.next_line().await? {
+        if let Some(rest) = l.strip_prefix(want) {
+            let mut it = rest.split_whitespace();
+            let n: f64 = it.next().context("count")?.parse()?;
+            let s: f64 = it.next().context("seconds")?.parse()?;
+            return Ok((n, s));
+        }
+    }
+    bail!("driver ended before {want}")
+}
+
+async fn pgbench(server: &pg::Server, pm: Option<u32>) -> anyhow::Result<PeerResult> {
+    let (url, mut probe) = fresh_db(server, "peer_pgbench").await?;
+    sqlx::query("CREATE TABLE q (id bigserial PRIMARY KEY, payload text NOT NULL)")
+        .execute(&mut probe)
+        .await?;
+    let script =
+        std::env::temp_dir().join(format!("lanebus-bench-pgbench-{}.sql", std::process::id()));
+    std::fs::write(
+        &script,
+        "INSERT INTO q (payload) SELECT repeat('x', 200) FROM generate_series(1, 100);\n\
+         DELETE FROM q WHERE id IN (SELECT id FROM q ORDER BY id LIMIT 100 FOR UPDATE SKIP LOCKED);\n",
+    )?;
+    sqlx::query("CHECKPOINT").execute(&mut probe).await?;
+    pg::reset(&mut probe).await?;
+    let s0 = pg::snapshot(&mut probe, pm, 0.0).await?;
+    let out = tokio::process::Command::new("pgbench")
+        .args([
+            "-n", "-M", "prepared", "-c", "2", "-j", "2", "-T", "10", "-f",
+        ])
+        .arg(&script)
+        .arg(&url)
+        .output()
+        .await?;
+    let s1 = pg::snapshot(&mut probe, pm, 0.0).await?;
+    let _ = std::fs::remove_file(&script);
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        bail!("pgbench: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let tx: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("number of transactions actually processed: "))
+        .and_then(|v| v.split(['/', ' ']).next())
+        .and_then(|v| v.parse().ok())
+        .context("pgbench output without a transaction count")?;
+    let tps: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("tps = "))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .context("pgbench output without tps")?;
+    let items = tx * 100.0;
+    let mut counters = pg::per_unit(&s0, &s1, items as u64);
+    counters.remove("cpu_app_ms");
+    Ok(PeerResult {
+        name: "pgbench".into(),
+        jobs: items as u64,
+        enqueue_rate: None,
+        drain_rate: Some(tps * 100.0),
+        counters,
+        note: "pgbench -c 2 -T 10: INSERT 100 rows, then DELETE the 100 oldest (one statement each); rate = items inserted and deleted per second".into(),
+    })
+}

@@ -1,0 +1,474 @@
+//! `report.md`: tables like the reference's (base, candidate, ratio,
+//! samples), latency of the mixed cells, the exact counters per unit next
+//! to the reference's published values, the counter gate, and the peers.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use crate::cells::{Cell, Kind};
+use crate::gate::{self, Flag};
+use crate::peers::PeerResult;
+use crate::run::{Record, Side};
+use crate::stats::{self, RatioSummary};
+
+/// The written report and the gate's verdict.
+#[derive(Debug)]
+pub struct Report {
+    /// report.md.
+    pub markdown: String,
+    /// No flagged counter and every sample valid.
+    pub gate_passed: bool,
+}
+
+/// Aggregates of one cell.
+#[derive(Debug, Default)]
+pub struct CellSummary {
+    /// Median rate per side (base, candidate).
+    pub rate: [Option<f64>; 2],
+    /// Samples per side.
+    pub samples: [usize; 2],
+    /// Ratio summary over kept pairs.
+    pub ratio: Option<RatioSummary>,
+    /// Pairs dropped as noisy.
+    pub noisy_pairs: usize,
+    /// Counter medians per side.
+    pub counters: [BTreeMap<String, f64>; 2],
+    /// Gate flags.
+    pub flags: Vec<Flag>,
+}
+
+fn side_idx(r: &Record) -> usize {
+    usize::from(r.side != "base")
+}
+
+/// Summarizes one cell's records.
+pub fn summarize_cell(cell: &str, records: &[Record]) -> CellSummary {
+    let recs: Vec<&Record> = records.iter().filter(|r| r.cell == cell).collect();
+    let mut s = CellSummary::default();
+    for i in 0..2 {
+        let rates: Vec<f64> = recs
+            .iter()
+            .filter(|r| side_idx(r) == i)
+            .map(|r| r.out.rate)
+            .collect();
+        s.samples[i] = rates.len();
+        s.rate[i] = stats::median(&rates);
+        let mut names: Vec<&String> = recs
+            .iter()
+            .filter(|r| side_idx(r) == i)
+            .flat_map(|r| r.out.counters.keys())
+            .collect();
+        names.sort();
+        names.dedup();
+        for n in names {
+            let v: Vec<f64> = recs
+                .iter()
+                .filter(|r| side_idx(r) == i)
+                .filter_map(|r| r.out.counters.get(n).copied())
+                .collect();
+            if let Some(m) = stats::median(&v) {
+                s.counters[i].insert(n.clone(), m);
+            }
+        }
+    }
+    let mut pairs: BTreeMap<usize, [Option<&Record>; 2]> = BTreeMap::new();
+    for r in &recs {
+        pairs.entry(r.pair).or_default()[side_idx(r)] = Some(r);
+    }
+    let complete: Vec<(&Record, &Record)> = pairs
+        .values()
+        .filter_map(|p| Some((p[0]?, p[1]?)))
+        .collect();
+    let spins: Vec<(f64, f64)> = complete
+        .iter()
+        .map(|(b, c)| (b.spin_ms, c.spin_ms))
+        .collect();
+    let keep = stats::clean_pairs(&spins);
+    s.noisy_pairs = keep.iter().filter(|k| !**k).count();
+    let ratios: Vec<f64> = complete
+        .iter()
+        .zip(&keep)
+        .filter(|(_, k)| **k)
+        .map(|((b, c), _)| c.out.rate / b.out.rate)
+        .collect();
+    s.ratio = stats::summarize(&ratios);
+    if !s.counters[0].is_empty() || !s.counters[1].is_empty() {
+        s.flags = gate::judge(cell, &s.counters[0], &s.counters[1]);
+    }
+    s
+}
+
+fn num(v: Option<f64>) -> String {
+    match v {
+        None => "–".into(),
+        Some(x) if x.abs() >= 1000.0 => {
+            let s = format!("{:.0}", x);
+            let (sign, digits) = s.strip_prefix('-').map_or(("", s.as_str()), |d| ("-", d));
+            let mut out = String::new();
+            for (i, ch) in digits.chars().enumerate() {
+                if i > 0 && (digits.len() - i) % 3 == 0 {
+                    out.push(',');
+                }
+                out.push(ch);
+            }
+            format!("{sign}{out}")
+        }
+        Some(x) if x.abs() >= 100.0 => format!("{x:.0}"),
+        Some(x) if x.abs() >= 10.0 => format!("{x:.1}"),
+        Some(x) => format!("{x:.3}"),
+    }
+}
+
+/// Reference values (seed `000_…`, 0.2.0 on PostgreSQL) shown next to ours.
+const REFERENCE: &[(&str, &str, &str, f64)] = &[
+    (
+        "WAL bytes per delivery, 1 process, tuned",
+        "pg-dispatch-1n-tuned",
+        "wal_bytes",
+        1325.0,
+    ),
+    (
+        "WAL bytes per delivery, fan-out 5",
+        "pg-dispatch-1n-tuned-fan5",
+        "wal_bytes",
+        576.0,
+    ),
+    (
+        "WAL bytes per published event (batch 1)",
+        "pg-publish-p8-b1",
+        "wal_bytes",
+        1490.0,
+    ),
+    (
+        "WAL records per published event (batch 1)",
+        "pg-publish-p8-b1",
+        "wal_records",
+        11.2,
+    ),
+    (
+        "Statements per single-event publish",
+        "pg-publish-p8-b1",
+        "statements",
+        4.1,
+    ),
+];
+
+/// Builds the report.
+pub fn build(
+    cells: &[Cell],
+    sides: &[Side; 2],
+    records: &[Record],
+    peers: &[PeerResult],
+    env: &serde_json::Value,
+    error: Option<String>,
+) -> Report {
+    let mut md = String::new();
+    let sums: Vec<(&Cell, CellSummary)> = cells
+        .iter()
+        .filter(|c| records.iter().any(|r| r.cell == c.name))
+        .map(|c| (c, summarize_cell(&c.name, records)))
+        .collect();
+    let invalid: Vec<&Record> = records
+        .iter()
+        .filter(|r| !r.out.problems.is_empty())
+        .collect();
+    let flags: Vec<&Flag> = sums.iter().flat_map(|(_, s)| &s.flags).collect();
+    let gate_passed = error.is_none() && invalid.is_empty() && flags.is_empty();
+
+    let _ = writeln!(
+        md,
+        "# lanebus benchmark: {} vs {}\n",
+        sides[1].rev, sides[0].rev
+    );
+    let _ = writeln!(
+        md,
+        "Base `{}`, candidate `{}`, set `{}`, {} pair(s) per cell, interleaved (pair 0 base first, pair 1 candidate first, ...). \
+         Machine {} ({} cores, {}), load average {} at the start and {} at the end: other work shared the machine, so read \
+         throughput as ratios and the counters as exact. Started {}.\n",
+        sides[0].rev,
+        sides[1].rev,
+        env["set"].as_str().unwrap_or(""),
+        env["pairs"],
+        env["fingerprint"].as_str().unwrap_or(""),
+        env["cores"],
+        env["cpu"].as_str().unwrap_or(""),
+        env["load_average_start"],
+        env["load_average_end"],
+        env["started_at"].as_str().unwrap_or(""),
+    );
+    let _ = writeln!(
+        md,
+        "**Gate: {}.** {} sample(s), {} invalid, {} counter(s) flagged.\n",
+        if gate_passed { "PASS" } else { "FAIL" },
+        records.len(),
+        invalid.len(),
+        flags.len()
+    );
+    if let Some(e) = &error {
+        let _ = writeln!(md, "**The run stopped:** {e}\n");
+    }
+
+    let _ = writeln!(md, "## Throughput\n");
+    let _ = writeln!(md, "Rates are per second in the steady window (events for publish cells, deliveries otherwise); the ratio is the median of the per-pair ratios candidate / base, with a 95 % interval from three pairs on.\n");
+    let _ = writeln!(md, "| Cell | Scenario | base /s | candidate /s | ratio | interval (95 %) | verdict | samples |");
+    let _ = writeln!(md, "| --- | --- | ---: | ---: | ---: | --- | --- | --- |");
+    for (c, s) in &sums {
+        let (ratio, interval, verdict) = match &s.ratio {
+            Some(r) => (
+                format!("{:.3}", r.ratio),
+                r.interval
+                    .map_or("–".into(), |(lo, hi)| format!("{lo:.2} to {hi:.2}")),
+                format!("{:?}", r.verdict).to_lowercase(),
+            ),
+            None => ("–".into(), "–".into(), "–".into()),
+        };
+        let _ = writeln!(
+            md,
+            "| `{}` | {} | {} | {} | {} | {} | {} | {} / {}{} |",
+            c.name,
+            c.title,
+            num(s.rate[0]),
+            num(s.rate[1]),
+            ratio,
+            interval,
+            verdict,
+            s.samples[0],
+            s.samples[1],
+            if s.noisy_pairs > 0 {
+                format!(" ({} noisy pair(s) dropped)", s.noisy_pairs)
+            } else {
+                String::new()
+            }
+        );
+    }
+
+    let mixed: Vec<&(&Cell, CellSummary)> =
+        sums.iter().filter(|(c, _)| c.kind == Kind::Mixed).collect();
+    if !mixed.is_empty() {
+        let _ = writeln!(md, "\n## Mixed load: commit-to-handler latency\n");
+        let _ = writeln!(md, "Median over samples of each sample's p50 / p99 / max (ms), from the publish call's return to the in-process handler (hdrhistogram).\n");
+        let _ = writeln!(md, "| Cell | accepted events/s base / candidate | base p50 / p99 / max | candidate p50 / p99 / max |");
+        let _ = writeln!(md, "| --- | --- | --- | --- |");
+        for (c, _) in mixed {
+            let lat = |i: usize| {
+                let rs: Vec<&Record> = records
+                    .iter()
+                    .filter(|r| r.cell == c.name && side_idx(r) == i)
+                    .collect();
+                let m = |f: &dyn Fn(&Record) -> Option<f64>| {
+                    stats::median(&rs.iter().filter_map(|r| f(r)).collect::<Vec<_>>())
+                };
+                let acc = m(&|r| Some(r.out.accepted_rate));
+                let p50 = m(&|r| r.out.latency.as_ref().map(|l| l.p50));
+                let p99 = m(&|r| r.out.latency.as_ref().map(|l| l.p99));
+                let max = m(&|r| r.out.latency.as_ref().map(|l| l.max));
+                (acc, format!("{} / {} / {}", num(p50), num(p99), num(max)))
+            };
+            let (a0, l0) = lat(0);
+            let (a1, l1) = lat(1);
+            let _ = writeln!(
+                md,
+                "| `{}` | {} / {} | {} | {} |",
+                c.name,
+                num(a0),
+                num(a1),
+                l0,
+                l1
+            );
+        }
+    }
+
+    let _ = writeln!(md, "\n## Against the reference's published values\n");
+    let _ = writeln!(md, "Reference: seed `000_…`, version 0.2.0 on PostgreSQL 17 (Apple M4, Docker). Ours: PostgreSQL of this machine, medians of each side.\n");
+    let _ = writeln!(
+        md,
+        "| What | reference | base | candidate | candidate / reference |"
+    );
+    let _ = writeln!(md, "| --- | ---: | ---: | ---: | ---: |");
+    for (what, cell, counter, refv) in REFERENCE {
+        let Some((_, s)) = sums.iter().find(|(c, _)| c.name == *cell) else {
+            continue;
+        };
+        let b = s.counters[0].get(*counter).copied();
+        let c = s.counters[1].get(*counter).copied();
+        let _ = writeln!(
+            md,
+            "| {what} (`{cell}`) | {} | {} | {} | {} |",
+            num(Some(*refv)),
+            num(b),
+            num(c),
+            c.map_or("–".into(), |c| format!("{:.2}", c / refv))
+        );
+    }
+
+    let _ = writeln!(md, "\n## Exact counters per unit\n");
+    let _ = writeln!(md, "Per published event (publish cells) or per delivery (dispatch and mixed cells), steady window only; `cpu_app_ms` and `cpu_db_ms` are CPU milliseconds of the sample process (node and publishers) and of all PostgreSQL processes per unit, which is the same number as CPU seconds per 1,000 units. Statistics are reset before each sample and read as differences of snapshots at both ends of the window.\n");
+    for (c, s) in &sums {
+        if s.counters[1].is_empty() && s.counters[0].is_empty() {
+            continue;
+        }
+        let _ = writeln!(md, "### `{}` ({} per {})\n", c.name, c.title, c.unit());
+        let _ = writeln!(md, "| counter | base | candidate | ratio | gated at |");
+        let _ = writeln!(md, "| --- | ---: | ---: | ---: | --- |");
+        let mut names: Vec<&String> = s.counters[0].keys().chain(s.counters[1].keys()).collect();
+        names.sort();
+        names.dedup();
+        for n in names {
+            let b = s.counters[0].get(n).copied();
+            let cv = s.counters[1].get(n).copied();
+            if b.unwrap_or(0.0) == 0.0 && cv.unwrap_or(0.0) == 0.0 {
+                continue;
+            }
+            let ratio = match (b, cv) {
+                (Some(b), Some(c)) if b != 0.0 => format!("{:.3}", c / b),
+                _ => "–".into(),
+            };
+            let th = gate::threshold(n).map_or("–".into(), |t| format!("{:.0} %", t.rel * 100.0));
+            let flag = if s.flags.iter().any(|f| &f.counter == n) {
+                " **flagged**"
+            } else {
+                ""
+            };
+            let _ = writeln!(
+                md,
+                "| `{n}` | {} | {} | {ratio}{flag} | {th} |",
+                num(b),
+                num(cv)
+            );
+        }
+        let _ = writeln!(md);
+    }
+
+    let _ = writeln!(md, "## Gate\n");
+    if flags.is_empty() && invalid.is_empty() {
+        let _ = writeln!(md, "No counter moved past its threshold; every sample was valid (0 lost, 0 duplicated, 0 out of order, 0 dead).\n");
+    }
+    for f in &flags {
+        let _ = writeln!(
+            md,
+            "- `{}` `{}`: {} → {} ({})",
+            f.cell,
+            f.counter,
+            num(Some(f.base)),
+            num(Some(f.candidate)),
+            if f.ratio.is_finite() {
+                format!("{:.3}x", f.ratio)
+            } else {
+                "regressed from zero".into()
+            }
+        );
+    }
+    for r in &invalid {
+        let _ = writeln!(
+            md,
+            "- INVALID `{}` {} pair {}: {}",
+            r.cell,
+            r.side,
+            r.pair,
+            r.out.problems.join("; ")
+        );
+    }
+
+    if !peers.is_empty() {
+        let _ = writeln!(md, "\n## Peers (same PostgreSQL, same run)\n");
+        let ours = sums
+            .iter()
+            .find(|(c, _)| c.name == "pg-dispatch-1n-tuned")
+            .and_then(|(_, s)| s.rate[1]);
+        let ours_pub = sums
+            .iter()
+            .find(|(c, _)| c.name == "pg-publish-p8-b100")
+            .and_then(|(_, s)| s.rate[1]);
+        let _ = writeln!(md, "Jobs of about 200 bytes, enqueued 100 per call, then drained by no-op handlers; counters per job over the drain. Our dispatch is `pg-dispatch-1n-tuned` (candidate median, {}/s); our publish is `pg-publish-p8-b100` ({}/s).\n", num(ours), num(ours_pub));
+        let _ = writeln!(md, "| Peer | jobs | enqueue jobs/s | drain jobs/s | our dispatch / its drain | our publish / its enqueue | WAL B/job | WAL records/job | statements/job | CPU ms/job app + db | note |");
+        let _ = writeln!(
+            md,
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"
+        );
+        for p in peers {
+            let c = |k: &str| p.counters.get(k).copied();
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} + {} | {} |",
+                p.name,
+                num(Some(p.jobs as f64)),
+                num(p.enqueue_rate),
+                num(p.drain_rate),
+                match (ours, p.drain_rate) {
+                    (Some(o), Some(d)) if d > 0.0 => format!("{:.2}", o / d),
+                    _ => "–".into(),
+                },
+                match (ours_pub, p.enqueue_rate) {
+                    (Some(o), Some(d)) if d > 0.0 => format!("{:.2}", o / d),
+                    _ => "–".into(),
+                },
+                num(c("wal_bytes")),
+                num(c("wal_records")),
+                num(c("statements")),
+                num(c("cpu_app_ms")),
+                num(c("cpu_db_ms")),
+                p.note
+            );
+        }
+    }
+    let _ = writeln!(md, "\n## Files\n\n`samples.jsonl` (one line per sample: cell, side, pair, spin, counters, exactness), `env.json` (machine, versions, PostgreSQL settings), `peers.json`. Method and thresholds: `bench/README.md`.");
+    Report {
+        markdown: md,
+        gate_passed,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sample::SampleOut;
+
+    fn rec(side: &str, pair: usize, rate: f64, stmts: f64) -> Record {
+        Record {
+            cell: "c".into(),
+            side: side.into(),
+            rev: "x".into(),
+            pair,
+            position: 0,
+            spin_ms: 100.0,
+            load1: 1.0,
+            started_at: String::new(),
+            out: SampleOut {
+                rate,
+                counters: [("statements".to_string(), stmts)].into_iter().collect(),
+                ..SampleOut::default()
+            },
+        }
+    }
+
+    #[test]
+    fn pairs_give_ratios_and_counters_gate() {
+        let recs = vec![
+            rec("base", 0, 100.0, 0.05),
+            rec("candidate", 0, 110.0, 0.05),
+            rec("candidate", 1, 120.0, 0.05),
+            rec("base", 1, 100.0, 0.05),
+            rec("base", 2, 100.0, 0.05),
+            rec("candidate", 2, 130.0, 0.05),
+        ];
+        let s = summarize_cell("c", &recs);
+        let r = s.ratio.unwrap();
+        assert_eq!(r.pairs, 3);
+        assert!((r.ratio - 1.2).abs() < 1e-9);
+        assert!(r.interval.is_some());
+        assert!(s.flags.is_empty());
+        let mut bad = recs.clone();
+        for r in bad.iter_mut().filter(|r| r.side == "candidate") {
+            r.out.counters.insert("statements".into(), 0.09);
+        }
+        assert_eq!(summarize_cell("c", &bad).flags.len(), 1);
+    }
+
+    #[test]
+    fn numbers_are_grouped() {
+        assert_eq!(num(Some(1234567.0)), "1,234,567");
+        assert_eq!(num(Some(1325.4)), "1,325");
+        assert_eq!(num(Some(4.07)), "4.070");
+        assert_eq!(num(None), "–");
+    }
+}

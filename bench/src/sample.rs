@@ -1,0 +1,502 @@
+//! The sample runner: one sample of one cell, run as a child process of the
+//! build being measured (`lanebus-bench sample --spec JSON`). It creates a
+//! fresh database (or SQLite file), sets the cell up, resets the database
+//! statistics, runs the warm-up and the steady window (fixed lengths; nothing
+//! waits for a drain), reads the counters at both ends of the steady window,
+//! stops the node and checks exactness. It prints one line
+//! `SAMPLE {json}` on stdout.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use async_trait::async_trait;
+use lanebus_node::{Handler, HandlerError, NodeOptions, StoreSource};
+use lanebus_store::postgres::PgStore;
+use lanebus_store::sqlite::SqliteStore;
+use lanebus_store::{Delivery, NewEvent, NewHandler, Store};
+use rand::{Rng as _, SeedableRng as _};
+use serde::{Deserialize, Serialize};
+use sqlx::{Connection as _, PgConnection};
+
+use crate::cells::{Cell, Kind, Via};
+use crate::exact::{self, Exactness, Handled, Held};
+use crate::pg;
+
+/// What the harness hands a sample runner.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SampleSpec {
+    /// The cell.
+    pub cell: Cell,
+    /// Server URL (`.../postgres`) of the harness's PostgreSQL.
+    pub pg_url: String,
+    /// Its data directory (for the postmaster pid and CPU times).
+    pub pg_dir: Option<PathBuf>,
+    /// Scratch directory for SQLite files.
+    pub work_dir: PathBuf,
+}
+
+/// Commit-to-handler latency of a mixed sample, milliseconds.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Latency {
+    /// Median.
+    pub p50: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// Largest.
+    pub max: f64,
+    /// Deliveries measured.
+    pub count: u64,
+}
+
+/// One sample's result.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SampleOut {
+    /// Cell name.
+    pub cell: String,
+    /// Units (events or deliveries) of the steady window.
+    pub units: u64,
+    /// Steady window, seconds (measured).
+    pub window_s: f64,
+    /// Units per second of the steady window.
+    pub rate: f64,
+    /// Mixed: events accepted per second in the steady window.
+    pub accepted_rate: f64,
+    /// Counters per unit (see [`pg::per_unit`]).
+    pub counters: BTreeMap<String, f64>,
+    /// Mixed: commit-to-handler latency.
+    pub latency: Option<Latency>,
+    /// The exactness check.
+    pub exact: Exactness,
+    /// Why the sample is invalid (empty: valid).
+    pub problems: Vec<String>,
+}
+
+/// Records hand-overs; `Hang` never returns (publish cells through a node:
+/// nothing may complete).
+struct BenchHandler {
+    idx: u16,
+    log: Arc<Log>,
+    hang: bool,
+}
+
+#[derive(Default)]
+struct Log {
+    handled: Mutex<Vec<(Handled, Instant)>>,
+    count: AtomicU64,
+}
+
+#[async_trait]
+impl Handler for BenchHandler {
+    async fn handle(&self, d: &Delivery) -> Result<(), HandlerError> {
+        if self.hang {
+            std::future::pending::<()>().await;
+        }
+        let h = Handled {
+            handler: self.idx,
+            event: d.event_id.as_str().into(),
+            key: d.key.as_deref().map(Into::into),
+            seq: d.seq,
+        };
+        self.log
+            .handled
+            .lock()
+            .expect("log lock")
+            .push((h, Instant::now()));
+        self.log.count.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// The stores of a sample: the trait object, plus the concrete PostgreSQL
+/// store for `publish_in` and a probe connection for counters.
+struct Stores {
+    dyn_store: Arc<dyn Store>,
+    pg: Option<Arc<PgStore>>,
+    probe: Option<PgConnection>,
+    db: Option<String>,
+}
+
+async fn open(spec: &SampleSpec) -> anyhow::Result<Stores> {
+    let tag = uuid::Uuid::new_v4().simple().to_string();
+    if spec.cell.store == "sqlite" {
+        std::fs::create_dir_all(&spec.work_dir)?;
+        let path = spec.work_dir.join(format!("bench-{tag}.db"));
+        let store = SqliteStore::connect(&format!("sqlite://{}", path.display())).await?;
+        return Ok(Stores {
+            dyn_store: Arc::new(store),
+            pg: None,
+            probe: None,
+            db: None,
+        });
+    }
+    let db = format!("bench_{}", &tag[..16]);
+    let mut admin = PgConnection::connect(&spec.pg_url).await?;
+    sqlx::query(&format!("CREATE DATABASE {db}"))
+        .execute(&mut admin)
+        .await?;
+    let url = pg::with_db(&spec.pg_url, &db)?;
+    let store = Arc::new(PgStore::connect(&url).await?);
+    let mut probe = PgConnection::connect(&url).await?;
+    sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        .execute(&mut probe)
+        .await?;
+    Ok(Stores {
+        dyn_store: store.clone(),
+        pg: Some(store),
+        probe: Some(probe),
+        db: Some(db),
+    })
+}
+
+/// A JSON object of about `len` bytes (hex noise from a seeded generator).
+fn payload(len: usize, seed: u64) -> Vec<u8> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let noise: String = (0..len.saturating_sub(30) / 2)
+        .map(|_| format!("{:02x}", rng.random::<u8>()))
+        .collect();
+    format!(r#"{{"action":"opened","body":"{noise}"}}"#).into_bytes()
+}
+
+/// Event generator of one publisher: seeded by publisher index, so both
+/// sides publish the same keys in the same order.
+struct Gen {
+    rng: rand::rngs::StdRng,
+    keys: usize,
+    payload: Vec<u8>,
+}
+
+impl Gen {
+    fn new(cell: &Cell, publisher: usize) -> Self {
+        Gen {
+            rng: rand::rngs::StdRng::seed_from_u64(publisher as u64 + 1),
+            keys: cell.keys,
+            payload: payload(cell.payload_bytes, publisher as u64),
+        }
+    }
+    fn batch(&mut self, n: usize) -> Vec<NewEvent> {
+        (0..n)
+            .map(|_| NewEvent {
+                id: None,
+                event_type: "issues.opened".into(),
+                key: (self.keys > 0).then(|| format!("k{}", self.rng.random_range(0..self.keys))),
+                payload: self.payload.clone(),
+            })
+            .collect()
+    }
+}
+
+const WARMUP: u8 = 0;
+const STEADY: u8 = 1;
+const DONE: u8 = 2;
+
+/// Publishes one batch the cell's way; returns accepted ids.
+async fn publish_one(
+    cell: &Cell,
+    stores: &Stores,
+    http: &Option<(reqwest::Client, String)>,
+    events: Vec<NewEvent>,
+) -> anyhow::Result<Vec<String>> {
+    match cell.via {
+        Via::Store => Ok(stores.dyn_store.publish(events).await?.ids),
+        Via::PublishIn => {
+            let pg = stores.pg.as_ref().context("publish_in needs PostgreSQL")?;
+            let mut tx = pg.pool().begin().await?;
+            let out = pg.publish_in(&mut tx, events).await?;
+            tx.commit().await?;
+            Ok(out.ids)
+        }
+        Via::Http => {
+            let (client, base) = http.as_ref().context("no node for HTTP publish")?;
+            let body = serde_json::json!({
+                "events": events.iter().map(|e| {
+                    let payload: serde_json::Value = serde_json::from_slice(&e.payload).unwrap_or_default();
+                    serde_json::json!({"type": e.event_type, "key": e.key, "payload": payload})
+                }).collect::<Vec<_>>()
+            });
+            let resp = client
+                .post(format!("{base}/v1/events"))
+                .json(&body)
+                .send()
+                .await?;
+            if !resp.status().is_success() {
+                bail!("POST /v1/events: {}", resp.status());
+            }
+            #[derive(Deserialize)]
+            struct Answer {
+                ids: Vec<String>,
+            }
+            Ok(resp.json::<Answer>().await?.ids)
+        }
+    }
+}
+
+/// Runs one sample.
+///
+/// # Errors
+/// Setup, database and node failures (an invalid sample is not an error: it
+/// comes back with its problems).
+pub async fn run(spec: SampleSpec) -> anyhow::Result<SampleOut> {
+    let cell = spec.cell.clone();
+    let mut stores = open(&spec).await?;
+    let result = run_in(&spec, &cell, &mut stores).await;
+    if let Some(db) = stores.db.clone() {
+        drop(stores.probe.take());
+        if let Some(pg) = &stores.pg {
+            pg.pool().close().await;
+        }
+        drop(stores);
+        if let Ok(mut admin) = PgConnection::connect(&spec.pg_url).await {
+            let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+                .execute(&mut admin)
+                .await;
+        }
+    }
+    result
+}
+
+async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::Result<SampleOut> {
+    let store = stores.dyn_store.clone();
+    let log = Arc::new(Log::default());
+    let hang = cell.kind == Kind::Publish;
+    let mut in_process: HashMap<String, Arc<dyn Handler>> = HashMap::new();
+    for i in 0..cell.handlers {
+        let name = format!("h{i}");
+        store
+            .create_handler(NewHandler {
+                name: name.clone(),
+                url: format!("{}{name}", lanebus_node::handler::IN_PROCESS_PREFIX),
+                event_types: vec!["*".into()],
+                max_attempts: 8,
+                timeout_ms: 10_000,
+                max_in_flight: cell.settings.max_in_flight(),
+                secret: lanebus_store::generate_secret(),
+            })
+            .await?;
+        in_process.insert(
+            name,
+            Arc::new(BenchHandler {
+                idx: i as u16,
+                log: log.clone(),
+                hang,
+            }),
+        );
+    }
+
+    // Preload (dispatch): 4 loaders, 500 events per call.
+    let preloaded = Arc::new(AtomicU64::new(0));
+    if cell.kind == Kind::Dispatch && cell.preload > 0 {
+        let per = cell.preload.div_ceil(4);
+        let mut tasks = Vec::new();
+        for l in 0..4 {
+            let store = store.clone();
+            let mut g = Gen::new(cell, 100 + l);
+            let preloaded = preloaded.clone();
+            let n = per.min(cell.preload.saturating_sub(l * per));
+            tasks.push(tokio::spawn(async move {
+                let mut left = n;
+                while left > 0 {
+                    let k = left.min(500);
+                    let out = store.publish(g.batch(k)).await?;
+                    preloaded.fetch_add(out.accepted as u64, Ordering::Relaxed);
+                    left -= k;
+                }
+                anyhow::Ok(())
+            }));
+        }
+        for t in tasks {
+            t.await??;
+        }
+    }
+
+    let pm = spec.pg_dir.as_deref().and_then(pg::postmaster_pid);
+    if let Some(p) = stores.probe.as_mut() {
+        sqlx::query("CHECKPOINT").execute(&mut *p).await?;
+        pg::reset(p).await?;
+    }
+
+    // A node, unless this is a publish cell through the store.
+    let needs_node = cell.kind != Kind::Publish || cell.via == Via::Http;
+    let node = if needs_node {
+        let mut opts = NodeOptions::new("bench", StoreSource::Opened(store.clone()));
+        opts.in_process = in_process;
+        if hang {
+            // Publish through the API: handlers hang, so nothing completes;
+            // a one-row buffer keeps the claims few.
+            opts.lane.buffer_cap = 1;
+            opts.drain_timeout = Duration::from_millis(100);
+        } else {
+            opts.lane.buffer_cap = cell.settings.lane_buffer();
+        }
+        opts.poll_interval = cell.settings.poll();
+        Some(lanebus_node::start(opts).await?)
+    } else {
+        None
+    };
+    let http = node
+        .as_ref()
+        .map(|n| (reqwest::Client::new(), n.base_url()));
+
+    // Publishers (publish and mixed cells).
+    let phase = Arc::new(AtomicU8::new(WARMUP));
+    let stop = Arc::new(AtomicBool::new(false));
+    let in_window = Arc::new(AtomicU64::new(0));
+    let accepted = Arc::new(AtomicU64::new(0));
+    let commits: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    let failure: Arc<Mutex<Option<String>>> = Arc::default();
+    let shared = Arc::new((cell.clone(), http));
+    let stores_ref = Arc::new(Stores {
+        dyn_store: store.clone(),
+        pg: stores.pg.clone(),
+        probe: None,
+        db: None,
+    });
+    let mut publishers = Vec::new();
+    if cell.kind != Kind::Dispatch {
+        for p in 0..cell.publishers {
+            let (phase, stop, in_window, accepted, commits, failure, shared, stores_ref) = (
+                phase.clone(),
+                stop.clone(),
+                in_window.clone(),
+                accepted.clone(),
+                commits.clone(),
+                failure.clone(),
+                shared.clone(),
+                stores_ref.clone(),
+            );
+            publishers.push(tokio::spawn(async move {
+                let (cell, http) = &*shared;
+                let mut g = Gen::new(cell, p);
+                let mut ticker = (cell.kind == Kind::Mixed).then(|| {
+                    let per = cell.rate as f64 / cell.publishers as f64 / cell.batch as f64;
+                    let mut t =
+                        tokio::time::interval(Duration::from_secs_f64(1.0 / per.max(0.001)));
+                    t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+                    t
+                });
+                while !stop.load(Ordering::Relaxed) {
+                    if let Some(t) = ticker.as_mut() {
+                        t.tick().await;
+                    }
+                    match publish_one(cell, &stores_ref, http, g.batch(cell.batch)).await {
+                        Ok(ids) => {
+                            let now = Instant::now();
+                            accepted.fetch_add(ids.len() as u64, Ordering::Relaxed);
+                            if phase.load(Ordering::Relaxed) == STEADY {
+                                in_window.fetch_add(ids.len() as u64, Ordering::Relaxed);
+                            }
+                            if cell.kind == Kind::Mixed {
+                                let mut c = commits.lock().expect("commits lock");
+                                for id in ids {
+                                    c.insert(id, now);
+                                }
+                            }
+                        }
+                        Err(e) => {
+                            *failure.lock().expect("failure lock") = Some(e.to_string());
+                            break;
+                        }
+                    }
+                }
+            }));
+        }
+    }
+
+    tokio::time::sleep(Duration::from_secs_f64(cell.warmup_s)).await;
+    let s0 = snapshot(stores, pm).await?;
+    let h0 = log.count.load(Ordering::Relaxed);
+    phase.store(STEADY, Ordering::Relaxed);
+    let t0 = Instant::now();
+    tokio::time::sleep(Duration::from_secs_f64(cell.steady_s)).await;
+    phase.store(DONE, Ordering::Relaxed);
+    let window = t0.elapsed();
+    let h1 = log.count.load(Ordering::Relaxed);
+    let s1 = snapshot(stores, pm).await?;
+    let events_in_window = in_window.load(Ordering::Relaxed);
+
+    stop.store(true, Ordering::Relaxed);
+    for p in publishers {
+        let _ = p.await;
+    }
+    if let Some(n) = node {
+        n.shutdown().await?;
+    }
+    let mut problems = Vec::new();
+    if let Some(e) = failure.lock().expect("failure lock").take() {
+        problems.push(format!("publish failed: {e}"));
+    }
+
+    let units = match cell.kind {
+        Kind::Publish => events_in_window,
+        Kind::Dispatch | Kind::Mixed => h1 - h0,
+    };
+    let counts = store.counts().await?;
+    let held = Held {
+        completed: counts.completions,
+        pending: counts.deliveries,
+        dead: counts.dead_letters,
+    };
+    let published = preloaded.load(Ordering::Relaxed) + accepted.load(Ordering::Relaxed);
+    let expected = published as i64 * cell.handlers as i64;
+    let handled: Vec<(Handled, Instant)> =
+        std::mem::take(&mut *log.handled.lock().expect("log lock"));
+    let only: Vec<Handled> = handled.iter().map(|(h, _)| h.clone()).collect();
+    let ex = exact::check(&only, held, expected);
+    problems.extend(ex.problems());
+    if cell.kind == Kind::Publish && (held.completed != 0 || held.pending != expected) {
+        problems.push(format!(
+            "publish sample holds {} pending + {} completed deliveries, expected exactly {expected} pending",
+            held.pending, held.completed
+        ));
+    }
+    if cell.kind == Kind::Dispatch && held.pending == 0 {
+        problems.push("the backlog drained before the window ended: preload more".into());
+    }
+    if units == 0 {
+        problems.push("nothing was measured in the steady window".into());
+    }
+
+    let latency = (cell.kind == Kind::Mixed).then(|| {
+        let commits = commits.lock().expect("commits lock");
+        let mut hist = hdrhistogram::Histogram::<u64>::new(3).expect("histogram");
+        for (h, at) in &handled {
+            if let Some(c) = commits.get(&*h.event) {
+                let us = at.saturating_duration_since(*c).as_micros() as u64;
+                let _ = hist.record(us.max(1));
+            }
+        }
+        Latency {
+            p50: hist.value_at_quantile(0.5) as f64 / 1000.0,
+            p99: hist.value_at_quantile(0.99) as f64 / 1000.0,
+            max: hist.max() as f64 / 1000.0,
+            count: hist.len(),
+        }
+    });
+
+    let secs = window.as_secs_f64();
+    Ok(SampleOut {
+        cell: cell.name.clone(),
+        units,
+        window_s: secs,
+        rate: units as f64 / secs,
+        accepted_rate: events_in_window as f64 / secs,
+        counters: pg::per_unit(&s0, &s1, units),
+        latency,
+        exact: ex,
+        problems,
+    })
+}
+
+async fn snapshot(stores: &mut Stores, pm: Option<u32>) -> anyhow::Result<pg::Snapshot> {
+    match stores.probe.as_mut() {
+        Some(p) => pg::snapshot(p, pm, pg::self_cpu()).await,
+        None => Ok(pg::Snapshot {
+            app_cpu: pg::self_cpu(),
+            ..pg::Snapshot::default()
+        }),
+    }
+}
