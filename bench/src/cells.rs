@@ -191,8 +191,8 @@ fn dispatch(
         handlers,
         keys,
         preload,
-        warmup_s: 2.0,
-        steady_s: 6.0,
+        warmup_s: 4.0,
+        steady_s: 8.0,
         ..Cell::default()
     }
 }
@@ -240,7 +240,7 @@ pub fn quick() -> Vec<Cell> {
             Settings::Tuned,
             1,
             0,
-            120_000,
+            200_000,
         ),
         dispatch(
             "pg-dispatch-1n-tuned-fan5",
@@ -248,7 +248,7 @@ pub fn quick() -> Vec<Cell> {
             Settings::Tuned,
             5,
             0,
-            40_000,
+            60_000,
         ),
         mixed(
             "pg-mixed-1000",

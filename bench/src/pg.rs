@@ -206,6 +206,9 @@ pub struct Snapshot {
     pub db_cpu: f64,
     /// CPU seconds of the measured application process(es).
     pub app_cpu: f64,
+    /// Rows in the `completions` table (0 where there is none): deliveries
+    /// completed, as the database counts them.
+    pub completed: i64,
 }
 
 /// Resets the server's statistics (`pg_stat_reset`, `pg_stat_statements_reset`,
@@ -241,7 +244,19 @@ pub async fn snapshot(
     )
     .fetch_all(&mut *c)
     .await?;
+    let has_completions: bool =
+        sqlx::query_scalar("SELECT to_regclass('completions') IS NOT NULL /* bench-probe */")
+            .fetch_one(&mut *c)
+            .await?;
+    let completed: i64 = if has_completions {
+        sqlx::query_scalar("SELECT count(*) FROM completions /* bench-probe */")
+            .fetch_one(&mut *c)
+            .await?
+    } else {
+        0
+    };
     Ok(Snapshot {
+        completed,
         wal_bytes,
         wal_records,
         wal_fpi,

@@ -218,7 +218,14 @@ fn prepare_side(
     pb.set_message(format!("building {label} {rev} (log: {})", log.display()));
     pb.enable_steady_tick(Duration::from_millis(200));
     let status = Command::new("cargo")
-        .args(["build", "--profile", profile, "--locked", "-p", "lanebus-bench"])
+        .args([
+            "build",
+            "--profile",
+            profile,
+            "--locked",
+            "-p",
+            "lanebus-bench",
+        ])
         .current_dir(&src)
         .env("CARGO_TARGET_DIR", target)
         .stdout(Stdio::from(std::fs::File::create(&log)?))

@@ -66,6 +66,8 @@ pub struct SampleOut {
     pub rate: f64,
     /// Mixed: events accepted per second in the steady window.
     pub accepted_rate: f64,
+    /// Hand-overs to the handlers per second in the steady window.
+    pub handled_rate: f64,
     /// Counters per unit (see [`pg::per_unit`]).
     pub counters: BTreeMap<String, f64>,
     /// Mixed: commit-to-handler latency.
@@ -430,8 +432,14 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
         problems.push(format!("publish failed: {e}"));
     }
 
+    // Dispatch and mixed: deliveries completed in the window as the
+    // database counts them (handlers may run ahead of their completions);
+    // without a database counter (SQLite), hand-overs.
     let units = match cell.kind {
         Kind::Publish => events_in_window,
+        Kind::Dispatch | Kind::Mixed if stores.probe.is_some() => {
+            (s1.completed - s0.completed).max(0) as u64
+        }
         Kind::Dispatch | Kind::Mixed => h1 - h0,
     };
     let counts = store.counts().await?;
@@ -484,6 +492,7 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
         window_s: secs,
         rate: units as f64 / secs,
         accepted_rate: events_in_window as f64 / secs,
+        handled_rate: (h1 - h0) as f64 / secs,
         counters: pg::per_unit(&s0, &s1, units),
         latency,
         exact: ex,
