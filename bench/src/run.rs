@@ -489,7 +489,7 @@ async fn run_cells(
                     let _ = writeln!(jsonl, "{line}");
                 }
                 pb.inc(1);
-                pb.println(format!(
+                pb.suspend(|| eprintln!(
                     "{:<28} pair {pair} {:<9} {:>10.0} {}/s  spin {:.0} ms{}",
                     cell.name,
                     side.label,
@@ -501,7 +501,7 @@ async fn run_cells(
                     } else {
                         format!("  INVALID: {}", rec.out.problems.join("; "))
                     }
-                ));
+                )));
                 let problems = rec.out.problems.clone();
                 records.push(rec);
                 if !problems.is_empty() {

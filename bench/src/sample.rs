@@ -121,6 +121,7 @@ struct Stores {
     pg: Option<Arc<PgStore>>,
     probe: Option<PgConnection>,
     db: Option<String>,
+    url: String,
 }
 
 async fn open(spec: &SampleSpec) -> anyhow::Result<Stores> {
@@ -128,12 +129,14 @@ async fn open(spec: &SampleSpec) -> anyhow::Result<Stores> {
     if spec.cell.store == "sqlite" {
         std::fs::create_dir_all(&spec.work_dir)?;
         let path = spec.work_dir.join(format!("bench-{tag}.db"));
-        let store = SqliteStore::connect(&format!("sqlite://{}", path.display())).await?;
+        let url = format!("sqlite://{}", path.display());
+        let store = SqliteStore::connect(&url).await?;
         return Ok(Stores {
             dyn_store: Arc::new(store),
             pg: None,
             probe: None,
             db: None,
+            url,
         });
     }
     let db = format!("bench_{}", &tag[..16]);
@@ -152,6 +155,7 @@ async fn open(spec: &SampleSpec) -> anyhow::Result<Stores> {
         pg: Some(store),
         probe: Some(probe),
         db: Some(db),
+        url,
     })
 }
 
@@ -356,6 +360,7 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
         pg: stores.pg.clone(),
         probe: None,
         db: None,
+        url: stores.url.clone(),
     });
     let mut publishers = Vec::new();
     if cell.kind != Kind::Dispatch {
@@ -442,7 +447,9 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
         }
         Kind::Dispatch | Kind::Mixed => h1 - h0,
     };
-    let counts = store.counts().await?;
+    // A fresh store for the count: pooled connections opened by the node's
+    // runtime died with it.
+    let counts = lanebus_store::open(&stores.url).await?.counts().await?;
     let held = Held {
         completed: counts.completions,
         pending: counts.deliveries,
