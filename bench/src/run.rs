@@ -489,19 +489,21 @@ async fn run_cells(
                     let _ = writeln!(jsonl, "{line}");
                 }
                 pb.inc(1);
-                pb.suspend(|| eprintln!(
-                    "{:<28} pair {pair} {:<9} {:>10.0} {}/s  spin {:.0} ms{}",
-                    cell.name,
-                    side.label,
-                    rec.out.rate,
-                    cell.unit(),
-                    spin,
-                    if rec.out.problems.is_empty() {
-                        String::new()
-                    } else {
-                        format!("  INVALID: {}", rec.out.problems.join("; "))
-                    }
-                )));
+                pb.suspend(|| {
+                    eprintln!(
+                        "{:<28} pair {pair} {:<9} {:>10.0} {}/s  spin {:.0} ms{}",
+                        cell.name,
+                        side.label,
+                        rec.out.rate,
+                        cell.unit(),
+                        spin,
+                        if rec.out.problems.is_empty() {
+                            String::new()
+                        } else {
+                            format!("  INVALID: {}", rec.out.problems.join("; "))
+                        }
+                    )
+                });
                 let problems = rec.out.problems.clone();
                 records.push(rec);
                 if !problems.is_empty() {
