@@ -203,7 +203,7 @@ fn mixed(name: &str, title: &str, rate: u64, settings: Settings) -> Cell {
         title: title.into(),
         kind: Kind::Mixed,
         settings,
-        publishers: 4,
+        publishers: 32,
         batch: 1,
         keys: 1000,
         rate,

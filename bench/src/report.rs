@@ -166,7 +166,16 @@ pub fn build(
     let sums: Vec<(&Cell, CellSummary)> = cells
         .iter()
         .filter(|c| records.iter().any(|r| r.cell == c.name))
-        .map(|c| (c, summarize_cell(&c.name, records)))
+        .map(|c| {
+            let mut s = summarize_cell(&c.name, records);
+            // Mixed cells publish what the machine accepts at the offered
+            // rate, so their counters follow the accepted rate: reported,
+            // not gated.
+            if c.kind == Kind::Mixed {
+                s.flags.clear();
+            }
+            (c, s)
+        })
         .collect();
     let invalid: Vec<&Record> = records
         .iter()
@@ -302,7 +311,7 @@ pub fn build(
     }
 
     let _ = writeln!(md, "\n## Exact counters per unit\n");
-    let _ = writeln!(md, "Per published event (publish cells) or per delivery (dispatch and mixed cells), steady window only; `cpu_app_ms` and `cpu_db_ms` are CPU milliseconds of the sample process (node and publishers) and of all PostgreSQL processes per unit, which is the same number as CPU seconds per 1,000 units. Statistics are reset before each sample and read as differences of snapshots at both ends of the window.\n");
+    let _ = writeln!(md, "Per published event (publish cells) or per delivery (dispatch and mixed cells), steady window only; `cpu_app_ms` and `cpu_db_ms` are CPU milliseconds of the sample process (node and publishers) and of all PostgreSQL processes per unit, which is the same number as CPU seconds per 1,000 units. Database counters cover the whole sample: statistics are reset after the setup (and preload), and read again after every connection of the sample has closed (so every backend has flushed its statistics); they are divided by the events stored or the deliveries completed, as the database counts them. CPU covers the steady window. Counters of mixed cells are not gated (they follow the accepted rate).\n");
     for (c, s) in &sums {
         if s.counters[1].is_empty() && s.counters[0].is_empty() {
             continue;

@@ -68,7 +68,10 @@ pub struct SampleOut {
     pub accepted_rate: f64,
     /// Hand-overs to the handlers per second in the steady window.
     pub handled_rate: f64,
-    /// Counters per unit (see [`pg::per_unit`]).
+    /// Counters per unit (see [`pg::per_unit`]): database counters over
+    /// the whole sample (from the reset after setup until every connection
+    /// closed) per event stored (publish) or delivery completed (dispatch,
+    /// mixed); CPU over the steady window per unit of the window.
     pub counters: BTreeMap<String, f64>,
     /// Mixed: commit-to-handler latency.
     pub latency: Option<Latency>,
@@ -325,6 +328,9 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
         pg::reset(p).await?;
     }
 
+    // Whole-sample database counters start here (after the preload).
+    let sa = snapshot(stores, pm).await?;
+
     // A node, unless this is a publish cell through the store.
     let needs_node = cell.kind != Kind::Publish || cell.via == Via::Http;
     let node = if needs_node {
@@ -432,6 +438,28 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
     if let Some(n) = node {
         n.shutdown().await?;
     }
+    // Close every connection of the sample so the backends exit and flush
+    // their statistics (table and WAL-record counters are flushed by a
+    // backend about once a second, and at exit), then read the counters
+    // of the whole sample.
+    if let Some(pg) = &stores.pg {
+        pg.pool().close().await;
+    }
+    if let Some(p) = stores.probe.as_mut() {
+        for _ in 0..50 {
+            let others: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                 AND pid <> pg_backend_pid() /* bench-probe */",
+            )
+            .fetch_one(&mut *p)
+            .await?;
+            if others == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let sb = snapshot(stores, pm).await?;
     let mut problems = Vec::new();
     if let Some(e) = failure.lock().expect("failure lock").take() {
         problems.push(format!("publish failed: {e}"));
@@ -492,6 +520,23 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
         }
     });
 
+    // Database counters over the whole sample (exact: every backend has
+    // flushed), per event stored or per delivery completed as the database
+    // counts them; CPU over the steady window (exited processes take their
+    // CPU time with them).
+    let db_units = match cell.kind {
+        Kind::Publish => counts.events,
+        Kind::Dispatch | Kind::Mixed => counts.completions,
+    }
+    .max(0) as u64;
+    let mut counters = pg::per_unit(&sa, &sb, db_units);
+    let window_counters = pg::per_unit(&s0, &s1, units);
+    for k in ["cpu_app_ms", "cpu_db_ms"] {
+        match window_counters.get(k) {
+            Some(v) => counters.insert(k.to_owned(), *v),
+            None => counters.remove(k),
+        };
+    }
     let secs = window.as_secs_f64();
     Ok(SampleOut {
         cell: cell.name.clone(),
@@ -500,7 +545,7 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
         rate: units as f64 / secs,
         accepted_rate: events_in_window as f64 / secs,
         handled_rate: (h1 - h0) as f64 / secs,
-        counters: pg::per_unit(&s0, &s1, units),
+        counters,
         latency,
         exact: ex,
         problems,
