@@ -324,6 +324,10 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
 
     let pm = spec.pg_dir.as_deref().and_then(pg::postmaster_pid);
     if let Some(p) = stores.probe.as_mut() {
+        // Backends flush their statistics about once a second, and when
+        // idle for a second: wait so the setup's and preload's counts land
+        // before the reset instead of inside the sample.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
         sqlx::query("CHECKPOINT").execute(&mut *p).await?;
         pg::reset(p).await?;
     }
