@@ -135,6 +135,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             event_type: "invoice.paid".into(),
             key: Some("acct-1".into()),
             payload: b"{}".to_vec(),
+            deliver_at: None,
         })
         .collect();
     store.publish(events).await?;

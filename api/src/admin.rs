@@ -5,6 +5,7 @@
 //!        200 {"dead_letters": [...], "next_after": id | null}
 //! POST /admin/dead-letters/{id}/replay        200 {"replayed": 1} | 404 not_found
 //! POST /admin/dead-letters/replay {"handler_id"?, "ids"?} | {"all": true}
+//!        | {"handler_id", "since"?, "until"?}   (failed_at in [since, until))
 //!        200 {"replayed": n} | 422 invalid_input (no selection, e.g. `{}`)
 //! GET  /admin/lanes                           200 {"lanes": [...]}
 //! GET  /admin/cluster                         200 ClusterView
@@ -14,7 +15,8 @@
 //! GET  /admin/handlers                        200 {"handlers": [...], "dead_letters_exact": bool}
 //! ```
 //!
-//! A replayed dead letter becomes a fresh delivery again (attempts reset).
+//! A replayed dead letter becomes a fresh delivery again (attempts reset);
+//! a key's replayed deliveries are handed out in sequence order.
 //!
 //! `GET /admin/handlers` is the operator's view of the catalog (the
 //! dashboard polls it every second): each handler's state and dead-letter
@@ -150,6 +152,16 @@ pub(crate) struct BulkReplay {
     /// the other); not combined with `handler_id` or `ids`.
     #[serde(default)]
     all: bool,
+    /// With `handler_id` (and without `ids`): only dead letters that failed
+    /// at or after this time (RFC 3339).
+    #[serde(default)]
+    #[schema(format = DateTime, example = "2026-11-30T12:00:00Z")]
+    since: Option<String>,
+    /// With `handler_id` (and without `ids`): only dead letters that failed
+    /// before this time (RFC 3339).
+    #[serde(default)]
+    #[schema(format = DateTime, example = "2026-11-30T13:00:00Z")]
+    until: Option<String>,
 }
 
 /// Handler of `GET /admin/dead-letters`: `400 invalid_parameter` for a bad
@@ -217,6 +229,11 @@ pub(crate) async fn replay_bulk(
     Json(req): Json<BulkReplay>,
 ) -> Result<axum::Json<Replayed>, ApiError> {
     let ids = req.ids.unwrap_or_default();
+    if req.since.is_some() || req.until.is_some() {
+        return replay_between(&state, req.handler_id, ids, req.all, req.since, req.until)
+            .await
+            .map(axum::Json);
+    }
     if req.all {
         if req.handler_id.is_some() || !ids.is_empty() {
             return Err(ApiError::new(
@@ -258,6 +275,55 @@ pub(crate) async fn replay_bulk(
         state.node.handlers_changed();
     }
     Ok(axum::Json(Replayed { replayed }))
+}
+
+/// `{"handler_id", "since"?, "until"?}`: that handler's dead letters that
+/// failed in the time range, in one store call.
+async fn replay_between(
+    state: &ApiState,
+    handler_id: Option<String>,
+    ids: Vec<i64>,
+    all: bool,
+    since: Option<String>,
+    until: Option<String>,
+) -> Result<Replayed, ApiError> {
+    let Some(handler_id) = handler_id.filter(|_| ids.is_empty() && !all) else {
+        return Err(ApiError::new(
+            ErrorCode::InvalidInput,
+            "since and until select by time within one handler: give handler_id, without ids or all",
+        ));
+    };
+    let since = since
+        .as_deref()
+        .map(|t| crate::recovery::parse_time("since", t))
+        .transpose()?;
+    let until = until
+        .as_deref()
+        .map(|t| crate::recovery::parse_time("until", t))
+        .transpose()?;
+    if let (Some(s), Some(u)) = (since, until) {
+        if s >= u {
+            return Err(ApiError::new(
+                ErrorCode::InvalidInput,
+                format!("since {s} must be before until {u}"),
+            ));
+        }
+    }
+    check_handler_id(&handler_id)?;
+    state
+        .store
+        .get_handler(&handler_id)
+        .await
+        .map_err(|e| not_found(e, &handler_id))?;
+    let replayed = state
+        .store
+        .replay_dead_letters_between(&handler_id, since, until)
+        .await?;
+    crate::telemetry::dead_letters_replayed(Some(&handler_id), &[], replayed);
+    if replayed > 0 {
+        state.node.handlers_changed();
+    }
+    Ok(Replayed { replayed })
 }
 
 /// `"all": true`: every handler's dead letters, one handler at a time (each

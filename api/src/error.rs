@@ -29,7 +29,9 @@ pub enum ErrorCode {
     /// 422: the body is JSON of the wrong shape: unknown field, missing
     /// field, wrong type (the message gives the path, e.g. `events[2].foo`).
     InvalidBody,
-    /// 400: a path or query parameter does not parse, or is unknown.
+    /// 400: a path or query parameter does not parse, or is unknown; or a
+    /// time in the body (`deliver_at`, `since`, `until`) is not an RFC 3339
+    /// date-time.
     InvalidParameter,
     /// 415: the body's `content-type` is not `application/json`.
     UnsupportedMediaType,
@@ -129,7 +131,8 @@ impl ErrorCode {
                 "the body is JSON of the wrong shape: unknown field, missing field, wrong type"
             }
             ErrorCode::InvalidParameter => {
-                "a path or query parameter does not parse, or is unknown"
+                "a path or query parameter does not parse, or is unknown; or a time in the body \
+                 (deliver_at, since, until) is not an RFC 3339 date-time"
             }
             ErrorCode::UnsupportedMediaType => "the body's content-type is not application/json",
             ErrorCode::BodyTooLarge => "the request body exceeds the node's body limit",

@@ -67,6 +67,12 @@ pub struct EventIn {
     /// Any JSON value, kept byte for byte.
     #[schema(value_type = serde_json::Value)]
     pub payload: Box<RawValue>,
+    /// Delayed delivery: not delivered before this time (RFC 3339, e.g.
+    /// `2026-12-01T09:00:00Z`), at most 7 days ahead (a past time delivers
+    /// at once). A keyed event's later events wait behind it.
+    #[serde(default)]
+    #[schema(format = DateTime, example = "2026-12-01T09:00:00Z")]
+    pub deliver_at: Option<String>,
 }
 
 /// Answer of `POST /v1/events` (202).
@@ -102,8 +108,10 @@ impl From<PublishOutcome> for PublishAnswer {
 /// store events.
 ///
 /// # Errors
-/// `422 empty_batch`, `422 batch_too_large`, `413 payload_too_large` or
-/// `422 invalid_event`, naming the event's index (`events[3]`).
+/// `422 empty_batch`, `422 batch_too_large`, `413 payload_too_large`,
+/// `400 invalid_parameter` (a `deliver_at` that is no RFC 3339 date-time) or
+/// `422 invalid_event` (also a `deliver_at` more than 7 days ahead), naming
+/// the event's index (`events[3]`).
 pub fn validate_batch(req: PublishRequest, limits: &Limits) -> Result<Vec<NewEvent>, ApiError> {
     if req.events.is_empty() {
         return Err(ApiError::new(
@@ -136,11 +144,17 @@ pub fn validate_batch(req: PublishRequest, limits: &Limits) -> Result<Vec<NewEve
                     ),
                 ));
             }
+            let deliver_at = e
+                .deliver_at
+                .as_deref()
+                .map(|t| crate::recovery::parse_time(&format!("events[{i}].deliver_at"), t))
+                .transpose()?;
             let event = NewEvent {
                 id: e.id,
                 event_type: e.event_type,
                 key: e.key,
                 payload: payload.as_bytes().to_vec(),
+                deliver_at,
             };
             event.validate().map_err(|err| {
                 ApiError::new(

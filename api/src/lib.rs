@@ -61,6 +61,7 @@ pub mod extract;
 pub mod handlers;
 mod health;
 pub mod openapi;
+mod recovery;
 mod routes;
 pub mod serve;
 mod telemetry;
@@ -180,6 +181,13 @@ pub trait NodeView: Send + Sync + 'static {
     /// Called after the handler catalog changed (create, delete) and after a
     /// dead-letter replay put deliveries back; must not block.
     fn handlers_changed(&self);
+
+    /// How long completed events are kept for recovery
+    /// (`POST /v1/handlers/{id}/recover` refuses an older `since`); `None`:
+    /// unknown, no bound is checked. The default: `None`.
+    fn retention(&self) -> Option<std::time::Duration> {
+        None
+    }
 
     /// Whether the node is ready (joined, store reachable, lanes started).
     async fn ready(&self) -> bool;

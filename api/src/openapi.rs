@@ -56,6 +56,7 @@ use crate::handlers::{
     HANDLER_ID_PATTERN,
 };
 use crate::health::Status;
+use crate::recovery::{RecoverRequest, Recovered};
 use crate::routes::{Operation, ROUTES};
 use crate::{ClusterView, JoinRequest, RemoveRequest};
 
@@ -266,6 +267,22 @@ fn describe(op: Operation, s: &mut Schemas) -> Described {
                 ),
             )
         },
+        Operation::RecoverHandler => Described {
+            parameters: vec![path_id("handler id (`hdl_` + 32 hex digits)", handler_id())],
+            body: Some(s.of::<RecoverRequest>()),
+            ..d(
+                "handlers",
+                "Deliver completed events again",
+                "Every event whose delivery to the handler completed at or after `since` is \
+                 delivered again, once, with the same event id and the header \
+                 `lanebus-replay: true`; a key's events in sequence order. Completed events are \
+                 kept for the node's retention period (default 24 h): an older `since` is \
+                 `422 invalid_input`. Events already pending for the handler are not doubled \
+                 (`already_pending`); completions whose event was pruned are counted as \
+                 `pruned`.",
+                (StatusCode::OK, "recovered", json(s.of::<Recovered>())),
+            )
+        },
         Operation::ListDeadLetters => Described {
             parameters: DeadLetterQuery::into_params(|| Some(ParameterIn::Query)),
             ..d(
@@ -296,8 +313,9 @@ fn describe(op: Operation, s: &mut Schemas) -> Described {
                 "Replay dead letters by handler, by ids, or all",
                 "The selection must be explicit: `handler_id`, `ids`, or both (those ids of \
                  that handler), or `\"all\": true` alone (every dead letter of every handler, \
-                 one handler after the other). Anything else, `{}` included, replays nothing \
-                 and is `422 invalid_input`. Unknown ids are skipped and not counted; an \
+                 one handler after the other). With `handler_id` alone, `since` and/or `until` \
+                 (RFC 3339) select the dead letters that failed in `[since, until)`. Anything \
+                 else, `{}` included, replays nothing and is `422 invalid_input`. Unknown ids are skipped and not counted; an \
                  unknown `handler_id` is `404 not_found`.",
                 (StatusCode::OK, "replayed", json(s.of::<Replayed>())),
             )

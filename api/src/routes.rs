@@ -19,7 +19,7 @@ use axum::routing::{delete, get, patch, post, MethodRouter};
 use axum::Router;
 
 use crate::error::{error_response, ApiError, ErrorCode};
-use crate::{admin, events, handlers, health, openapi, ui, ApiState};
+use crate::{admin, events, handlers, health, openapi, recovery, ui, ApiState};
 
 /// What a route does; one variant per (method, path).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,6 +43,9 @@ pub enum Operation {
     /// `POST /v1/handlers/{id}/secret/rotate`: a new signing secret, the old
     /// one signing too for a grace period.
     RotateHandlerSecret,
+    /// `POST /v1/handlers/{id}/recover`: deliver again the events completed
+    /// for a handler since a time (marked `lanebus-replay: true`).
+    RecoverHandler,
     /// `GET /admin/dead-letters`: list dead letters.
     ListDeadLetters,
     /// `POST /admin/dead-letters/{id}/replay`: replay one dead letter.
@@ -112,6 +115,7 @@ impl Operation {
             Operation::EnableHandler => "enableHandler",
             Operation::UpdateHandler => "updateHandler",
             Operation::RotateHandlerSecret => "rotateHandlerSecret",
+            Operation::RecoverHandler => "recoverHandler",
             Operation::ListDeadLetters => "listDeadLetters",
             Operation::ReplayDeadLetter => "replayDeadLetter",
             Operation::ReplayDeadLetters => "replayDeadLetters",
@@ -146,6 +150,7 @@ impl Operation {
                     E::PayloadTooLarge,
                     E::InvalidEvent,
                     E::InvalidInput,
+                    E::InvalidParameter,
                 ],
                 &STORE,
             ]
@@ -168,12 +173,21 @@ impl Operation {
             Operation::GetHandler | Operation::DeleteHandler | Operation::EnableHandler => {
                 [&[E::InvalidParameter, E::NotFound][..], &STORE].concat()
             }
+            Operation::RecoverHandler => [
+                &JSON_BODY[..],
+                &[E::InvalidParameter, E::NotFound, E::InvalidInput],
+                &STORE,
+            ]
+            .concat(),
             Operation::ListDeadLetters | Operation::ReplayDeadLetter => {
                 [&[E::InvalidParameter, E::NotFound][..], &STORE].concat()
             }
-            Operation::ReplayDeadLetters => {
-                [&JSON_BODY[..], &[E::InvalidInput, E::NotFound], &STORE].concat()
-            }
+            Operation::ReplayDeadLetters => [
+                &JSON_BODY[..],
+                &[E::InvalidParameter, E::InvalidInput, E::NotFound],
+                &STORE,
+            ]
+            .concat(),
             Operation::Readyz => vec![E::NotReady, E::StoreUnavailable],
             Operation::JoinCluster | Operation::RemoveNode => {
                 [&JSON_BODY[..], &[E::Conflict, E::NotReady]].concat()
@@ -205,6 +219,7 @@ impl Operation {
             Operation::EnableHandler => post(handlers::enable),
             Operation::UpdateHandler => patch(handlers::update),
             Operation::RotateHandlerSecret => post(handlers::rotate_secret),
+            Operation::RecoverHandler => post(recovery::recover),
             Operation::ListDeadLetters => get(admin::list_dead_letters),
             Operation::ReplayDeadLetter => post(admin::replay_one),
             Operation::ReplayDeadLetters => post(admin::replay_bulk),
@@ -266,6 +281,11 @@ pub const ROUTES: &[RouteSpec] = &[
         Method::POST,
         "/v1/handlers/{id}/secret/rotate",
         Operation::RotateHandlerSecret,
+    ),
+    spec(
+        Method::POST,
+        "/v1/handlers/{id}/recover",
+        Operation::RecoverHandler,
     ),
     spec(
         Method::GET,

@@ -77,6 +77,17 @@ pub struct NodeArgs {
     #[arg(long, env = "LANEBUS_BUFFER_BYTES")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub buffer_bytes: Option<u64>,
+    /// How long completed events are kept (for `POST
+    /// /v1/handlers/{id}/recover`) before they are pruned, in seconds, 60 to
+    /// 31536000 (365 days) [default: 86400 (24 h)].
+    #[arg(long, env = "LANEBUS_RETENTION_SECS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retention_secs: Option<u64>,
+    /// Time between two retention pruning passes (run by the owner of lane
+    /// 0), in milliseconds, 100 to 3600000 [default: 60000].
+    #[arg(long, env = "LANEBUS_PRUNE_INTERVAL_MS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prune_interval_ms: Option<u64>,
     /// Store actor flush interval, in milliseconds [default: 2].
     #[arg(long, env = "LANEBUS_FLUSH_INTERVAL_MS")]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -148,6 +159,8 @@ pub struct NodeConfig {
     pub handover_drain: Option<Duration>,
     pub webhook_source_ip: Option<std::net::IpAddr>,
     pub auto_disable_after: Duration,
+    pub retention: Duration,
+    pub prune_interval: Duration,
 }
 
 /// Raft timing that fits the lease: elections must finish well within a
@@ -182,6 +195,8 @@ impl NodeConfig {
         o.store_actor.flush_interval = self.flush_interval;
         o.webhook_source_ip = self.webhook_source_ip;
         o.auto_disable_after = self.auto_disable_after;
+        o.retention.retention = self.retention;
+        o.retention.interval = self.prune_interval;
         if !self.single {
             let mut c = lanebus_node::node::ClusterOptions::new(
                 self.id,
@@ -319,6 +334,14 @@ pub fn validate(a: NodeArgs) -> anyhow::Result<NodeConfig> {
     }
     let buffer_bytes = usize::try_from(buffer_bytes)
         .with_context(|| format!("buffer_bytes {buffer_bytes} does not fit this machine"))?;
+    let retention_secs = a.retention_secs.unwrap_or(86_400);
+    if !(60..=31_536_000).contains(&retention_secs) {
+        bail!("retention_secs must be 60 to 31536000 (365 days), got {retention_secs}");
+    }
+    let prune_interval_ms = a.prune_interval_ms.unwrap_or(60_000);
+    if !(100..=3_600_000).contains(&prune_interval_ms) {
+        bail!("prune_interval_ms must be 100 to 3600000, got {prune_interval_ms}");
+    }
     let flush_ms = a.flush_interval_ms.unwrap_or(2);
     if flush_ms > 1_000 {
         bail!("flush_interval_ms must be 0 to 1000, got {flush_ms}");
@@ -366,6 +389,8 @@ pub fn validate(a: NodeArgs) -> anyhow::Result<NodeConfig> {
         handover_drain: a.handover_drain_ms.map(Duration::from_millis),
         webhook_source_ip,
         auto_disable_after,
+        retention: Duration::from_secs(retention_secs),
+        prune_interval: Duration::from_millis(prune_interval_ms),
     })
 }
 

@@ -292,6 +292,7 @@ mod tests {
             last_error: None,
             payload: bytes::Bytes::from_static(b"{}"),
             published_at: chrono::Utc::now(),
+            replay: false,
         }
     }
 

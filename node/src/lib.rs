@@ -31,6 +31,7 @@ pub mod node;
 pub mod ordering;
 pub mod rate;
 pub mod receiver;
+pub mod retention;
 pub mod retry;
 pub mod sample_data;
 pub mod webhook;

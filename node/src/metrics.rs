@@ -17,6 +17,7 @@
 //! | `lanebus_handlers_disabled_total` | counter | `handler`, `reason` = `gone` (a `410` answer disabled it here) |
 //! | `lanebus_handlers_disabled` | gauge | disabled handlers in the catalog as this node last read it |
 //! | `lanebus_orphan_deliveries_discarded_total` | counter | `handler` (deliveries of a deleted handler found after the delete, discarded) |
+//! | `lanebus_retention_pruned_total` | counter | `kind` = `events`, `completions` (rows removed by retention, [`crate::retention`]) |
 //! | `lanebus_buffered_payload_bytes` | gauge | payload bytes of the deliveries held in memory (queued + in flight), see `--buffer-bytes` |
 //!
 //! The API's own metrics (`lanebus_events_published_total`, ...) are listed
@@ -57,6 +58,10 @@ pub fn install_recorder() -> PrometheusHandle {
 
 fn describe() {
     metrics::describe_counter!("lanebus_deliveries_total", "attempt outcomes by handler");
+    metrics::describe_counter!(
+        "lanebus_retention_pruned_total",
+        "events and completion records removed by retention"
+    );
     metrics::describe_histogram!(
         "lanebus_commit_to_handler_seconds",
         metrics::Unit::Seconds,
@@ -151,6 +156,17 @@ pub fn orphans_discarded(handler_id: &str, n: usize) {
     if n > 0 {
         metrics::counter!("lanebus_orphan_deliveries_discarded_total", "handler" => handler_id.to_owned())
             .increment(n as u64);
+    }
+}
+
+/// Rows removed by one retention batch.
+pub fn pruned(completions: u64, events: u64) {
+    if completions > 0 {
+        metrics::counter!("lanebus_retention_pruned_total", "kind" => "completions")
+            .increment(completions);
+    }
+    if events > 0 {
+        metrics::counter!("lanebus_retention_pruned_total", "kind" => "events").increment(events);
     }
 }
 

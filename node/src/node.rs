@@ -183,6 +183,9 @@ pub struct NodeOptions {
     /// Local address webhook requests are sent from; `None`: the OS picks
     /// (see [`WebhookSender::with_source_ip`]).
     pub webhook_source_ip: Option<std::net::IpAddr>,
+    /// Retention of completed events (default 24 h, pruned every minute by
+    /// the owner of lane 0; see [`crate::retention`]).
+    pub retention: crate::retention::RetentionConfig,
 }
 
 impl NodeOptions {
@@ -202,6 +205,7 @@ impl NodeOptions {
             drain_timeout: Duration::from_secs(5),
             cluster: None,
             webhook_source_ip: None,
+            retention: crate::retention::RetentionConfig::default(),
         }
     }
 }
@@ -226,6 +230,7 @@ pub struct NodeState {
     catalog: Arc<HandlerCatalog>,
     metrics: PrometheusHandle,
     ready: watch::Sender<bool>,
+    retention: Duration,
 }
 
 impl NodeState {
@@ -345,6 +350,10 @@ impl NodeView for NodeState {
 
     fn handlers_changed(&self) {
         self.catalog.request_reload();
+    }
+
+    fn retention(&self) -> Option<Duration> {
+        Some(self.retention)
     }
 
     async fn ready(&self) -> bool {
@@ -681,7 +690,13 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
         catalog: catalog.clone(),
         metrics: metrics_handle,
         ready: watch::channel(false).0,
+        retention: opts.retention.retention,
     });
+    tokio::spawn(crate::retention::run(
+        store.clone(),
+        Arc::downgrade(&board),
+        opts.retention,
+    ));
 
     let app = lanebus_api::router(ApiState {
         store: store.clone(),

@@ -125,18 +125,24 @@ impl ClaimTicket {
 
 #[derive(Debug, Default)]
 struct Slot {
-    /// Queued, not yet handed out; keyed by sequence (keyed) or id (unkeyed).
-    pending: BTreeMap<i64, Delivery>,
+    /// Queued, not yet handed out; keyed by (sequence, id) (keyed) or id
+    /// (unkeyed). The id breaks ties: a recovery or a replay may hold a
+    /// second delivery of one event (the same sequence number).
+    pending: BTreeMap<Pos, Delivery>,
     /// Ids handed out and not yet settled.
     in_flight: BTreeSet<i64>,
 }
+
+/// Ordering position in a slot: (sequence, id) for keyed deliveries, (id, id)
+/// for unkeyed ones.
+type Pos = (i64, i64);
 
 /// A held delivery's place.
 #[derive(Debug, Clone)]
 struct Held {
     slot: SlotKey,
     /// Ordering position in its slot.
-    pos: i64,
+    pos: Pos,
     /// Cursor of the claim that returned it (a claim from there re-reads it).
     from: i64,
     /// Its payload's length, in bytes ([`LaneQueue::bytes`]).
@@ -165,6 +171,10 @@ struct Trim {
     /// Cursor from which a claim returns every dropped row.
     resume: i64,
     state: TrimState,
+    /// A keyed slot dropped whole because its head is not due before this
+    /// time (delayed delivery, a retry from before a restart): not released
+    /// before then ([`LaneQueue::wake`]).
+    until: Option<DateTime<Utc>>,
 }
 
 /// How the queue may treat a handler right now (from the handler catalog).
@@ -205,6 +215,9 @@ pub struct LaneQueue {
     trims: HashMap<TrimKey, Trim>,
     /// A release asked the next claim to read from here.
     rescan_from: Option<i64>,
+    /// Unkeyed deliveries not due yet, dropped from a full buffer: the
+    /// earliest due time among them and the cursor to re-read them from.
+    deferred: Option<(DateTime<Utc>, i64)>,
 }
 
 impl LaneQueue {
@@ -264,8 +277,8 @@ impl LaneQueue {
             // Keyed slots order by sequence; unkeyed (or a keyed delivery
             // without a sequence, which the store never returns) by id.
             let pos = match (&d.key, d.seq) {
-                (Some(_), Some(seq)) => seq,
-                _ => d.id,
+                (Some(_), Some(seq)) => (seq, d.id),
+                _ => (d.id, d.id),
             };
             self.held.insert(
                 d.id,
@@ -386,6 +399,8 @@ impl LaneQueue {
                         .min()
                 }
             })
+            .chain(self.trims.values().filter_map(|t| t.until))
+            .chain(self.deferred.map(|(at, _)| at))
             .min()
     }
 
@@ -539,6 +554,10 @@ impl LaneQueue {
         let retrying = self.retrying_per_handler();
         // (slot, whole handler stalled, keep the head)
         let mut plan: Vec<(SlotKey, bool, bool)> = Vec::new();
+        // Keyed slots whose head is not due, with its due time.
+        let mut waiting_heads: Vec<(SlotKey, DateTime<Utc>)> = Vec::new();
+        // Unkeyed slots holding deliveries that are not due.
+        let mut not_due_unkeyed: Vec<SlotKey> = Vec::new();
         let mut gates: HashMap<&str, HandlerGate> = HashMap::new();
         for (k, slot) in &self.slots {
             if slot.pending.is_empty() {
@@ -554,13 +573,15 @@ impl LaneQueue {
                     Some(id) if self.retrying.contains(id) => plan.push((k.clone(), false, false)),
                     Some(_) => {}
                     None => {
-                        let head_waits =
-                            slot.pending.values().next().is_some_and(|d| d.due_at > now);
-                        if head_waits && slot.pending.len() > 1 {
-                            plan.push((k.clone(), false, true));
+                        if let Some(head) = slot.pending.values().next() {
+                            if head.due_at > now {
+                                waiting_heads.push((k.clone(), head.due_at));
+                            }
                         }
                     }
                 }
+            } else if slot.pending.values().any(|d| d.due_at > now) {
+                not_due_unkeyed.push(k.clone());
             }
         }
         let mut dropped = Vec::new();
@@ -598,9 +619,94 @@ impl LaneQueue {
                 .or_insert(Trim {
                     resume,
                     state: TrimState::Stalled,
+                    until: None,
                 });
         }
+        // A keyed slot whose head waits for its time (delayed delivery):
+        // dropped whole, head included, and read again once the head is
+        // due; its later deliveries stay behind it in the store (order).
+        for (k, until) in waiting_heads {
+            let Some(slot) = self.slots.get_mut(&k) else {
+                continue;
+            };
+            let mut resume = i64::MAX;
+            for (_, d) in std::mem::take(&mut slot.pending) {
+                if let Some(h) = self.held.remove(&d.id) {
+                    resume = resume.min(h.from);
+                    self.bytes -= h.size;
+                }
+                self.queued -= 1;
+                dropped.push(d.id);
+            }
+            if slot.in_flight.is_empty() {
+                self.slots.remove(&k);
+            }
+            self.trims
+                .entry(TrimKey::Slot(k))
+                .and_modify(|t| {
+                    t.resume = t.resume.min(resume);
+                    t.state = TrimState::Stalled;
+                    t.until = Some(t.until.map_or(until, |u| u.max(until)));
+                })
+                .or_insert(Trim {
+                    resume,
+                    state: TrimState::Stalled,
+                    until: Some(until),
+                });
+        }
+        // Unkeyed deliveries that are not due: dropped, and read again from
+        // the earliest dropped one's cursor once the earliest is due. Unkeyed
+        // deliveries have no order, so later rows of the slot are still taken.
+        for k in not_due_unkeyed {
+            let Some(slot) = self.slots.get_mut(&k) else {
+                continue;
+            };
+            let later: Vec<Pos> = slot
+                .pending
+                .iter()
+                .filter(|(_, d)| d.due_at > now)
+                .map(|(p, _)| *p)
+                .collect();
+            for pos in later {
+                let d = slot.pending.remove(&pos).expect("listed");
+                let Some(h) = self.held.remove(&d.id) else {
+                    continue;
+                };
+                self.bytes -= h.size;
+                self.queued -= 1;
+                // No tombstone: the rescan at its time must take it again.
+                let (at, from) = self.deferred.get_or_insert((d.due_at, h.from));
+                *at = (*at).min(d.due_at);
+                *from = (*from).min(h.from);
+                dropped.push(d.id);
+            }
+            if slot.pending.is_empty() && slot.in_flight.is_empty() {
+                self.slots.remove(&k);
+            }
+        }
         dropped
+    }
+
+    /// Lifts the time condition of what [`trim`](Self::trim) dropped for
+    /// not being due, once `now` reached it: a waiting keyed slot becomes
+    /// releasable ([`release`](Self::release)), deferred unkeyed deliveries
+    /// ask for a rescan at once. Returns whether anything was woken.
+    pub fn wake(&mut self, now: DateTime<Utc>) -> bool {
+        let mut woke = false;
+        for t in self.trims.values_mut() {
+            if t.until.is_some_and(|u| u <= now) {
+                t.until = None;
+                woke = true;
+            }
+        }
+        if let Some((at, from)) = self.deferred {
+            if at <= now {
+                self.deferred = None;
+                self.rescan_from = Some(self.rescan_from.map_or(from, |r| r.min(from)));
+                woke = true;
+            }
+        }
+        woke
     }
 
     /// Lifts the trims whose cause is gone (module docs) and asks for a
@@ -613,7 +719,7 @@ impl LaneQueue {
         let mut gates: HashMap<String, HandlerGate> = HashMap::new();
         let mut released = Vec::new();
         for (k, t) in &self.trims {
-            if t.state != TrimState::Stalled {
+            if t.state != TrimState::Stalled || t.until.is_some() {
                 continue;
             }
             let handler = match k {
@@ -719,6 +825,7 @@ mod tests {
             last_error: None,
             payload: bytes::Bytes::from_static(b"{}"),
             published_at: t0(),
+            replay: false,
         }
     }
 
@@ -1060,30 +1167,97 @@ mod tests {
     }
 
     #[test]
-    fn a_head_not_due_keeps_its_place_and_its_followers_wait_in_the_store() {
+    fn a_head_not_due_leaves_its_key_in_the_store_until_it_is_due() {
         let mut q = LaneQueue::new();
         let t1 = q.begin_claim();
         let mut late = d(1, "h", Some("a"), 1);
         late.due_at = t0() + Duration::seconds(30);
         q.accept_batch(
             t1,
-            vec![late, d(2, "h", Some("a"), 2), d(3, "h", Some("a"), 3)],
-            3,
+            vec![
+                late.clone(),
+                d(2, "h", Some("a"), 2),
+                d(3, "h", Some("a"), 3),
+                d(4, "h", Some("b"), 1),
+            ],
+            4,
         );
-        assert_eq!(q.trim(t0(), 3, open), vec![2, 3]);
-        assert!(!q.slot_idle(&slot("h", Some("a"))));
-        assert!(q.next_ready(t0(), open).is_empty());
+        assert_eq!(ids(&q.next_ready(t0(), open)), vec![4]);
+        // Full: the waiting key goes whole, head included (a buffer of
+        // delayed heads must not hold up the lane).
+        assert_eq!(q.trim(t0(), 3, open), vec![1, 2, 3]);
+        assert!(q.slot_idle(&slot("h", Some("a"))));
+        assert_eq!(q.next_due(t0()), Some(late.due_at));
+        // Later rows of the key stay in the store; other keys flow.
+        let t2 = q.begin_claim();
+        assert_eq!(
+            q.accept_batch(
+                t2,
+                vec![d(5, "h", Some("a"), 4), d(6, "h", Some("c"), 1)],
+                6
+            ),
+            1
+        );
+        assert!(!q.release(open), "not before the head is due");
         let later = t0() + Duration::seconds(30);
-        assert_eq!(ids(&q.next_ready(later, open)), vec![1]);
-        assert!(!q.release(open), "the head is in flight");
-        q.settled(1);
+        assert!(!q.wake(t0() + Duration::seconds(29)));
+        assert!(q.wake(later));
         assert!(q.release(open));
         let t = q.begin_claim();
-        assert_eq!(
-            q.accept_batch(t, vec![d(2, "h", Some("a"), 2), d(3, "h", Some("a"), 3)], 3),
-            2
-        );
-        assert_eq!(ids(&q.next_ready(later, open)), vec![2]);
+        assert_eq!(t.after(), 0, "rescan from the dropped head");
+        let all = vec![
+            late,
+            d(2, "h", Some("a"), 2),
+            d(3, "h", Some("a"), 3),
+            d(5, "h", Some("a"), 4),
+        ];
+        assert_eq!(q.accept_batch(t, all, 6), 4);
+        let mut order = Vec::new();
+        loop {
+            let got: Vec<Delivery> = q
+                .next_ready(later, open)
+                .into_iter()
+                .filter(|d| d.key.as_deref() == Some("a"))
+                .collect();
+            if got.is_empty() {
+                break;
+            }
+            order.push(got[0].seq.unwrap());
+            q.settled(got[0].id);
+        }
+        assert_eq!(order, vec![1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn unkeyed_deliveries_not_due_do_not_fill_the_buffer() {
+        let mut q = LaneQueue::new();
+        let t1 = q.begin_claim();
+        let mut a = d(1, "h", None, 0);
+        let mut b = d(2, "h", None, 0);
+        a.due_at = t0() + Duration::seconds(60);
+        b.due_at = t0() + Duration::seconds(30);
+        q.accept_batch(t1, vec![a, b, d(3, "h", None, 0)], 3);
+        assert_eq!(ids(&q.next_ready(t0(), open)), vec![3]);
+        let mut dropped = q.trim(t0(), 3, open);
+        dropped.sort();
+        assert_eq!(dropped, vec![1, 2]);
+        assert_eq!((q.queued(), q.in_flight()), (0, 1));
+        // New unkeyed rows of the handler are taken at once.
+        let t2 = q.begin_claim();
+        assert_eq!(q.accept_batch(t2, vec![d(4, "h", None, 0)], 4), 1);
+        assert_eq!(ids(&q.next_ready(t0(), open)), vec![4]);
+        assert_eq!(q.next_due(t0()), Some(t0() + Duration::seconds(30)));
+        assert!(!q.wake(t0()));
+        let at = t0() + Duration::seconds(30);
+        assert!(q.wake(at));
+        let t3 = q.begin_claim();
+        assert_eq!(t3.after(), 0, "rescan from the earliest dropped row");
+        let mut a = d(1, "h", None, 0);
+        a.due_at = t0() + Duration::seconds(60);
+        let mut b = d(2, "h", None, 0);
+        b.due_at = at;
+        assert_eq!(q.accept_batch(t3, vec![a, b], 4), 2);
+        assert_eq!(ids(&q.next_ready(at, open)), vec![2]);
     }
 
     #[test]

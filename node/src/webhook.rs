@@ -10,6 +10,7 @@
 //! lanebus-key: <key>                     only for keyed events
 //! lanebus-sequence: <position within the key>
 //! lanebus-attempt: <1, 2, ...>
+//! lanebus-replay: true                   only for a recovery (delivered before)
 //!
 //! {"type":"issues.opened","timestamp":"<published_at, RFC 3339>","data":<payload>}
 //! ```
@@ -289,6 +290,9 @@ impl WebhookSender {
         }
         if let Some(seq) = delivery.seq {
             req = req.header("lanebus-sequence", seq.to_string());
+        }
+        if delivery.replay {
+            req = req.header("lanebus-replay", "true");
         }
         let mut resp = match req.body(body).send().await {
             Ok(r) => r,

@@ -233,6 +233,7 @@ async fn disabled_handler_does_not_hold_up_its_lane(backend: Backend) -> anyhow:
                 event_type: "push".into(),
                 key: Some(key.clone()),
                 payload: format!("{{\"n\":{i}}}").into_bytes(),
+                deliver_at: None,
             });
         }
         store.publish(batch).await?;

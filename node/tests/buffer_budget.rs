@@ -71,6 +71,7 @@ async fn large_backlog_stays_within_the_budget(backend: Backend) -> anyhow::Resu
                 event_type: "push".into(),
                 key: Some(key),
                 payload: format!("{{\"n\":{i},\"f\":\"{filler}\"}}").into_bytes(),
+                deliver_at: None,
             }])
             .await?;
     }

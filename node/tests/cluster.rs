@@ -166,6 +166,7 @@ impl Fixture {
                     event_type: e.event_type.clone(),
                     key: e.key.clone(),
                     payload: e.payload.clone().into_bytes(),
+                    deliver_at: None,
                 })
                 .collect();
             self.store.publish(batch).await?;
@@ -497,6 +498,7 @@ async fn same_id_twice(backend: Backend) -> anyhow::Result<()> {
             event_type: e.event_type.clone(),
             key: e.key.clone(),
             payload: e.payload.clone().into_bytes(),
+            deliver_at: None,
         })
         .collect();
     store.publish(batch).await?;

@@ -434,6 +434,7 @@ fn new_event(id: String, key: &str) -> NewEvent {
         event_type: "push".into(),
         key: Some(key.into()),
         payload: b"{}".to_vec(),
+        deliver_at: None,
     }
 }
 

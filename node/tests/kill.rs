@@ -89,6 +89,7 @@ async fn killed_and_restarted(backend: Backend) -> anyhow::Result<()> {
                 event_type: e.event_type.clone(),
                 key: e.key.clone(),
                 payload: e.payload.clone().into_bytes(),
+                deliver_at: None,
             })
             .collect();
         store.publish(batch).await?;

@@ -18,6 +18,7 @@ fn event(id: &str, key: &str) -> NewEvent {
         event_type: "invoice.paid".into(),
         key: Some(key.into()),
         payload: br#"{"n":1}"#.to_vec(),
+        deliver_at: None,
     }
 }
 

@@ -124,6 +124,7 @@ async fn run(
                 event_type: "issues.opened".into(),
                 key: Some(format!("repo-{}", (chunk * 100 + i) % keys)),
                 payload: payload.clone(),
+                deliver_at: None,
             })
             .collect();
         store.publish(batch).await?;

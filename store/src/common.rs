@@ -24,6 +24,8 @@ pub(crate) struct PlannedEvent {
     pub payload: Vec<u8>,
     /// Whether the id came from the client (only those can already be stored).
     pub client_id: bool,
+    /// Delayed delivery: the deliveries' first due time (`None`: at once).
+    pub deliver_at: Option<DateTime<Utc>>,
 }
 
 /// A validated publish batch.
@@ -72,6 +74,7 @@ impl PublishPlan {
                 lane,
                 payload: e.payload,
                 client_id,
+                deliver_at: e.deliver_at,
             });
         }
         Ok(PublishPlan {
@@ -267,6 +270,7 @@ mod tests {
             event_type: "t".into(),
             key: key.map(Into::into),
             payload: b"{}".to_vec(),
+            deliver_at: None,
         }
     }
 

@@ -127,8 +127,13 @@ impl From<sqlx::Error> for StoreError {
 /// Result alias for store operations.
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 
+/// Farthest ahead a [`NewEvent::deliver_at`] may lie: 7 days. A delayed
+/// keyed event holds up its key's later events until it is delivered, so the
+/// bound keeps a typo (a year instead of a day) from blocking a key for good.
+pub const MAX_DELIVER_AHEAD: chrono::TimeDelta = chrono::TimeDelta::days(7);
+
 /// An event as a publisher hands it over.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NewEvent {
     /// Client-supplied id (1 to 128 printable ASCII characters); a UUIDv7 is
     /// generated when `None`.
@@ -139,6 +144,10 @@ pub struct NewEvent {
     pub key: Option<String>,
     /// The payload: one JSON value, stored and sent byte for byte.
     pub payload: Vec<u8>,
+    /// Not to be delivered before this time (delayed delivery); `None` or a
+    /// past time: at once. At most [`MAX_DELIVER_AHEAD`] from now. A keyed
+    /// event's later events wait behind it (per-key order holds).
+    pub deliver_at: Option<DateTime<Utc>>,
 }
 
 impl NewEvent {
@@ -170,6 +179,17 @@ impl NewEvent {
             if key.chars().any(char::is_control) {
                 return Err(StoreError::Invalid(format!(
                     "event key {key:?} must not contain control characters"
+                )));
+            }
+        }
+        if let Some(at) = self.deliver_at {
+            let latest = Utc::now() + MAX_DELIVER_AHEAD;
+            if at > latest {
+                return Err(StoreError::Invalid(format!(
+                    "deliver_at {} is more than {} days ahead (latest {})",
+                    at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+                    MAX_DELIVER_AHEAD.num_days(),
+                    latest.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
                 )));
             }
         }
@@ -446,6 +466,9 @@ pub struct Delivery {
     pub payload: bytes::Bytes,
     /// Commit time of the publish (approximately: the publish transaction's clock).
     pub published_at: DateTime<Utc>,
+    /// A recovery put it back ([`Store::recover`]): the event was delivered
+    /// to this handler before (webhook header `lanebus-replay: true`).
+    pub replay: bool,
 }
 
 impl fmt::Debug for Delivery {
@@ -458,6 +481,7 @@ impl fmt::Debug for Delivery {
             .field("key", &self.key)
             .field("seq", &self.seq)
             .field("attempts", &self.attempts)
+            .field("replay", &self.replay)
             .field("payload_len", &self.payload.len())
             .finish()
     }
@@ -585,6 +609,28 @@ pub struct LaneRow {
     pub epoch: Epoch,
     /// Deliveries waiting in the lane.
     pub backlog: i64,
+}
+
+/// What [`Store::recover`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecoverOutcome {
+    /// Events put back as deliveries to the handler (marked as replays).
+    pub recovered: u64,
+    /// Events completed in the window that already have a pending delivery
+    /// to the handler (a recovery or replay not yet delivered): not doubled.
+    pub already_pending: u64,
+    /// Completions in the window whose event is no longer stored (pruned by
+    /// retention): they cannot be delivered again.
+    pub pruned: u64,
+}
+
+/// What one [`Store::prune`] batch removed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pruned {
+    /// Completion rows removed.
+    pub completions: u64,
+    /// Event rows removed.
+    pub events: u64,
 }
 
 /// Totals for exactness checks and benchmarks.
@@ -773,6 +819,71 @@ pub trait Store: Send + Sync + 'static {
     /// `ids` empty with `handler_id` set replays all of that handler's.
     async fn replay_dead_letters(&self, ids: &[i64], handler_id: Option<&str>) -> Result<u64>;
 
+    /// Replays the dead letters of `handler_id` that failed at or after
+    /// `failed_since` and before `failed_until` (each bound optional), as
+    /// [`replay_dead_letters`](Self::replay_dead_letters) does: fresh
+    /// deliveries (attempts reset), which a key's lane owner hands out in
+    /// sequence order. Returns how many were replayed (0 for an unknown
+    /// handler).
+    ///
+    /// # Errors
+    /// [`StoreError::Unavailable`]/[`StoreError::Database`]; nothing is
+    /// replayed then. The default implementation (for test doubles) answers
+    /// [`StoreError::Invalid`].
+    async fn replay_dead_letters_between(
+        &self,
+        handler_id: &str,
+        failed_since: Option<DateTime<Utc>>,
+        failed_until: Option<DateTime<Utc>>,
+    ) -> Result<u64> {
+        let _ = (handler_id, failed_since, failed_until);
+        Err(StoreError::Invalid(format!(
+            "{} store cannot replay dead letters by time",
+            self.backend()
+        )))
+    }
+
+    /// Recovery: delivers again to `handler_id` every event whose delivery
+    /// to it completed at or after `since` and that is still stored (see
+    /// [`prune`](Self::prune)): one fresh delivery per event (several
+    /// completions of one event count once), marked
+    /// [`Delivery::replay`], with the event's id, key and sequence, so a
+    /// key's recovered events are handed out in sequence order. Events that
+    /// already have a pending delivery to the handler are skipped.
+    ///
+    /// # Errors
+    /// [`StoreError::NotFound`] for an unknown handler;
+    /// [`StoreError::Unavailable`]/[`StoreError::Database`] (nothing is
+    /// recovered then). The default implementation (for test doubles)
+    /// answers [`StoreError::Invalid`].
+    async fn recover(&self, handler_id: &str, since: DateTime<Utc>) -> Result<RecoverOutcome> {
+        let _ = (handler_id, since);
+        Err(StoreError::Invalid(format!(
+            "{} store cannot recover deliveries",
+            self.backend()
+        )))
+    }
+
+    /// Retention: removes one batch of at most `limit` completion rows
+    /// completed before `before`, and at most `limit` events published
+    /// before `before` that have no pending delivery and no dead letter
+    /// (those are kept, whatever their age). Short: one statement (or one
+    /// transaction) touching only the removed rows, so it holds no lock that
+    /// claims, completions or publishes wait for. Call it again while it
+    /// removes a full batch.
+    ///
+    /// An event id removed here may be published again as new (idempotent
+    /// publish holds within the retention period).
+    ///
+    /// # Errors
+    /// [`StoreError::Unavailable`]/[`StoreError::Database`]; nothing is
+    /// removed then. The default implementation (for test doubles) removes
+    /// nothing.
+    async fn prune(&self, before: DateTime<Utc>, limit: u32) -> Result<Pruned> {
+        let _ = (before, limit);
+        Ok(Pruned::default())
+    }
+
     /// Every lane with owner, epoch and backlog, by lane number.
     async fn lane_rows(&self) -> Result<Vec<LaneRow>>;
 
@@ -848,6 +959,7 @@ mod tests {
             event_type: "t.x".into(),
             key: key.map(str::to_owned),
             payload: b"{}".to_vec(),
+            deliver_at: None,
         }
     }
 

@@ -337,6 +337,10 @@ conformance!(
     handler_catalog_validates_and_round_trips,
     reopening_keeps_lanes_and_data,
     concurrent_publishes_of_one_id_store_it_once,
+    deliver_at_sets_the_first_due_time,
+    dead_letters_are_replayed_by_time_range_in_key_order,
+    recover_puts_completed_events_back_as_replays,
+    prune_removes_old_completed_events_and_keeps_pending_and_dead,
 );
 
 // ---------------------------------------------------------------------------
@@ -349,6 +353,7 @@ fn ev(id: Option<&str>, ty: &str, key: Option<&str>) -> NewEvent {
         event_type: ty.into(),
         key: key.map(Into::into),
         payload: br#"{"n":1}"#.to_vec(),
+        deliver_at: None,
     }
 }
 
@@ -1257,6 +1262,7 @@ async fn payload_bytes_round_trip_exactly(h: &dyn Harness) {
             event_type: ty,
             key,
             payload,
+            deliver_at: None,
         })
         .collect();
     // Bytes that are not even UTF-8 are kept as given.
@@ -1265,6 +1271,7 @@ async fn payload_bytes_round_trip_exactly(h: &dyn Harness) {
         event_type: "raw.bytes".into(),
         key: None,
         payload: (0..=255u8).chain([0, 0, 255]).collect(),
+        deliver_at: None,
     });
     let want: HashMap<String, (String, Vec<u8>)> = events
         .iter()
@@ -2707,4 +2714,307 @@ mod mongodb_only {
         s.ping().await.expect("ping");
         h.cleanup().await;
     }
+}
+
+async fn deliver_at_sets_the_first_due_time(h: &dyn Harness) {
+    let s = h.store();
+    handler(&*s, "a", &["*"]).await;
+    let at = Utc::now() + chrono::TimeDelta::hours(1);
+    let mut later = ev(Some("late"), "t.x", Some("k"));
+    later.deliver_at = Some(at);
+    let before = Utc::now();
+    s.publish(vec![later, ev(Some("next"), "t.x", Some("k"))])
+        .await
+        .expect("publish");
+    let ds = claim_all(&*s).await;
+    let late = ds.iter().find(|d| d.event_id == "late").expect("late");
+    let next = ds.iter().find(|d| d.event_id == "next").expect("next");
+    // Microseconds round-trip on every backend.
+    assert_eq!(late.due_at.timestamp_micros(), at.timestamp_micros());
+    assert!(next.due_at <= Utc::now() && next.due_at >= before - chrono::TimeDelta::seconds(5));
+    assert_eq!((late.seq, next.seq), (Some(1), Some(2)));
+    assert!(!late.replay && !next.replay);
+
+    // More than MAX_DELIVER_AHEAD ahead: the whole batch is refused.
+    let mut far = ev(Some("far"), "t.x", None);
+    far.deliver_at = Some(Utc::now() + MAX_DELIVER_AHEAD + chrono::TimeDelta::minutes(1));
+    let err = s
+        .publish(vec![ev(Some("ok"), "t.x", None), far])
+        .await
+        .expect_err("too far ahead");
+    assert!(
+        matches!(&err, StoreError::Invalid(m) if m.contains("deliver_at")),
+        "{err}"
+    );
+    assert_eq!(counts(&*s).await.events, 2);
+}
+
+/// Dead-letters `ds` one call each, in the given order.
+async fn dead_letter_each(s: &dyn Store, ds: &[&Delivery]) {
+    for d in ds {
+        let moved = s
+            .dead_letter(&[DeadLetterRequest {
+                id: d.id,
+                lane: d.lane,
+                epoch: 0,
+                attempts: 1,
+                last_error: "boom".into(),
+            }])
+            .await
+            .expect("dead letter");
+        assert_eq!(moved, vec![d.id]);
+    }
+}
+
+async fn dead_letters_are_replayed_by_time_range_in_key_order(h: &dyn Harness) {
+    let s = h.store();
+    let a = handler(&*s, "a", &["*"]).await;
+    let b = handler(&*s, "b", &["other"]).await;
+    s.publish(vec![
+        ev(Some("e1"), "t.x", Some("k")),
+        ev(Some("e2"), "t.x", Some("k")),
+        ev(Some("e3"), "t.x", Some("k")),
+        ev(Some("early"), "t.x", None),
+    ])
+    .await
+    .expect("publish");
+    let ds = claim_all(&*s).await;
+    let by = |id: &str| ds.iter().find(|d| d.event_id == id).expect("claimed");
+    dead_letter_each(&*s, &[by("early")]).await;
+    tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+    let t = Utc::now();
+    tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+    // Dead letters of one key created out of sequence order.
+    dead_letter_each(&*s, &[by("e3"), by("e1"), by("e2")]).await;
+
+    // Another handler's window is empty; an unknown handler replays nothing.
+    assert_eq!(
+        s.replay_dead_letters_between(&b.id, Some(t), None)
+            .await
+            .expect("replay"),
+        0
+    );
+    assert_eq!(
+        s.replay_dead_letters_between("hdl_00000000000000000000000000000000", None, None)
+            .await
+            .expect("replay"),
+        0
+    );
+    let before = s.lane_rows().await.expect("lanes");
+    assert_eq!(
+        s.replay_dead_letters_between(&a.id, Some(t), None)
+            .await
+            .expect("replay since"),
+        3
+    );
+    assert_eq!(counts(&*s).await.dead_letters, 1, "the early one stays");
+    // Claimed in delivery-id order per lane, a key's replays come in
+    // sequence order.
+    let claims: Vec<LaneClaim> = before
+        .iter()
+        .map(|r| LaneClaim {
+            lane: r.lane,
+            epoch: r.epoch,
+            after: 0,
+            limit: 100,
+        })
+        .collect();
+    let again: Vec<Delivery> = s
+        .claim(&claims)
+        .await
+        .expect("claim")
+        .into_iter()
+        .flat_map(|b| b.deliveries)
+        .collect();
+    assert_eq!(seqs_of_key(&again, "k"), vec![1, 2, 3]);
+    assert!(again.iter().all(|d| d.attempts == 0 && !d.replay));
+    assert_eq!(
+        s.replay_dead_letters_between(&a.id, None, Some(t))
+            .await
+            .expect("replay until"),
+        1
+    );
+    assert_eq!(counts(&*s).await.dead_letters, 0);
+}
+
+async fn recover_puts_completed_events_back_as_replays(h: &dyn Harness) {
+    let s = h.store();
+    let a = handler(&*s, "a", &["*"]).await;
+    let b = handler(&*s, "b", &["*"]).await;
+    s.publish(vec![
+        ev(Some("r1"), "t.x", Some("k")),
+        ev(Some("r2"), "t.x", Some("k")),
+        ev(Some("r3"), "t.x", Some("k")),
+        ev(Some("r4"), "t.x", Some("k")),
+        ev(Some("u1"), "t.x", None),
+    ])
+    .await
+    .expect("publish");
+    let ds = claim_all(&*s).await;
+    let of = |h: &Handler, ids: &[&str]| -> Vec<DeliveryRef> {
+        ds.iter()
+            .filter(|d| d.handler_id == h.id && ids.contains(&d.event_id.as_str()))
+            .map(|d| dref(d, 0, 1))
+            .collect()
+    };
+    s.complete(&of(&a, &["r1"])).await.expect("complete");
+    tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+    let t = Utc::now();
+    tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+    s.complete(&of(&a, &["r2", "r3", "u1"]))
+        .await
+        .expect("complete");
+    s.complete(&of(&b, &["r1", "r2", "r3", "r4", "u1"]))
+        .await
+        .expect("complete");
+    // r4 is still pending for a.
+
+    let out = s.recover(&a.id, t).await.expect("recover");
+    assert_eq!(
+        out,
+        RecoverOutcome {
+            recovered: 3,
+            already_pending: 0,
+            pruned: 0
+        }
+    );
+    let all = claim_all(&*s).await;
+    let mut back: Vec<&Delivery> = all.iter().filter(|d| d.replay).collect();
+    back.sort_by_key(|d| d.event_id.clone());
+    assert_eq!(
+        back.iter().map(|d| d.event_id.as_str()).collect::<Vec<_>>(),
+        vec!["r2", "r3", "u1"]
+    );
+    for d in &back {
+        assert_eq!(d.handler_id, a.id);
+        assert_eq!(d.attempts, 0);
+        assert_eq!(d.payload.as_ref(), br#"{"n":1}"#);
+    }
+    assert_eq!(
+        seqs_of_key(&back.iter().map(|d| (*d).clone()).collect::<Vec<_>>(), "k"),
+        vec![2, 3]
+    );
+    assert!(
+        all.iter().any(|d| d.event_id == "r4" && !d.replay),
+        "the pending one is untouched"
+    );
+    // Asked again before they are delivered: nothing doubles.
+    let again = s.recover(&a.id, t).await.expect("recover");
+    assert_eq!((again.recovered, again.already_pending), (0, 3));
+    // Delivered again (a second completion each), then recovered once more:
+    // each event once.
+    let refs: Vec<DeliveryRef> = back.iter().map(|d| dref(d, 0, 1)).collect();
+    assert_eq!(s.complete(&refs).await.expect("complete").len(), 3);
+    let third = s.recover(&a.id, t).await.expect("recover");
+    assert_eq!((third.recovered, third.already_pending), (3, 0));
+    // Before anything completed: r1 too.
+    let c_before = counts(&*s).await;
+    let all_of_b = s
+        .recover(&b.id, t - chrono::TimeDelta::seconds(10))
+        .await
+        .expect("recover b");
+    assert_eq!(all_of_b.recovered, 5);
+    assert_eq!(counts(&*s).await.deliveries, c_before.deliveries + 5);
+    let err = s
+        .recover("hdl_00000000000000000000000000000000", t)
+        .await
+        .expect_err("unknown handler");
+    assert!(matches!(err, StoreError::NotFound(_)), "{err}");
+}
+
+async fn prune_removes_old_completed_events_and_keeps_pending_and_dead(h: &dyn Harness) {
+    let s = h.store();
+    let a = handler(&*s, "a", &["*"]).await;
+    s.publish(vec![
+        ev(Some("done1"), "t.x", Some("k")),
+        ev(Some("done2"), "t.x", None),
+        ev(Some("done3"), "t.x", None),
+        ev(Some("pending"), "t.x", Some("k")),
+        ev(Some("dead"), "t.x", None),
+    ])
+    .await
+    .expect("publish");
+    let ds = claim_all(&*s).await;
+    let by = |id: &str| ds.iter().find(|d| d.event_id == id).expect("claimed");
+    let done: Vec<DeliveryRef> = ["done1", "done2", "done3"]
+        .iter()
+        .map(|id| dref(by(id), 0, 1))
+        .collect();
+    s.complete(&done).await.expect("complete");
+    dead_letter_each(&*s, &[by("dead")]).await;
+    let since = Utc::now() - chrono::TimeDelta::seconds(60);
+
+    // Nothing is old enough yet.
+    let past = Utc::now() - chrono::TimeDelta::hours(1);
+    assert_eq!(s.prune(past, 100).await.expect("prune"), Pruned::default());
+
+    // Everything published until a second from now is "old": batches of 2.
+    let cutoff = Utc::now() + chrono::TimeDelta::seconds(1);
+    let first = s.prune(cutoff, 2).await.expect("prune");
+    assert_eq!(
+        first,
+        Pruned {
+            completions: 2,
+            events: 2
+        }
+    );
+    let second = s.prune(cutoff, 2).await.expect("prune");
+    assert_eq!(
+        second,
+        Pruned {
+            completions: 1,
+            events: 1
+        }
+    );
+    assert_eq!(s.prune(cutoff, 2).await.expect("prune"), Pruned::default());
+    let c = counts(&*s).await;
+    assert_eq!(
+        (c.events, c.completions, c.deliveries, c.dead_letters),
+        (2, 0, 1, 1)
+    );
+
+    // The pending delivery is still claimable with its event, the dead
+    // letter still names its event's type.
+    let left = claim_all(&*s).await;
+    assert_eq!(left.len(), 1);
+    assert_eq!(left[0].event_id, "pending");
+    assert_eq!(left[0].payload.as_ref(), br#"{"n":1}"#);
+    let dead = s
+        .list_dead_letters(&DeadLetterFilter {
+            handler_id: Some(a.id.clone()),
+            after_id: None,
+            limit: 10,
+        })
+        .await
+        .expect("list");
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].event_type, "t.x");
+    // A recovery after the prune finds nothing left to deliver.
+    let out = s.recover(&a.id, since).await.expect("recover");
+    assert_eq!(out, RecoverOutcome::default());
+    // The dead letter replayed and completed: its event goes too.
+    assert_eq!(
+        s.replay_dead_letters(&[], Some(&a.id))
+            .await
+            .expect("replay"),
+        1
+    );
+    let all = claim_all(&*s).await;
+    let refs: Vec<DeliveryRef> = all.iter().map(|d| dref(d, 0, 1)).collect();
+    assert_eq!(s.complete(&refs).await.expect("complete").len(), 2);
+    let cutoff = Utc::now() + chrono::TimeDelta::seconds(1);
+    assert_eq!(
+        s.prune(cutoff, 100).await.expect("prune"),
+        Pruned {
+            completions: 2,
+            events: 2
+        }
+    );
+    assert_eq!(counts(&*s).await.events, 0);
+    // An id pruned may be published again as new.
+    let again = s
+        .publish(vec![ev(Some("done1"), "t.x", None)])
+        .await
+        .expect("publish");
+    assert_eq!(again.accepted, 1);
 }

@@ -183,6 +183,7 @@ impl TestApp {
                 event_type: event_type.into(),
                 key: Some(key.into()),
                 payload: b"{}".to_vec(),
+                deliver_at: None,
             })
             .collect();
         self.store.publish(events).await.expect("publish");

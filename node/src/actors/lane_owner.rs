@@ -584,7 +584,9 @@ impl LaneOwner {
                     .do_send(attempt);
             }
         }
-        // Stalled keys and handlers must not hold up the rest of the lane.
+        // Stalled keys and handlers must not hold up the rest of the lane;
+        // what was left in the store for not being due comes back when due.
+        self.queue.wake(now);
         let rescan = self.queue.release(gate);
         let cap = self.deps.config.buffer_cap.max(1);
         // When the node's payload budget is spent, stalled deliveries (a

@@ -20,6 +20,10 @@ use super::{
 use crate::common::{from_micros, to_micros, to_u32};
 use crate::*;
 
+/// Rounds of candidate events one prune batch reads at most (kept events
+/// are passed over, see [`prune`]).
+const PRUNE_ROUNDS: usize = 8;
+
 /// Lanes per claim aggregation (one `$unionWith` stage each; MongoDB limits
 /// a pipeline to 1,000 stages).
 const CLAIM_CHUNK: usize = 64;
@@ -159,6 +163,7 @@ fn delivery_from_doc(d: &Document) -> Result<Delivery> {
         last_error: get_opt_string(d, "last_error")?,
         payload: payload.into(),
         published_at: from_micros(get_int(event, "published_at")?),
+        replay: d.get_bool("replay").unwrap_or(false),
     })
 }
 
@@ -401,6 +406,8 @@ pub(super) async fn replay_dead_letters(
     session: &mut ClientSession,
     ids: &[i64],
     handler_id: Option<&str>,
+    failed_since: Option<chrono::DateTime<Utc>>,
+    failed_until: Option<chrono::DateTime<Utc>>,
 ) -> TxnResult<u64> {
     let mut filter = Document::new();
     if !ids.is_empty() {
@@ -408,6 +415,16 @@ pub(super) async fn replay_dead_letters(
     }
     if let Some(h) = handler_id {
         filter.insert("handler_id", h);
+    }
+    let mut failed = Document::new();
+    if let Some(t) = failed_since {
+        failed.insert("$gte", to_micros(t));
+    }
+    if let Some(t) = failed_until {
+        failed.insert("$lt", to_micros(t));
+    }
+    if !failed.is_empty() {
+        filter.insert("failed_at", failed);
     }
     let letters: Vec<Document> = s
         .coll(names::DEAD_LETTERS)
@@ -447,6 +464,20 @@ pub(super) async fn replay_dead_letters(
     if chosen.is_empty() {
         return Ok(0);
     }
+    // (lane, key, seq) order: the cursor is the position, so a key's
+    // replays are claimed in sequence order.
+    let mut sorted = Vec::with_capacity(chosen.len());
+    for d in chosen {
+        let order = (
+            get_lane(&d, "lane")?,
+            get_opt_string(&d, "key")?,
+            get_opt_int(&d, "seq")?,
+            get_int(&d, "_id")?,
+        );
+        sorted.push((order, d));
+    }
+    sorted.sort_by(|a, b| a.0.cmp(&b.0));
+    let chosen: Vec<Document> = sorted.into_iter().map(|(_, d)| d).collect();
     let mut incs: BTreeMap<String, i64> = BTreeMap::new();
     for d in &chosen {
         *incs.entry(lane_counter(get_lane(d, "lane")?)).or_default() += 1;
@@ -481,4 +512,238 @@ pub(super) async fn replay_dead_letters(
         .session(&mut *session)
         .await?;
     Ok(chosen_ids.len() as u64)
+}
+
+/// The documents of `coll` matching `filter`, with the fields of
+/// `projection`, read in the transaction in one round trip.
+async fn find_in(
+    s: &MongoStore,
+    session: &mut ClientSession,
+    coll: &str,
+    filter: Document,
+    projection: Document,
+) -> TxnResult<Vec<Document>> {
+    Ok(s.coll(coll)
+        .find(filter)
+        .projection(projection)
+        .batch_size(FULL_BATCH)
+        .session(&mut *session)
+        .await?
+        .stream(&mut *session)
+        .try_collect()
+        .await?)
+}
+
+/// The string field `field` of every document of `coll` matching `filter`.
+async fn strings_in(
+    s: &MongoStore,
+    session: &mut ClientSession,
+    coll: &str,
+    filter: Document,
+    field: &str,
+) -> TxnResult<Vec<String>> {
+    find_in(s, session, coll, filter, doc! { field: 1 })
+        .await?
+        .iter()
+        .map(|d| Ok(get_string(d, field)?))
+        .collect()
+}
+
+/// Writes the `retention` counter document: recoveries and prune batches
+/// both do, so one of two concurrent ones write-conflicts and retries, and a
+/// prune never removes an event a recovery is putting back.
+async fn retention_lock(s: &MongoStore, session: &mut ClientSession) -> TxnResult<()> {
+    s.coll(names::COUNTERS)
+        .update_one(doc! { "_id": "retention" }, doc! { "$inc": { "n": 1i64 } })
+        .upsert(true)
+        .session(&mut *session)
+        .await?;
+    Ok(())
+}
+
+/// Recovery (see `Store::recover`): one fresh delivery marked `replay` per
+/// still-stored event whose delivery to `handler_id` completed at or after
+/// `since`, unless one is pending. Serialized with prune batches
+/// ([`retention_lock`]).
+pub(super) async fn recover(
+    s: &MongoStore,
+    session: &mut ClientSession,
+    handler_id: &str,
+    since: chrono::DateTime<Utc>,
+) -> TxnResult<RecoverOutcome> {
+    retention_lock(s, session).await?;
+    let ids: Vec<String> = strings_in(
+        s,
+        session,
+        names::COMPLETIONS,
+        doc! { "completed_at": { "$gte": to_micros(since) }, "handler_id": handler_id },
+        "event_id",
+    )
+    .await?
+    .into_iter()
+    .collect::<std::collections::BTreeSet<_>>()
+    .into_iter()
+    .collect();
+    if ids.is_empty() {
+        return Ok(RecoverOutcome::default());
+    }
+    let events = find_in(
+        s,
+        session,
+        names::EVENTS,
+        doc! { "_id": { "$in": &ids } },
+        doc! { "_id": 1, "lane": 1, "key": 1, "seq": 1 },
+    )
+    .await?;
+    let pending: HashSet<String> = strings_in(
+        s,
+        session,
+        names::DELIVERIES,
+        doc! { "handler_id": handler_id, "event_id": { "$in": &ids } },
+        "event_id",
+    )
+    .await?
+    .into_iter()
+    .collect();
+    let mut chosen = Vec::new();
+    for e in &events {
+        let id = get_string(e, "_id")?;
+        if pending.contains(&id) {
+            continue;
+        }
+        let order = (
+            get_lane(e, "lane")?,
+            get_opt_string(e, "key")?,
+            get_opt_int(e, "seq")?,
+            id,
+        );
+        chosen.push(order);
+    }
+    chosen.sort();
+    let outcome = RecoverOutcome {
+        recovered: chosen.len() as u64,
+        already_pending: (events.len() - chosen.len()) as u64,
+        pruned: (ids.len() - events.len()) as u64,
+    };
+    if chosen.is_empty() {
+        return Ok(outcome);
+    }
+    let mut incs: BTreeMap<String, i64> = BTreeMap::new();
+    for (lane, ..) in &chosen {
+        *incs.entry(lane_counter(*lane)).or_default() += 1;
+    }
+    let mut next = bump(s, session, &incs).await?;
+    let now = to_micros(Utc::now());
+    let deliveries: Vec<Document> = chosen
+        .iter()
+        .map(|(lane, key, seq, id)| {
+            let pos = next.entry(lane_counter(*lane)).or_default();
+            *pos += 1;
+            let mut d = delivery_doc(*lane, *pos, handler_id, id, key.as_deref(), *seq, now);
+            d.insert("replay", true);
+            d
+        })
+        .collect();
+    s.coll(names::DELIVERIES)
+        .insert_many(deliveries)
+        .session(&mut *session)
+        .await?;
+    Ok(outcome)
+}
+
+/// One retention batch (see `Store::prune`), in the caller's transaction:
+/// completions through the `completed_at` index, then events through the
+/// `published_at` index, keeping those with a pending delivery or a dead
+/// letter.
+pub(super) async fn prune(
+    s: &MongoStore,
+    session: &mut ClientSession,
+    before: chrono::DateTime<Utc>,
+    limit: u32,
+) -> TxnResult<Pruned> {
+    retention_lock(s, session).await?;
+    let before = to_micros(before);
+    let old: Vec<Bson> = s
+        .coll(names::COMPLETIONS)
+        .find(doc! { "completed_at": { "$lt": before } })
+        .projection(doc! { "_id": 1 })
+        .limit(i64::from(limit))
+        .batch_size(FULL_BATCH)
+        .session(&mut *session)
+        .await?
+        .stream(&mut *session)
+        .try_collect::<Vec<Document>>()
+        .await?
+        .into_iter()
+        .filter_map(|d| d.get("_id").cloned())
+        .collect();
+    let completions = if old.is_empty() {
+        0
+    } else {
+        s.coll(names::COMPLETIONS)
+            .delete_many(doc! { "_id": { "$in": old } })
+            .session(&mut *session)
+            .await?
+            .deleted_count
+    };
+    // Events still pending or dead-lettered are kept; they are passed over
+    // (by `$nin`, few in practice) so that old kept events cannot stall the
+    // pruning of the others. A few rounds at most per batch.
+    let mut keep: HashSet<String> = HashSet::new();
+    let mut gone: Vec<String> = Vec::new();
+    for _ in 0..PRUNE_ROUNDS {
+        let want = i64::from(limit) - gone.len() as i64;
+        if want <= 0 {
+            break;
+        }
+        let mut skip: Vec<&String> = keep.iter().collect();
+        skip.extend(gone.iter());
+        let candidates: Vec<String> = s
+            .coll(names::EVENTS)
+            .find(doc! { "published_at": { "$lt": before }, "_id": { "$nin": skip } })
+            .projection(doc! { "_id": 1 })
+            .sort(doc! { "published_at": 1 })
+            .limit(want)
+            .batch_size(FULL_BATCH)
+            .session(&mut *session)
+            .await?
+            .stream(&mut *session)
+            .try_collect::<Vec<Document>>()
+            .await?
+            .iter()
+            .map(|d| get_string(d, "_id"))
+            .collect::<Result<_>>()?;
+        if candidates.is_empty() {
+            break;
+        }
+        let mut held: HashSet<String> = HashSet::new();
+        for coll in [names::DELIVERIES, names::DEAD_LETTERS] {
+            let filter = doc! { "event_id": { "$in": &candidates } };
+            held.extend(strings_in(s, session, coll, filter, "event_id").await?);
+        }
+        let short = (candidates.len() as i64) < want;
+        for id in candidates {
+            if held.contains(&id) {
+                keep.insert(id);
+            } else {
+                gone.push(id);
+            }
+        }
+        if short {
+            break;
+        }
+    }
+    let events = if gone.is_empty() {
+        0
+    } else {
+        s.coll(names::EVENTS)
+            .delete_many(doc! { "_id": { "$in": gone } })
+            .session(&mut *session)
+            .await?
+            .deleted_count
+    };
+    Ok(Pruned {
+        completions,
+        events,
+    })
 }

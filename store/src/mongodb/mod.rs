@@ -538,6 +538,18 @@ impl MongoStore {
             .create_index(index(doc! { "completed_at": 1 }, "retention", false))
             .await
             .map_err(map_err)?;
+        // Retention: events by publish time; dead letters by event id (an
+        // event with a dead letter is kept). Deliveries have no event index
+        // (it would cost every publish): a prune batch looks its candidates
+        // up with `$in` on the collection.
+        self.coll(names::EVENTS)
+            .create_index(index(doc! { "published_at": 1 }, "retention", false))
+            .await
+            .map_err(map_err)?;
+        self.coll(names::DEAD_LETTERS)
+            .create_index(index(doc! { "event_id": 1 }, "by_event", false))
+            .await
+            .map_err(map_err)?;
         self.coll(names::HANDLERS)
             .create_index(index(doc! { "seq": 1 }, "creation_order", false))
             .await
@@ -826,8 +838,42 @@ impl Store for MongoStore {
             return Ok(0);
         }
         in_transaction!(self, |sess| dispatch::replay_dead_letters(
-            self, sess, ids, handler_id
+            self, sess, ids, handler_id, None, None
         ))
+    }
+
+    async fn replay_dead_letters_between(
+        &self,
+        handler_id: &str,
+        failed_since: Option<chrono::DateTime<chrono::Utc>>,
+        failed_until: Option<chrono::DateTime<chrono::Utc>>,
+    ) -> Result<u64> {
+        in_transaction!(self, |sess| dispatch::replay_dead_letters(
+            self,
+            sess,
+            &[],
+            Some(handler_id),
+            failed_since,
+            failed_until
+        ))
+    }
+
+    async fn recover(
+        &self,
+        handler_id: &str,
+        since: chrono::DateTime<chrono::Utc>,
+    ) -> Result<RecoverOutcome> {
+        catalog::get_handler(self, handler_id).await?;
+        in_transaction!(self, |sess| dispatch::recover(
+            self, sess, handler_id, since
+        ))
+    }
+
+    async fn prune(&self, before: chrono::DateTime<chrono::Utc>, limit: u32) -> Result<Pruned> {
+        if limit == 0 {
+            return Ok(Pruned::default());
+        }
+        in_transaction!(self, |sess| dispatch::prune(self, sess, before, limit))
     }
 
     async fn lane_rows(&self) -> Result<Vec<LaneRow>> {

@@ -224,7 +224,8 @@ pub(super) async fn write(
                     .entry(e.lane)
                     .or_insert_with(|| old[&lane_counter(e.lane)]);
                 *pos += 1;
-                delivery_doc(e.lane, *pos, hid, &e.id, e.key.as_deref(), seqs[i], now)
+                let due = e.deliver_at.map_or(now, to_micros);
+                delivery_doc(e.lane, *pos, hid, &e.id, e.key.as_deref(), seqs[i], due)
             })
             .collect();
         s.coll(names::DELIVERIES)

@@ -123,6 +123,10 @@ fn delivery_from_row(row: &PgRow, lane: Lane) -> Result<Delivery> {
         last_error: row.try_get("last_error").map_err(map_err)?,
         payload: payload.ok_or_else(|| need("payload"))?.into(),
         published_at: published_at.ok_or_else(|| need("published_at"))?,
+        replay: row
+            .try_get::<Option<bool>, _>("replay")
+            .map_err(map_err)?
+            .unwrap_or(false),
     })
 }
 
@@ -210,13 +214,70 @@ pub(super) async fn replay_dead_letters(
     pool: &PgPool,
     ids: &[i64],
     handler_id: Option<&str>,
+    failed_since: Option<DateTime<Utc>>,
+    failed_until: Option<DateTime<Utc>>,
 ) -> Result<u64> {
     let ids: Option<&[i64]> = if ids.is_empty() { None } else { Some(ids) };
     let (replayed, _notified): (i64, i64) = sqlx::query_as(include_str!("sql/replay.sql"))
         .bind(ids)
         .bind(handler_id)
+        .bind(failed_since)
+        .bind(failed_until)
         .fetch_one(pool)
         .await
         .map_err(map_err)?;
     Ok(u64::try_from(replayed).unwrap_or_default())
+}
+
+/// Advisory lock key that serializes retention batches and recoveries
+/// (`lanebus/r` in ASCII), so a prune never removes an event a recovery is
+/// putting back.
+const RETENTION_LOCK: i64 = 0x6c61_6e65_6275_732f;
+
+/// A transaction holding [`RETENTION_LOCK`].
+async fn retention_tx(pool: &PgPool) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
+    let mut tx = pool.begin().await.map_err(map_err)?;
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(RETENTION_LOCK)
+        .execute(&mut *tx)
+        .await
+        .map_err(map_err)?;
+    Ok(tx)
+}
+
+pub(super) async fn recover(
+    pool: &PgPool,
+    handler_id: &str,
+    since: DateTime<Utc>,
+) -> Result<RecoverOutcome> {
+    let mut tx = retention_tx(pool).await?;
+    let (completed, found, recovered, _notified): (i64, i64, i64, i64) =
+        sqlx::query_as(include_str!("sql/recover.sql"))
+            .bind(handler_id)
+            .bind(since)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(map_err)?;
+    tx.commit().await.map_err(map_err)?;
+    let n = |v: i64| u64::try_from(v).unwrap_or_default();
+    Ok(RecoverOutcome {
+        recovered: n(recovered),
+        already_pending: n(found - recovered),
+        pruned: n(completed - found),
+    })
+}
+
+pub(super) async fn prune(pool: &PgPool, before: DateTime<Utc>, limit: u32) -> Result<Pruned> {
+    let mut tx = retention_tx(pool).await?;
+    let (completions, events): (i64, i64) = sqlx::query_as(include_str!("sql/prune.sql"))
+        .bind(before)
+        .bind(i64::from(limit))
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(map_err)?;
+    tx.commit().await.map_err(map_err)?;
+    Ok(Pruned {
+        completions: u64::try_from(completions).unwrap_or_default(),
+        events: u64::try_from(events).unwrap_or_default(),
+    })
 }

@@ -88,6 +88,32 @@
 //! a deposed owner reads cannot be completed by it. Leases (Raft) keep a
 //! deposed owner from running at all; fencing is the last line behind them.
 //!
+//! # Delayed delivery, recovery, retention
+//!
+//! - **`deliver_at`** becomes the deliveries' first `due_at` in the same
+//!   publish statement (one more array parameter); claims return the rows as
+//!   before and the lane owner holds a not-yet-due keyed head, with its
+//!   key's later deliveries behind it, until its time.
+//! - **Recovery** (`sql/recover.sql`) reads the handler's completions since
+//!   a time through the BRIN index on `completed_at`, joins the events still
+//!   stored and inserts one delivery per event with `replay = true`, in
+//!   `(lane, key, seq)` order. `deliveries.replay` is NULL on every other
+//!   row: a NULL in a row that already has a null bitmap costs no byte, so
+//!   the dispatch path writes nothing more.
+//! - **Retention** (`sql/prune.sql`): one statement per batch deletes up to
+//!   n completions completed before the cutoff and up to n events published
+//!   before it that have no pending delivery (looked up through the claim
+//!   index, by lane) and no dead letter (`dead_letters (event_id)`, a b-tree
+//!   on a rare table). Rows are picked through BRIN indexes (`completed_at`,
+//!   `published_at`: heap order is time order for these append-only
+//!   tables; a BRIN index costs no WAL per insert, unlike a b-tree) and
+//!   deleted by ctid. Only the deleted rows are locked: claims read pending
+//!   deliveries' events only, completions append, publishes insert.
+//!   Recovery and prune batches take one transaction-level advisory lock, so
+//!   a batch never removes an event a recovery is putting back; a
+//!   dead-letter replay is one statement, so a batch's snapshot sees either
+//!   the dead letter or the delivery.
+//!
 //! # Handler deletion
 //!
 //! Deleting a handler removes it and its pending deliveries in one
@@ -125,6 +151,7 @@ const MIGRATION_LOCK: i64 = 0x006c_616e_6562_7573;
 const MIGRATIONS: &[&str] = &[
     include_str!("../../migrations/postgres/0001_init.sql"),
     include_str!("../../migrations/postgres/0002_handler_controls.sql"),
+    include_str!("../../migrations/postgres/0003_retention.sql"),
 ];
 
 /// The PostgreSQL store. Cheap to clone: clones share the pool.
@@ -513,7 +540,35 @@ impl Store for PgStore {
         if ids.is_empty() && handler_id.is_none() {
             return Ok(0);
         }
-        dispatch::replay_dead_letters(&self.pool, ids, handler_id).await
+        dispatch::replay_dead_letters(&self.pool, ids, handler_id, None, None).await
+    }
+
+    async fn replay_dead_letters_between(
+        &self,
+        handler_id: &str,
+        failed_since: Option<DateTime<Utc>>,
+        failed_until: Option<DateTime<Utc>>,
+    ) -> Result<u64> {
+        dispatch::replay_dead_letters(
+            &self.pool,
+            &[],
+            Some(handler_id),
+            failed_since,
+            failed_until,
+        )
+        .await
+    }
+
+    async fn recover(&self, handler_id: &str, since: DateTime<Utc>) -> Result<RecoverOutcome> {
+        catalog::get_handler(&self.pool, handler_id).await?;
+        dispatch::recover(&self.pool, handler_id, since).await
+    }
+
+    async fn prune(&self, before: DateTime<Utc>, limit: u32) -> Result<Pruned> {
+        if limit == 0 {
+            return Ok(Pruned::default());
+        }
+        dispatch::prune(&self.pool, before, limit).await
     }
 
     async fn lane_rows(&self) -> Result<Vec<LaneRow>> {

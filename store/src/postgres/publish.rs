@@ -36,6 +36,7 @@ pub(super) struct PublishArgs<'a> {
     lanes: Vec<i32>,
     payloads: Vec<&'a [u8]>,
     client: Vec<bool>,
+    deliver_at: Vec<Option<chrono::DateTime<chrono::Utc>>>,
 }
 
 impl<'a> PublishArgs<'a> {
@@ -48,6 +49,7 @@ impl<'a> PublishArgs<'a> {
             lanes: Vec::with_capacity(n),
             payloads: Vec::with_capacity(n),
             client: Vec::with_capacity(n),
+            deliver_at: Vec::with_capacity(n),
         };
         for e in &plan.fresh {
             a.ids.push(&e.id);
@@ -56,6 +58,7 @@ impl<'a> PublishArgs<'a> {
             a.lanes.push(i32::from(e.lane));
             a.payloads.push(&e.payload);
             a.client.push(e.client_id);
+            a.deliver_at.push(e.deliver_at);
         }
         a
     }
@@ -78,6 +81,7 @@ pub(super) async fn run(
             .bind(&args.lanes)
             .bind(&args.payloads)
             .bind(&args.client)
+            .bind(&args.deliver_at)
             .fetch_one(conn)
             .await?;
     Ok(usize::try_from(accepted).unwrap_or_default())

@@ -122,6 +122,10 @@ fn delivery_from_row(row: &SqliteRow) -> Result<Delivery> {
         last_error: row.try_get("last_error").map_err(map_err)?,
         payload: payload.into(),
         published_at: from_micros(row.try_get("published_at").map_err(map_err)?),
+        replay: row
+            .try_get::<Option<i64>, _>("replay")
+            .map_err(map_err)?
+            .is_some_and(|r| r != 0),
     })
 }
 
@@ -217,7 +221,12 @@ pub(super) async fn replay_dead_letters(
     conn: &mut SqliteConnection,
     ids: &[i64],
     handler_id: Option<&str>,
+    failed_since: Option<chrono::DateTime<Utc>>,
+    failed_until: Option<chrono::DateTime<Utc>>,
 ) -> Result<u64> {
+    let since = failed_since.map(to_micros);
+    let until = failed_until.map(to_micros);
+    let now = to_micros(Utc::now());
     let ids = if ids.is_empty() {
         None
     } else {
@@ -226,7 +235,9 @@ pub(super) async fn replay_dead_letters(
     let replayed = sqlx::query(include_str!("sql/replay_insert.sql"))
         .bind(&ids)
         .bind(handler_id)
-        .bind(to_micros(Utc::now()))
+        .bind(now)
+        .bind(since)
+        .bind(until)
         .execute(&mut *conn)
         .await
         .map_err(map_err)?
@@ -234,6 +245,9 @@ pub(super) async fn replay_dead_letters(
     let removed = sqlx::query(include_str!("sql/replay_delete.sql"))
         .bind(&ids)
         .bind(handler_id)
+        .bind(now)
+        .bind(since)
+        .bind(until)
         .execute(&mut *conn)
         .await
         .map_err(map_err)?
@@ -244,4 +258,65 @@ pub(super) async fn replay_dead_letters(
         )));
     }
     Ok(replayed)
+}
+
+pub(super) async fn recover(
+    conn: &mut SqliteConnection,
+    handler_id: &str,
+    since: chrono::DateTime<Utc>,
+) -> Result<RecoverOutcome> {
+    let since = to_micros(since);
+    let (completed, found): (i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(e.id) FROM \
+         (SELECT DISTINCT event_id FROM completions WHERE handler_id = ?1 AND completed_at >= ?2) c \
+         LEFT JOIN events e ON e.id = c.event_id",
+    )
+    .bind(handler_id)
+    .bind(since)
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(map_err)?;
+    let recovered = sqlx::query(include_str!("sql/recover_insert.sql"))
+        .bind(handler_id)
+        .bind(since)
+        .bind(to_micros(Utc::now()))
+        .execute(&mut *conn)
+        .await
+        .map_err(map_err)?
+        .rows_affected();
+    let n = |v: i64| u64::try_from(v).unwrap_or_default();
+    Ok(RecoverOutcome {
+        recovered,
+        already_pending: n(found).saturating_sub(recovered),
+        pruned: n(completed - found),
+    })
+}
+
+pub(super) async fn prune(
+    conn: &mut SqliteConnection,
+    before: chrono::DateTime<Utc>,
+    limit: u32,
+) -> Result<Pruned> {
+    let before = to_micros(before);
+    let completions = sqlx::query(
+        "DELETE FROM completions WHERE rowid IN \
+         (SELECT rowid FROM completions WHERE completed_at < ?1 ORDER BY rowid LIMIT ?2)",
+    )
+    .bind(before)
+    .bind(i64::from(limit))
+    .execute(&mut *conn)
+    .await
+    .map_err(map_err)?
+    .rows_affected();
+    let events = sqlx::query(include_str!("sql/prune_events.sql"))
+        .bind(before)
+        .bind(i64::from(limit))
+        .execute(&mut *conn)
+        .await
+        .map_err(map_err)?
+        .rows_affected();
+    Ok(Pruned {
+        completions,
+        events,
+    })
 }

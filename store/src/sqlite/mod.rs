@@ -60,6 +60,7 @@ const POOL_SIZE: u32 = 8;
 const MIGRATIONS: &[&str] = &[
     include_str!("../../migrations/sqlite/0001_init.sql"),
     include_str!("../../migrations/sqlite/0002_handler_controls.sql"),
+    include_str!("../../migrations/sqlite/0003_retention.sql"),
 ];
 
 /// The SQLite store. Cheap to clone: clones share the pool.
@@ -439,9 +440,50 @@ impl Store for SqliteStore {
             return Ok(0);
         }
         let (_guard, mut tx) = self.begin_write().await?;
-        let n = dispatch::replay_dead_letters(&mut tx, ids, handler_id).await?;
+        let n = dispatch::replay_dead_letters(&mut tx, ids, handler_id, None, None).await?;
         tx.commit().await.map_err(map_err)?;
         Ok(n)
+    }
+
+    async fn replay_dead_letters_between(
+        &self,
+        handler_id: &str,
+        failed_since: Option<chrono::DateTime<chrono::Utc>>,
+        failed_until: Option<chrono::DateTime<chrono::Utc>>,
+    ) -> Result<u64> {
+        let (_guard, mut tx) = self.begin_write().await?;
+        let n = dispatch::replay_dead_letters(
+            &mut tx,
+            &[],
+            Some(handler_id),
+            failed_since,
+            failed_until,
+        )
+        .await?;
+        tx.commit().await.map_err(map_err)?;
+        Ok(n)
+    }
+
+    async fn recover(
+        &self,
+        handler_id: &str,
+        since: chrono::DateTime<chrono::Utc>,
+    ) -> Result<RecoverOutcome> {
+        self.get_handler(handler_id).await?;
+        let (_guard, mut tx) = self.begin_write().await?;
+        let out = dispatch::recover(&mut tx, handler_id, since).await?;
+        tx.commit().await.map_err(map_err)?;
+        Ok(out)
+    }
+
+    async fn prune(&self, before: chrono::DateTime<chrono::Utc>, limit: u32) -> Result<Pruned> {
+        if limit == 0 {
+            return Ok(Pruned::default());
+        }
+        let (_guard, mut tx) = self.begin_write().await?;
+        let out = dispatch::prune(&mut tx, before, limit).await?;
+        tx.commit().await.map_err(map_err)?;
+        Ok(out)
     }
 
     async fn lane_rows(&self) -> Result<Vec<LaneRow>> {

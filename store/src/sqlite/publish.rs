@@ -36,7 +36,11 @@ pub(super) async fn write(
     if accepted > 0 {
         let seqs = assign_seqs(conn, &plan).await?;
         insert_events(conn, &plan, &seqs).await?;
-        let ids: Vec<&str> = plan.fresh.iter().map(|e| e.id.as_str()).collect();
+        let ids: Vec<(&str, Option<i64>)> = plan
+            .fresh
+            .iter()
+            .map(|e| (e.id.as_str(), e.deliver_at.map(to_micros)))
+            .collect();
         sqlx::query(include_str!("sql/insert_deliveries.sql"))
             .bind(json(&ids)?)
             .bind(to_micros(Utc::now()))

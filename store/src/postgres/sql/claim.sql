@@ -10,13 +10,13 @@ WITH snap AS MATERIALIZED (
 )
 SELECT c.ord, (l.epoch IS NOT DISTINCT FROM c.epoch) AS owned, snap.xmin,
        d.id, d.xid, d.handler_id, d.event_id, d.type, d.key, d.seq, d.attempts,
-       d.due_at, d.last_error, d.payload, d.published_at
+       d.due_at, d.last_error, d.payload, d.published_at, d.replay
 FROM unnest($1::int[], $2::bigint[], $3::bigint[], $4::int[]) WITH ORDINALITY AS c (lane, epoch, after, lim, ord)
 CROSS JOIN snap
 LEFT JOIN lanes l ON l.lane = c.lane
 LEFT JOIN LATERAL (
     SELECT d.id, d.xid, d.handler_id, d.event_id, e.type, d.key, d.seq, d.attempts,
-           d.due_at, d.last_error, e.payload, e.published_at
+           d.due_at, d.last_error, e.payload, e.published_at, d.replay
     FROM deliveries d
     JOIN events e ON e.id = d.event_id
     WHERE d.lane = c.lane AND d.xid >= c.after AND l.epoch = c.epoch

@@ -2,7 +2,8 @@
 -- publish). Parameters, one array element per event not repeated within the
 -- batch, in batch order:
 --   $1 ids text[], $2 types text[], $3 keys text[] (NULL = unkeyed),
---   $4 lanes int[], $5 payloads bytea[], $6 client-supplied id? bool[]
+--   $4 lanes int[], $5 payloads bytea[], $6 client-supplied id? bool[],
+--   $7 deliver_at timestamptz[] (NULL = at once: the deliveries' first due_at)
 -- Returns accepted (new events) and deliveries (rows created).
 WITH input AS (
     -- Ids already stored are duplicates. Only client-supplied ids are looked
@@ -10,8 +11,8 @@ WITH input AS (
     -- makes the events insert fail with a unique violation; the caller
     -- retries the whole statement, which then sees the stored row.
     SELECT i.*
-    FROM unnest($1::text[], $2::text[], $3::text[], $4::int[], $5::bytea[], $6::bool[])
-         WITH ORDINALITY AS i (id, type, key, lane, payload, client, ord)
+    FROM unnest($1::text[], $2::text[], $3::text[], $4::int[], $5::bytea[], $6::bool[], $7::timestamptz[])
+         WITH ORDINALITY AS i (id, type, key, lane, payload, client, deliver_at, ord)
     WHERE NOT (i.client AND EXISTS (SELECT 1 FROM events x WHERE x.id = i.id))
 ),
 ks AS (
@@ -45,10 +46,14 @@ dl AS (
     -- count too (their deliveries are kept until they are enabled). Matched
     -- here so handlers registered by other nodes count without a cache.
     -- Inserted in sequence order so a key's delivery ids follow its
-    -- sequence numbers.
-    INSERT INTO deliveries (xid, lane, handler_id, event_id, key, seq)
-    SELECT coalesce(ks.xid, pg_current_xact_id()::text::bigint), ev.lane, h.id, ev.id, ev.key, ev.seq
+    -- sequence numbers. A delayed event's deliveries are due at its
+    -- deliver_at; the lane owner keeps a keyed one at the head of its key
+    -- until then.
+    INSERT INTO deliveries (xid, lane, handler_id, event_id, key, seq, due_at)
+    SELECT coalesce(ks.xid, pg_current_xact_id()::text::bigint), ev.lane, h.id, ev.id, ev.key, ev.seq,
+           coalesce(i.deliver_at, now())
     FROM ev
+    JOIN input i ON i.id = ev.id
     LEFT JOIN ks ON ks.key = ev.key
     JOIN handlers h
       ON EXISTS (

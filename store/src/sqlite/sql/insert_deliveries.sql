@@ -3,12 +3,12 @@
 -- that per key the delivery ids follow the sequence numbers. Routes are
 -- matched here, in SQL, so a handler registered by another process is
 -- seen without a cache: exact type, or a pattern ending in '*' whose prefix
--- starts the type. ?1: JSON array of the new event ids in batch order;
--- ?2: due_at (µs).
+-- starts the type. ?1: JSON array of [event id, deliver_at (µs) or null]
+-- for the new events in batch order; ?2: due_at (µs) of those without.
 INSERT INTO deliveries (lane, handler_id, event_id, key, seq, attempts, due_at)
-SELECT e.lane, h.id, e.id, e.key, e.seq, 0, ?2
+SELECT e.lane, h.id, e.id, e.key, e.seq, 0, coalesce(json_extract(b.value, '$[1]'), ?2)
 FROM json_each(?1) AS b
-JOIN events e ON e.id = b.value
+JOIN events e ON e.id = json_extract(b.value, '$[0]')
 JOIN handlers h ON EXISTS (
         SELECT 1 FROM json_each(h.event_types) AS p
         WHERE p.value = e.type

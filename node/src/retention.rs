@@ -1,0 +1,126 @@
+//! Retention: completed events are kept for a period (`--retention-secs`,
+//! default 24 h, so `POST /v1/handlers/{id}/recover` can deliver them again)
+//! and then pruned in small, paced batches.
+//!
+//! ```text
+//!  every prune interval, on the node that owns lane 0 (one node at a time):
+//!    loop { Store::prune(now - retention, batch)        one short statement
+//!           pause max(MIN_PAUSE, PAUSE_FACTOR x its time) leaves the store
+//!                                                       to dispatch
+//!    } until a batch removes less than a full batch
+//! ```
+//!
+//! Each batch is one statement (PostgreSQL: through the BRIN indexes on
+//! `completions.completed_at` and `events.published_at`, deleting by ctid)
+//! that locks only the rows it removes; no claim, completion or publish
+//! waits for those rows. The pause after each batch keeps the pruner to at
+//! most a fifth of one connection's time, so a large backlog of expired
+//! rows (after a long outage, or a retention shortened) is worked off
+//! without taking the store from dispatch: measured by the test
+//! `node/tests/retention.rs`. Events that still have a pending delivery or a
+//! dead letter are never pruned, whatever their age.
+
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use lanebus_store::{Pruned, Store};
+
+use crate::actors::{LaneBoard, LaneState};
+
+/// Default retention of completed events: 24 hours.
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 3600);
+/// Default time between two pruning passes: one minute.
+pub const DEFAULT_PRUNE_INTERVAL: Duration = Duration::from_secs(60);
+/// Rows of each kind (completions, events) one batch removes at most.
+pub const DEFAULT_PRUNE_BATCH: u32 = 1_000;
+/// Shortest pause between two batches.
+pub const MIN_PAUSE: Duration = Duration::from_millis(10);
+/// Pause after a batch, as a multiple of the batch's own time.
+pub const PAUSE_FACTOR: u32 = 4;
+
+/// How retention runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetentionConfig {
+    /// Completed events are kept this long (counted from publish for an
+    /// event, from completion for a completion record).
+    pub retention: Duration,
+    /// Time between two pruning passes.
+    pub interval: Duration,
+    /// Rows of each kind one batch removes at most.
+    pub batch: u32,
+}
+
+impl Default for RetentionConfig {
+    fn default() -> Self {
+        RetentionConfig {
+            retention: DEFAULT_RETENTION,
+            interval: DEFAULT_PRUNE_INTERVAL,
+            batch: DEFAULT_PRUNE_BATCH,
+        }
+    }
+}
+
+/// One pruning pass: batches of [`Store::prune`] with a pause after each,
+/// until a batch removes less than a full batch of both kinds or `go_on`
+/// answers `false` (checked before each batch). Returns the totals.
+///
+/// # Errors
+/// The store's error of the failing batch (what earlier batches removed
+/// stays removed).
+pub async fn prune_pass(
+    store: &dyn Store,
+    config: RetentionConfig,
+    go_on: impl Fn() -> bool,
+) -> lanebus_store::Result<Pruned> {
+    let retention = chrono::TimeDelta::from_std(config.retention).unwrap_or(chrono::TimeDelta::MAX);
+    let mut total = Pruned::default();
+    while go_on() {
+        let before = chrono::Utc::now()
+            .checked_sub_signed(retention)
+            .unwrap_or(chrono::DateTime::<chrono::Utc>::MIN_UTC);
+        let started = Instant::now();
+        let p = store.prune(before, config.batch).await?;
+        total.completions += p.completions;
+        total.events += p.events;
+        crate::metrics::pruned(p.completions, p.events);
+        let full = u64::from(config.batch);
+        if p.completions < full && p.events < full {
+            break;
+        }
+        tokio::time::sleep((started.elapsed() * PAUSE_FACTOR).max(MIN_PAUSE)).await;
+    }
+    Ok(total)
+}
+
+/// Runs a pruning pass every [`RetentionConfig::interval`] while this node
+/// owns lane 0 (so one node of a cluster prunes); ends when the node's lane
+/// board is gone (the node stopped).
+pub async fn run(store: Arc<dyn Store>, board: Weak<LaneBoard>, config: RetentionConfig) {
+    let owns_lane_0 = |board: &Weak<LaneBoard>| {
+        board.upgrade().is_some_and(|b| {
+            b.snapshot()
+                .get(&0)
+                .is_some_and(|s| s.state == LaneState::Active)
+        })
+    };
+    loop {
+        tokio::time::sleep(config.interval).await;
+        if board.strong_count() == 0 {
+            return;
+        }
+        if !owns_lane_0(&board) {
+            continue;
+        }
+        let started = Instant::now();
+        match prune_pass(store.as_ref(), config, || owns_lane_0(&board)).await {
+            Ok(p) if p.completions > 0 || p.events > 0 => tracing::info!(
+                completions = p.completions,
+                events = p.events,
+                took_ms = started.elapsed().as_millis() as u64,
+                "retention pruned completed events"
+            ),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "retention pruning failed; next pass retries"),
+        }
+    }
+}
