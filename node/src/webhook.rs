@@ -405,6 +405,7 @@ mod tests {
             last_error: None,
             payload: bytes::Bytes::from_static(b"{}"),
             published_at: Utc::now(),
+            replay: false,
         };
         let sender = WebhookSender::with_source_ip(Some([127, 0, 0, 7].into())).unwrap();
         let out = sender.send(&handler, &delivery, 1).await;
