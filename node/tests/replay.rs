@@ -248,6 +248,17 @@ async fn bulk_replay_by_time_range(backend: Backend) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Waits until the store holds `n` completions: the receiver's 2xx comes
+/// before the node records the completion.
+async fn wait_completions(node: &lanebus_node::NodeHandle, n: i64) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while node.store().counts().await?.completions < n {
+        ensure!(Instant::now() < deadline, "only {n} completions recorded");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
 /// Recover since T delivers again exactly the events completed since T,
 /// with `lanebus-replay: true`, the same event ids, in order per key.
 async fn recover_since(backend: Backend) -> anyhow::Result<()> {
@@ -276,6 +287,7 @@ async fn recover_since(backend: Backend) -> anyhow::Result<()> {
         rx.wait_accepted(40, Duration::from_secs(30)).await,
         "old batch"
     );
+    wait_completions(&node, 40).await?;
     tokio::time::sleep(Duration::from_millis(200)).await;
     let t = Utc::now();
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -284,6 +296,7 @@ async fn recover_since(backend: Backend) -> anyhow::Result<()> {
         rx.wait_accepted(80, Duration::from_secs(30)).await,
         "new batch"
     );
+    wait_completions(&node, 80).await?;
     let before = rx.requests().len();
 
     let path = format!("/v1/handlers/{}/recover", h.id);
