@@ -194,6 +194,7 @@ impl Gen {
                 event_type: "issues.opened".into(),
                 key: (self.keys > 0).then(|| format!("k{}", self.rng.random_range(0..self.keys))),
                 payload: self.payload.clone(),
+                deliver_at: None,
             })
             .collect()
     }
