@@ -168,6 +168,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             started: Instant::now(),
         }),
         limits: Limits::default(),
+        egress: lanebus_api::egress::EgressPolicy::default(),
+        auth: lanebus_api::auth::Auth::open(),
     });
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     println!("dashboard: http://{addr}/ui/");

@@ -66,6 +66,12 @@ pub enum ErrorCode {
     /// 409: a unique constraint the operation does not absorb
     /// ([`StoreError::Conflict`]).
     Conflict,
+    /// 401: the path needs a bearer token and none, or one that matches no
+    /// configured token, was sent ([`crate::auth`]).
+    Unauthorized,
+    /// 403: the bearer token is valid but lacks the scope the path needs
+    /// ([`crate::auth`]).
+    Forbidden,
     /// 503: the node is not ready (`GET /readyz`).
     NotReady,
     /// 503: the store cannot be reached ([`StoreError::Unavailable`]).
@@ -93,13 +99,15 @@ impl ErrorCode {
             ErrorCode::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorCode::UriTooLong => StatusCode::URI_TOO_LONG,
             ErrorCode::Conflict => StatusCode::CONFLICT,
+            ErrorCode::Unauthorized => StatusCode::UNAUTHORIZED,
+            ErrorCode::Forbidden => StatusCode::FORBIDDEN,
             ErrorCode::NotReady | ErrorCode::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             ErrorCode::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
     /// Every code, in declaration order.
-    pub const ALL: [ErrorCode; 20] = [
+    pub const ALL: [ErrorCode; 22] = [
         ErrorCode::InvalidJson,
         ErrorCode::InvalidBody,
         ErrorCode::InvalidParameter,
@@ -117,6 +125,8 @@ impl ErrorCode {
         ErrorCode::UriTooLong,
         ErrorCode::BadRequest,
         ErrorCode::Conflict,
+        ErrorCode::Unauthorized,
+        ErrorCode::Forbidden,
         ErrorCode::NotReady,
         ErrorCode::StoreUnavailable,
         ErrorCode::Internal,
@@ -154,6 +164,10 @@ impl ErrorCode {
                 "the request does not parse as http, or a lower layer refused it"
             }
             ErrorCode::Conflict => "a unique constraint the operation does not absorb",
+            ErrorCode::Unauthorized => {
+                "no bearer token, or one that matches no configured token, on a path that needs one"
+            }
+            ErrorCode::Forbidden => "the bearer token lacks the scope the path needs",
             ErrorCode::NotReady => "the node is not ready",
             ErrorCode::StoreUnavailable => "the store cannot be reached",
             ErrorCode::Internal => "any other fault",
@@ -180,6 +194,8 @@ impl ErrorCode {
             ErrorCode::UriTooLong => "uri_too_long",
             ErrorCode::BadRequest => "bad_request",
             ErrorCode::Conflict => "conflict",
+            ErrorCode::Unauthorized => "unauthorized",
+            ErrorCode::Forbidden => "forbidden",
             ErrorCode::NotReady => "not_ready",
             ErrorCode::StoreUnavailable => "store_unavailable",
             ErrorCode::Internal => "internal",
@@ -351,6 +367,8 @@ mod tests {
                 | ErrorCode::UriTooLong
                 | ErrorCode::BadRequest
                 | ErrorCode::Conflict
+                | ErrorCode::Unauthorized
+                | ErrorCode::Forbidden
                 | ErrorCode::NotReady
                 | ErrorCode::StoreUnavailable
                 | ErrorCode::Internal => {}

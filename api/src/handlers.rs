@@ -624,6 +624,12 @@ pub(crate) async fn create(
     Json(req): Json<CreateHandler>,
 ) -> Result<(StatusCode, axum::Json<HandlerView>), ApiError> {
     let new = validate_handler(req)?;
+    // The SSRF guard (`crate::egress`): refused targets are `422 invalid_handler`.
+    state
+        .egress
+        .check_url(&new.url)
+        .await
+        .map_err(|e| invalid(e.0))?;
     let handler = state.store.create_handler(new).await?;
     tracing::info!(handler_id = %handler.id, name = %handler.name, url = %handler.url, "handler created");
     state.node.handlers_changed();
@@ -715,6 +721,14 @@ pub(crate) async fn update(
 ) -> Result<axum::Json<HandlerView>, ApiError> {
     check_handler_id(&id)?;
     let patch = validate_patch(req)?;
+    // The SSRF guard (`crate::egress`) on a new URL, as at registration.
+    if let Some(url) = &patch.url {
+        state
+            .egress
+            .check_url(url)
+            .await
+            .map_err(|e| invalid(e.0))?;
+    }
     let handler = state
         .store
         .update_handler(&id, &patch)

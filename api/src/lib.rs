@@ -55,6 +55,8 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 mod admin;
+pub mod auth;
+pub mod egress;
 pub mod error;
 pub mod events;
 pub mod extract;
@@ -251,6 +253,12 @@ pub struct ApiState {
     pub node: Arc<dyn NodeView>,
     /// Request limits.
     pub limits: Limits,
+    /// Where handler URLs may point ([`egress`], the SSRF guard), checked
+    /// when a handler is registered.
+    pub egress: egress::EgressPolicy,
+    /// Bearer tokens and their scopes ([`auth`]); [`auth::Auth::open`]
+    /// allows every request.
+    pub auth: auth::Auth,
 }
 
 /// Request limits; each breach is a 4xx with a JSON error body.

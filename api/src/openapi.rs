@@ -41,6 +41,7 @@ use utoipa::openapi::path::{
 use utoipa::openapi::request_body::RequestBodyBuilder;
 use utoipa::openapi::response::ResponseBuilder;
 use utoipa::openapi::schema::{ComponentsBuilder, ObjectBuilder, Schema, Type};
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme};
 use utoipa::openapi::tag::TagBuilder;
 use utoipa::openapi::{OpenApi, OpenApiBuilder, PathsBuilder, Ref, RefOr, Required};
 use utoipa::{IntoParams, PartialSchema, ToSchema};
@@ -62,6 +63,10 @@ use crate::{ClusterView, JoinRequest, RemoveRequest};
 
 /// Media type of JSON bodies.
 const JSON: &str = "application/json";
+
+/// Name of the bearer-token security scheme (`crate::auth`); each operation
+/// that needs a token names it with the scope needed (`publish` or `admin`).
+const BEARER_SCHEME: &str = "bearerAuth";
 
 /// The OpenAPI 3.1 document of every route in [`ROUTES`] (built once).
 pub fn document() -> &'static OpenApi {
@@ -554,6 +559,10 @@ fn build() -> OpenApi {
                     .build(),
             ));
         }
+        if let Some(scope) = crate::auth::required_scope(spec.path) {
+            operation =
+                operation.security(SecurityRequirement::new(BEARER_SCHEME, [scope.as_str()]));
+        }
         for (status, response) in error_responses(op, &error) {
             operation = operation.response(status.to_string(), response);
         }
@@ -570,6 +579,20 @@ fn build() -> OpenApi {
         .fold(ComponentsBuilder::new(), |c, (name, schema)| {
             c.schema(name, schema)
         })
+        .security_scheme(
+            BEARER_SCHEME,
+            SecurityScheme::Http(
+                HttpBuilder::new()
+                    .scheme(HttpAuthScheme::Bearer)
+                    .description(Some(
+                        "`authorization: Bearer TOKEN`. Scopes: `publish` (POST /v1/events) and \
+                         `admin` (everything else but /healthz, /readyz, /openapi.json and the \
+                         dashboard's files; implies publish). A node without configured tokens \
+                         serves only on loopback and needs none.",
+                    ))
+                    .build(),
+            ),
+        )
         .build();
     let tags = [
         ("events", "Publish events"),

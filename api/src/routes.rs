@@ -203,6 +203,18 @@ impl Operation {
             | Operation::DashboardStyle => Vec::new(),
         };
         codes.extend(EVERY_ROUTE);
+        // Authentication (`crate::auth`): a path that needs a scope can be
+        // `401`; one that needs `admin` also `403` (every valid token has
+        // the `publish` scope).
+        let path = ROUTES
+            .iter()
+            .find(|r| r.operation == self)
+            .map_or("", |r| r.path);
+        match crate::auth::required_scope(path) {
+            None => {}
+            Some(crate::auth::Scope::Publish) => codes.push(E::Unauthorized),
+            Some(crate::auth::Scope::Admin) => codes.extend([E::Unauthorized, E::Forbidden]),
+        }
         codes.sort_by_key(|c| (c.status().as_u16(), c.as_str()));
         codes.dedup();
         codes
@@ -317,7 +329,8 @@ pub const ROUTES: &[RouteSpec] = &[
     spec(Method::GET, "/ui/dashboard.css", Operation::DashboardStyle),
 ];
 
-/// The API router: every entry of [`ROUTES`], a JSON 404 for unknown paths,
+/// The API router: every entry of [`ROUTES`] behind the bearer-token check
+/// of [`crate::auth`] (`401`/`403`), a JSON 404 for unknown paths,
 /// a JSON 405 for unknown methods (with `allow`), the body limit of
 /// [`crate::Limits::max_body_bytes`] (413 JSON), the URI limit of
 /// [`MAX_URI_BYTES`] (414 JSON), and a safety net that turns any other
@@ -327,6 +340,7 @@ pub const ROUTES: &[RouteSpec] = &[
 /// ([`crate::serve`]: hyper's own refusals get the JSON shape too).
 pub fn router(state: ApiState) -> Router {
     let max_body = state.limits.max_body_bytes;
+    let auth = state.auth.clone();
     ROUTES
         .iter()
         .fold(Router::new(), |r, spec| {
@@ -335,6 +349,10 @@ pub fn router(state: ApiState) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         .fallback(path_not_found)
         .layer(DefaultBodyLimit::max(max_body))
+        .layer(axum::middleware::from_fn_with_state(
+            auth,
+            crate::auth::authorize,
+        ))
         .layer(axum::middleware::from_fn(limit_uri))
         .layer(axum::middleware::map_response(ensure_json_errors))
         .with_state(state)

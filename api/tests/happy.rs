@@ -135,7 +135,7 @@ async fn handler_crud_round_trips(app: TestApp) {
     let res = app
         .post(
             "/v1/handlers",
-            json!({"name": "defaults", "url": "http://10.0.0.1:8080/", "event_types": ["*"]}),
+            json!({"name": "defaults", "url": "http://203.0.113.10:8080/", "event_types": ["*"]}),
         )
         .await;
     assert_eq!(res.status, StatusCode::CREATED, "{res:?}");

@@ -2,6 +2,9 @@
 // lanes, nodes and handlers. Vanilla JavaScript, no dependencies, nothing
 // fetched but this node's own paths (relative, so a path prefix works).
 // Untrusted strings go through textContent and attributes only.
+// On a node that requires tokens, an answer 401/403 shows a token field; the
+// token is kept in sessionStorage (this tab only) and sent as
+// `authorization: Bearer TOKEN`.
 "use strict";
 
 (() => {
@@ -72,12 +75,39 @@
     return s;
   }
 
+  const TOKEN_KEY = "lanebus.token";
+  function token() {
+    try {
+      return sessionStorage.getItem(TOKEN_KEY) || "";
+    } catch (_) {
+      return "";
+    }
+  }
+
+  $("token-form").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    try {
+      sessionStorage.setItem(TOKEN_KEY, $("token").value.trim());
+    } catch (_) {
+      // No storage: the token is not kept.
+    }
+    $("token").value = "";
+    // Poll now unless a poll is under way (it reads the token at its next turn).
+    if (timer !== null) {
+      clearTimeout(timer);
+      poll();
+    }
+  });
+
   async function get(path) {
     const ctl = new AbortController();
     const t = setTimeout(() => ctl.abort(), TIMEOUT_MS);
     try {
-      const res = await fetch(path, { cache: "no-store", headers: { accept: "application/json" }, signal: ctl.signal });
+      const headers = { accept: "application/json" };
+      if (token()) headers.authorization = `Bearer ${token()}`;
+      const res = await fetch(path, { cache: "no-store", headers, signal: ctl.signal });
       const body = await res.json().catch(() => null);
+      if (res.status === 401 || res.status === 403) $("token-form").hidden = false;
       if (!res.ok) {
         const e = body && body.error;
         throw new Error(`${path.replace("../", "/")}: ${res.status}${e ? ` ${e.code}: ${e.message}` : ""}`);
@@ -279,6 +309,7 @@
         const now = new Date();
         document.body.dataset.updated = now.toISOString();
         setStatus("ok", `live · updated ${now.toLocaleTimeString()}`);
+        $("token-form").hidden = true;
       } catch (e) {
         const last = document.body.dataset.updated;
         setStatus("error", `node not answering (${e.message})${last ? ` · showing ${new Date(last).toLocaleTimeString()}` : ""}`);

@@ -69,7 +69,8 @@ use tokio::task::{JoinHandle, JoinSet};
 use crate::assignment::{self, LaneState};
 use crate::lease::{HolderLease, LeaseConfig};
 use crate::network::{
-    self, Channel, NetSwitch, NetworkFactory, RpcRequest, RpcResponse, Transport, WriteRejected,
+    self, Channel, ClusterSecret, NetSwitch, NetworkFactory, RpcRequest, RpcResponse, Transport,
+    WriteRejected,
 };
 use crate::state::{Command, CommandResult, Releasing};
 use crate::storage::{self, Applied, LogStore, StateMachineStore};
@@ -137,6 +138,11 @@ pub struct ClusterConfig {
     /// gets new epochs for its lanes. [`ClusterConfig::new`] makes one from
     /// the clock and the process id.
     pub incarnation: String,
+    /// The cluster secret every Raft connection must prove (module
+    /// `network`: an HMAC challenge, the secret never crosses the wire).
+    /// `None` (or empty) is allowed only when [`raft_addr`](Self::raft_addr)
+    /// is a loopback address; [`Cluster::start`] refuses it otherwise.
+    pub secret: Option<ClusterSecret>,
 }
 
 impl ClusterConfig {
@@ -159,6 +165,7 @@ impl ClusterConfig {
             raft: RaftTiming::default(),
             net: NetSwitch::default(),
             incarnation: default_incarnation(),
+            secret: None,
         }
     }
 }
@@ -543,6 +550,25 @@ impl Cluster {
                 configured: cfg.lanes,
             });
         }
+        let secret: network::Secret = cfg
+            .secret
+            .as_ref()
+            .map_or(&b""[..], |s| s.0.as_bytes())
+            .into();
+        if secret.is_empty() {
+            let loopback = cfg
+                .raft_addr
+                .parse::<std::net::SocketAddr>()
+                .is_ok_and(|a| a.ip().is_loopback());
+            if !loopback {
+                return Err(ClusterError::Config(format!(
+                    "refusing to serve raft on {} without a cluster secret: any host that can \
+                     reach it could join the cluster; set cluster_secret (--cluster-secret, \
+                     LANEBUS_CLUSTER_SECRET) on every node, or use a loopback raft address",
+                    cfg.raft_addr
+                )));
+            }
+        }
         let listener =
             TcpListener::bind(&cfg.raft_addr)
                 .await
@@ -567,7 +593,7 @@ impl Cluster {
         }
         .validate()
         .map_err(|e| ClusterError::Config(e.to_string()))?;
-        let transport = Arc::new(Transport::new(cfg.net.clone()));
+        let transport = Arc::new(Transport::new(cfg.net.clone(), secret.clone()));
         let raft = Raft::new(
             cfg.node_id,
             Arc::new(raft_cfg),
@@ -593,7 +619,12 @@ impl Cluster {
             leader_since: Mutex::default(),
         });
         let tasks = vec![
-            tokio::spawn(network::serve(listener, raft, inner.cfg.net.clone())),
+            tokio::spawn(network::serve(
+                listener,
+                raft,
+                inner.cfg.net.clone(),
+                secret,
+            )),
             tokio::spawn(renew_loop(inner.clone())),
             tokio::spawn(publish_loop(inner.clone())),
             tokio::spawn(leader_loop(inner.clone())),

@@ -69,7 +69,7 @@ pub use cluster::{
     Cluster, ClusterConfig, ClusterError, ClusterView, LaneView, MemberView, RaftTiming,
 };
 pub use lease::LeaseConfig;
-pub use network::NetSwitch;
+pub use network::{ClusterSecret, NetSwitch};
 pub use state::{Command, CommandResult, Releasing};
 
 /// A node's id in the cluster (the `--id` flag).

@@ -20,6 +20,26 @@
 //!
 //! [`NetSwitch`] is the fault-injection hook: when cut, this node neither
 //! sends nor answers anything, as if its network cable were pulled.
+//!
+//! # The cluster secret
+//!
+//! Every connection starts with a challenge: the server sends 32 random
+//! bytes (`nonce`), the client answers HMAC-SHA256(secret, `lanebus-raft-1`
+//! ‖ nonce), the server answers `ok` or a refusal and closes. A peer without
+//! the secret (or with another) never gets a request through; the server logs
+//! it (at most every [`REFUSAL_LOG_INTERVAL`] per address) and goes on
+//! serving. The secret never crosses the wire, and an answer seen once is
+//! worth nothing for the next nonce. Without a configured secret the key is
+//! empty (allowed only on a loopback Raft address, see
+//! `ClusterConfig::secret`). The handshake authenticates peers; it does not
+//! encrypt the frames that follow.
+//!
+//! ```text
+//! client                         server
+//!   ◀── frame(nonce, 32 bytes) ──
+//!   ─── frame(hmac, 32 bytes) ──▶  checked in constant time
+//!   ◀── frame("ok") ─────────────  or frame("refused: ...") and close
+//! ```
 
 use std::collections::HashMap;
 use std::io;
@@ -49,6 +69,94 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 pub const MAX_FRAME_BYTES: u32 = 64 << 20;
 /// An idle incoming connection is closed after this long.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long the server waits for a client's answer to its challenge.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// A refused peer address is logged at most this often.
+pub const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
+/// Largest handshake frame accepted (before a peer is authenticated, no
+/// large buffer is allocated for it).
+const MAX_HANDSHAKE_BYTES: u32 = 256;
+/// Domain of the handshake's HMAC.
+const HANDSHAKE_LABEL: &[u8] = b"lanebus-raft-1";
+/// The server's answer to a good proof.
+const HANDSHAKE_OK: &[u8] = b"ok";
+
+/// The key of the handshake: the cluster secret's bytes (empty without one).
+pub(crate) type Secret = Arc<[u8]>;
+
+/// The cluster secret (`cluster_secret`, `LANEBUS_CLUSTER_SECRET`): a
+/// string every node of the cluster is given. Its `Debug` does not show it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ClusterSecret(pub String);
+
+impl std::fmt::Debug for ClusterSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ClusterSecret(***)")
+    }
+}
+
+fn proof(secret: &[u8], nonce: &[u8]) -> [u8; 32] {
+    use hmac::Mac as _;
+    let mut mac =
+        hmac::Hmac::<sha2::Sha256>::new_from_slice(secret).expect("hmac takes any key length");
+    mac.update(HANDSHAKE_LABEL);
+    mac.update(nonce);
+    mac.finalize().into_bytes().into()
+}
+
+async fn read_small_frame(stream: &mut TcpStream) -> io::Result<Vec<u8>> {
+    let mut len = [0u8; 4];
+    stream.read_exact(&mut len).await?;
+    let len = u32::from_be_bytes(len);
+    if len > MAX_HANDSHAKE_BYTES {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("handshake frame of {len} bytes (not a lanebus raft peer of this version?)"),
+        ));
+    }
+    let mut buf = vec![0u8; len as usize];
+    stream.read_exact(&mut buf).await?;
+    Ok(buf)
+}
+
+/// The server's side of the handshake (module docs): `Ok(())` when the
+/// client proved the secret; otherwise the refusal was sent (if possible)
+/// and the error says why.
+pub(crate) async fn accept_handshake(stream: &mut TcpStream, secret: &[u8]) -> io::Result<()> {
+    use subtle::ConstantTimeEq as _;
+    let nonce: [u8; 32] = rand::random();
+    write_frame(stream, &nonce).await?;
+    let answer = tokio::time::timeout(HANDSHAKE_TIMEOUT, read_small_frame(stream))
+        .await
+        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no answer to the challenge"))??;
+    let good = answer.len() == 32 && bool::from(proof(secret, &nonce).ct_eq(&answer[..]));
+    if !good {
+        let _ = write_frame(
+            stream,
+            b"refused: the cluster secret differs (cluster_secret, LANEBUS_CLUSTER_SECRET)",
+        )
+        .await;
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            "the peer did not prove the cluster secret (cluster_secret / LANEBUS_CLUSTER_SECRET missing or different)",
+        ));
+    }
+    write_frame(stream, HANDSHAKE_OK).await
+}
+
+/// The client's side of the handshake (module docs).
+pub(crate) async fn connect_handshake(stream: &mut TcpStream, secret: &[u8]) -> io::Result<()> {
+    let nonce = read_small_frame(stream).await?;
+    write_frame(stream, &proof(secret, &nonce)).await?;
+    let answer = read_small_frame(stream).await?;
+    if answer != HANDSHAKE_OK {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            String::from_utf8_lossy(&answer).into_owned(),
+        ));
+    }
+    Ok(())
+}
 
 /// A request on the wire.
 #[derive(Debug, Serialize, Deserialize)]
@@ -127,6 +235,7 @@ type Slot = Arc<tokio::sync::Mutex<Option<TcpStream>>>;
 pub(crate) struct Transport {
     pool: Mutex<HashMap<(String, Channel), Slot>>,
     switch: NetSwitch,
+    secret: Secret,
 }
 
 async fn write_frame(stream: &mut TcpStream, bytes: &[u8]) -> io::Result<()> {
@@ -154,10 +263,11 @@ async fn read_frame(stream: &mut TcpStream) -> io::Result<Vec<u8>> {
 }
 
 impl Transport {
-    pub(crate) fn new(switch: NetSwitch) -> Self {
+    pub(crate) fn new(switch: NetSwitch, secret: Secret) -> Self {
         Transport {
             pool: Mutex::default(),
             switch,
+            secret,
         }
     }
 
@@ -199,17 +309,26 @@ impl Transport {
             let mut stream = match conn.take() {
                 Some(s) => s,
                 None => {
-                    let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
-                        .await
-                        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))
-                        .and_then(|r| r)
-                        .map_err(|source| CallError::Unreachable {
+                    let secret = self.secret.clone();
+                    tokio::time::timeout(CONNECT_TIMEOUT + timeout, async move {
+                        let mut stream = TcpStream::connect(addr).await?;
+                        // Small frames must not wait for Nagle's algorithm.
+                        let _ = stream.set_nodelay(true);
+                        connect_handshake(&mut stream, &secret).await?;
+                        Ok::<_, io::Error>(stream)
+                    })
+                    .await
+                    .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))
+                    .and_then(|r| r)
+                    .map_err(|source| {
+                        if source.kind() == io::ErrorKind::PermissionDenied {
+                            tracing::debug!(addr, error = %source, "raft peer refused this node");
+                        }
+                        CallError::Unreachable {
                             addr: addr.to_owned(),
                             source,
-                        })?;
-                    // Small frames must not wait for Nagle's algorithm.
-                    let _ = stream.set_nodelay(true);
-                    stream
+                        }
+                    })?
                 }
             };
             let result = tokio::time::timeout(timeout, async {
@@ -357,8 +476,9 @@ impl RaftNetwork<TypeConfig> for PeerClient {
 
 /// Runs the RPC server on `listener` until the task is aborted (which also
 /// aborts every connection it serves).
-pub(crate) async fn serve(listener: TcpListener, raft: Raft, switch: NetSwitch) {
+pub(crate) async fn serve(listener: TcpListener, raft: Raft, switch: NetSwitch, secret: Secret) {
     let mut conns = JoinSet::new();
+    let refusals: Refusals = Arc::default();
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -368,7 +488,14 @@ pub(crate) async fn serve(listener: TcpListener, raft: Raft, switch: NetSwitch) 
                         continue;
                     }
                     let _ = stream.set_nodelay(true);
-                    conns.spawn(serve_conn(stream, raft.clone(), switch.clone(), peer.to_string()));
+                    conns.spawn(serve_conn(
+                        stream,
+                        raft.clone(),
+                        switch.clone(),
+                        secret.clone(),
+                        refusals.clone(),
+                        peer,
+                    ));
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "raft rpc accept failed");
@@ -380,7 +507,36 @@ pub(crate) async fn serve(listener: TcpListener, raft: Raft, switch: NetSwitch) 
     }
 }
 
-async fn serve_conn(mut stream: TcpStream, raft: Raft, switch: NetSwitch, peer: String) {
+/// When each refused peer address was last logged.
+type Refusals = Arc<Mutex<HashMap<std::net::IpAddr, std::time::Instant>>>;
+
+async fn serve_conn(
+    mut stream: TcpStream,
+    raft: Raft,
+    switch: NetSwitch,
+    secret: Secret,
+    refusals: Refusals,
+    peer_addr: std::net::SocketAddr,
+) {
+    let peer = peer_addr.to_string();
+    if let Err(e) = accept_handshake(&mut stream, &secret).await {
+        if e.kind() == io::ErrorKind::PermissionDenied || e.kind() == io::ErrorKind::InvalidData {
+            let now = std::time::Instant::now();
+            let mut seen = refusals
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let due = seen
+                .get(&peer_addr.ip())
+                .is_none_or(|t| now.duration_since(*t) >= REFUSAL_LOG_INTERVAL);
+            if due {
+                seen.insert(peer_addr.ip(), now);
+                tracing::warn!(peer, error = %e, "raft peer refused");
+            }
+        } else {
+            tracing::debug!(peer, error = %e, "raft handshake failed");
+        }
+        return;
+    }
     loop {
         let frame = match tokio::time::timeout(IDLE_TIMEOUT, read_frame(&mut stream)).await {
             Ok(Ok(f)) => f,
@@ -482,6 +638,7 @@ mod tests {
                 let Ok((mut s, _)) = listener.accept().await else {
                     return;
                 };
+                accept_handshake(&mut s, b"").await.expect("handshake");
                 let (first, second, count) = (first.clone(), second.clone(), count.clone());
                 tokio::spawn(async move {
                     while read_frame(&mut s).await.is_ok() {
@@ -497,7 +654,7 @@ mod tests {
                 });
             }
         });
-        let t = Transport::new(NetSwitch::default());
+        let t = Transport::new(NetSwitch::default(), Arc::from(&b""[..]));
         let req = RpcRequest::ClientWrite(Command::RenewLease { node: 1 });
         let long = Duration::from_secs(2);
         let cut = tokio::time::timeout(
@@ -525,7 +682,7 @@ mod tests {
         let addr = listener.local_addr().expect("addr").to_string();
         drop(listener);
         let switch = NetSwitch::default();
-        let t = Transport::new(switch.clone());
+        let t = Transport::new(switch.clone(), Arc::from(&b""[..]));
         let req = RpcRequest::ClientWrite(Command::RenewLease { node: 1 });
         let timeout = Duration::from_millis(200);
         let err = t
@@ -539,5 +696,83 @@ mod tests {
             .await
             .unwrap_err();
         assert!(err.to_string().contains("cut"), "{err}");
+    }
+
+    /// A server that runs the handshake with `secret` and then answers every
+    /// request with one fixed answer; counts handshakes refused.
+    async fn secret_server(secret: &'static [u8]) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let refused = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = refused.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut s, _)) = listener.accept().await else {
+                    return;
+                };
+                let count = count.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = accept_handshake(&mut s, secret).await {
+                        assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{e}");
+                        count.fetch_add(1, Ordering::SeqCst);
+                        return;
+                    }
+                    let ok = encode(&RpcResponse::ClientWrite(Ok(CommandResult {
+                        ok: true,
+                        reason: None,
+                        index: None,
+                    })))
+                    .expect("encode");
+                    while read_frame(&mut s).await.is_ok() {
+                        let _ = write_frame(&mut s, &ok).await;
+                    }
+                });
+            }
+        });
+        (addr, refused)
+    }
+
+    #[tokio::test]
+    async fn a_peer_without_the_cluster_secret_is_refused_and_the_server_goes_on() {
+        let (addr, refused) = secret_server(b"s3cret-of-the-cluster").await;
+        let req = RpcRequest::ClientWrite(Command::RenewLease { node: 1 });
+        let timeout = Duration::from_secs(2);
+        for wrong in [&b""[..], &b"another-secret"[..]] {
+            let t = Transport::new(NetSwitch::default(), Arc::from(wrong));
+            let err = t
+                .call(&addr, Channel::Write, &req, timeout)
+                .await
+                .unwrap_err();
+            assert!(err.to_string().contains("cluster secret"), "{err}");
+        }
+        assert_eq!(refused.load(Ordering::SeqCst), 2);
+        // A client that speaks no handshake at all (sends a request first).
+        let mut raw = TcpStream::connect(&addr).await.expect("connect");
+        let nonce = read_small_frame(&mut raw).await.expect("challenge");
+        assert_eq!(nonce.len(), 32);
+        write_frame(&mut raw, &encode(&req).expect("encode"))
+            .await
+            .expect("write");
+        let answer = read_small_frame(&mut raw).await.expect("refusal");
+        assert!(answer.starts_with(b"refused"), "{answer:?}");
+        // The server still serves a peer with the secret.
+        let t = Transport::new(
+            NetSwitch::default(),
+            Arc::from(&b"s3cret-of-the-cluster"[..]),
+        );
+        match t.call(&addr, Channel::Write, &req, timeout).await {
+            Ok(RpcResponse::ClientWrite(Ok(r))) => assert!(r.ok),
+            other => panic!("unexpected answer: {other:?}"),
+        }
+        assert_eq!(refused.load(Ordering::SeqCst), 3);
+    }
+
+    #[test]
+    fn proofs_depend_on_secret_and_nonce() {
+        let n1 = [1u8; 32];
+        let n2 = [2u8; 32];
+        assert_eq!(proof(b"a", &n1), proof(b"a", &n1));
+        assert_ne!(proof(b"a", &n1), proof(b"b", &n1));
+        assert_ne!(proof(b"a", &n1), proof(b"a", &n2));
     }
 }

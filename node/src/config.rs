@@ -135,6 +135,34 @@ pub struct NodeArgs {
     #[arg(long, env = "LANEBUS_AUTO_DISABLE_AFTER_S")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub auto_disable_after_s: Option<u64>,
+    /// CIDRs that handler URLs may point to although the SSRF guard refuses
+    /// them otherwise (loopback, private, link-local, unique-local...),
+    /// comma-separated, e.g. `127.0.0.0/8,::1/128` [default: none].
+    #[arg(long, env = "LANEBUS_WEBHOOK_ALLOW_CIDRS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub webhook_allow_cidrs: Option<String>,
+    /// API tokens with the `publish` scope (POST /v1/events), comma-separated;
+    /// each the token in clear (16+ characters) or `sha256:` + the 64 hex
+    /// digits of its SHA-256 hash [default: none].
+    #[arg(long, env = "LANEBUS_PUBLISH_TOKENS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub publish_tokens: Option<String>,
+    /// API tokens with the `admin` scope (every path; implies publish),
+    /// comma-separated, in clear or `sha256:HEX`. Without any token the API
+    /// must be bound to a loopback address [default: none].
+    #[arg(long, env = "LANEBUS_ADMIN_TOKENS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub admin_tokens: Option<String>,
+    /// Secret every Raft connection between nodes proves (the same on every
+    /// node); required unless the Raft address is loopback.
+    #[arg(long, env = "LANEBUS_CLUSTER_SECRET", hide_env_values = true)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cluster_secret: Option<String>,
+    /// Admin token sent with --join to the member asked [default: the first
+    /// admin token given in clear].
+    #[arg(long, env = "LANEBUS_JOIN_TOKEN", hide_env_values = true)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub join_token: Option<String>,
 }
 
 /// The validated configuration of a node.
@@ -161,6 +189,10 @@ pub struct NodeConfig {
     pub auto_disable_after: Duration,
     pub retention: Duration,
     pub prune_interval: Duration,
+    pub webhook_allow: Vec<lanebus_api::egress::IpNet>,
+    pub auth: lanebus_api::auth::Auth,
+    pub cluster_secret: Option<lanebus_cluster::ClusterSecret>,
+    pub join_token: Option<String>,
 }
 
 /// Raft timing that fits the lease: elections must finish well within a
@@ -197,6 +229,8 @@ impl NodeConfig {
         o.auto_disable_after = self.auto_disable_after;
         o.retention.retention = self.retention;
         o.retention.interval = self.prune_interval;
+        o.egress = lanebus_api::egress::EgressPolicy::new(self.webhook_allow.clone());
+        o.auth = self.auth.clone();
         if !self.single {
             let mut c = lanebus_node::node::ClusterOptions::new(
                 self.id,
@@ -209,6 +243,8 @@ impl NodeConfig {
             c.bootstrap = self.bootstrap;
             c.join = self.join.clone();
             c.handover_drain = self.handover_drain;
+            c.secret = self.cluster_secret.clone();
+            c.join_token = self.join_token.clone();
             o.cluster = Some(c);
         }
         o
@@ -369,6 +405,25 @@ pub fn validate(a: NodeArgs) -> anyhow::Result<NodeConfig> {
             })
         })
         .transpose()?;
+    let webhook_allow = match &a.webhook_allow_cidrs {
+        Some(list) => lanebus_api::egress::EgressPolicy::parse_cidrs(list)
+            .map_err(|e| anyhow::anyhow!("{e}"))?,
+        None => Vec::new(),
+    };
+    let (auth, first_clear_admin) = tokens(&a.publish_tokens, &a.admin_tokens)?;
+    let cluster_secret = match a.cluster_secret.as_deref().map(str::trim) {
+        None | Some("") => None,
+        Some(s) if s.len() < 16 => bail!(
+            "cluster_secret must have at least 16 characters, it has {}",
+            s.len()
+        ),
+        Some(s) => Some(lanebus_cluster::ClusterSecret(s.to_owned())),
+    };
+    let join_token = a
+        .join_token
+        .clone()
+        .filter(|t| !t.trim().is_empty())
+        .or(first_clear_admin);
     Ok(NodeConfig {
         id,
         http_addr,
@@ -391,7 +446,38 @@ pub fn validate(a: NodeArgs) -> anyhow::Result<NodeConfig> {
         auto_disable_after,
         retention: Duration::from_secs(retention_secs),
         prune_interval: Duration::from_millis(prune_interval_ms),
+        webhook_allow,
+        auth,
+        cluster_secret,
+        join_token,
     })
+}
+
+/// The API tokens of `publish_tokens` and `admin_tokens`, and the first
+/// admin token given in clear (the default join token).
+fn tokens(
+    publish: &Option<String>,
+    admin: &Option<String>,
+) -> anyhow::Result<(lanebus_api::auth::Auth, Option<String>)> {
+    use lanebus_api::auth::{Auth, Scope, HASH_PREFIX};
+    let mut all = Vec::new();
+    let mut first_clear_admin = None;
+    for (scope, option, list) in [
+        (Scope::Publish, "publish_tokens", publish),
+        (Scope::Admin, "admin_tokens", admin),
+    ] {
+        let Some(list) = list else { continue };
+        let hashes = Auth::parse_list(option, list).map_err(|e| anyhow::anyhow!("{e}"))?;
+        all.extend(hashes.into_iter().map(|h| (scope, h)));
+        if scope == Scope::Admin {
+            first_clear_admin = list
+                .split(',')
+                .map(str::trim)
+                .find(|t| !t.is_empty() && !t.starts_with(HASH_PREFIX))
+                .map(str::to_owned);
+        }
+    }
+    Ok((Auth::new(all), first_clear_admin))
 }
 
 /// Creates the directory of a `sqlite://PATH` store if it is missing (SQLite

@@ -319,7 +319,10 @@ mod tests {
         });
         let mut in_process: HashMap<String, Arc<dyn Handler>> = HashMap::new();
         in_process.insert("gate".into(), gate.clone());
-        let dispatcher = Dispatcher::new(WebhookSender::new().expect("sender"), in_process);
+        let dispatcher = Dispatcher::new(
+            WebhookSender::new(lanebus_api::egress::EgressPolicy::default()).expect("sender"),
+            in_process,
+        );
         let config = catalog.get(&h.id).expect("cached");
 
         let (d1, c1, h1) = (dispatcher.clone(), catalog.clone(), config.clone());

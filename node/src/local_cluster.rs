@@ -188,6 +188,9 @@ impl LocalCluster {
                 cmd.env_remove(k);
             }
         }
+        // The receivers of local clusters listen on loopback, which the SSRF
+        // guard refuses by default (a --webhook-allow-cidrs in `args` wins).
+        cmd.env("LANEBUS_WEBHOOK_ALLOW_CIDRS", LOOPBACK_CIDRS);
         let child = cmd
             .stdout(Stdio::null())
             .stderr(log)
@@ -390,6 +393,10 @@ pub struct Repeats {
 /// scheduling on a loaded machine), in milliseconds: a first arrival up to
 /// this long after the fault still counts as in flight at the fault.
 pub const IN_AIR_MS: f64 = 250.0;
+
+/// The allowlist local clusters give their nodes
+/// (`LANEBUS_WEBHOOK_ALLOW_CIDRS`): loopback, where their receivers listen.
+pub const LOOPBACK_CIDRS: &str = "127.0.0.0/8,::1/128";
 
 /// Classifies repeats: a delivery may be accepted twice only if its first
 /// acceptance came before one of `events_ms` (or within [`IN_AIR_MS`] after

@@ -4,6 +4,8 @@
 //! lanebus node --id N --http-addr IP:PORT --raft-addr IP:PORT --data-dir DIR \
 //!              --store URL [--bootstrap | --join http://IP:PORT | --single]
 //!              [--lease-ms MS --renew-interval-ms MS --lease-margin-ms MS --voters N]
+//!              [--admin-tokens T,.. --publish-tokens T,.. --cluster-secret S --join-token T]
+//!              [--webhook-allow-cidrs CIDR,..]
 //! lanebus migrate --store URL
 //! lanebus demo [--store URL] [--events N] [--keys K] [--data PATH]
 //! lanebus admin [--node URL] [--token T] [--output table|json]
@@ -132,6 +134,8 @@ async fn run_node(args: NodeArgs) -> anyhow::Result<ExitCode> {
         bootstrap = cfg.bootstrap,
         join = ?cfg.join,
         lease_ms = cfg.lease.lease_ms,
+        webhook_allow_cidrs = ?cfg.webhook_allow.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        cluster_secret = cfg.cluster_secret.is_some(),
         "starting node"
     );
     let node = lanebus_node::start(cfg.node_options()).await?;

@@ -33,11 +33,15 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use async_trait::async_trait;
+use lanebus_api::auth::{Auth, Scope};
+use lanebus_api::egress::EgressPolicy;
 use lanebus_api::{
     ApiState, ClusterChangeError, ClusterNodeView, ClusterView, JoinRequest, LaneView, Limits,
     NodeView,
 };
-use lanebus_cluster::{Cluster, ClusterConfig, ClusterError, LeaseConfig, RaftTiming};
+use lanebus_cluster::{
+    Cluster, ClusterConfig, ClusterError, ClusterSecret, LeaseConfig, RaftTiming,
+};
 use lanebus_store::{Epoch, Lane, Store, StoreError, Wakeups};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::sync::{oneshot, watch};
@@ -108,6 +112,12 @@ pub struct ClusterOptions {
     /// Bound of the drain of a lane handed over; `None`: the longest handler
     /// timeout + 500 ms, at most `lease_ms - renew_interval_ms`.
     pub handover_drain: Option<Duration>,
+    /// The cluster secret every Raft connection proves
+    /// ([`ClusterConfig::secret`]); `None` only with a loopback Raft address.
+    pub secret: Option<ClusterSecret>,
+    /// Bearer token (with the `admin` scope) sent with the join request to
+    /// [`join`](Self::join), for members that require tokens.
+    pub join_token: Option<String>,
 }
 
 impl ClusterOptions {
@@ -124,6 +134,8 @@ impl ClusterOptions {
             bootstrap: false,
             join: None,
             handover_drain: None,
+            secret: None,
+            join_token: None,
         }
     }
 }
@@ -186,6 +198,17 @@ pub struct NodeOptions {
     /// Retention of completed events (default 24 h, pruned every minute by
     /// the owner of lane 0; see [`crate::retention`]).
     pub retention: crate::retention::RetentionConfig,
+    /// The SSRF guard: where webhooks may be sent, checked at registration
+    /// and at every send ([`lanebus_api::egress`]). The default refuses
+    /// loopback, private, link-local and unique-local targets; embedders
+    /// whose receivers run on this machine use
+    /// [`EgressPolicy::allow_loopback`].
+    pub egress: EgressPolicy,
+    /// Bearer tokens of the API ([`lanebus_api::auth`]). The default,
+    /// [`Auth::open`], allows every request, and is accepted only with a
+    /// loopback [`http_addr`](Self::http_addr): [`start`] refuses to serve
+    /// an open API on any other address.
+    pub auth: Auth,
 }
 
 impl NodeOptions {
@@ -206,6 +229,8 @@ impl NodeOptions {
             cluster: None,
             webhook_source_ip: None,
             retention: crate::retention::RetentionConfig::default(),
+            egress: EgressPolicy::default(),
+            auth: Auth::open(),
         }
     }
 }
@@ -637,6 +662,15 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
         Wakeups::Poll => Duration::from_millis(100),
     });
 
+    if opts.auth.is_open() && !opts.http_addr.ip().is_loopback() {
+        return Err(NodeError::Config(format!(
+            "refusing to serve the API on {} without tokens: anyone who can reach it could \
+             publish and change handlers; set admin_tokens and/or publish_tokens \
+             (--admin-tokens, LANEBUS_ADMIN_TOKENS, ...), or bind http_addr to a loopback \
+             address such as 127.0.0.1",
+            opts.http_addr
+        )));
+    }
     let listener = tokio::net::TcpListener::bind(opts.http_addr)
         .await
         .map_err(|source| NodeError::Bind {
@@ -648,6 +682,18 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
         source,
     })?;
 
+    if opts.auth.is_open() {
+        tracing::info!(
+            http_addr = %addr,
+            "no API tokens configured: the API serves on loopback only and allows every request"
+        );
+    } else {
+        tracing::info!(
+            publish_tokens = opts.auth.count(Scope::Publish),
+            admin_tokens = opts.auth.count(Scope::Admin),
+            "the API requires bearer tokens"
+        );
+    }
     let cluster = match &opts.cluster {
         None => None,
         Some(c) => {
@@ -662,6 +708,7 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
             cfg.voters = c.voters;
             cfg.raft = c.raft;
             cfg.incarnation = uuid::Uuid::now_v7().simple().to_string();
+            cfg.secret = c.secret.clone();
             Some(Arc::new(Cluster::start(cfg).await?))
         }
     };
@@ -675,7 +722,7 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
         None => WorkGate::default(),
     };
     let dispatcher = Dispatcher::new(
-        WebhookSender::with_source_ip(opts.webhook_source_ip)?,
+        WebhookSender::with_source_ip(opts.egress.clone(), opts.webhook_source_ip)?,
         opts.in_process.clone(),
     )
     .with_gate(gate.clone());
@@ -702,6 +749,8 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
         store: store.clone(),
         node: state.clone(),
         limits: opts.limits,
+        egress: opts.egress.clone(),
+        auth: opts.auth.clone(),
     });
     tokio::spawn(async move {
         // The wrapped listener gives hyper's own refusals (a URI over its
@@ -728,6 +777,7 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
                 if let Some(url) = &o.join {
                     tokio::spawn(join_loop(
                         url.clone(),
+                        o.join_token.clone(),
                         JoinRequest {
                             id: o.node_id,
                             raft_addr: c.raft_addr().to_string(),
@@ -791,18 +841,17 @@ async fn bootstrap(cluster: &Cluster) -> Result<(), NodeError> {
 /// `--join URL`: asks that member to add this node, until it answers 2xx
 /// (retried every 500 ms while it cannot be reached or has no leader; a 409
 /// is logged and retried too, slower, since an operator may fix it).
-async fn join_loop(url: String, req: JoinRequest) {
+async fn join_loop(url: String, token: Option<String>, req: JoinRequest) {
     let client = reqwest::Client::new();
     let target = format!("{}/admin/cluster/join", url.trim_end_matches('/'));
     let mut attempt = 0u32;
     loop {
         attempt += 1;
-        let r = client
-            .post(&target)
-            .json(&req)
-            .timeout(Duration::from_secs(15))
-            .send()
-            .await;
+        let mut r = client.post(&target).json(&req);
+        if let Some(t) = &token {
+            r = r.bearer_auth(t);
+        }
+        let r = r.timeout(Duration::from_secs(15)).send().await;
         match r {
             Ok(resp) if resp.status().is_success() => {
                 tracing::info!(url = %target, id = req.id, "joined: the cluster recorded this node");
@@ -812,7 +861,13 @@ async fn join_loop(url: String, req: JoinRequest) {
                 let status = resp.status();
                 let body = resp.text().await.unwrap_or_default();
                 tracing::warn!(url = %target, %status, %body, attempt, "join refused; retrying");
-                let wait = if status.as_u16() == 409 { 5_000 } else { 500 };
+                // A refusal an operator must fix (a conflict, a missing or
+                // wrong join token) is asked again more slowly.
+                let wait = if matches!(status.as_u16(), 401 | 403 | 409) {
+                    5_000
+                } else {
+                    500
+                };
                 tokio::time::sleep(Duration::from_millis(wait)).await;
             }
             Err(e) => {

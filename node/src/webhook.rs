@@ -32,13 +32,21 @@
 //! kept without being attempted (on every node, once its catalog reloads)
 //! until `POST /v1/handlers/{id}/enable`. Redirects are not followed: a 3xx
 //! is a failure.
+//!
+//! The SSRF guard ([`lanebus_api::egress`]) is checked again at each send: a
+//! literal address in the URL before the request, a name by the client's
+//! resolver, whose checked addresses are the ones connected to. A refused
+//! target is a failed attempt whose error starts `refused by the ssrf
+//! guard:` and names the address and its range. No proxy is used.
 
-use std::sync::Once;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Once};
 use std::time::{Duration, SystemTime};
 
 use base64::Engine as _;
 use chrono::{DateTime, SecondsFormat, Utc};
 use hmac::{Hmac, Mac};
+use lanebus_api::egress::{EgressPolicy, Refused};
 use lanebus_store::{Delivery, Handler as HandlerConfig};
 use sha2::Sha256;
 
@@ -210,10 +218,38 @@ pub fn classify(status: u16, retry_after: Option<&str>, now: SystemTime) -> Atte
     }
 }
 
-/// Sends webhooks over one pooled HTTP client (keep-alive, no redirects).
+/// Sends webhooks over one pooled HTTP client (keep-alive, no redirects, no
+/// proxy), to the addresses its [`EgressPolicy`] allows (the SSRF guard).
 #[derive(Clone)]
 pub struct WebhookSender {
     client: reqwest::Client,
+    policy: EgressPolicy,
+}
+
+/// The HTTP client's DNS resolver: resolves with the system resolver
+/// (`getaddrinfo`, as reqwest's default does) and refuses the name when any
+/// address it resolves to is refused by the policy. The client connects only
+/// to the addresses returned here, so the address checked is the address
+/// connected to (no DNS rebinding between check and connect).
+struct GuardedResolver {
+    policy: EgressPolicy,
+}
+
+impl reqwest::dns::Resolve for GuardedResolver {
+    fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
+        let policy = self.policy.clone();
+        Box::pin(async move {
+            let host = name.as_str().to_owned();
+            let addrs: Vec<SocketAddr> =
+                tokio::net::lookup_host((host.as_str(), 0)).await?.collect();
+            for a in &addrs {
+                policy
+                    .check_ip(a.ip())
+                    .map_err(|e| Refused(format!("host {host:?} resolves to {e}")))?;
+            }
+            Ok(Box::new(addrs.into_iter()) as reqwest::dns::Addrs)
+        })
+    }
 }
 
 /// Largest part of a response body read (and discarded) so the connection
@@ -225,8 +261,8 @@ impl WebhookSender {
     ///
     /// # Errors
     /// [`WebhookError::Client`] if the TLS setup fails.
-    pub fn new() -> Result<Self, WebhookError> {
-        Self::with_source_ip(None)
+    pub fn new(policy: EgressPolicy) -> Result<Self, WebhookError> {
+        Self::with_source_ip(policy, None)
     }
 
     /// A sender with its own connection pool whose connections are bound to
@@ -237,11 +273,20 @@ impl WebhookSender {
     ///
     /// # Errors
     /// [`WebhookError::Client`] if the TLS setup fails.
-    pub fn with_source_ip(source: Option<std::net::IpAddr>) -> Result<Self, WebhookError> {
+    pub fn with_source_ip(
+        policy: EgressPolicy,
+        source: Option<std::net::IpAddr>,
+    ) -> Result<Self, WebhookError> {
         install_crypto_provider();
         let client = reqwest::Client::builder()
             .local_address(source)
             .redirect(reqwest::redirect::Policy::none())
+            // A proxy would be resolved and connected to instead of the
+            // target, and the guard would check the proxy.
+            .no_proxy()
+            .dns_resolver(Arc::new(GuardedResolver {
+                policy: policy.clone(),
+            }))
             .pool_max_idle_per_host(256)
             .pool_idle_timeout(Duration::from_secs(90))
             .tcp_nodelay(true)
@@ -249,7 +294,7 @@ impl WebhookSender {
             .user_agent(concat!("lanebus/", env!("CARGO_PKG_VERSION")))
             .build()
             .map_err(|e| WebhookError::Client(e.to_string()))?;
-        Ok(WebhookSender { client })
+        Ok(WebhookSender { client, policy })
     }
 
     /// Makes attempt number `attempt` (1, 2, ...) of `delivery` to the webhook
@@ -276,9 +321,18 @@ impl WebhookSender {
                 }
             }
         };
+        let url = match self.target(&handler.url) {
+            Ok(u) => u,
+            Err(error) => {
+                return AttemptOutcome::Failed {
+                    error,
+                    retry_after: None,
+                }
+            }
+        };
         let mut req = self
             .client
-            .post(&handler.url)
+            .post(url)
             .timeout(Duration::from_millis(handler.timeout_ms.max(1)))
             .header("content-type", "application/json")
             .header("webhook-id", &delivery.event_id)
@@ -334,10 +388,45 @@ impl WebhookSender {
     }
 }
 
-/// A transport error as kept in `last_error`: the error and its causes.
+impl WebhookSender {
+    /// The parsed URL of a handler, if the SSRF guard lets it through: scheme
+    /// `http` or `https`, and a literal IP address allowed by the policy
+    /// (names are checked by [`GuardedResolver`] when connecting, since
+    /// reqwest does not resolve literal addresses).
+    fn target(&self, raw: &str) -> Result<reqwest::Url, String> {
+        let url = reqwest::Url::parse(raw).map_err(|e| format!("url {raw:?}: {e}"))?;
+        if !matches!(url.scheme(), "http" | "https") {
+            return Err(format!(
+                "refused by the ssrf guard: url scheme {:?} is not http or https",
+                url.scheme()
+            ));
+        }
+        let literal = match url.host() {
+            Some(url::Host::Ipv4(ip)) => Some(IpAddr::V4(ip)),
+            Some(url::Host::Ipv6(ip)) => Some(IpAddr::V6(ip)),
+            _ => None,
+        };
+        if let Some(ip) = literal {
+            self.policy
+                .check_ip(ip)
+                .map_err(|e| format!("refused by the ssrf guard: the url points to {e}"))?;
+        }
+        Ok(url)
+    }
+}
+
+/// A transport error as kept in `last_error`: the error and its causes; a
+/// refusal of the SSRF guard's resolver is named as such.
 fn transport_error(e: &reqwest::Error, timeout_ms: u64) -> String {
     if e.is_timeout() {
         return format!("timeout after {timeout_ms} ms");
+    }
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        if let Some(r) = s.downcast_ref::<Refused>() {
+            return format!("refused by the ssrf guard: {r}");
+        }
+        source = s.source();
     }
     let mut msg = e.to_string();
     let mut source = std::error::Error::source(e);
@@ -407,7 +496,11 @@ mod tests {
             published_at: Utc::now(),
             replay: false,
         };
-        let sender = WebhookSender::with_source_ip(Some([127, 0, 0, 7].into())).unwrap();
+        let sender = WebhookSender::with_source_ip(
+            EgressPolicy::allow_loopback(),
+            Some([127, 0, 0, 7].into()),
+        )
+        .unwrap();
         let out = sender.send(&handler, &delivery, 1).await;
         assert!(matches!(out, AttemptOutcome::Delivered), "{out:?}");
         assert_eq!(peer.await.unwrap().ip().to_string(), "127.0.0.7");

@@ -38,6 +38,10 @@ fn spawn_node(url: &str, dir: &std::path::Path, life: u32) -> anyhow::Result<Chi
             "50",
         ])
         .env_remove("LANEBUS_CONFIG")
+        .env(
+            "LANEBUS_WEBHOOK_ALLOW_CIDRS",
+            lanebus_node::local_cluster::LOOPBACK_CIDRS,
+        )
         .stdout(Stdio::null())
         .stderr(log)
         .spawn()

@@ -109,10 +109,25 @@ impl TestApp {
         content_type: Option<&str>,
         body: Vec<u8>,
     ) -> Res {
+        self.call_with(method, path, content_type, &[], body).await
+    }
+
+    /// [`call`](Self::call) with extra request headers.
+    pub async fn call_with(
+        &self,
+        method: Method,
+        path: &str,
+        content_type: Option<&str>,
+        headers: &[(&str, &str)],
+        body: Vec<u8>,
+    ) -> Res {
         let method_name = method.to_string();
         let mut req = Request::builder().method(method).uri(path);
         if let Some(ct) = content_type {
             req = req.header(header::CONTENT_TYPE, ct);
+        }
+        for (k, v) in headers {
+            req = req.header(*k, *v);
         }
         let req = req.body(Body::from(body)).expect("request builds");
         let res = self
@@ -289,16 +304,37 @@ where
     F: FnOnce(TestApp) -> Fut,
     Fut: Future<Output = ()>,
 {
+    run_configured(backend, limits, node, |_| {}, test).await
+}
+
+/// [`run_with`], with `configure` changing the router's state before the
+/// router is built. The state starts with the SSRF guard allowing loopback
+/// (the tests register `http://127.0.0.1:9/hook`).
+pub async fn run_configured<C, F, Fut>(
+    backend: Backend,
+    limits: Limits,
+    node: StubNode,
+    configure: C,
+    test: F,
+) where
+    C: FnOnce(&mut ApiState),
+    F: FnOnce(TestApp) -> Fut,
+    Fut: Future<Output = ()>,
+{
     use futures::FutureExt as _;
     let place = place(backend).await;
     let outcome = std::panic::AssertUnwindSafe(async {
         let store = open(&place).await;
         let node = Arc::new(node);
-        let app = router(ApiState {
+        let mut state = ApiState {
             store: store.clone(),
             node: node.clone(),
             limits,
-        });
+            egress: lanebus_api::egress::EgressPolicy::allow_loopback(),
+            auth: lanebus_api::auth::Auth::open(),
+        };
+        configure(&mut state);
+        let app = router(state);
         test(TestApp { app, store, node }).await;
     })
     .catch_unwind()

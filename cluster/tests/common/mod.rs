@@ -41,6 +41,8 @@ pub struct Node {
     pub cluster: Option<Arc<Cluster>>,
     /// Raft snapshot interval, in log entries.
     pub snapshot_every: u64,
+    /// The cluster secret this node is started with.
+    pub secret: Option<String>,
     drainer: Option<JoinHandle<()>>,
 }
 
@@ -62,6 +64,7 @@ impl Node {
         let mut cfg = ClusterConfig::new(self.id, &self.raft_addr, &self.http_addr, &self.dir);
         cfg.lanes = LANES;
         cfg.lease = LEASE;
+        cfg.secret = self.secret.clone().map(lanebus_cluster::ClusterSecret);
         cfg.raft = RaftTiming {
             heartbeat_ms: 60,
             election_timeout_min_ms: 300,
@@ -138,6 +141,7 @@ impl Sandbox {
             http_addr: format!("127.0.0.1:{}", 18_000 + id),
             cluster: None,
             snapshot_every: 200,
+            secret: None,
             drainer: None,
         });
         self.nodes.len() - 1

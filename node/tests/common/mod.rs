@@ -160,6 +160,9 @@ pub fn test_options(url: &str) -> NodeOptions {
     o.lane.retry.cap = Duration::from_secs(2);
     o.poll_interval = Some(Duration::from_millis(50));
     o.catalog_refresh = Duration::from_secs(1);
+    // The receivers of the tests listen on loopback (the SSRF guard refuses
+    // it by default).
+    o.egress = lanebus_api::egress::EgressPolicy::allow_loopback();
     o
 }
 
