@@ -147,6 +147,15 @@ fn cases() -> Vec<Case> {
             "invalid json",
         ),
         raw(
+            "array instead of object",
+            "/v1/events",
+            Some("application/json"),
+            br#"[[{"type":"a","payload":{}}]]"#,
+            422,
+            "invalid_body",
+            "JSON object",
+        ),
+        raw(
             "no content type",
             "/v1/events",
             None,

@@ -244,6 +244,9 @@ async fn rotation_answers_the_new_secret_and_the_grace_period(app: TestApp) {
             "grace_period_s 2592001",
         ),
         (json!({"grace": 1}), "invalid_body", "grace"),
+        // serde would take an array as the struct's fields by position.
+        (json!([null, null]), "invalid_body", "JSON object"),
+        (json!([]), "invalid_body", "JSON object"),
     ] {
         let res = app
             .post(&format!("/v1/handlers/{id}/secret/rotate"), body.clone())
