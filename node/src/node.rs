@@ -28,6 +28,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -251,6 +252,9 @@ pub struct NodeState {
     store: Arc<dyn Store>,
     cluster: Option<Arc<Cluster>>,
     owners: Owners,
+    /// Set (under the `owners` lock) when the node starts to stop: lane
+    /// control starts no owner any more ([`LaneControl::apply`]).
+    stopping: Arc<AtomicBool>,
     board: Arc<LaneBoard>,
     catalog: Arc<HandlerCatalog>,
     metrics: PrometheusHandle,
@@ -595,11 +599,18 @@ async fn run(
     let _ = shutdown.await;
     tracing::info!(node_id = %state.node_id, "node stopping");
     state.ready.send_replace(false);
-    let owners: Vec<Addr<LaneOwner>> =
-        std::mem::take(&mut *state.owners.lock().expect("not poisoned"))
+    // Under the owners lock, so that lane control, which re-applies the
+    // assignment every second, cannot see the emptied map and start a second
+    // owner of a lane at the same epoch next to the one draining (that owner
+    // would claim the rows still in flight and hand them over again).
+    let owners: Vec<Addr<LaneOwner>> = {
+        let mut owners = state.owners.lock().expect("not poisoned");
+        state.stopping.store(true, AtomicOrdering::SeqCst);
+        std::mem::take(&mut *owners)
             .into_values()
             .map(|o| o.addr)
-            .collect();
+            .collect()
+    };
     for a in &owners {
         a.do_send(Drain);
     }
@@ -728,11 +739,13 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
     .with_gate(gate.clone());
     let board = Arc::new(LaneBoard::default());
     let owners: Owners = Arc::default();
+    let stopping = Arc::new(AtomicBool::new(false));
     let state = Arc::new(NodeState {
         node_id: opts.node_id.clone(),
         store: store.clone(),
         cluster: cluster.clone(),
         owners: owners.clone(),
+        stopping: stopping.clone(),
         board: board.clone(),
         catalog: catalog.clone(),
         metrics: metrics_handle,
@@ -802,6 +815,7 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
     let work = assignment.start().await?;
     let control = Arc::new(LaneControl {
         owners,
+        stopping,
         deps,
         assignment,
         work: work.clone(),
@@ -882,6 +896,8 @@ async fn join_loop(url: String, token: Option<String>, req: JoinRequest) {
 /// that they follow the assignment's [`LaneWork`].
 struct LaneControl {
     owners: Owners,
+    /// The node is stopping: start nothing (see [`NodeState`]'s field).
+    stopping: Arc<AtomicBool>,
     deps: LaneDeps,
     assignment: Arc<dyn LaneAssignment>,
     work: watch::Receiver<LaneWork>,
@@ -907,6 +923,11 @@ impl LaneControl {
     fn apply(self: &Arc<Self>) {
         let work = self.work.borrow().clone();
         let mut owners = self.owners.lock().expect("not poisoned");
+        if self.stopping.load(AtomicOrdering::SeqCst) {
+            // Shutdown took the owners to drain them: an empty map here
+            // means "stopping", not "start every lane".
+            return;
+        }
         let mut sent = self.releases_sent.lock().expect("not poisoned");
         sent.retain(|l| work.releasing.contains_key(l));
         let running: BTreeMap<Lane, Running> = owners

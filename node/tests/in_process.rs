@@ -183,3 +183,88 @@ async fn max_in_flight() -> anyhow::Result<()> {
     db.drop_db().await;
     Ok(())
 }
+
+/// Counts hand-overs per event; each takes `hold` (so a shutdown finds
+/// them in flight).
+struct Slow {
+    calls: Mutex<HashMap<String, u32>>,
+    hold: Duration,
+}
+
+#[async_trait]
+impl Handler for Slow {
+    async fn handle(&self, d: &Delivery) -> Result<(), HandlerError> {
+        *self
+            .calls
+            .lock()
+            .unwrap()
+            .entry(d.event_id.clone())
+            .or_default() += 1;
+        tokio::time::sleep(self.hold).await;
+        Ok(())
+    }
+}
+
+/// A shutdown whose drain lasts longer than lane control's one-second
+/// re-apply starts no second owner of a lane: deliveries still in flight
+/// are handed over once (invariant "no repeat without a cause"). Before the
+/// fix the emptied owner map read as "start every lane", and the new owners
+/// (same epoch, fresh queues) claimed and handed over the in-flight rows
+/// again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_drain_hands_nothing_over_twice_sqlite() {
+    shutdown_drain().await.unwrap();
+}
+
+async fn shutdown_drain() -> anyhow::Result<()> {
+    let db = TestDb::new(Backend::Sqlite, "drainonce").await?;
+    let slow = Arc::new(Slow {
+        calls: Mutex::default(),
+        hold: Duration::from_millis(2_500),
+    });
+    let mut opts = test_options(&db.url);
+    opts.drain_timeout = Duration::from_secs(6);
+    opts.in_process
+        .insert("slow".into(), slow.clone() as Arc<dyn Handler>);
+    let node = lanebus_node::start(opts).await?;
+    node.store()
+        .create_handler(NewHandler {
+            name: "slow".into(),
+            url: "http://inproc.invalid/slow".into(),
+            event_types: vec!["*".into()],
+            max_attempts: 3,
+            timeout_ms: 10_000,
+            max_in_flight: 100,
+            secret: lanebus_store::generate_secret(),
+        })
+        .await?;
+    lanebus_api::NodeView::handlers_changed(&*node.state);
+    let events: Vec<serde_json::Value> = (0..20)
+        .map(|i| serde_json::json!({"id": format!("dr-{i}"), "type": "t.x", "payload": {}}))
+        .collect();
+    Api::new(&node.base_url()).publish(&events, 20).await?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while slow.calls.lock().unwrap().len() < 20 {
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "deliveries were not handed over"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // All 20 are in flight (each holds 2.5 s): the drain outlasts a re-apply.
+    node.shutdown().await?;
+    let calls = slow.calls.lock().unwrap().clone();
+    let repeated: Vec<_> = calls.iter().filter(|(_, &n)| n > 1).collect();
+    ensure!(
+        repeated.is_empty(),
+        "handed over more than once during the drain: {repeated:?}"
+    );
+    // A fresh store: the node's pooled connections died with its runtime.
+    let counts = lanebus_store::open(&db.url).await?.counts().await?;
+    ensure!(
+        counts.completions == 20 && counts.deliveries == 0,
+        "after the drain: {counts:?}"
+    );
+    db.drop_db().await;
+    Ok(())
+}
