@@ -158,6 +158,13 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Cmd::Sample { spec } => {
+            // Node logs on stderr when asked (RUST_LOG), to explain a sample.
+            if std::env::var_os("RUST_LOG").is_some() {
+                let _ = tracing_subscriber::fmt()
+                    .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+                    .with_writer(std::io::stderr)
+                    .try_init();
+            }
             let spec: sample::SampleSpec = match serde_json::from_str(&spec) {
                 Ok(s) => s,
                 Err(e) => {

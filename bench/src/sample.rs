@@ -87,11 +87,16 @@ struct BenchHandler {
     idx: u16,
     log: Arc<Log>,
     hang: bool,
+    started: Arc<Instant>,
 }
 
 #[derive(Default)]
 struct Log {
     handled: Mutex<Vec<(Handled, Instant)>>,
+    /// Per hand-over, in the order of `handled`: delivery id, its lane,
+    /// its attempt (1, 2, ...) and the time since the sample started,
+    /// for explaining a repeat (`LANEBUS_BENCH_REPEATS=1` prints them).
+    detail: Mutex<Vec<(i64, u16, u32, Duration)>>,
     count: AtomicU64,
 }
 
@@ -107,11 +112,17 @@ impl Handler for BenchHandler {
             key: d.key.as_deref().map(Into::into),
             seq: d.seq,
         };
-        self.log
-            .handled
-            .lock()
-            .expect("log lock")
-            .push((h, Instant::now()));
+        {
+            let mut handled = self.log.handled.lock().expect("log lock");
+            let now = Instant::now();
+            handled.push((h, now));
+            self.log.detail.lock().expect("log lock").push((
+                d.id,
+                d.lane,
+                d.attempts + 1,
+                now.saturating_duration_since(*self.started),
+            ));
+        }
         self.log.count.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
@@ -272,6 +283,7 @@ pub async fn run(spec: SampleSpec) -> anyhow::Result<SampleOut> {
 async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::Result<SampleOut> {
     let store = stores.dyn_store.clone();
     let log = Arc::new(Log::default());
+    let started = Arc::new(Instant::now());
     let hang = cell.kind == Kind::Publish;
     let mut in_process: HashMap<String, Arc<dyn Handler>> = HashMap::new();
     for i in 0..cell.handlers {
@@ -293,6 +305,7 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
                 idx: i as u16,
                 log: log.clone(),
                 hang,
+                started: started.clone(),
             }),
         );
     }
@@ -494,6 +507,9 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
         std::mem::take(&mut *log.handled.lock().expect("log lock"));
     let only: Vec<Handled> = handled.iter().map(|(h, _)| h.clone()).collect();
     let ex = exact::check(&only, held, expected);
+    if ex.duplicated > 0 && std::env::var_os("LANEBUS_BENCH_REPEATS").is_some() {
+        print_repeats(&only, &log.detail.lock().expect("log lock"));
+    }
     problems.extend(ex.problems());
     if cell.kind == Kind::Publish && (held.completed != 0 || held.pending != expected) {
         problems.push(format!(
@@ -564,5 +580,29 @@ async fn snapshot(stores: &mut Stores, pm: Option<u32>) -> anyhow::Result<pg::Sn
             app_cpu: pg::self_cpu(),
             ..pg::Snapshot::default()
         }),
+    }
+}
+
+/// Prints every hand-over of an (event, handler) handed over more than once
+/// with its delivery id, lane, attempt and time (stderr).
+fn print_repeats(handled: &[Handled], detail: &[(i64, u16, u32, Duration)]) {
+    let mut by: HashMap<(u16, &str), Vec<usize>> = HashMap::new();
+    for (i, h) in handled.iter().enumerate() {
+        by.entry((h.handler, &h.event)).or_default().push(i);
+    }
+    let mut rows: Vec<_> = by.into_iter().filter(|(_, v)| v.len() > 1).collect();
+    rows.sort_by_key(|(_, v)| v[0]);
+    for ((handler, event), v) in rows {
+        let parts: Vec<String> = v
+            .iter()
+            .filter_map(|&i| detail.get(i))
+            .map(|(id, lane, attempt, at)| {
+                format!(
+                    "id={id} lane={lane} attempt={attempt} t={:.3}s",
+                    at.as_secs_f64()
+                )
+            })
+            .collect();
+        eprintln!("REPEAT h{handler} event={event}: {}", parts.join(" | "));
     }
 }
