@@ -120,6 +120,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         timeout_ms: 10_000,
         max_in_flight: 64,
         secret: lanebus_store::generate_secret(),
+        rate_limit: None,
     };
     store
         .create_handler(handler("billing", &["invoice.*"]))

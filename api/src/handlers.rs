@@ -3,9 +3,10 @@
 //!
 //! ```text
 //! POST /v1/handlers {"name", "url", "event_types": [...], "max_attempts"?,
-//!                    "timeout_ms"?, "max_in_flight"?, "secret"?}
+//!                    "timeout_ms"?, "max_in_flight"?, "secret"?,
+//!                    "rate_limit"?: {"per_second", "burst"?}}
 //!   201 {"id", "name", "url", "event_types", "max_attempts", "timeout_ms",
-//!        "max_in_flight", "secret", "state", "created_at"}
+//!        "max_in_flight", "secret", "state", "created_at", "rate_limit", ...}
 //! GET /v1/handlers          200 {"handlers": [<handler>, ...]}  (creation order)
 //! GET /v1/handlers/{id}     200 <handler> | 404 not_found
 //! PATCH /v1/handlers/{id} {"name"?, "url"?, "event_types"?, "max_attempts"?,
@@ -143,6 +144,10 @@ pub struct CreateHandler {
     #[serde(default)]
     #[schema(pattern = "^whsec_[A-Za-z0-9+/]+={0,2}$")]
     pub secret: Option<String>,
+    /// Requests per second each node sends to the handler, and burst;
+    /// absent or `null` for no limit (change it later with `PATCH`).
+    #[serde(default)]
+    pub rate_limit: Option<RateLimitView>,
 }
 
 /// Lifecycle of a handler, as answered.
@@ -452,6 +457,7 @@ pub fn validate_handler(req: CreateHandler) -> Result<NewHandler, ApiError> {
         }
         None => generate_secret(),
     };
+    let rate_limit = req.rate_limit.map(validate_rate_limit).transpose()?;
     Ok(NewHandler {
         name: req.name,
         url: req.url,
@@ -460,6 +466,7 @@ pub fn validate_handler(req: CreateHandler) -> Result<NewHandler, ApiError> {
         timeout_ms,
         max_in_flight,
         secret,
+        rate_limit,
     })
 }
 

@@ -274,7 +274,49 @@ async fn rotation_answers_the_new_secret_and_the_grace_period(app: TestApp) {
     assert_eq!(app.snapshot().await, before, "nothing changed");
 }
 
+async fn a_rate_limit_can_be_given_at_registration(app: TestApp) {
+    let res = app
+        .post(
+            "/v1/handlers",
+            json!({"name": "limited", "url": "https://example.com/hooks",
+                   "event_types": ["*"], "rate_limit": {"per_second": 20}}),
+        )
+        .await;
+    assert_eq!(res.status, StatusCode::CREATED, "{res:?}");
+    assert_eq!(
+        res.json["rate_limit"],
+        json!({"per_second": 20, "burst": 20}),
+        "burst defaults to per_second"
+    );
+    let id = res.json["id"].as_str().expect("id").to_owned();
+    let read = app.get(&format!("/v1/handlers/{id}")).await;
+    assert_eq!(read.json["rate_limit"], res.json["rate_limit"], "stored");
+
+    let before = app.snapshot().await;
+    for (body, mentions) in [
+        (json!({"per_second": 0}), "rate_limit.per_second 0"),
+        (
+            json!({"per_second": 5, "burst": 100_001}),
+            "rate_limit.burst",
+        ),
+    ] {
+        let res = app
+            .post(
+                "/v1/handlers",
+                json!({"name": "bad", "url": "https://example.com/hooks",
+                       "event_types": ["*"], "rate_limit": body}),
+            )
+            .await;
+        assert_eq!(res.status, StatusCode::UNPROCESSABLE_ENTITY, "{res:?}");
+        assert_eq!(res.json["error"]["code"], "invalid_handler", "{res:?}");
+        let message = res.json["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(mentions), "{body}: {message}");
+    }
+    assert_eq!(app.snapshot().await, before, "refusals store nothing");
+}
+
 on_every_backend!(
+    a_rate_limit_can_be_given_at_registration,
     patch_changes_only_the_fields_given,
     bad_patches_are_refused_and_change_nothing,
     rotation_answers_the_new_secret_and_the_grace_period

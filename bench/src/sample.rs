@@ -297,6 +297,7 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
                 timeout_ms: 10_000,
                 max_in_flight: cell.settings.max_in_flight(),
                 secret: lanebus_store::generate_secret(),
+                rate_limit: None,
             })
             .await?;
         in_process.insert(

@@ -308,6 +308,7 @@ mod tests {
                 timeout_ms: 60_000,
                 max_in_flight: 1,
                 secret: lanebus_store::generate_secret(),
+                rate_limit: None,
             })
             .await
             .expect("handler");

@@ -520,6 +520,7 @@ mod tests {
                 timeout_ms: 1,
                 max_in_flight: 1,
                 secret: new.clone(),
+                rate_limit: None,
             },
             sent_at,
         );

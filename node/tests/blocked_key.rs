@@ -211,6 +211,7 @@ async fn disabled_handler_does_not_hold_up_its_lane(backend: Backend) -> anyhow:
             timeout_ms: 5000,
             max_in_flight: 64,
             secret: lanebus_store::generate_secret(),
+            rate_limit: None,
         })
         .await?;
     rx.set_secret("paused", &paused.secret);

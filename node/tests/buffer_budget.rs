@@ -37,6 +37,7 @@ async fn large_backlog_stays_within_the_budget(backend: Backend) -> anyhow::Resu
             timeout_ms: 10_000,
             max_in_flight: 64,
             secret: lanebus_store::generate_secret(),
+            rate_limit: None,
         })
         .await?;
     rx.set_secret("big", &h.secret);
@@ -51,6 +52,7 @@ async fn large_backlog_stays_within_the_budget(backend: Backend) -> anyhow::Resu
             timeout_ms: 10_000,
             max_in_flight: 64,
             secret: lanebus_store::generate_secret(),
+            rate_limit: None,
         })
         .await?;
     let filler = "x".repeat(PAYLOAD - 20);

@@ -116,6 +116,7 @@ impl Fixture {
                     timeout_ms: 1_000,
                     max_in_flight: handler_defaults::MAX_IN_FLIGHT,
                     secret: lanebus_store::generate_secret(),
+                    rate_limit: None,
                 })
                 .await?;
             rx.set_secret(name, &h.secret);
@@ -469,6 +470,7 @@ async fn same_id_twice(backend: Backend) -> anyhow::Result<()> {
             timeout_ms: 1_000,
             max_in_flight: handler_defaults::MAX_IN_FLIGHT,
             secret: lanebus_store::generate_secret(),
+            rate_limit: None,
         })
         .await?;
     rx.set_secret("all", &h.secret);
@@ -614,6 +616,7 @@ async fn lease_shorter_than_a_handler_timeout_is_refused() {
             timeout_ms: 5_000,
             max_in_flight: 1,
             secret: lanebus_store::generate_secret(),
+            rate_limit: None,
         })
         .await
         .unwrap();

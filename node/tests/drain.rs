@@ -27,6 +27,7 @@ async fn drain(backend: Backend) -> anyhow::Result<()> {
                 timeout_ms: 5_000,
                 max_in_flight: handler_defaults::MAX_IN_FLIGHT,
                 secret: lanebus_store::generate_secret(),
+                rate_limit: None,
             })
             .await?;
         rx.set_secret(name, &h.secret);

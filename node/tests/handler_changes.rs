@@ -504,6 +504,7 @@ async fn orphans_of_a_deleted_handler_are_discarded_sqlite() -> anyhow::Result<(
             timeout_ms: 5000,
             max_in_flight: 64,
             secret: lanebus_store::generate_secret(),
+            rate_limit: None,
         })
         .await?;
     store

@@ -62,6 +62,7 @@ async fn run() -> anyhow::Result<()> {
             timeout_ms: 1_000,
             max_in_flight: 16,
             secret: lanebus_store::generate_secret(),
+            rate_limit: None,
         })
         .await?;
     lanebus_api::NodeView::handlers_changed(&*node.state);
@@ -155,6 +156,7 @@ async fn max_in_flight() -> anyhow::Result<()> {
             timeout_ms: 1_000,
             max_in_flight: 3,
             secret: lanebus_store::generate_secret(),
+            rate_limit: None,
         })
         .await?;
     lanebus_api::NodeView::handlers_changed(&*node.state);
@@ -236,6 +238,7 @@ async fn shutdown_drain() -> anyhow::Result<()> {
             timeout_ms: 10_000,
             max_in_flight: 100,
             secret: lanebus_store::generate_secret(),
+            rate_limit: None,
         })
         .await?;
     lanebus_api::NodeView::handlers_changed(&*node.state);

@@ -74,6 +74,7 @@ async fn killed_and_restarted(backend: Backend) -> anyhow::Result<()> {
                 timeout_ms: 5_000,
                 max_in_flight: handler_defaults::MAX_IN_FLIGHT,
                 secret: lanebus_store::generate_secret(),
+                rate_limit: None,
             })
             .await?;
         rx.set_secret(name, &h.secret);

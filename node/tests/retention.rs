@@ -56,6 +56,7 @@ fn handler(name: &str, url: &str) -> NewHandler {
         timeout_ms: 1_000,
         max_in_flight: 256,
         secret: lanebus_store::generate_secret(),
+        rate_limit: None,
     }
 }
 

@@ -251,6 +251,7 @@ async fn last_error_of(
             timeout_ms: 2_000,
             max_in_flight: handler_defaults::MAX_IN_FLIGHT,
             secret: lanebus_store::generate_secret(),
+            rate_limit: None,
         })
         .await?;
     let api = Api::new(&node.base_url());

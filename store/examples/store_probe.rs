@@ -103,6 +103,7 @@ async fn run(
                 timeout_ms: 1000,
                 max_in_flight: 64,
                 secret: String::new(),
+                rate_limit: None,
             })
             .await?;
     }

@@ -202,6 +202,9 @@ impl NewHandler {
         if !self.secret.is_empty() {
             validate_secret(&self.secret)?;
         }
+        if let Some(r) = self.rate_limit {
+            r.validate()?;
+        }
         Ok(())
     }
 

@@ -264,6 +264,8 @@ pub struct NewHandler {
     pub max_in_flight: u32,
     /// Signing secret, `whsec_` + base64 of 24 to 64 bytes.
     pub secret: String,
+    /// Requests per second per node, or `None` for no limit.
+    pub rate_limit: Option<RateLimit>,
 }
 
 /// A registered handler.
@@ -325,7 +327,7 @@ impl Handler {
             secret: h.secret,
             state: HandlerState::Enabled,
             created_at,
-            rate_limit: None,
+            rate_limit: h.rate_limit,
             previous_secret: None,
             previous_secret_until: None,
             state_changed_at: None,
@@ -382,11 +384,9 @@ impl Handler {
             timeout_ms: h.timeout_ms,
             max_in_flight: h.max_in_flight,
             secret: h.secret.clone(),
+            rate_limit: h.rate_limit,
         }
         .validate()?;
-        if let Some(r) = h.rate_limit {
-            r.validate()?;
-        }
         Ok(h)
     }
 }

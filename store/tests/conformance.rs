@@ -366,6 +366,7 @@ fn new_handler(name: &str, types: &[&str]) -> NewHandler {
         timeout_ms: handler_defaults::TIMEOUT_MS,
         max_in_flight: handler_defaults::MAX_IN_FLIGHT,
         secret: String::new(),
+        rate_limit: None,
     }
 }
 
@@ -1427,6 +1428,25 @@ async fn handler_catalog_validates_and_round_trips(h: &dyn Harness) {
     with_secret.secret = format!("whsec_{}", "QUJD".repeat(8));
     let b = s.create_handler(with_secret.clone()).await.expect("create");
     assert_eq!(b.secret, with_secret.secret);
+    let mut limited = new_handler("limited", &["*"]);
+    limited.rate_limit = Some(RateLimit {
+        per_second: 7,
+        burst: 3,
+    });
+    let c = s.create_handler(limited).await.expect("create limited");
+    assert_eq!(
+        c.rate_limit,
+        Some(RateLimit {
+            per_second: 7,
+            burst: 3
+        })
+    );
+    assert_eq!(
+        s.get_handler(&c.id).await.expect("get limited"),
+        c,
+        "a rate limit given at registration is stored"
+    );
+    s.delete_handler(&c.id).await.expect("delete limited");
     assert_eq!(
         s.list_handlers().await.expect("list"),
         vec![a.clone(), b.clone()],
@@ -1447,6 +1467,13 @@ async fn handler_catalog_validates_and_round_trips(h: &dyn Harness) {
         NewHandler {
             secret: "whsec_short".into(),
             ..new_handler("short-secret", &["*"])
+        },
+        NewHandler {
+            rate_limit: Some(RateLimit {
+                per_second: 0,
+                burst: 1,
+            }),
+            ..new_handler("zero-rate", &["*"])
         },
     ] {
         let err = s.create_handler(bad).await.expect_err("invalid handler");

@@ -60,6 +60,8 @@ pub(super) async fn create_handler(s: &MongoStore, h: NewHandler) -> Result<Hand
             "secret": &handler.secret,
             "state": handler.state.as_str(),
             "created_at": to_micros(handler.created_at),
+            "rate_limit_per_s": rate_limit_field(handler.rate_limit.as_ref(), |r| r.per_second),
+            "rate_limit_burst": rate_limit_field(handler.rate_limit.as_ref(), |r| r.burst),
         })
         .await
         .map_err(map_err)?;
@@ -160,6 +162,13 @@ pub(super) async fn change_handler_state(
     Ok(())
 }
 
+/// One number of a rate limit as stored: `null` when there is no limit.
+fn rate_limit_field(r: Option<&RateLimit>, f: fn(&RateLimit) -> u32) -> ::mongodb::bson::Bson {
+    r.map_or(::mongodb::bson::Bson::Null, |r| {
+        ::mongodb::bson::Bson::Int64(i64::from(f(r)))
+    })
+}
+
 /// Read, merge, check, write (the last of concurrent changes wins).
 pub(super) async fn update_handler(
     s: &MongoStore,
@@ -167,13 +176,7 @@ pub(super) async fn update_handler(
     patch: &HandlerPatch,
 ) -> Result<Handler> {
     let h = get_handler(s, id).await?.patched(patch)?;
-    let rate = |f: fn(&RateLimit) -> u32| {
-        h.rate_limit
-            .as_ref()
-            .map_or(::mongodb::bson::Bson::Null, |r| {
-                ::mongodb::bson::Bson::Int64(i64::from(f(r)))
-            })
-    };
+    let rate = |f: fn(&RateLimit) -> u32| rate_limit_field(h.rate_limit.as_ref(), f);
     let r = s
         .coll(names::HANDLERS)
         .update_one(

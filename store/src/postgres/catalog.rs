@@ -24,8 +24,8 @@ pub(super) async fn create_handler(pool: &PgPool, h: NewHandler) -> Result<Handl
         from_micros(to_micros(Utc::now())),
     );
     sqlx::query(
-        "INSERT INTO handlers (id, name, url, event_types, max_attempts, timeout_ms, max_in_flight, secret, state, created_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+        "INSERT INTO handlers (id, name, url, event_types, max_attempts, timeout_ms, max_in_flight, secret, state, created_at, \
+         rate_limit_per_s, rate_limit_burst) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
     )
     .bind(&handler.id)
     .bind(&handler.name)
@@ -37,6 +37,8 @@ pub(super) async fn create_handler(pool: &PgPool, h: NewHandler) -> Result<Handl
     .bind(&handler.secret)
     .bind(handler.state.as_str())
     .bind(handler.created_at)
+    .bind(handler.rate_limit.map(|r| i32::try_from(r.per_second).unwrap_or(i32::MAX)))
+    .bind(handler.rate_limit.map(|r| i32::try_from(r.burst).unwrap_or(i32::MAX)))
     .execute(pool)
     .await
     .map_err(map_err)?;

@@ -25,8 +25,8 @@ pub(super) async fn create_handler(conn: &mut SqliteConnection, h: NewHandler) -
         from_micros(to_micros(Utc::now())),
     );
     sqlx::query(
-        "INSERT INTO handlers (id, name, url, event_types, max_attempts, timeout_ms, max_in_flight, secret, state, created_at) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+        "INSERT INTO handlers (id, name, url, event_types, max_attempts, timeout_ms, max_in_flight, secret, state, created_at, \
+         rate_limit_per_s, rate_limit_burst) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
     )
     .bind(&handler.id)
     .bind(&handler.name)
@@ -38,6 +38,8 @@ pub(super) async fn create_handler(conn: &mut SqliteConnection, h: NewHandler) -
     .bind(&handler.secret)
     .bind(handler.state.as_str())
     .bind(to_micros(handler.created_at))
+    .bind(handler.rate_limit.map(|r| i64::from(r.per_second)))
+    .bind(handler.rate_limit.map(|r| i64::from(r.burst)))
     .execute(conn)
     .await
     .map_err(map_err)?;
