@@ -3,8 +3,11 @@
 //! # Choices
 //!
 //! - **One file, several processes.** The database runs in WAL mode with
-//!   `synchronous=NORMAL` (a commit is durable against a process crash; a
-//!   power loss may lose the last commits, as WAL mode documents), a busy
+//!   `synchronous=FULL` by default: an acknowledged publish is on disk (the
+//!   WAL is synced at every commit) and survives a power loss, not only a
+//!   process crash. `?synchronous=normal` in the URL trades that for speed
+//!   (no sync at commit; a power loss may lose the last commits, a process
+//!   crash loses nothing, as SQLite's WAL documentation says). A busy
 //!   timeout ([`BUSY_TIMEOUT`]) and foreign keys off. Readers never block the
 //!   writer. Every write transaction starts with `BEGIN IMMEDIATE`, so it
 //!   takes the file's write lock up front and waits for it through the busy
@@ -92,9 +95,45 @@ pub(crate) fn map_err(e: sqlx::Error) -> StoreError {
     }
 }
 
+/// Takes lanebus's own `synchronous=full|normal` parameter (default `full`)
+/// out of a SQLite URL, leaving the rest for sqlx.
+///
+/// # Errors
+/// [`StoreError::Invalid`] for another value.
+fn split_synchronous(url: &str) -> Result<(String, SqliteSynchronous)> {
+    let Some((base, query)) = url.split_once('?') else {
+        return Ok((url.to_owned(), SqliteSynchronous::Full));
+    };
+    let mut synchronous = SqliteSynchronous::Full;
+    let mut rest = Vec::new();
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        match pair.split_once('=') {
+            Some((k, v)) if k.eq_ignore_ascii_case("synchronous") => {
+                synchronous = match v.to_ascii_lowercase().as_str() {
+                    "full" => SqliteSynchronous::Full,
+                    "normal" => SqliteSynchronous::Normal,
+                    _ => {
+                        return Err(StoreError::Invalid(format!(
+                            "sqlite url {url:?}: synchronous must be full or normal, not {v:?}"
+                        )))
+                    }
+                };
+            }
+            _ => rest.push(pair),
+        }
+    }
+    let sqlx_url = if rest.is_empty() {
+        base.to_owned()
+    } else {
+        format!("{base}?{}", rest.join("&"))
+    };
+    Ok((sqlx_url, synchronous))
+}
+
 impl SqliteStore {
     /// Opens (creating if missing) the database at `url` (`sqlite://PATH` or
-    /// `sqlite:PATH`), applies migrations and, for a new file, creates
+    /// `sqlite:PATH`, optionally `?synchronous=normal`: see the module
+    /// documentation), applies migrations and, for a new file, creates
     /// [`DEFAULT_LANES`] lanes. `sqlite::memory:` gives a private in-memory
     /// store on a single connection (tests only: operations queue on it, and a
     /// caller holding a [`SqliteStore::publish_in`] transaction blocks the rest).
@@ -118,11 +157,12 @@ impl SqliteStore {
                 "a store needs at least one lane".into(),
             ));
         }
-        let options = SqliteConnectOptions::from_str(url)
+        let (sqlx_url, synchronous) = split_synchronous(url)?;
+        let options = SqliteConnectOptions::from_str(&sqlx_url)
             .map_err(|e| StoreError::Invalid(format!("sqlite url {url:?}: {e}")))?
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(SqliteSynchronous::Normal)
+            .synchronous(synchronous)
             .busy_timeout(BUSY_TIMEOUT)
             .foreign_keys(false);
         // An in-memory database lives as long as its one connection: keep
@@ -504,5 +544,33 @@ impl Store for SqliteStore {
 
     async fn wakeups(&self) -> Result<Wakeups> {
         Ok(Wakeups::Poll)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn synchronous_is_full_unless_the_url_says_normal() {
+        let full = |u: &str| split_synchronous(u).map(|(u, s)| (u, format!("{s:?}")));
+        assert_eq!(
+            full("sqlite://a.db").expect("plain"),
+            ("sqlite://a.db".into(), "Full".into())
+        );
+        assert_eq!(
+            full("sqlite://a.db?synchronous=normal").expect("normal"),
+            ("sqlite://a.db".into(), "Normal".into())
+        );
+        assert_eq!(
+            full("sqlite://a.db?mode=rwc&synchronous=FULL").expect("kept"),
+            ("sqlite://a.db?mode=rwc".into(), "Full".into()),
+            "other parameters go on to sqlx"
+        );
+        let err = split_synchronous("sqlite://a.db?synchronous=off").expect_err("off");
+        assert!(
+            matches!(&err, StoreError::Invalid(m) if m.contains("full or normal")),
+            "{err:?}"
+        );
     }
 }
