@@ -15,10 +15,11 @@
 //! arrive in sequence order. Completed events are kept for the node's
 //! retention period (`--retention-secs`, default 24 h): a `since` older than
 //! that is refused with `422 invalid_input` naming the earliest time that
-//! can be asked for, rather than answered with a silent part. Completions in
-//! the window whose event was pruned all the same (an event published more
-//! than the retention period before its delivery completed, for instance
-//! after long retries or a far `deliver_at`) are counted as `pruned`.
+//! can be asked for, rather than answered with a silent part. Retention
+//! counts from an event's last completion, so an event delivered long after
+//! its publish is still there; completions in the window whose event is gone
+//! all the same (completed before the store kept late completions, i.e. before
+//! schema version 4) are counted as `pruned`.
 
 use axum::extract::State;
 use chrono::{DateTime, SecondsFormat, Utc};

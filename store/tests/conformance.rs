@@ -44,6 +44,10 @@ trait Harness: Send + Sync {
         batches: Vec<Vec<NewEvent>>,
         commit: bool,
     ) -> Result<Vec<PublishOutcome>>;
+    /// Moves every stored event's publish time, completion's completion time
+    /// and delivery's due time `by` into the past (tests of retention, which
+    /// counts in hours).
+    async fn age(&self, by: chrono::TimeDelta);
     /// Removes what the harness created.
     async fn cleanup(&self);
 }
@@ -95,6 +99,20 @@ impl Harness for SqliteHarness {
             tx.rollback().await?;
         }
         Ok(out)
+    }
+    async fn age(&self, by: chrono::TimeDelta) {
+        let us = by.num_microseconds().expect("age in µs");
+        for sql in [
+            "UPDATE events SET published_at = published_at - ?1",
+            "UPDATE completions SET completed_at = completed_at - ?1",
+            "UPDATE deliveries SET due_at = due_at - ?1",
+        ] {
+            sqlx::query(sql)
+                .bind(us)
+                .execute(self.store.pool())
+                .await
+                .expect("age sqlite rows");
+        }
     }
     async fn cleanup(&self) {
         self.store.pool().close().await;
@@ -187,6 +205,20 @@ impl Harness for PgHarness {
         }
         Ok(out)
     }
+    async fn age(&self, by: chrono::TimeDelta) {
+        let us = by.num_microseconds().expect("age in µs");
+        for sql in [
+            "UPDATE events SET published_at = published_at - make_interval(secs => $1 / 1e6)",
+            "UPDATE completions SET completed_at = completed_at - make_interval(secs => $1 / 1e6)",
+            "UPDATE deliveries SET due_at = due_at - make_interval(secs => $1 / 1e6)",
+        ] {
+            sqlx::query(sql)
+                .bind(us)
+                .execute(self.store.pool())
+                .await
+                .expect("age postgres rows");
+        }
+    }
     async fn cleanup(&self) {
         use sqlx::Connection as _;
         self.store.pool().close().await;
@@ -273,6 +305,21 @@ impl Harness for MongoHarness {
         .map_err(|e| StoreError::Database(e.to_string()))?;
         Ok(out)
     }
+    async fn age(&self, by: chrono::TimeDelta) {
+        use ::mongodb::bson::doc;
+        let us = by.num_microseconds().expect("age in µs");
+        let db = self.store.database();
+        for (coll, field) in [
+            ("events", "published_at"),
+            ("completions", "completed_at"),
+            ("deliveries", "due_at"),
+        ] {
+            db.collection::<::mongodb::bson::Document>(coll)
+                .update_many(doc! {}, doc! { "$inc": { field: -us } })
+                .await
+                .expect("age mongodb documents");
+        }
+    }
     async fn cleanup(&self) {
         let _ = self.store.database().drop().await;
     }
@@ -341,6 +388,7 @@ conformance!(
     dead_letters_are_replayed_by_time_range_in_key_order,
     recover_puts_completed_events_back_as_replays,
     prune_removes_old_completed_events_and_keeps_pending_and_dead,
+    retention_counts_from_the_last_completion,
 );
 
 // ---------------------------------------------------------------------------
@@ -2949,6 +2997,83 @@ async fn recover_puts_completed_events_back_as_replays(h: &dyn Harness) {
     assert!(matches!(err, StoreError::NotFound(_)), "{err}");
 }
 
+/// An event completed long after its publish (a disabled handler, retries,
+/// `deliver_at`) is kept for the retention period after that completion,
+/// so a recovery since then finds it.
+async fn retention_counts_from_the_last_completion(h: &dyn Harness) {
+    let s = h.store();
+    let a = handler(&*s, "a", &["*"]).await;
+    s.publish(vec![
+        ev(Some("prompt"), "t.x", Some("k")),
+        ev(Some("late"), "t.x", Some("k2")),
+        ev(Some("retried"), "t.x", Some("k3")),
+    ])
+    .await
+    .expect("publish");
+    let ds = claim_all(&*s).await;
+    let by = |id: &str| ds.iter().find(|d| d.event_id == id).expect("claimed");
+    s.complete(&[dref(by("prompt"), 0, 1)])
+        .await
+        .expect("complete prompt");
+    // Two hours pass; "late" is still pending; then it completes. "retried"
+    // failed and is due again now (its due time is no longer its publish
+    // time); then it completes.
+    h.age(chrono::TimeDelta::hours(2)).await;
+    let r = Reschedule {
+        id: by("retried").id,
+        lane: by("retried").lane,
+        epoch: 0,
+        attempts: 5,
+        due_at: Utc::now(),
+        last_error: "HTTP 500".into(),
+    };
+    assert_eq!(s.reschedule(&[r]).await.expect("reschedule").len(), 1);
+    s.complete(&[dref(by("late"), 0, 1), dref(by("retried"), 0, 6)])
+        .await
+        .expect("complete late");
+
+    // A one-hour retention: "prompt" (published and completed two hours
+    // ago) goes; "late" and "retried" (published two hours ago, completed
+    // now) stay.
+    let cutoff = Utc::now() - chrono::TimeDelta::hours(1);
+    assert_eq!(
+        s.prune(cutoff, 100).await.expect("prune"),
+        Pruned {
+            completions: 1,
+            events: 1
+        }
+    );
+    assert_eq!(
+        counts(&*s).await.events,
+        2,
+        "the late-completed events are kept"
+    );
+    let out = s.recover(&a.id, cutoff).await.expect("recover");
+    assert_eq!(
+        out,
+        RecoverOutcome {
+            recovered: 2,
+            already_pending: 0,
+            pruned: 0
+        },
+        "a recovery since the cutoff finds the late-completed events"
+    );
+    let back = claim_all(&*s).await;
+    let mut ids: Vec<(&str, bool)> = back
+        .iter()
+        .map(|d| (d.event_id.as_str(), d.replay))
+        .collect();
+    ids.sort();
+    assert_eq!(ids, vec![("late", true), ("retried", true)]);
+    let refs: Vec<DeliveryRef> = back.iter().map(|d| dref(d, 0, 1)).collect();
+    assert_eq!(s.complete(&refs).await.expect("complete replays").len(), 2);
+    // Past their last completion's retention too, they go.
+    let later = Utc::now() + chrono::TimeDelta::minutes(5);
+    let gone = s.prune(later, 100).await.expect("prune");
+    assert_eq!(gone.events, 2, "{gone:?}");
+    assert_eq!(counts(&*s).await.events, 0);
+}
+
 async fn prune_removes_old_completed_events_and_keeps_pending_and_dead(h: &dyn Harness) {
     let s = h.store();
     let a = handler(&*s, "a", &["*"]).await;
@@ -2975,8 +3100,10 @@ async fn prune_removes_old_completed_events_and_keeps_pending_and_dead(h: &dyn H
     let past = Utc::now() - chrono::TimeDelta::hours(1);
     assert_eq!(s.prune(past, 100).await.expect("prune"), Pruned::default());
 
-    // Everything published until a second from now is "old": batches of 2.
-    let cutoff = Utc::now() + chrono::TimeDelta::seconds(1);
+    // Everything published until five minutes from now is "old" (an event
+    // is kept two minutes past the cutoff; see the late-completion test):
+    // batches of 2.
+    let cutoff = Utc::now() + chrono::TimeDelta::minutes(5);
     let first = s.prune(cutoff, 2).await.expect("prune");
     assert_eq!(
         first,
@@ -3029,7 +3156,7 @@ async fn prune_removes_old_completed_events_and_keeps_pending_and_dead(h: &dyn H
     let all = claim_all(&*s).await;
     let refs: Vec<DeliveryRef> = all.iter().map(|d| dref(d, 0, 1)).collect();
     assert_eq!(s.complete(&refs).await.expect("complete").len(), 2);
-    let cutoff = Utc::now() + chrono::TimeDelta::seconds(1);
+    let cutoff = Utc::now() + chrono::TimeDelta::minutes(5);
     assert_eq!(
         s.prune(cutoff, 100).await.expect("prune"),
         Pruned {

@@ -653,8 +653,9 @@ pub(super) async fn recover(
 
 /// One retention batch (see `Store::prune`), in the caller's transaction:
 /// completions through the `completed_at` index, then events through the
-/// `published_at` index, keeping those with a pending delivery or a dead
-/// letter.
+/// `published_at` index, keeping those with a pending delivery, a dead
+/// letter or a completion at or after the cutoff (retention counts from an
+/// event's last completion, not its publish).
 pub(super) async fn prune(
     s: &MongoStore,
     session: &mut ClientSession,
@@ -721,6 +722,9 @@ pub(super) async fn prune(
             let filter = doc! { "event_id": { "$in": &candidates } };
             held.extend(strings_in(s, session, coll, filter, "event_id").await?);
         }
+        let recent =
+            doc! { "event_id": { "$in": &candidates }, "completed_at": { "$gte": before } };
+        held.extend(strings_in(s, session, names::COMPLETIONS, recent, "event_id").await?);
         let short = (candidates.len() as i64) < want;
         for id in candidates {
             if held.contains(&id) {

@@ -535,7 +535,12 @@ impl MongoStore {
             .await
             .map_err(map_err)?;
         self.coll(names::COMPLETIONS)
-            .create_index(index(doc! { "completed_at": 1 }, "retention", false))
+            .create_indexes([
+                index(doc! { "completed_at": 1 }, "retention", false),
+                // Retention keeps an event completed at or after the cutoff
+                // (a recovery needs it), however long ago it was published.
+                index(doc! { "event_id": 1, "completed_at": 1 }, "by_event", false),
+            ])
             .await
             .map_err(map_err)?;
         // Retention: events by publish time; dead letters by event id (an

@@ -102,9 +102,16 @@
 //!   the dispatch path writes nothing more.
 //! - **Retention** (`sql/prune.sql`): one statement per batch deletes up to
 //!   n completions completed before the cutoff and up to n events published
-//!   before it that have no pending delivery (looked up through the claim
-//!   index, by lane) and no dead letter (`dead_letters (event_id)`, a b-tree
-//!   on a rare table). Rows are picked through BRIN indexes (`completed_at`,
+//!   two minutes or more before it that have no pending delivery (looked up
+//!   through the claim index, by lane), no dead letter (`dead_letters
+//!   (event_id)`, a b-tree on a rare table) and no late completion at or
+//!   after the cutoff. Retention counts from an event's last completion, not
+//!   its publish: a completion more than a minute ([`LATE_COMPLETION`])
+//!   after the publish (a backlog, a disabled handler, retries,
+//!   `deliver_at`, a replay) also appends a `late_completions` row in the
+//!   completion statement. It is told from the delivery row alone (due more
+//!   than a minute ago, `held` or `replay`), so a prompt completion, nearly
+//!   all of them, reads and writes nothing more. Rows are picked through BRIN indexes (`completed_at`,
 //!   `published_at`: heap order is time order for these append-only
 //!   tables; a BRIN index costs no WAL per insert, unlike a b-tree) and
 //!   deleted by ctid. Only the deleted rows are locked: claims read pending
@@ -147,11 +154,18 @@ pub const CHANNEL: &str = "lanebus";
 /// Advisory lock key serializing migrations (`lanebus` in ASCII).
 const MIGRATION_LOCK: i64 = 0x006c_616e_6562_7573;
 
+/// A completion later than this after its event's publish is recorded in
+/// `late_completions` (the interval literal of `sql/complete.sql`; the
+/// SQLite backend's `sql/late_insert.sql` uses the same). Retention keeps
+/// events twice as long past the cutoff (`sql/prune.sql`), for clock reads.
+pub const LATE_COMPLETION: Duration = Duration::from_secs(60);
+
 /// Schema migrations, applied in order; version `i + 1` is `MIGRATIONS[i]`.
 const MIGRATIONS: &[&str] = &[
     include_str!("../../migrations/postgres/0001_init.sql"),
     include_str!("../../migrations/postgres/0002_handler_controls.sql"),
     include_str!("../../migrations/postgres/0003_retention.sql"),
+    include_str!("../../migrations/postgres/0004_late_completions.sql"),
 ];
 
 /// The PostgreSQL store. Cheap to clone: clones share the pool.

@@ -145,12 +145,18 @@ pub(super) async fn complete(
         .map(|r| (r.id, r.lane, r.epoch, r.attempts))
         .collect();
     let refs = json(&refs)?;
-    sqlx::query(include_str!("sql/complete_insert.sql"))
-        .bind(&refs)
-        .bind(to_micros(Utc::now()))
-        .execute(&mut *conn)
-        .await
-        .map_err(map_err)?;
+    let now = to_micros(Utc::now());
+    for sql in [
+        include_str!("sql/complete_insert.sql"),
+        include_str!("sql/late_insert.sql"),
+    ] {
+        sqlx::query(sql)
+            .bind(&refs)
+            .bind(now)
+            .execute(&mut *conn)
+            .await
+            .map_err(map_err)?;
+    }
     delete_fenced(conn, &refs).await
 }
 
@@ -308,6 +314,15 @@ pub(super) async fn prune(
     .await
     .map_err(map_err)?
     .rows_affected();
+    sqlx::query(
+        "DELETE FROM late_completions WHERE rowid IN \
+         (SELECT rowid FROM late_completions WHERE completed_at < ?1 ORDER BY rowid LIMIT ?2)",
+    )
+    .bind(before)
+    .bind(i64::from(limit))
+    .execute(&mut *conn)
+    .await
+    .map_err(map_err)?;
     let events = sqlx::query(include_str!("sql/prune_events.sql"))
         .bind(before)
         .bind(i64::from(limit))

@@ -64,6 +64,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../migrations/sqlite/0001_init.sql"),
     include_str!("../../migrations/sqlite/0002_handler_controls.sql"),
     include_str!("../../migrations/sqlite/0003_retention.sql"),
+    include_str!("../../migrations/sqlite/0004_late_completions.sql"),
 ];
 
 /// The SQLite store. Cheap to clone: clones share the pool.

@@ -1,5 +1,11 @@
 -- Bulk completion, one statement: delete the fenced deliveries and append a
--- completion row for each.
+-- completion row for each; a completion more than a minute after its event's
+-- publish also appends a late_completions row (rare), so that retention
+-- keeps the event for the retention period after this completion (the
+-- minute is LATE_COMPLETION in postgres/mod.rs; prune.sql relies on it).
+-- Late is told from the delivery row: due more than a minute ago (its due
+-- time is its event's publish time unless held), held (deliver_at, a
+-- reschedule, a dead-letter replay) or a recovery's replay.
 --   $1 ids bigint[], $2 lanes int[], $3 epochs bigint[], $4 attempts int[]
 -- The lane rows are locked FOR SHARE at the claimed epoch, so a fence (an
 -- UPDATE of the lane row) either waits for this statement's transaction or,
@@ -20,10 +26,15 @@ del AS (
     DELETE FROM deliveries d
     USING x, fenced f
     WHERE d.id = x.id AND d.lane = x.lane AND f.lane = x.lane AND f.epoch = x.epoch
-    RETURNING d.id, d.event_id, d.handler_id, x.attempts
+    RETURNING d.id, d.event_id, d.handler_id, x.attempts, d.due_at, d.held, d.replay
 ),
 ins AS (
     INSERT INTO completions (event_id, handler_id, attempts)
     SELECT event_id, handler_id, attempts FROM del
+),
+late AS (
+    INSERT INTO late_completions (event_id)
+    SELECT event_id FROM del
+    WHERE due_at < now() - interval '1 minute' OR held OR replay
 )
 SELECT id FROM del ORDER BY id

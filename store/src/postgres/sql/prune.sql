@@ -1,6 +1,9 @@
--- One retention batch, one statement: at most $2 completions completed
--- before $1, and at most $2 events published before $1 that have no pending
--- delivery and no dead letter. Rows are picked through the BRIN indexes
+-- One retention batch, one statement: at most $2 completions (and late
+-- completions) completed before $1, and at most $2 events published two
+-- minutes or more before $1 that have no pending delivery, no dead letter and
+-- no late completion at or after $1. So every completion of a pruned event
+-- lies before $1: one within a minute of its publish is before $1, a later
+-- one is a late completion (complete.sql). Rows are picked through the BRIN indexes
 -- (heap order = time order for these append-only tables) and deleted by
 -- ctid; only the deleted rows are locked, and no dispatch statement touches
 -- them (claims read pending deliveries' events only, completions append).
@@ -15,10 +18,17 @@ WITH oc AS (
 dc AS (
     DELETE FROM completions WHERE ctid = ANY (ARRAY(SELECT ctid FROM oc)) RETURNING 1
 ),
+ol AS (
+    SELECT ctid FROM late_completions WHERE completed_at < $1 LIMIT $2
+),
+dl AS (
+    DELETE FROM late_completions WHERE ctid = ANY (ARRAY(SELECT ctid FROM ol))
+),
 oe AS (
     SELECT e.ctid FROM events e
-    WHERE e.published_at < $1
+    WHERE e.published_at < $1 - interval '2 minutes'
       AND NOT EXISTS (SELECT 1 FROM deliveries d WHERE d.lane = e.lane AND d.event_id = e.id)
+      AND NOT EXISTS (SELECT 1 FROM late_completions l WHERE l.event_id = e.id AND l.completed_at >= $1)
       AND NOT EXISTS (SELECT 1 FROM dead_letters x WHERE x.event_id = e.id)
     LIMIT $2
 ),

@@ -47,11 +47,11 @@ dl AS (
     -- here so handlers registered by other nodes count without a cache.
     -- Inserted in sequence order so a key's delivery ids follow its
     -- sequence numbers. A delayed event's deliveries are due at its
-    -- deliver_at; the lane owner keeps a keyed one at the head of its key
-    -- until then.
-    INSERT INTO deliveries (xid, lane, handler_id, event_id, key, seq, due_at)
+    -- deliver_at (and held: see complete.sql); the lane owner keeps a keyed
+    -- one at the head of its key until then.
+    INSERT INTO deliveries (xid, lane, handler_id, event_id, key, seq, due_at, held)
     SELECT coalesce(ks.xid, pg_current_xact_id()::text::bigint), ev.lane, h.id, ev.id, ev.key, ev.seq,
-           coalesce(i.deliver_at, now())
+           coalesce(i.deliver_at, now()), CASE WHEN i.deliver_at IS NOT NULL THEN true END
     FROM ev
     JOIN input i ON i.id = ev.id
     LEFT JOIN ks ON ks.key = ev.key

@@ -17,8 +17,8 @@ WITH dl AS (
     RETURNING id, handler_id, event_id, lane, key, seq
 ),
 ins AS (
-    INSERT INTO deliveries (lane, handler_id, event_id, key, seq)
-    SELECT lane, handler_id, event_id, key, seq FROM dl ORDER BY lane, key, seq, id
+    INSERT INTO deliveries (lane, handler_id, event_id, key, seq, held)
+    SELECT lane, handler_id, event_id, key, seq, true FROM dl ORDER BY lane, key, seq, id
     RETURNING 1
 )
 SELECT (SELECT count(*) FROM ins) AS replayed,

@@ -1,4 +1,6 @@
--- Bulk reschedule of fenced deliveries (a HOT update: no indexed column changes).
+-- Bulk reschedule of fenced deliveries (a HOT update: no indexed column
+-- changes). held: its due time is no longer its event's publish time (see
+-- complete.sql).
 --   $1 ids bigint[], $2 lanes int[], $3 epochs bigint[], $4 attempts int[],
 --   $5 due_at timestamptz[], $6 last_error text[]
 -- The lane rows are locked FOR SHARE at the claimed epoch, so a fence (an
@@ -18,7 +20,7 @@ fenced AS MATERIALIZED (
     FOR SHARE OF l
 )
 UPDATE deliveries d
-SET attempts = x.attempts, due_at = x.due_at, last_error = x.last_error
+SET attempts = x.attempts, due_at = x.due_at, last_error = x.last_error, held = true
 FROM x, fenced f
 WHERE d.id = x.id AND d.lane = x.lane AND f.lane = x.lane AND f.epoch = x.epoch
 RETURNING d.id

@@ -5,8 +5,9 @@
 -- seen without a cache: exact type, or a pattern ending in '*' whose prefix
 -- starts the type. ?1: JSON array of [event id, deliver_at (µs) or null]
 -- for the new events in batch order; ?2: due_at (µs) of those without.
-INSERT INTO deliveries (lane, handler_id, event_id, key, seq, attempts, due_at)
-SELECT e.lane, h.id, e.id, e.key, e.seq, 0, coalesce(json_extract(b.value, '$[1]'), ?2)
+INSERT INTO deliveries (lane, handler_id, event_id, key, seq, attempts, due_at, held)
+SELECT e.lane, h.id, e.id, e.key, e.seq, 0, coalesce(json_extract(b.value, '$[1]'), ?2),
+       CASE WHEN json_extract(b.value, '$[1]') IS NOT NULL THEN 1 END
 FROM json_each(?1) AS b
 JOIN events e ON e.id = json_extract(b.value, '$[0]')
 JOIN handlers h ON EXISTS (

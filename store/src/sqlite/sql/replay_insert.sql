@@ -4,8 +4,8 @@
 -- after, failed before (µs, NULL: any time). Dead letters of a deleted
 -- handler are not replayed. Inserted in (lane, key, seq) order: the cursor
 -- is the delivery id, so a key's replays are claimed in sequence order.
-INSERT INTO deliveries (lane, handler_id, event_id, key, seq, attempts, due_at)
-SELECT lane, handler_id, event_id, key, seq, 0, ?3
+INSERT INTO deliveries (lane, handler_id, event_id, key, seq, attempts, due_at, held)
+SELECT lane, handler_id, event_id, key, seq, 0, ?3, 1
 FROM dead_letters
 WHERE (?1 IS NULL OR id IN (SELECT value FROM json_each(?1)))
   AND (?2 IS NULL OR handler_id = ?2)

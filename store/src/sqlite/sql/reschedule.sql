@@ -6,7 +6,7 @@ WITH x (id, lane, epoch, attempts, due_at, last_error) AS (
     FROM json_each(?1)
 )
 UPDATE deliveries
-SET attempts = x.attempts, due_at = x.due_at, last_error = x.last_error
+SET attempts = x.attempts, due_at = x.due_at, last_error = x.last_error, held = 1
 FROM x JOIN lanes l ON l.lane = x.lane AND l.epoch = x.epoch
 WHERE deliveries.id = x.id AND deliveries.lane = x.lane
 RETURNING deliveries.id
