@@ -304,25 +304,24 @@ pub(super) async fn prune(
     limit: u32,
 ) -> Result<Pruned> {
     let before = to_micros(before);
-    let completions = sqlx::query(
-        "DELETE FROM completions WHERE rowid IN \
-         (SELECT rowid FROM completions WHERE completed_at < ?1 ORDER BY rowid LIMIT ?2)",
-    )
-    .bind(before)
-    .bind(i64::from(limit))
-    .execute(&mut *conn)
-    .await
-    .map_err(map_err)?
-    .rows_affected();
-    sqlx::query(
-        "DELETE FROM late_completions WHERE rowid IN \
-         (SELECT rowid FROM late_completions WHERE completed_at < ?1 ORDER BY rowid LIMIT ?2)",
-    )
-    .bind(before)
-    .bind(i64::from(limit))
-    .execute(&mut *conn)
-    .await
-    .map_err(map_err)?;
+    // Oldest first (rowid order is completion order for these append-only
+    // tables); only completions are counted.
+    let mut completions = 0;
+    for table in ["completions", "late_completions"] {
+        let removed = sqlx::query(&format!(
+            "DELETE FROM {table} WHERE rowid IN \
+             (SELECT rowid FROM {table} WHERE completed_at < ?1 ORDER BY rowid LIMIT ?2)"
+        ))
+        .bind(before)
+        .bind(i64::from(limit))
+        .execute(&mut *conn)
+        .await
+        .map_err(map_err)?
+        .rows_affected();
+        if table == "completions" {
+            completions = removed;
+        }
+    }
     let events = sqlx::query(include_str!("sql/prune_events.sql"))
         .bind(before)
         .bind(i64::from(limit))
