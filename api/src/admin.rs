@@ -36,7 +36,7 @@ use utoipa::{IntoParams, ToSchema};
 
 use crate::error::{ApiError, ErrorCode};
 use crate::extract::{Json, Path, Query};
-use crate::handlers::{check_handler_id, not_found, HandlerStateView};
+use crate::handlers::{check_handler_id, not_found, HandlerStateView, RateLimitView};
 use crate::{ApiState, ClusterChangeError, ClusterView, JoinRequest, LaneView, RemoveRequest};
 
 /// Default page size of `GET /admin/dead-letters`.
@@ -425,6 +425,14 @@ pub(crate) struct HandlerSummary {
     event_types: Vec<String>,
     /// Enabled or disabled.
     state: HandlerStateView,
+    /// Why `state` last changed: `gone`, `failing`, `api`; `null` if never.
+    state_reason: Option<String>,
+    /// Start of the current run of failed attempts without a success (RFC
+    /// 3339), `null` when the last outcome was a success.
+    #[schema(value_type = Option<String>, format = DateTime)]
+    failing_since: Option<DateTime<Utc>>,
+    /// Requests per second per node and burst, `null` when unlimited.
+    rate_limit: Option<RateLimitView>,
     /// Dead letters of this handler (a lower bound when
     /// `dead_letters_exact` is `false`).
     dead_letters: u64,
@@ -481,6 +489,9 @@ pub(crate) async fn handler_summaries(
                 url: h.url,
                 event_types: h.event_types,
                 state: h.state.into(),
+                state_reason: h.state_reason,
+                failing_since: h.failing_since,
+                rate_limit: h.rate_limit.map(Into::into),
             })
             .collect(),
         dead_letters_exact: exact,

@@ -216,7 +216,8 @@ async fn handler_summaries_count_dead_letters_without_secrets(app: TestApp) {
     assert_eq!(
         handlers[0],
         json!({"id": failing, "name": "failing", "url": "http://127.0.0.1:9/hook",
-               "event_types": ["dl.*"], "state": "enabled", "dead_letters": 3})
+               "event_types": ["dl.*"], "state": "enabled", "state_reason": null,
+               "failing_since": null, "rate_limit": null, "dead_letters": 3})
     );
     assert_eq!(handlers[1]["dead_letters"], 0);
     assert!(handlers.iter().all(|h| h.get("secret").is_none()));

@@ -270,6 +270,15 @@
     }
   }
 
+  // "disabled (gone)", "enabled, failing since 12:00:00", "enabled, 5/s".
+  function handlerState(x) {
+    let s = x.state;
+    if (x.state === "disabled" && x.state_reason) s += ` (${x.state_reason})`;
+    if (x.failing_since) s += `, failing since ${new Date(x.failing_since).toLocaleTimeString()}`;
+    if (x.rate_limit) s += `, ${x.rate_limit.per_second}/s`;
+    return s;
+  }
+
   function renderHandlers(h) {
     const body = $("handlers").tBodies[0];
     body.replaceChildren();
@@ -284,7 +293,7 @@
       tr.append(
         el("th", x.name, { scope: "row" }),
         el("td", x.id, { class: "mono" }),
-        el("td", x.state, { class: x.state === "enabled" ? "" : "disabled" }),
+        el("td", handlerState(x), { class: x.state === "enabled" ? "" : "disabled" }),
         el("td", x.event_types.join(", "), { class: "mono" }),
         dl,
       );

@@ -476,8 +476,8 @@ fn cluster_table(body: &Value) -> String {
 fn handlers_table(body: &Value) -> String {
     let exact = body["dead_letters_exact"] != false;
     let mut out = format!(
-        "{:<36} {:<16} {:<9} {:>12} {:<24} {}\n",
-        "ID", "NAME", "STATE", "DEAD_LETTERS", "EVENT_TYPES", "URL"
+        "{:<36} {:<16} {:<18} {:<10} {:>12} {:<24} {}\n",
+        "ID", "NAME", "STATE", "RATE", "DEAD_LETTERS", "EVENT_TYPES", "URL"
     );
     for h in body["handlers"].as_array().into_iter().flatten() {
         let types: Vec<&str> = h["event_types"]
@@ -491,12 +491,25 @@ fn handlers_table(body: &Value) -> String {
             if exact { "" } else { ">=" },
             text(&h["dead_letters"])
         );
+        // "disabled (gone)"; "enabled, failing" while attempts fail.
+        let state = match (&h["state_reason"], &h["failing_since"]) {
+            (r, _) if h["state"] == "disabled" && r.is_string() => {
+                format!("disabled ({})", text(r))
+            }
+            (_, f) if f.is_string() => format!("{}, failing", text(&h["state"])),
+            _ => text(&h["state"]),
+        };
+        let rate = match h["rate_limit"]["per_second"].as_u64() {
+            Some(n) => format!("{n}/s"),
+            None => "-".into(),
+        };
         let _ = writeln!(
             out,
-            "{:<36} {:<16} {:<9} {:>12} {:<24} {}",
+            "{:<36} {:<16} {:<18} {:<10} {:>12} {:<24} {}",
             text(&h["id"]),
             text(&h["name"]),
-            text(&h["state"]),
+            state,
+            rate,
             dead,
             types.join(","),
             text(&h["url"])
@@ -582,9 +595,29 @@ mod tests {
         assert!(t.lines().nth(2).unwrap().contains("leader"), "{t}");
         assert!(t.lines().nth(3).unwrap().contains(" NO "), "{t}");
         let h = serde_json::json!({"dead_letters_exact": false, "handlers": [
-            {"id": "hdl_1", "name": "a", "url": "http://x", "event_types": ["a.*", "b"], "state": "enabled", "dead_letters": 3}]});
+            {"id": "hdl_1", "name": "a", "url": "http://x", "event_types": ["a.*", "b"], "state": "enabled",
+             "state_reason": null, "failing_since": null, "rate_limit": null, "dead_letters": 3},
+            {"id": "hdl_2", "name": "b", "url": "http://y", "event_types": ["*"], "state": "disabled",
+             "state_reason": "gone", "failing_since": null, "rate_limit": {"per_second": 5, "burst": 5}, "dead_letters": 0},
+            {"id": "hdl_3", "name": "c", "url": "http://z", "event_types": ["*"], "state": "enabled",
+             "state_reason": null, "failing_since": "2026-01-01T00:00:00Z", "rate_limit": null, "dead_letters": 0}]});
         let t = handlers_table(&h);
         assert!(t.contains(">=3") && t.contains("a.*,b"), "{t}");
+        let row = |id: &str| {
+            t.lines()
+                .find(|l| l.starts_with(id))
+                .expect("row")
+                .to_owned()
+        };
+        assert!(
+            row("hdl_1 ").contains(" enabled ") && row("hdl_1 ").contains(" - "),
+            "{t}"
+        );
+        assert!(
+            row("hdl_2 ").contains("disabled (gone)") && row("hdl_2 ").contains(" 5/s "),
+            "{t}"
+        );
+        assert!(row("hdl_3 ").contains("enabled, failing"), "{t}");
         let d = serde_json::json!({"next_after": 9, "dead_letters": [
             {"id": 9, "handler_id": "hdl_1", "event_id": "e", "event_type": "t", "key": null, "seq": null,
              "attempts": 2, "last_error": "HTTP 500\nbody", "failed_at": "2026-01-01T00:00:00Z"}]});
