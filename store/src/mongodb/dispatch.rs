@@ -250,6 +250,27 @@ async fn fenced_deliveries(
     Ok(out)
 }
 
+/// The first step of every fenced write (complete, discard, reschedule,
+/// dead letter): the pending delivery documents of `items` (the first item
+/// of each id) whose lane is fenced to the caller, read and deleted in the
+/// caller's transaction, by id; and the items by id. Empty when none is.
+async fn take_fenced<'a, T>(
+    s: &MongoStore,
+    session: &mut ClientSession,
+    items: &'a [T],
+    key: impl Fn(&T) -> (i64, Lane, Epoch),
+) -> TxnResult<(HashMap<i64, &'a T>, BTreeMap<i64, Document>)> {
+    let items = first_by_id(items, |i| key(i).0);
+    let keys: Vec<(i64, Lane, Epoch)> = items.iter().map(|i| key(i)).collect();
+    let found = fenced_deliveries(s, session, &keys).await?;
+    if !found.is_empty() {
+        let ids: Vec<i64> = found.keys().copied().collect();
+        delete_deliveries(s, session, &ids).await?;
+    }
+    let by_id = items.into_iter().map(|i| (key(i).0, i)).collect();
+    Ok((by_id, found))
+}
+
 async fn delete_deliveries(
     s: &MongoStore,
     session: &mut ClientSession,
@@ -276,15 +297,11 @@ pub(super) async fn complete(
     session: &mut ClientSession,
     done: &[DeliveryRef],
 ) -> TxnResult<Vec<i64>> {
-    let refs: Vec<&DeliveryRef> = first_by_id(done, |r| r.id);
-    let keys: Vec<(i64, Lane, Epoch)> = refs.iter().map(|r| (r.id, r.lane, r.epoch)).collect();
-    let found = fenced_deliveries(s, session, &keys).await?;
+    let (by_id, found) = take_fenced(s, session, done, |r| (r.id, r.lane, r.epoch)).await?;
     if found.is_empty() {
         return Ok(Vec::new());
     }
     let ids: Vec<i64> = found.keys().copied().collect();
-    delete_deliveries(s, session, &ids).await?;
-    let attempts: HashMap<i64, u32> = refs.iter().map(|r| (r.id, r.attempts)).collect();
     let now = to_micros(Utc::now());
     let records: Vec<Document> = found
         .iter()
@@ -292,7 +309,7 @@ pub(super) async fn complete(
             Ok(doc! {
                 "event_id": get_string(d, "event_id")?,
                 "handler_id": get_string(d, "handler_id")?,
-                "attempts": i64::from(attempts[id]),
+                "attempts": i64::from(by_id[id].attempts),
                 "completed_at": now,
             })
         })
@@ -310,15 +327,8 @@ pub(super) async fn discard(
     session: &mut ClientSession,
     refs: &[DeliveryRef],
 ) -> TxnResult<Vec<i64>> {
-    let refs: Vec<&DeliveryRef> = first_by_id(refs, |r| r.id);
-    let keys: Vec<(i64, Lane, Epoch)> = refs.iter().map(|r| (r.id, r.lane, r.epoch)).collect();
-    let found = fenced_deliveries(s, session, &keys).await?;
-    if found.is_empty() {
-        return Ok(Vec::new());
-    }
-    let ids: Vec<i64> = found.keys().copied().collect();
-    delete_deliveries(s, session, &ids).await?;
-    Ok(ids)
+    let (_, found) = take_fenced(s, session, refs, |r| (r.id, r.lane, r.epoch)).await?;
+    Ok(found.into_keys().collect())
 }
 
 pub(super) async fn reschedule(
@@ -326,18 +336,14 @@ pub(super) async fn reschedule(
     session: &mut ClientSession,
     items: &[Reschedule],
 ) -> TxnResult<Vec<i64>> {
-    let items: Vec<&Reschedule> = first_by_id(items, |r| r.id);
-    let keys: Vec<(i64, Lane, Epoch)> = items.iter().map(|r| (r.id, r.lane, r.epoch)).collect();
-    let found = fenced_deliveries(s, session, &keys).await?;
-    if found.is_empty() {
-        return Ok(Vec::new());
-    }
-    let by_id: HashMap<i64, &Reschedule> = items.iter().map(|r| (r.id, *r)).collect();
-    let ids: Vec<i64> = found.keys().copied().collect();
     // Documents of different values cannot be updated in one statement
     // without a bulk write (MongoDB 8.0): replace them instead, delete plus
     // insert, two statements whatever the batch size.
-    delete_deliveries(s, session, &ids).await?;
+    let (by_id, found) = take_fenced(s, session, items, |r| (r.id, r.lane, r.epoch)).await?;
+    if found.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids: Vec<i64> = found.keys().copied().collect();
     let replaced: Vec<Document> = found
         .into_iter()
         .map(|(id, mut d)| {
@@ -360,15 +366,11 @@ pub(super) async fn dead_letter(
     session: &mut ClientSession,
     items: &[DeadLetterRequest],
 ) -> TxnResult<Vec<i64>> {
-    let items: Vec<&DeadLetterRequest> = first_by_id(items, |r| r.id);
-    let keys: Vec<(i64, Lane, Epoch)> = items.iter().map(|r| (r.id, r.lane, r.epoch)).collect();
-    let found = fenced_deliveries(s, session, &keys).await?;
+    let (by_id, found) = take_fenced(s, session, items, |r| (r.id, r.lane, r.epoch)).await?;
     if found.is_empty() {
         return Ok(Vec::new());
     }
-    let by_id: HashMap<i64, &DeadLetterRequest> = items.iter().map(|r| (r.id, *r)).collect();
     let ids: Vec<i64> = found.keys().copied().collect();
-    delete_deliveries(s, session, &ids).await?;
     let mut incs = BTreeMap::new();
     incs.insert(names::DEAD_LETTERS.to_string(), ids.len() as i64);
     let mut next = bump(s, session, &incs).await?[names::DEAD_LETTERS];
