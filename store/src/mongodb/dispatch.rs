@@ -444,19 +444,11 @@ pub(super) async fn replay_dead_letters(
         .collect::<Result<HashSet<_>>>()?
         .into_iter()
         .collect();
-    let existing: HashSet<String> = s
-        .coll(names::HANDLERS)
-        .find(doc! { "_id": { "$in": handler_ids } })
-        .projection(doc! { "_id": 1 })
-        .batch_size(FULL_BATCH)
-        .session(&mut *session)
+    let filter = doc! { "_id": { "$in": handler_ids } };
+    let existing: HashSet<String> = strings_in(s, session, names::HANDLERS, filter, "_id")
         .await?
-        .stream(&mut *session)
-        .try_collect::<Vec<Document>>()
-        .await?
-        .iter()
-        .map(|d| get_string(d, "_id"))
-        .collect::<Result<_>>()?;
+        .into_iter()
+        .collect();
     let mut chosen = Vec::new();
     for d in letters {
         if existing.contains(&get_string(&d, "handler_id")?) {
@@ -537,7 +529,7 @@ async fn find_in(
 }
 
 /// The string field `field` of every document of `coll` matching `filter`.
-async fn strings_in(
+pub(super) async fn strings_in(
     s: &MongoStore,
     session: &mut ClientSession,
     coll: &str,

@@ -113,19 +113,12 @@ pub(super) async fn write(
 ) -> TxnResult<PublishOutcome> {
     let client_ids = plan.client_ids();
     if !client_ids.is_empty() {
-        let stored: HashSet<String> = s
-            .coll(names::EVENTS)
-            .find(doc! { "_id": { "$in": &client_ids } })
-            .projection(doc! { "_id": 1 })
-            .batch_size(FULL_BATCH)
-            .session(&mut *session)
-            .await?
-            .stream(&mut *session)
-            .try_collect::<Vec<Document>>()
-            .await?
-            .iter()
-            .map(|d| get_string(d, "_id"))
-            .collect::<crate::Result<_>>()?;
+        let filter = doc! { "_id": { "$in": &client_ids } };
+        let stored: HashSet<String> =
+            super::dispatch::strings_in(s, session, names::EVENTS, filter, "_id")
+                .await?
+                .into_iter()
+                .collect();
         plan.drop_stored(&stored);
     }
     let accepted = plan.fresh.len();
