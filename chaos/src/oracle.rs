@@ -395,7 +395,7 @@ pub fn judge(rec: &Record) -> Report {
         if in_time.contains(pair) {
             r.completed_and_dead += 1;
             r.problem(format!(
-                "dead-lettered after an attempt succeeded in time: {} {}",
+                "completed and dead-lettered: {} {} is a dead letter, yet an attempt of it was answered 2xx in time",
                 pair.0, pair.1
             ));
         }
@@ -985,6 +985,37 @@ mod tests {
         rec.requests[2].arrived_ms = 30.0;
         let r = judge(&rec);
         assert_eq!(r.completed_and_dead, 0, "{r:#?}");
+    }
+
+    #[test]
+    fn a_deposed_owners_unfenced_final_dead_letter_fails() {
+        // stale-final-attempt: node 1 makes both attempts of b (the last
+        // is answered 500 while it is frozen, its lane moved to node 2 at
+        // epoch 2), node 2 sends b again and it is accepted in time.
+        let mut rec = base();
+        rec.samples = vec![sample(0, "k", "1", 1), sample(2_000, "k", "2", 2)];
+        rec.requests = vec![
+            req("a", "k", 1, 1, 10.0, Some(200)),
+            req("b", "k", 2, 1, 20.0, Some(500)),
+            req("b", "k", 2, 2, 100.0, Some(500)),
+        ];
+        rec.requests[2].answered_ms = Some(9_000.0);
+        let mut again = req("b", "k", 2, 2, 8_000.0, Some(200));
+        again.sender = Some("2".into());
+        again.answered_ms = Some(9_500.0);
+        let mut c = req("c", "k", 3, 1, 9_600.0, Some(200));
+        c.sender = Some("2".into());
+        rec.requests.extend([again, c]);
+        // Fenced: node 1's dead letter was refused.
+        let r = judge(&rec);
+        assert!(r.passed(), "{r:#?}");
+        assert_eq!(r.repeats.failed, 2);
+        // Unfenced: it moved the delivery node 2 was completing.
+        rec.dead_letters.push(("h".into(), "b".into()));
+        let r = judge(&rec);
+        assert_eq!((r.completed_and_dead, r.lost), (1, 0), "{r:#?}");
+        assert!(r.problems[0].starts_with("completed and dead-lettered: h b"));
+        assert!(!r.passed());
     }
 
     #[test]

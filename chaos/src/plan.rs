@@ -87,6 +87,29 @@ pub enum Fault {
     },
     /// SIGKILL the child publisher process (it is publishing all along).
     KillPublisher,
+    /// A deposed owner's last attempt fails after its lane moved, while
+    /// the new owner delivers the same delivery: the endpoint answers 500
+    /// to the first attempt of `fail_percent` % of deliveries; the first
+    /// attempt numbered `final_attempt` (the handler's last) that `target`
+    /// sends is held, the node SIGSTOPped, then answered 500 (the answer
+    /// waits in the socket); once another node (the lane's new owner)
+    /// sends the same delivery, that request is held, the frozen node
+    /// SIGCONTed, and the held request answered 200 as soon as the frozen
+    /// node has written the attempt's end (its dead letter refused, or
+    /// applied), at most `hold_ms` later. A fenced store refuses that dead
+    /// letter; an unfenced one moves the delivery to the dead letters
+    /// although the endpoint accepted it in time.
+    StaleFinalAttempt {
+        /// Whose final attempt is caught.
+        target: Target,
+        /// Share of deliveries whose first attempt fails.
+        fail_percent: u32,
+        /// The handler's last attempt number (its `max_attempts`).
+        final_attempt: u32,
+        /// Longest hold of the new owner's request, in milliseconds (below
+        /// the handler timeout, so the answer counts as in time).
+        hold_ms: u64,
+    },
 }
 
 /// A fault at a time.
@@ -176,10 +199,17 @@ pub const SCENARIOS: &[(&str, &str)] = &[
         "publisher-killed",
         "SIGKILL a publisher process while it commits",
     ),
+    (
+        "stale-final-attempt",
+        "a deposed owner's last attempt fails while the new owner delivers",
+    ),
 ];
 
 /// Handler timeout of every scenario, in milliseconds.
 pub const TIMEOUT_MS: u64 = 1_000;
+
+/// Handler timeout of `stale-final-attempt`, in milliseconds.
+pub const STALE_TIMEOUT_MS: u64 = 4_000;
 
 /// The plan of `name` for `seed` at `scale`; `None` for an unknown name.
 pub fn build(name: &str, seed: u64, scale: Scale) -> Option<Plan> {
@@ -321,6 +351,21 @@ pub fn build(name: &str, seed: u64, scale: Scale) -> Option<Plan> {
                 plan.child_publisher = true;
                 Fault::KillPublisher
             }
+            "stale-final-attempt" => {
+                plan.nodes = 3;
+                plan.needs_cluster = true;
+                plan.max_attempts = 2;
+                // Room to hold the new owner's attempt while the deposed
+                // one resumes and writes, still answered in time; below
+                // the lease, as the node requires.
+                plan.timeout_ms = STALE_TIMEOUT_MS;
+                Fault::StaleFinalAttempt {
+                    target: Target::Follower(rng.next_u64()),
+                    fail_percent: rng.range(5, 15) as u32,
+                    final_attempt: plan.max_attempts,
+                    hold_ms: STALE_TIMEOUT_MS - 1_500,
+                }
+            }
             _ => unreachable!("names come from SCENARIOS"),
         };
         plan.steps.push(Step { at_ms: t, fault });
@@ -372,6 +417,29 @@ mod tests {
                         assert_eq!(p.steps.len(), 5, "{name}");
                     }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn a_stale_final_attempt_is_the_last_and_held_answers_stay_in_time() {
+        for seed in 0..20 {
+            let p = build("stale-final-attempt", seed, Scale::Quick).unwrap();
+            assert!(p.needs_cluster && p.timeout_ms < crate::LEASE_MS, "{p:?}");
+            for s in &p.steps {
+                let Fault::StaleFinalAttempt {
+                    final_attempt,
+                    hold_ms,
+                    fail_percent,
+                    ..
+                } = s.fault
+                else {
+                    panic!("{s:?}");
+                };
+                assert_eq!(final_attempt, p.max_attempts);
+                // The held answer must reach the node before its timeout.
+                assert!(hold_ms + 1_000 <= p.timeout_ms, "{hold_ms}");
+                assert!((1..=50).contains(&fail_percent));
             }
         }
     }

@@ -59,6 +59,12 @@ pub enum Mode {
     },
     /// Every attempt answers 500 (dead letters expected).
     Down,
+    /// The first attempt (as counted here) of `percent` % of deliveries
+    /// answers 500, later ones 200.
+    FailFirst {
+        /// Share of deliveries whose first attempt fails.
+        percent: u32,
+    },
 }
 
 /// What one request gets.
@@ -74,6 +80,65 @@ pub enum Answer {
     Late(Duration),
 }
 
+type Trap = (TrapFor, tokio::sync::oneshot::Sender<Caught>);
+
+/// Which request a trap catches (see [`Receiver::trap`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TrapFor {
+    /// The first request from node `sender` whose `lanebus-attempt` is
+    /// `attempt`.
+    Attempt {
+        /// The sending node's id.
+        sender: String,
+        /// The attempt number.
+        attempt: u32,
+    },
+    /// The first request of this delivery from a known node other than
+    /// `not_sender`.
+    Delivery {
+        /// Handler name.
+        handler: String,
+        /// Event id.
+        event_id: String,
+        /// The node whose requests do not count.
+        not_sender: String,
+    },
+}
+
+impl TrapFor {
+    fn matches(&self, handler: &str, event_id: &str, sender: Option<&str>, attempt: u32) -> bool {
+        match self {
+            TrapFor::Attempt {
+                sender: s,
+                attempt: a,
+            } => sender == Some(s) && attempt == *a,
+            TrapFor::Delivery {
+                handler: h,
+                event_id: e,
+                not_sender,
+            } => h == handler && e == event_id && sender.is_some_and(|s| s != not_sender),
+        }
+    }
+}
+
+/// A request a trap caught: the receiver holds it, unanswered, until
+/// `answer` gets a status (or is dropped: then 200).
+#[derive(Debug)]
+pub struct Caught {
+    /// Handler name.
+    pub handler: String,
+    /// Event id.
+    pub event_id: String,
+    /// The sending node.
+    pub sender: Option<String>,
+    /// `lanebus-attempt`.
+    pub attempt: u32,
+    /// Arrival, milliseconds since the run started.
+    pub arrived_ms: f64,
+    /// Where to send the status to answer with.
+    pub answer: tokio::sync::oneshot::Sender<u16>,
+}
+
 /// The answer for the `n`th attempt (counted here, from 1) of
 /// `(handler, event_id)`.
 pub fn decide(mode: Mode, seed: u64, handler: &str, event_id: &str, n: u32) -> Answer {
@@ -85,6 +150,7 @@ pub fn decide(mode: Mode, seed: u64, handler: &str, event_id: &str, n: u32) -> A
         Mode::Timeout { percent, ms } if hit(percent) => Answer::Hold(Duration::from_millis(ms)),
         Mode::Stall { percent, ms } if hit(percent) => Answer::Late(Duration::from_millis(ms)),
         Mode::Down => Answer::Status(500),
+        Mode::FailFirst { percent } if n == 1 && hit(percent) => Answer::Status(500),
         _ => Answer::Status(200),
     }
 }
@@ -94,6 +160,7 @@ struct Inner {
     secrets: HashMap<String, String>,
     seen: HashMap<(String, String), u32>,
     log: Vec<Request>,
+    traps: Vec<Trap>,
 }
 
 /// The receiver; cheap to clone.
@@ -119,6 +186,7 @@ impl Receiver {
                 secrets: HashMap::new(),
                 seen: HashMap::new(),
                 log: Vec::new(),
+                traps: Vec::new(),
             })),
             start,
             seed,
@@ -159,6 +227,20 @@ impl Receiver {
         self.lock()
             .secrets
             .insert(handler.to_string(), secret.to_string());
+    }
+
+    /// Sets a trap: the first request that `what` matches is held without
+    /// an answer and handed over (a [`Caught`]) through the returned
+    /// channel; the trap then goes. Traps are checked in the order set.
+    pub fn trap(&self, what: TrapFor) -> tokio::sync::oneshot::Receiver<Caught> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.lock().traps.push((what, tx));
+        rx
+    }
+
+    /// Removes every trap not yet sprung.
+    pub fn clear_traps(&self) {
+        self.lock().traps.clear();
     }
 
     /// A copy of the log.
@@ -219,8 +301,16 @@ impl Receiver {
             let handler = path.strip_prefix("/hook/").unwrap_or(&path).to_string();
             let h = |n: &str| headers.get(n).cloned();
             let event_id = h("webhook-id").unwrap_or_default();
-            let (answer, signature_ok) = {
+            let attempt: u32 = h("lanebus-attempt")
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(0);
+            let (answer, signature_ok, held) = {
                 let mut inner = self.lock();
+                let held = inner
+                    .traps
+                    .iter()
+                    .position(|(t, _)| t.matches(&handler, &event_id, sender.as_deref(), attempt))
+                    .map(|i| inner.traps.remove(i).1);
                 let n = {
                     let n = inner
                         .seen
@@ -239,22 +329,39 @@ impl Receiver {
                         &body,
                     )
                 });
-                (answer, ok)
+                (answer, ok, held)
             };
             let mut rec = Request {
                 handler,
                 event_id,
                 key: h("lanebus-key"),
                 sequence: h("lanebus-sequence").and_then(|s| s.parse().ok()),
-                attempt: h("lanebus-attempt")
-                    .and_then(|s| s.parse().ok())
-                    .unwrap_or(0),
+                attempt,
                 arrived_ms: arrived,
                 answered_ms: None,
                 status: None,
                 data: data_member(&body),
                 signature_ok,
                 sender: sender.clone(),
+            };
+            let answer = match held {
+                Some(tx) => {
+                    let (atx, arx) = tokio::sync::oneshot::channel();
+                    let caught = Caught {
+                        handler: rec.handler.clone(),
+                        event_id: rec.event_id.clone(),
+                        sender: sender.clone(),
+                        attempt,
+                        arrived_ms: arrived,
+                        answer: atx,
+                    };
+                    // Nobody waiting any more: answer as the mode says.
+                    match tx.send(caught) {
+                        Ok(()) => Answer::Status(arx.await.unwrap_or(200)),
+                        Err(_) => answer,
+                    }
+                }
+                None => answer,
             };
             let status = match answer {
                 Answer::Status(s) => Some(s),
@@ -345,6 +452,96 @@ mod tests {
             .map(|n| decide(Mode::Reset { percent: 50 }, 9, "h", "e", n))
             .collect();
         assert_eq!(a, b);
+    }
+
+    #[test]
+    fn fail_first_fails_only_a_share_of_first_attempts() {
+        let mode = Mode::FailFirst { percent: 10 };
+        let first = (0..1000)
+            .filter(|i| decide(mode, 3, "h", &format!("e{i}"), 1) == Answer::Status(500))
+            .count();
+        assert!((50..150).contains(&first), "{first}");
+        assert!((0..1000).all(|i| decide(mode, 3, "h", &format!("e{i}"), 2) == Answer::Status(200)));
+    }
+
+    #[test]
+    fn traps_match_the_attempt_of_a_sender_or_another_senders_request() {
+        let a = TrapFor::Attempt {
+            sender: "2".into(),
+            attempt: 2,
+        };
+        assert!(a.matches("h", "e", Some("2"), 2));
+        assert!(!a.matches("h", "e", Some("2"), 1));
+        assert!(!a.matches("h", "e", Some("3"), 2));
+        assert!(!a.matches("h", "e", None, 2));
+        let d = TrapFor::Delivery {
+            handler: "h".into(),
+            event_id: "e".into(),
+            not_sender: "2".into(),
+        };
+        assert!(d.matches("h", "e", Some("3"), 2));
+        assert!(!d.matches("h", "e", Some("2"), 2));
+        assert!(!d.matches("h", "e", None, 2));
+        assert!(!d.matches("h", "f", Some("3"), 2));
+        assert!(!d.matches("g", "e", Some("3"), 2));
+    }
+
+    /// One webhook-like POST from `127.0.1.<node>`; returns the status line.
+    async fn post_from(node: u8, url_port: u16, event: &str, attempt: u32) -> String {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.bind(std::net::SocketAddr::from(([127, 0, 1, node], 0)))
+            .unwrap();
+        let mut s = sock
+            .connect(std::net::SocketAddr::from(([127, 0, 0, 1], url_port)))
+            .await
+            .unwrap();
+        let body = r#"{"type":"a.b","timestamp":"t","data":{}}"#;
+        let req = format!(
+            "POST /hook/h HTTP/1.1\r\nwebhook-id: {event}\r\nlanebus-attempt: {attempt}\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut buf = [0u8; 256];
+        let n = s.read(&mut buf).await.unwrap();
+        String::from_utf8_lossy(&buf[..n])
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_string()
+    }
+
+    #[tokio::test]
+    async fn a_trapped_request_waits_for_the_answer_it_is_given() {
+        let rx = Receiver::start(1, Instant::now(), Sources::default())
+            .await
+            .unwrap();
+        let port = rx.port;
+        let caught = rx.trap(TrapFor::Attempt {
+            sender: "2".into(),
+            attempt: 2,
+        });
+        // Not the trapped attempt: answered at once.
+        assert_eq!(post_from(2, port, "e1", 1).await, "HTTP/1.1 200 OK");
+        let held = tokio::spawn(post_from(2, port, "e1", 2));
+        let c = caught.await.unwrap();
+        assert_eq!((c.sender.as_deref(), c.attempt), (Some("2"), 2));
+        assert!(!held.is_finished(), "answered before the trap was released");
+        c.answer.send(500).unwrap();
+        assert_eq!(held.await.unwrap(), "HTTP/1.1 500 Internal Server Error");
+        // The trap went with its catch; the log has both requests.
+        assert_eq!(post_from(2, port, "e1", 2).await, "HTTP/1.1 200 OK");
+        // Logged just after the answer is written.
+        let mut log = rx.log();
+        for _ in 0..100 {
+            if log.len() == 3 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            log = rx.log();
+        }
+        assert_eq!(log.len(), 3);
+        assert_eq!(log.iter().filter(|r| r.status == Some(500)).count(), 1);
+        assert!(log.iter().all(|r| r.sender.as_deref() == Some("2")));
     }
 
     #[test]

@@ -14,7 +14,7 @@ use anyhow::{bail, Context as _};
 use crate::oracle::{self, HandlerSpec, LaneSample, Published, Record, Report};
 use crate::plan::{Fault, Plan, Target};
 use crate::publisher::{self, PubSpec};
-use crate::receiver::Mode;
+use crate::receiver::{Mode, TrapFor};
 use crate::sandbox::{NodeFlags, PgServer, Sandbox, Store};
 
 /// What the whole suite shares.
@@ -365,7 +365,7 @@ async fn drive_inner(sb: &mut Sandbox, plan: &Plan, ctx: &Ctx) -> anyhow::Result
     for step in &plan.steps {
         tokio::time::sleep_until((t0 + Duration::from_millis(step.at_ms)).into()).await;
         let at = sb.now_ms();
-        let what = inject(sb, &step.fault, &urls, &mut child, ctx.pg.as_ref()).await?;
+        let what = inject(sb, &step.fault, &urls, &mut child, ctx.pg.as_ref(), &ids).await?;
         println!("  {at:>6} ms  {what}");
         let started = Instant::now();
         let bound =
@@ -527,6 +527,7 @@ async fn inject(
     urls: &Arc<Mutex<Vec<String>>>,
     child: &mut Option<tokio::process::Child>,
     pg: Option<&Arc<PgServer>>,
+    handler_ids: &HashMap<String, String>,
 ) -> anyhow::Result<String> {
     let set_urls = |sb: &Sandbox| *urls.lock().expect("urls") = sb.live_urls();
     let ids = |sb: &Sandbox, v: &[usize]| {
@@ -631,5 +632,170 @@ async fn inject(
             let _ = c.kill().await;
             "SIGKILL the child publisher".to_string()
         }
+        Fault::StaleFinalAttempt {
+            target,
+            fail_percent,
+            final_attempt,
+            hold_ms,
+        } => {
+            let i = resolve(sb, *target, 1).await[0];
+            let r = stale_final_attempt(
+                sb,
+                urls,
+                i,
+                (*fail_percent, *final_attempt, *hold_ms),
+                handler_ids,
+            )
+            .await;
+            sb.receiver.clear_traps();
+            sb.receiver.set_mode(Mode::Healthy);
+            // Resumed whatever happened (also when the catch failed).
+            if sb.nodes[i].paused {
+                sb.pause(i, false).await;
+            }
+            set_urls(sb);
+            r?
+        }
     })
+}
+
+/// How long to wait for the victim's final attempt once the first attempts
+/// fail, in milliseconds.
+const CATCH_MS: u64 = 30_000;
+
+/// The `stale-final-attempt` fault on node `i` (see
+/// [`Fault::StaleFinalAttempt`]); leaves the node resumed or paused (the
+/// caller resumes it), the traps to the caller to clear.
+async fn stale_final_attempt(
+    sb: &mut Sandbox,
+    urls: &Arc<Mutex<Vec<String>>>,
+    i: usize,
+    (fail_percent, final_attempt, hold_ms): (u32, u32, u64),
+    handler_ids: &HashMap<String, String>,
+) -> anyhow::Result<String> {
+    let victim = sb.nodes[i].id.to_string();
+    let victim_url = sb.nodes[i].url();
+    let refused_before = refused_dead_letters(sb, &victim_url).await.unwrap_or(0);
+    sb.receiver.set_mode(Mode::FailFirst {
+        percent: fail_percent,
+    });
+    let first = sb.receiver.trap(TrapFor::Attempt {
+        sender: victim.clone(),
+        attempt: final_attempt,
+    });
+    let first = match tokio::time::timeout(Duration::from_millis(CATCH_MS), first).await {
+        Ok(Ok(c)) => c,
+        _ => bail!(
+            "stale-final-attempt: node {victim} sent no attempt {final_attempt} within {CATCH_MS} ms"
+        ),
+    };
+    sb.receiver.set_mode(Mode::Healthy);
+    let (handler, event_id) = (first.handler.clone(), first.event_id.clone());
+    let again = sb.receiver.trap(TrapFor::Delivery {
+        handler: handler.clone(),
+        event_id: event_id.clone(),
+        not_sender: victim.clone(),
+    });
+    sb.pause(i, true).await;
+    *urls.lock().expect("urls") = sb.live_urls();
+    let frozen = Instant::now();
+    // The answer waits in the socket until the node runs again.
+    let _ = first.answer.send(500);
+    let bound = Duration::from_millis(crate::LEASE_MS + crate::LEASE_MARGIN_MS + RECOVERY_SLACK_MS);
+    let second = tokio::time::timeout(bound, again)
+        .await
+        .ok()
+        .and_then(Result::ok);
+    sb.pause(i, false).await;
+    *urls.lock().expect("urls") = sb.live_urls();
+    let frozen_ms = frozen.elapsed().as_millis();
+    let Some(second) = second else {
+        return Ok(format!(
+            "node {victim}'s attempt {final_attempt} of {handler} {event_id} answered 500 while SIGSTOPped; no other node sent it within {bound:?}; SIGCONT after {frozen_ms} ms"
+        ));
+    };
+    // Hold the new owner's request until the victim has written the end
+    // of its attempt (a dead letter: refused, or moved), answering in time.
+    let deadline_ms = second.arrived_ms + hold_ms as f64;
+    let pair = (handler.clone(), event_id.clone());
+    let mut verdict = "neither refused nor written (not seen)";
+    while (sb.now_ms() as f64) < deadline_ms {
+        if dead_letters(sb, handler_ids)
+            .await
+            .is_ok_and(|d| d.contains(&pair))
+        {
+            verdict = "WRITTEN (the delivery is now a dead letter)";
+            break;
+        }
+        if refused_dead_letters(sb, &victim_url)
+            .await
+            .is_some_and(|n| n > refused_before)
+        {
+            verdict = "refused (fenced out)";
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let held_ms = sb.now_ms() as f64 - second.arrived_ms;
+    let _ = second.answer.send(200);
+    Ok(format!(
+        "node {victim}'s attempt {final_attempt} of {handler} {event_id} answered 500 while SIGSTOPped; node {} sent it (attempt {}) after the lane moved, held; SIGCONT after {frozen_ms} ms; node {victim}'s dead letter: {verdict}; node {} answered 200 after {held_ms:.0} ms",
+        second.sender.as_deref().unwrap_or("?"),
+        second.attempt,
+        second.sender.as_deref().unwrap_or("?"),
+    ))
+}
+
+/// How many dead letters the node at `url` had refused
+/// (`lanebus_store_fenced_out_total{op="dead_letter"}` of `GET /metrics`;
+/// 0 before the first); `None`: no answer.
+async fn refused_dead_letters(sb: &Sandbox, url: &str) -> Option<u64> {
+    let text = sb
+        .http
+        .get(format!("{url}/metrics"))
+        .timeout(Duration::from_millis(1_000))
+        .send()
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    Some(counter(
+        &text,
+        "lanebus_store_fenced_out_total",
+        "op=\"dead_letter\"",
+    ))
+}
+
+/// The sum of the Prometheus text-format samples of `name` whose labels
+/// contain `label`.
+fn counter(text: &str, name: &str, label: &str) -> u64 {
+    text.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') && rest.contains(label))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counter_sums_the_labelled_samples_of_one_metric() {
+        let text = "# TYPE lanebus_store_fenced_out_total counter\n\
+            lanebus_store_fenced_out_total{op=\"claim\"} 4\n\
+            lanebus_store_fenced_out_total{op=\"dead_letter\"} 2\n\
+            lanebus_store_fenced_out_total_x{op=\"dead_letter\"} 9\n";
+        assert_eq!(
+            counter(text, "lanebus_store_fenced_out_total", "op=\"dead_letter\""),
+            2
+        );
+        assert_eq!(
+            counter(text, "lanebus_store_fenced_out_total", "op=\"discard\""),
+            0
+        );
+    }
 }
