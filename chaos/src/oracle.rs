@@ -993,6 +993,7 @@ mod tests {
         // is answered 500 while it is frozen, its lane moved to node 2 at
         // epoch 2), node 2 sends b again and it is accepted in time.
         let mut rec = base();
+        rec.handlers[0].timeout_ms = 4_000;
         rec.samples = vec![sample(0, "k", "1", 1), sample(2_000, "k", "2", 2)];
         rec.requests = vec![
             req("a", "k", 1, 1, 10.0, Some(200)),
