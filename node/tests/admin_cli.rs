@@ -253,7 +253,22 @@ async fn lanes_table_names_owners_and_ranges_on_three_nodes() -> anyhow::Result<
         .wait_balanced(1, &[1, 2, 3], Duration::from_secs(30))
         .await?;
 
-    let table = ok(&["lanes", "--node", &cluster.url(2)]).await?;
+    // Balanced assignments still finish their hand-overs (a lane shows as
+    // "releasing" under its old owner until the new one starts it): wait
+    // until the table has one row per owner, all active.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let table = loop {
+        let table = ok(&["lanes", "--node", &cluster.url(2)]).await?;
+        let settled = table.lines().count() == 4
+            && table
+                .lines()
+                .skip(1)
+                .all(|l| l.split_whitespace().nth(1) == Some("active"));
+        if settled || std::time::Instant::now() > deadline {
+            break table;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
     let mut total = 0;
     for owner in ["1", "2", "3"] {
         let row = table
@@ -264,9 +279,11 @@ async fn lanes_table_names_owners_and_ranges_on_three_nodes() -> anyhow::Result<
         ensure!(cols[1] == "active", "{row}");
         let n: usize = cols[2].parse()?;
         total += n;
-        // The ranges column covers exactly the owner's lanes.
+        // The ranges column covers exactly the owner's lanes (or, cut short
+        // with ",... (+N ranges)" when there are many, at most them).
         let mut covered = 0;
-        for r in cols[6].split(',') {
+        let cut = cols[6].ends_with(",...") || cols.len() > 7;
+        for r in cols[6].split(',').filter(|r| *r != "...") {
             covered += match r.split_once('-') {
                 Some((a, b)) => b.parse::<usize>()? - a.parse::<usize>()? + 1,
                 None => {
@@ -276,7 +293,7 @@ async fn lanes_table_names_owners_and_ranges_on_three_nodes() -> anyhow::Result<
             };
         }
         ensure!(
-            covered == n,
+            if cut { covered < n } else { covered == n },
             "ranges of {owner} cover {covered} lanes, not {n}: {row}"
         );
     }
