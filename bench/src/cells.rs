@@ -17,6 +17,27 @@ pub enum Kind {
     /// Publishing at a fixed rate while dispatching: accepted rate and
     /// commit-to-handler latency.
     Mixed,
+    /// Fixed work, for the counter gate: `preload` events published by one
+    /// publisher, `batch` per call, one call after the other; database
+    /// counters per event stored. The same work every time, so statements
+    /// and rows per event are exact and WAL nearly so.
+    CountPublish,
+    /// Fixed work, for the counter gate: a backlog of `preload` events
+    /// (published before the statistics reset) drained to the end through
+    /// the store's own claim and complete calls with fixed sizes (claims of
+    /// up to the lane buffer per lane, completions in chunks of 200, as
+    /// `store/examples/store_probe.rs` does); database counters per
+    /// delivery. No node: batch sizes do not follow timing, so statements
+    /// and rows per delivery are exact and WAL nearly so.
+    CountDrain,
+}
+
+impl Kind {
+    /// Whether the cell does a fixed amount of work (its exact counters
+    /// are gated) rather than run for a fixed time (its throughput is).
+    pub fn fixed_work(self) -> bool {
+        matches!(self, Kind::CountPublish | Kind::CountDrain)
+    }
 }
 
 /// How events are published.
@@ -119,6 +140,10 @@ pub struct Cell {
     pub steady_s: f64,
     /// Payload size, bytes (a JSON object of about this size).
     pub payload_bytes: usize,
+    /// Dispatch and mixed: handlers are webhooks to an HTTP receiver in the
+    /// sample process (`lanebus_node::receiver`, signatures verified)
+    /// instead of in-process no-ops: the webhook path.
+    pub http_sink: bool,
 }
 
 impl Default for Cell {
@@ -139,6 +164,7 @@ impl Default for Cell {
             warmup_s: 2.0,
             steady_s: 8.0,
             payload_bytes: 200,
+            http_sink: false,
         }
     }
 }
@@ -147,8 +173,8 @@ impl Cell {
     /// The unit rates and counters are given per.
     pub fn unit(&self) -> &'static str {
         match self.kind {
-            Kind::Publish => "event",
-            Kind::Dispatch | Kind::Mixed => "delivery",
+            Kind::Publish | Kind::CountPublish => "event",
+            Kind::Dispatch | Kind::Mixed | Kind::CountDrain => "delivery",
         }
     }
 }
@@ -213,9 +239,71 @@ fn mixed(name: &str, title: &str, rate: u64, settings: Settings) -> Cell {
     }
 }
 
-/// The quick set (the gate; under 10 minutes with two pairs).
-pub fn quick() -> Vec<Cell> {
+fn count(
+    name: &str,
+    title: &str,
+    kind: Kind,
+    events: usize,
+    batch: usize,
+    handlers: usize,
+) -> Cell {
+    Cell {
+        name: name.into(),
+        title: title.into(),
+        kind,
+        publishers: 1,
+        batch,
+        handlers,
+        preload: events,
+        warmup_s: 0.0,
+        steady_s: 0.0,
+        ..Cell::default()
+    }
+}
+
+/// The fixed-work counter cells (the counter gate).
+pub fn counter_cells() -> Vec<Cell> {
     vec![
+        count(
+            "pg-count-publish-b1",
+            "PostgreSQL fixed work: 2,000 events, 1 per call",
+            Kind::CountPublish,
+            2_000,
+            1,
+            1,
+        ),
+        count(
+            "pg-count-publish-b100",
+            "PostgreSQL fixed work: 20,000 events, 100 per call",
+            Kind::CountPublish,
+            20_000,
+            100,
+            1,
+        ),
+        count(
+            "pg-count-drain",
+            "PostgreSQL fixed work: drain 20,000 deliveries (claim 200 per lane, complete 200 per call)",
+            Kind::CountDrain,
+            20_000,
+            100,
+            1,
+        ),
+        count(
+            "pg-count-drain-fan5",
+            "PostgreSQL fixed work: drain 4,000 events x 5 handlers (claim 200 per lane, complete 200 per call)",
+            Kind::CountDrain,
+            4_000,
+            100,
+            5,
+        ),
+    ]
+}
+
+/// The quick set (the gate; under 10 minutes with two pairs): the
+/// fixed-work counter cells, then the time-windowed cells.
+pub fn quick() -> Vec<Cell> {
+    let mut v = counter_cells();
+    v.extend([
         publish(
             "pg-publish-p8-b1",
             "PostgreSQL publish, P=8, batch 1",
@@ -256,7 +344,8 @@ pub fn quick() -> Vec<Cell> {
             1000,
             Settings::Tuned,
         ),
-    ]
+    ]);
+    v
 }
 
 /// The full set: the quick set plus the rest of the reference's tables that
@@ -425,6 +514,17 @@ pub fn full() -> Vec<Cell> {
                 1,
                 0,
                 Via::Store,
+            )
+        },
+        Cell {
+            http_sink: true,
+            ..dispatch(
+                "pg-dispatch-1n-tuned-http",
+                "PostgreSQL dispatch to an HTTP receiver (webhooks), 1 node, tuned",
+                Settings::Tuned,
+                1,
+                0,
+                60_000,
             )
         },
         Cell {

@@ -165,20 +165,34 @@ async fn run_js(
             );
         }
     };
+    // The enqueue's backends may still hold unflushed table and WAL
+    // statistics: an idle backend that flushed less than a second ago
+    // flushes again after PGSTAT_IDLE_INTERVAL (10 s, PostgreSQL 15
+    // pgstat.c). Wait that long, so the enqueue does not leak into the
+    // drain's counters.
+    tokio::time::sleep(Duration::from_secs(11)).await;
     sqlx::query("CHECKPOINT").execute(&mut probe).await?;
     pg::reset(&mut probe).await?;
     let s0 = pg::snapshot(&mut probe, pm, pg::tree_cpu(pid)).await?;
     stdin.write_all(b"GO\n").await?;
     stdin.flush().await?;
     let drained = read_line(&mut lines, "DRAINED ").await?;
+    // CPU at the end of the drain; database counters once the driver has
+    // exited and its backends have flushed their statistics at exit.
     let s1 = pg::snapshot(&mut probe, pm, pg::tree_cpu(pid)).await?;
-    let _ = child.wait().await;
+    drop(stdin);
+    let _ = tokio::time::timeout(Duration::from_secs(30), child.wait()).await;
+    let _ = child.start_kill();
+    pg::wait_alone(&mut probe).await?;
+    let s2 = pg::snapshot(&mut probe, pm, s1.app_cpu).await?;
+    let mut end = s2;
+    end.db_cpu = s1.db_cpu;
     Ok(PeerResult {
         name: peer.into(),
         jobs: jobs as u64,
         enqueue_rate: Some(enq.0 / enq.1),
         drain_rate: Some(drained.0 / drained.1),
-        counters: pg::per_unit(&s0, &s1, drained.0 as u64),
+        counters: pg::per_unit(&s0, &end, drained.0 as u64),
         note: String::new(),
     })
 }
@@ -222,6 +236,7 @@ async fn pgbench(server: &pg::Server, pm: Option<u32>) -> anyhow::Result<PeerRes
         .arg(&url)
         .output()
         .await?;
+    pg::wait_alone(&mut probe).await?;
     let s1 = pg::snapshot(&mut probe, pm, 0.0).await?;
     let _ = std::fs::remove_file(&script);
     let text = String::from_utf8_lossy(&out.stdout);

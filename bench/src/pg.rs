@@ -139,26 +139,33 @@ pub fn with_db(url: &str, db: &str) -> anyhow::Result<String> {
 pub const CLOCK_TICKS: f64 = 100.0;
 
 /// User + system CPU ticks of process `pid` (`/proc/PID/stat` fields 14 and
-/// 15), or of this process for `None`; with the parent pid.
-fn proc_ticks(pid: &str) -> Option<(u64, u32)> {
+/// 15), or of this process for `"self"`; the ticks of its waited-for
+/// (exited and reaped) children (fields 16 and 17); and the parent pid.
+fn proc_ticks(pid: &str) -> Option<(u64, u64, u32)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let rest = &stat[stat.rfind(')')? + 2..];
     let f: Vec<&str> = rest.split_whitespace().collect();
-    // rest starts at field 3 (state): ppid is field 4, utime 14, stime 15.
+    // rest starts at field 3 (state): ppid is field 4, utime 14, stime 15,
+    // cutime 16, cstime 17.
     let ppid = f.get(1)?.parse().ok()?;
-    let ut: u64 = f.get(11)?.parse().ok()?;
-    let st: u64 = f.get(12)?.parse().ok()?;
-    Some((ut + st, ppid))
+    let n = |i: usize| -> Option<u64> { f.get(i)?.parse().ok() };
+    Some((n(11)? + n(12)?, n(13)? + n(14)?, ppid))
 }
 
 /// CPU seconds used so far by this process.
 pub fn self_cpu() -> f64 {
-    proc_ticks("self").map_or(0.0, |(t, _)| t as f64 / CLOCK_TICKS)
+    proc_ticks("self").map_or(0.0, |(t, _, _)| t as f64 / CLOCK_TICKS)
 }
 
-/// CPU seconds used so far by process `pid` and its live children.
+/// CPU seconds used so far by process `pid` and its children: its own, the
+/// live children's, and the exited children's it has reaped (`cutime` +
+/// `cstime`). The postmaster reaps every backend, so a backend that exits
+/// between two readings keeps its CPU in the total (counting live
+/// children only made the difference negative when backends exited).
+/// Children that exited but are not yet reaped are read as live (a zombie
+/// keeps its times until reaped).
 pub fn tree_cpu(pid: u32) -> f64 {
-    let mut total = proc_ticks(&pid.to_string()).map_or(0, |(t, _)| t);
+    let mut total = proc_ticks(&pid.to_string()).map_or(0, |(t, c, _)| t + c);
     if let Ok(dir) = std::fs::read_dir("/proc") {
         for e in dir.flatten() {
             let name = e.file_name();
@@ -166,7 +173,7 @@ pub fn tree_cpu(pid: u32) -> f64 {
             if !name.bytes().all(|b| b.is_ascii_digit()) {
                 continue;
             }
-            if let Some((t, ppid)) = proc_ticks(name) {
+            if let Some((t, _, ppid)) = proc_ticks(name) {
                 if ppid == pid {
                     total += t;
                 }
@@ -209,6 +216,25 @@ pub struct Snapshot {
     /// Rows in the `completions` table (0 where there is none): deliveries
     /// completed, as the database counts them.
     pub completed: i64,
+}
+
+/// Waits (up to 5 s) until no backend but `c`'s is connected to `c`'s
+/// database: a backend flushes its table and WAL statistics at exit at
+/// the latest, so counters read after this are complete.
+pub async fn wait_alone(c: &mut PgConnection) -> anyhow::Result<()> {
+    for _ in 0..50 {
+        let others: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+             AND pid <> pg_backend_pid() /* bench-probe */",
+        )
+        .fetch_one(&mut *c)
+        .await?;
+        if others == 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    Ok(())
 }
 
 /// Resets the server's statistics (`pg_stat_reset`, `pg_stat_statements_reset`,

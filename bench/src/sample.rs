@@ -17,7 +17,7 @@ use async_trait::async_trait;
 use lanebus_node::{Handler, HandlerError, NodeOptions, StoreSource};
 use lanebus_store::postgres::PgStore;
 use lanebus_store::sqlite::SqliteStore;
-use lanebus_store::{Delivery, NewEvent, NewHandler, Store};
+use lanebus_store::{Delivery, DeliveryRef, LaneClaim, NewEvent, NewHandler, Store};
 use rand::{Rng as _, SeedableRng as _};
 use serde::{Deserialize, Serialize};
 use sqlx::{Connection as _, PgConnection};
@@ -281,43 +281,66 @@ pub async fn run(spec: SampleSpec) -> anyhow::Result<SampleOut> {
 }
 
 async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::Result<SampleOut> {
-    let store = stores.dyn_store.clone();
     let log = Arc::new(Log::default());
     let started = Arc::new(Instant::now());
     let hang = cell.kind == Kind::Publish;
+    // Setup (handlers, preload) goes through the setup store, whose pool is
+    // closed before the statistics reset: its backends exit and flush their
+    // table and WAL statistics at exit, so none of the setup's rows or WAL
+    // records land in the sample's counters.
+    let setup = stores.dyn_store.clone();
+    let receiver = if cell.http_sink {
+        Some(lanebus_node::receiver::Receiver::start().await?)
+    } else {
+        None
+    };
     let mut in_process: HashMap<String, Arc<dyn Handler>> = HashMap::new();
+    let mut handler_idx: HashMap<String, u16> = HashMap::new();
     for i in 0..cell.handlers {
         let name = format!("h{i}");
-        store
+        let secret = lanebus_store::generate_secret();
+        let url = match &receiver {
+            Some(r) => {
+                r.set_secret(&name, &secret);
+                r.url(&name)
+            }
+            None => format!("{}{name}", lanebus_node::handler::IN_PROCESS_PREFIX),
+        };
+        let h = setup
             .create_handler(NewHandler {
                 name: name.clone(),
-                url: format!("{}{name}", lanebus_node::handler::IN_PROCESS_PREFIX),
+                url,
                 event_types: vec!["*".into()],
                 max_attempts: 8,
                 timeout_ms: 10_000,
                 max_in_flight: cell.settings.max_in_flight(),
-                secret: lanebus_store::generate_secret(),
+                secret,
                 rate_limit: None,
             })
             .await?;
-        in_process.insert(
-            name,
-            Arc::new(BenchHandler {
-                idx: i as u16,
-                log: log.clone(),
-                hang,
-                started: started.clone(),
-            }),
-        );
+        handler_idx.insert(h.id.to_string(), i as u16);
+        if receiver.is_none() {
+            in_process.insert(
+                name,
+                Arc::new(BenchHandler {
+                    idx: i as u16,
+                    log: log.clone(),
+                    hang,
+                    started: started.clone(),
+                }),
+            );
+        }
     }
 
-    // Preload (dispatch): 4 loaders, 500 events per call.
+    // Preload (dispatch: 4 loaders; fixed-work drain: 1 loader, so the
+    // backlog is the same every time), 500 events per call.
     let preloaded = Arc::new(AtomicU64::new(0));
-    if cell.kind == Kind::Dispatch && cell.preload > 0 {
-        let per = cell.preload.div_ceil(4);
+    if matches!(cell.kind, Kind::Dispatch | Kind::CountDrain) && cell.preload > 0 {
+        let loaders = if cell.kind == Kind::CountDrain { 1 } else { 4 };
+        let per = cell.preload.div_ceil(loaders);
         let mut tasks = Vec::new();
-        for l in 0..4 {
-            let store = store.clone();
+        for l in 0..loaders {
+            let store = setup.clone();
             let mut g = Gen::new(cell, 100 + l);
             let preloaded = preloaded.clone();
             let n = per.min(cell.preload.saturating_sub(l * per));
@@ -336,25 +359,33 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
             t.await??;
         }
     }
+    drop(setup);
+    reopen(stores).await?;
+    let store = stores.dyn_store.clone();
 
     let pm = spec.pg_dir.as_deref().and_then(pg::postmaster_pid);
     if let Some(p) = stores.probe.as_mut() {
-        // Backends flush their statistics about once a second, and when
-        // idle for a second: wait so the setup's and preload's counts land
-        // before the reset instead of inside the sample.
-        tokio::time::sleep(Duration::from_millis(1500)).await;
+        // The measured store's pool is idle (it only checked the schema);
+        // give its backends their idle flush, then reset.
+        tokio::time::sleep(Duration::from_millis(1100)).await;
         sqlx::query("CHECKPOINT").execute(&mut *p).await?;
         pg::reset(p).await?;
     }
 
     // Whole-sample database counters start here (after the preload).
     let sa = snapshot(stores, pm).await?;
+    if cell.kind.fixed_work() {
+        return run_count(cell, stores, pm, sa, &handler_idx, &preloaded).await;
+    }
 
     // A node, unless this is a publish cell through the store.
     let needs_node = cell.kind != Kind::Publish || cell.via == Via::Http;
     let node = if needs_node {
         let mut opts = NodeOptions::new("bench", StoreSource::Opened(store.clone()));
         opts.in_process = in_process;
+        if receiver.is_some() {
+            opts.egress = lanebus_api::egress::EgressPolicy::allow_loopback();
+        }
         if hang {
             // Publish through the API: handlers hang, so nothing completes;
             // a one-row buffer keeps the claims few.
@@ -440,13 +471,17 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
 
     tokio::time::sleep(Duration::from_secs_f64(cell.warmup_s)).await;
     let s0 = snapshot(stores, pm).await?;
-    let h0 = log.count.load(Ordering::Relaxed);
+    let handed = || match &receiver {
+        Some(r) => r.accepted_distinct() as u64,
+        None => log.count.load(Ordering::Relaxed),
+    };
+    let h0 = handed();
     phase.store(STEADY, Ordering::Relaxed);
     let t0 = Instant::now();
     tokio::time::sleep(Duration::from_secs_f64(cell.steady_s)).await;
     phase.store(DONE, Ordering::Relaxed);
     let window = t0.elapsed();
-    let h1 = log.count.load(Ordering::Relaxed);
+    let h1 = handed();
     let s1 = snapshot(stores, pm).await?;
     let events_in_window = in_window.load(Ordering::Relaxed);
 
@@ -461,23 +496,7 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
     // their statistics (table and WAL-record counters are flushed by a
     // backend about once a second, and at exit), then read the counters
     // of the whole sample.
-    if let Some(pg) = &stores.pg {
-        pg.pool().close().await;
-    }
-    if let Some(p) = stores.probe.as_mut() {
-        for _ in 0..50 {
-            let others: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-                 AND pid <> pg_backend_pid() /* bench-probe */",
-            )
-            .fetch_one(&mut *p)
-            .await?;
-            if others == 0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
+    close_and_wait(stores).await?;
     let sb = snapshot(stores, pm).await?;
     let mut problems = Vec::new();
     if let Some(e) = failure.lock().expect("failure lock").take() {
@@ -488,11 +507,9 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
     // database counts them (handlers may run ahead of their completions);
     // without a database counter (SQLite), hand-overs.
     let units = match cell.kind {
-        Kind::Publish => events_in_window,
-        Kind::Dispatch | Kind::Mixed if stores.probe.is_some() => {
-            (s1.completed - s0.completed).max(0) as u64
-        }
-        Kind::Dispatch | Kind::Mixed => h1 - h0,
+        Kind::Publish | Kind::CountPublish => events_in_window,
+        _ if stores.probe.is_some() => (s1.completed - s0.completed).max(0) as u64,
+        _ => h1 - h0,
     };
     // A fresh store for the count: pooled connections opened by the node's
     // runtime died with it.
@@ -504,8 +521,40 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
     };
     let published = preloaded.load(Ordering::Relaxed) + accepted.load(Ordering::Relaxed);
     let expected = published as i64 * cell.handlers as i64;
-    let handled: Vec<(Handled, Instant)> =
+    let mut handled: Vec<(Handled, Instant)> =
         std::mem::take(&mut *log.handled.lock().expect("log lock"));
+    if let Some(r) = &receiver {
+        // Webhooks: the receiver's accepted requests are the hand-overs.
+        let base = Instant::now()
+            .checked_sub(Duration::from_secs_f64(r.now_ms() / 1e3))
+            .unwrap_or_else(Instant::now);
+        let reqs = r.requests();
+        let bad = reqs
+            .iter()
+            .filter(|q| q.signature_ok == Some(false))
+            .count();
+        if bad > 0 {
+            problems.push(format!("{bad} webhook(s) with a bad signature"));
+        }
+        handled = reqs
+            .into_iter()
+            .filter(|q| q.accepted())
+            .map(|q| {
+                let at = base + Duration::from_secs_f64(q.arrived_ms / 1e3);
+                let h = Handled {
+                    handler: q
+                        .handler
+                        .strip_prefix('h')
+                        .and_then(|n| n.parse().ok())
+                        .unwrap_or(u16::MAX),
+                    event: q.event_id.as_str().into(),
+                    key: q.key.map(Into::into),
+                    seq: q.sequence,
+                };
+                (h, at)
+            })
+            .collect();
+    }
     let only: Vec<Handled> = handled.iter().map(|(h, _)| h.clone()).collect();
     let ex = exact::check(&only, held, expected);
     if ex.duplicated > 0 && std::env::var_os("LANEBUS_BENCH_REPEATS").is_some() {
@@ -547,8 +596,8 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
     // counts them; CPU over the steady window (exited processes take their
     // CPU time with them).
     let db_units = match cell.kind {
-        Kind::Publish => counts.events,
-        Kind::Dispatch | Kind::Mixed => counts.completions,
+        Kind::Publish | Kind::CountPublish => counts.events,
+        _ => counts.completions,
     }
     .max(0) as u64;
     let mut counters = pg::per_unit(&sa, &sb, db_units);
@@ -569,6 +618,165 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
         handled_rate: (h1 - h0) as f64 / secs,
         counters,
         latency,
+        exact: ex,
+        problems,
+    })
+}
+
+/// Closes the PostgreSQL store's pool and waits (up to 5 s) until no
+/// backend but the probe's is connected to the sample's database: a
+/// backend flushes its table and WAL statistics at exit at the latest.
+async fn close_and_wait(stores: &mut Stores) -> anyhow::Result<()> {
+    if let Some(pg) = &stores.pg {
+        pg.pool().close().await;
+    }
+    if let Some(p) = stores.probe.as_mut() {
+        pg::wait_alone(p).await?;
+    }
+    Ok(())
+}
+
+/// Replaces the setup store by the measured store: closes the setup pool,
+/// waits for its backends to exit (so their statistics are flushed before
+/// the reset), then opens a new pool (its schema check runs before the
+/// reset). SQLite keeps its store (no database counters).
+async fn reopen(stores: &mut Stores) -> anyhow::Result<()> {
+    if stores.pg.is_none() {
+        return Ok(());
+    }
+    close_and_wait(stores).await?;
+    let store = Arc::new(PgStore::connect(&stores.url).await?);
+    stores.dyn_store = store.clone();
+    stores.pg = Some(store);
+    Ok(())
+}
+
+/// A fixed-work cell ([`Kind::CountPublish`], [`Kind::CountDrain`]): the
+/// work runs to the end; database counters from the reset (`sa`) until
+/// every connection closed, divided by the events stored or the
+/// completions; CPU over the work.
+async fn run_count(
+    cell: &Cell,
+    stores: &mut Stores,
+    pm: Option<u32>,
+    sa: pg::Snapshot,
+    handler_idx: &HashMap<String, u16>,
+    preloaded: &AtomicU64,
+) -> anyhow::Result<SampleOut> {
+    let store = stores.dyn_store.clone();
+    let t0 = Instant::now();
+    let mut handled: Vec<Handled> = Vec::new();
+    let mut published = preloaded.load(Ordering::Relaxed);
+    match cell.kind {
+        Kind::CountPublish => {
+            let mut g = Gen::new(cell, 0);
+            let mut left = cell.preload;
+            while left > 0 {
+                let k = left.min(cell.batch.max(1));
+                published += store.publish(g.batch(k)).await?.accepted as u64;
+                left -= k;
+            }
+        }
+        _ => {
+            let lanes = store.lanes();
+            let mut cursors: Vec<i64> = vec![0; usize::from(lanes)];
+            let total = published * cell.handlers as u64;
+            let limit = u32::try_from(cell.settings.lane_buffer()).unwrap_or(200);
+            while (handled.len() as u64) < total {
+                let claims: Vec<LaneClaim> = (0..lanes)
+                    .map(|lane| LaneClaim {
+                        lane,
+                        epoch: 0,
+                        after: cursors[usize::from(lane)],
+                        limit,
+                    })
+                    .collect();
+                let batches = store.claim(&claims).await?;
+                let mut refs = Vec::new();
+                for b in &batches {
+                    cursors[usize::from(b.lane)] = b.next_after;
+                    for d in &b.deliveries {
+                        handled.push(Handled {
+                            handler: handler_idx
+                                .get(d.handler_id.as_str())
+                                .copied()
+                                .unwrap_or(u16::MAX),
+                            event: d.event_id.as_str().into(),
+                            key: d.key.as_deref().map(Into::into),
+                            seq: d.seq,
+                        });
+                        refs.push(DeliveryRef {
+                            id: d.id,
+                            lane: d.lane,
+                            epoch: 0,
+                            attempts: 1,
+                        });
+                    }
+                }
+                if refs.is_empty() {
+                    break;
+                }
+                for chunk in refs.chunks(200) {
+                    store.complete(chunk).await?;
+                }
+            }
+        }
+    }
+    let window = t0.elapsed();
+    let s1 = snapshot(stores, pm).await?;
+    close_and_wait(stores).await?;
+    let sb = snapshot(stores, pm).await?;
+    let counts = lanebus_store::open(&stores.url).await?.counts().await?;
+    let held = Held {
+        completed: counts.completions,
+        pending: counts.deliveries,
+        dead: counts.dead_letters,
+    };
+    let expected = published as i64 * cell.handlers as i64;
+    let ex = exact::check(&handled, held, expected);
+    let mut problems = ex.problems();
+    let units = match cell.kind {
+        Kind::CountPublish => {
+            if held.completed != 0 || held.pending != expected {
+                problems.push(format!(
+                    "publish sample holds {} pending + {} completed deliveries, expected exactly {expected} pending",
+                    held.pending, held.completed
+                ));
+            }
+            counts.events
+        }
+        _ => {
+            if held.pending != 0 || held.completed != expected {
+                problems.push(format!(
+                    "drain left {} pending and completed {} of {expected}",
+                    held.pending, held.completed
+                ));
+            }
+            counts.completions
+        }
+    }
+    .max(0) as u64;
+    if units == 0 {
+        problems.push("nothing was measured".into());
+    }
+    let mut counters = pg::per_unit(&sa, &sb, units);
+    let cpu = pg::per_unit(&sa, &s1, units);
+    for k in ["cpu_app_ms", "cpu_db_ms"] {
+        match cpu.get(k) {
+            Some(v) => counters.insert(k.to_owned(), *v),
+            None => counters.remove(k),
+        };
+    }
+    let secs = window.as_secs_f64().max(1e-9);
+    Ok(SampleOut {
+        cell: cell.name.clone(),
+        units,
+        window_s: secs,
+        rate: units as f64 / secs,
+        accepted_rate: 0.0,
+        handled_rate: handled.len() as f64 / secs,
+        counters,
+        latency: None,
         exact: ex,
         problems,
     })
