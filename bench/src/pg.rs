@@ -29,6 +29,8 @@ pub const SETTINGS: &[(&str, &str)] = &[
     ("checkpoint_timeout", "30min"),
     ("pg_stat_statements.track", "top"),
     ("track_counts", "on"),
+    ("log_checkpoints", "on"),
+    ("log_autovacuum_min_duration", "0"),
 ];
 
 /// Settings recorded in env.json.

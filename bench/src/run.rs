@@ -398,6 +398,9 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<(PathBuf, bool)> {
         Vec::new()
     };
     let settings = server.settings().await.unwrap_or_default();
+    // The server's log (checkpoints, autovacuum, anything unexpected) goes
+    // with the report.
+    let _ = std::fs::copy(server.dir.join("log"), out_dir.join("postgres.log"));
     server.stop();
     let env = env_json(&sides, &settings, &opts, load_start, &started.to_rfc3339());
     std::fs::write(
