@@ -79,6 +79,17 @@ pub struct SampleOut {
     pub exact: Exactness,
     /// Why the sample is invalid (empty: valid).
     pub problems: Vec<String>,
+    /// Milliseconds waited after every connection closed until the table
+    /// statistics agreed with the rows the database holds.
+    pub stats_wait_ms: f64,
+    /// Whether they agreed (within 5 s); database counters of a sample
+    /// whose statistics stayed incomplete are left out of the medians.
+    #[serde(default = "yes")]
+    pub stats_complete: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// Records hand-overs; `Hang` never returns (publish cells through a node:
@@ -497,7 +508,10 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
     // backend about once a second, and at exit), then read the counters
     // of the whole sample.
     close_and_wait(stores).await?;
-    let sb = snapshot(stores, pm).await?;
+    // A fresh store for the count: pooled connections opened by the node's
+    // runtime died with it.
+    let counts = lanebus_store::open(&stores.url).await?.counts().await?;
+    let (sb, stats_wait_ms, stats_complete) = settle(stores, pm, cell.kind, &counts).await?;
     let mut problems = Vec::new();
     if let Some(e) = failure.lock().expect("failure lock").take() {
         problems.push(format!("publish failed: {e}"));
@@ -511,9 +525,6 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
         _ if stores.probe.is_some() => (s1.completed - s0.completed).max(0) as u64,
         _ => h1 - h0,
     };
-    // A fresh store for the count: pooled connections opened by the node's
-    // runtime died with it.
-    let counts = lanebus_store::open(&stores.url).await?.counts().await?;
     let held = Held {
         completed: counts.completions,
         pending: counts.deliveries,
@@ -620,7 +631,46 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
         latency,
         exact: ex,
         problems,
+        stats_wait_ms,
+        stats_complete,
     })
+}
+
+/// Reads the end snapshot once the table statistics agree with what the
+/// database holds: `events.ins` = events stored (publish and mixed: every
+/// event was inserted after the reset) and `completions.ins` = completion
+/// rows (dispatch, mixed, drain). Every backend of the sample has exited
+/// by now, and a backend flushes at exit, yet on this machine about one
+/// sample in eight still read short (a publish call's or a completion
+/// batch's rows missing, and their WAL records with them); waiting lets
+/// the late flush land. Polls every 100 ms for up to 5 s; returns the
+/// snapshot, the milliseconds waited, and whether they agreed.
+async fn settle(
+    stores: &mut Stores,
+    pm: Option<u32>,
+    kind: Kind,
+    counts: &lanebus_store::StoreCounts,
+) -> anyhow::Result<(pg::Snapshot, f64, bool)> {
+    let t = Instant::now();
+    loop {
+        let sb = snapshot(stores, pm).await?;
+        if stores.probe.is_none() {
+            return Ok((sb, 0.0, true));
+        }
+        let ins = |t: &str| sb.tables.get(t).map_or(0, |v| v[0]);
+        let events_ok = !matches!(kind, Kind::Publish | Kind::CountPublish | Kind::Mixed)
+            || ins("events") >= counts.events;
+        let completions_ok = matches!(kind, Kind::Publish | Kind::CountPublish)
+            || ins("completions") >= counts.completions;
+        let waited = t.elapsed();
+        if events_ok && completions_ok {
+            return Ok((sb, waited.as_secs_f64() * 1e3, true));
+        }
+        if waited > Duration::from_secs(5) {
+            return Ok((sb, waited.as_secs_f64() * 1e3, false));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Closes the PostgreSQL store's pool and waits (up to 5 s) until no
@@ -725,8 +775,8 @@ async fn run_count(
     let window = t0.elapsed();
     let s1 = snapshot(stores, pm).await?;
     close_and_wait(stores).await?;
-    let sb = snapshot(stores, pm).await?;
     let counts = lanebus_store::open(&stores.url).await?.counts().await?;
+    let (sb, stats_wait_ms, stats_complete) = settle(stores, pm, cell.kind, &counts).await?;
     let held = Held {
         completed: counts.completions,
         pending: counts.deliveries,
@@ -779,6 +829,8 @@ async fn run_count(
         latency: None,
         exact: ex,
         problems,
+        stats_wait_ms,
+        stats_complete,
     })
 }
 
