@@ -12,7 +12,7 @@
 //! | `statements` | 1 % | 0.0001 | exact: the same calls every time (A/A: identical) |
 //! | `<table>.ins`, `<table>.del` | 1 % | 0.001 | exact: rows per unit are fixed by the design |
 //! | `<table>.upd` | 2 % | 0.001 | exact for the fixed claims (lane rows: one update per claimed lane) |
-//! | `wal_bytes` | 3 % | 5 B | nearly exact: the CHECKPOINT before the reset fixes the full-page images; an autovacuum or analyze that falls inside a sample adds a little |
+//! | `wal_bytes` | 3 % | 5 B | nearly exact: the CHECKPOINT before the reset fixes the full-page images, and autovacuum is off on these cells' tables |
 //! | `wal_records` | 3 % | 0.05 | as `wal_bytes` |
 //! | `wal_fpi`, `<table>.hot_upd`, `<table>.dead`, CPU | not gated | | checkpoint, autovacuum and scheduler timing |
 //!

@@ -66,7 +66,7 @@ pub fn summarize_cell(cell: &str, records: &[Record]) -> CellSummary {
                 .filter(|r| side_idx(r) == i)
                 // Database counters of a sample whose statistics never
                 // agreed with its rows are left out (CPU is kept).
-                .filter(|r| r.out.stats_complete || n.starts_with("cpu_"))
+                .filter(|r| !r.out.stats_incomplete || n.starts_with("cpu_"))
                 .filter_map(|r| r.out.counters.get(n).copied())
                 .collect();
             if let Some(m) = stats::median(&v) {
