@@ -328,7 +328,7 @@ pub fn quick() -> Vec<Cell> {
             Settings::Tuned,
             1,
             0,
-            200_000,
+            500_000,
         ),
         dispatch(
             "pg-dispatch-1n-tuned-fan5",
@@ -336,7 +336,7 @@ pub fn quick() -> Vec<Cell> {
             Settings::Tuned,
             5,
             0,
-            60_000,
+            120_000,
         ),
         mixed(
             "pg-mixed-1000",
@@ -466,7 +466,7 @@ pub fn full() -> Vec<Cell> {
             Settings::Mid,
             1,
             0,
-            120_000,
+            300_000,
         ),
         dispatch(
             "pg-dispatch-1n-ours",
@@ -474,7 +474,7 @@ pub fn full() -> Vec<Cell> {
             Settings::Ours,
             1,
             0,
-            120_000,
+            400_000,
         ),
         dispatch(
             "pg-dispatch-1n-tuned-k1000",
@@ -482,7 +482,7 @@ pub fn full() -> Vec<Cell> {
             Settings::Tuned,
             1,
             1000,
-            60_000,
+            300_000,
         ),
         dispatch(
             "pg-dispatch-1n-tuned-hot10",
@@ -524,7 +524,7 @@ pub fn full() -> Vec<Cell> {
                 Settings::Tuned,
                 1,
                 0,
-                60_000,
+                100_000,
             )
         },
         Cell {
