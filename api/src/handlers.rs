@@ -625,12 +625,39 @@ pub struct Deleted {
     pub discarded_deliveries: u64,
 }
 
+/// Refuses a `timeout_ms` that is not shorter than the cluster's lane lease
+/// (see [`crate::NodeView::lease`]); a node would also refuse to start with
+/// such a handler stored.
+///
+/// # Errors
+/// `422 invalid_handler` naming both numbers.
+fn check_timeout_below_lease(
+    timeout_ms: u64,
+    lease: Option<std::time::Duration>,
+) -> Result<(), ApiError> {
+    match lease {
+        Some(lease) if u128::from(timeout_ms) >= lease.as_millis() => Err(invalid(format!(
+            "timeout_ms {timeout_ms} must be shorter than the cluster's lane lease ({} ms): an \
+             attempt still in flight when a lease ends could reach the receiver after the next \
+             owner's delivery of the same key",
+            lease.as_millis()
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// Handler of `POST /v1/handlers`.
 pub(crate) async fn create(
     State(state): State<ApiState>,
-    Json(req): Json<CreateHandler>,
+    Json(mut req): Json<CreateHandler>,
 ) -> Result<(StatusCode, axum::Json<HandlerView>), ApiError> {
+    let lease = state.node.lease();
+    if let (None, Some(lease)) = (req.timeout_ms, lease) {
+        let below = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX) - 1;
+        req.timeout_ms = Some(handler_defaults::TIMEOUT_MS.min(below));
+    }
     let new = validate_handler(req)?;
+    check_timeout_below_lease(new.timeout_ms, lease)?;
     // The SSRF guard (`crate::egress`): refused targets are `422 invalid_handler`.
     state
         .egress
@@ -728,6 +755,9 @@ pub(crate) async fn update(
 ) -> Result<axum::Json<HandlerView>, ApiError> {
     check_handler_id(&id)?;
     let patch = validate_patch(req)?;
+    if let Some(t) = patch.timeout_ms {
+        check_timeout_below_lease(t, state.node.lease())?;
+    }
     // The SSRF guard (`crate::egress`) on a new URL, as at registration.
     if let Some(url) = &patch.url {
         state

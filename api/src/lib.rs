@@ -191,6 +191,16 @@ pub trait NodeView: Send + Sync + 'static {
         None
     }
 
+    /// The lane lease of a cluster member: a handler's `timeout_ms` must be
+    /// shorter (an attempt still in flight when a lease ends could reach the
+    /// receiver after the next owner's delivery of the same key), so the API
+    /// refuses a longer one, and a registration without `timeout_ms` gets
+    /// the default or, when the lease is shorter, the lease minus one
+    /// millisecond. `None` (the default): no lease, no bound.
+    fn lease(&self) -> Option<std::time::Duration> {
+        None
+    }
+
     /// Whether the node is ready (joined, store reachable, lanes started).
     async fn ready(&self) -> bool;
 

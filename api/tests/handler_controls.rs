@@ -315,6 +315,64 @@ async fn a_rate_limit_can_be_given_at_registration(app: TestApp) {
     assert_eq!(app.snapshot().await, before, "refusals store nothing");
 }
 
+/// A handler timeout must be shorter than the lane lease (a node refuses to
+/// start otherwise): refused at registration and in a patch; without
+/// `timeout_ms`, a lease shorter than the default lowers the default.
+async fn timeouts_must_be_shorter_than_the_lease(backend: common::Backend) {
+    let node = common::StubNode {
+        lease: Some(std::time::Duration::from_millis(3_000)),
+        ..common::StubNode::default()
+    };
+    common::run_with(backend, common::TEST_LIMITS, node, |app| async move {
+        let register = |timeout: Option<u64>| {
+            let mut body =
+                json!({"name": "t", "url": "https://example.com/hooks", "event_types": ["*"]});
+            if let Some(t) = timeout {
+                body["timeout_ms"] = json!(t);
+            }
+            body
+        };
+        let before = app.snapshot().await;
+        let res = app.post("/v1/handlers", register(Some(3_000))).await;
+        assert_eq!(res.status, StatusCode::UNPROCESSABLE_ENTITY, "{res:?}");
+        assert_eq!(res.json["error"]["code"], "invalid_handler");
+        let message = res.json["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("timeout_ms 3000") && message.contains("lease (3000 ms)"),
+            "{message}"
+        );
+        assert_eq!(app.snapshot().await, before, "nothing stored");
+
+        let res = app.post("/v1/handlers", register(None)).await;
+        assert_eq!(res.status, StatusCode::CREATED, "{res:?}");
+        assert_eq!(
+            res.json["timeout_ms"], 2_999,
+            "the default, lowered below the lease"
+        );
+        let id = res.json["id"].as_str().expect("id").to_owned();
+        let res = app.post("/v1/handlers", register(Some(2_000))).await;
+        assert_eq!(res.status, StatusCode::CREATED, "{res:?}");
+
+        let res = patch(&app, &id, json!({"timeout_ms": 60_000})).await;
+        assert_eq!(res.status, StatusCode::UNPROCESSABLE_ENTITY, "{res:?}");
+        assert_eq!(res.json["error"]["code"], "invalid_handler");
+        let res = patch(&app, &id, json!({"timeout_ms": 1_000})).await;
+        assert_eq!(res.status, StatusCode::OK, "{res:?}");
+        assert_eq!(res.json["timeout_ms"], 1_000);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timeouts_must_be_shorter_than_the_lease_sqlite() {
+    timeouts_must_be_shorter_than_the_lease(common::Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timeouts_must_be_shorter_than_the_lease_postgres() {
+    timeouts_must_be_shorter_than_the_lease(common::Backend::Postgres).await;
+}
+
 on_every_backend!(
     a_rate_limit_can_be_given_at_registration,
     patch_changes_only_the_fields_given,

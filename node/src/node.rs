@@ -260,6 +260,8 @@ pub struct NodeState {
     metrics: PrometheusHandle,
     ready: watch::Sender<bool>,
     retention: Duration,
+    /// The lane lease of a cluster member (`None` with `--single`).
+    lease: Option<Duration>,
 }
 
 impl NodeState {
@@ -383,6 +385,10 @@ impl NodeView for NodeState {
 
     fn retention(&self) -> Option<Duration> {
         Some(self.retention)
+    }
+
+    fn lease(&self) -> Option<Duration> {
+        self.lease
     }
 
     async fn ready(&self) -> bool {
@@ -751,6 +757,10 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
         metrics: metrics_handle,
         ready: watch::channel(false).0,
         retention: opts.retention.retention,
+        lease: opts
+            .cluster
+            .as_ref()
+            .map(|c| Duration::from_millis(c.lease.lease_ms)),
     });
     tokio::spawn(crate::retention::run(
         store.clone(),

@@ -39,6 +39,8 @@ pub struct StubNode {
     pub published: Mutex<Vec<Vec<Lane>>>,
     pub handlers_changed: AtomicUsize,
     pub lanes: Vec<LaneView>,
+    /// The lane lease answered by [`NodeView::lease`] (`None`: no bound).
+    pub lease: Option<std::time::Duration>,
 }
 
 #[async_trait]
@@ -54,6 +56,9 @@ impl NodeView for StubNode {
     }
     fn handlers_changed(&self) {
         self.handlers_changed.fetch_add(1, Ordering::SeqCst);
+    }
+    fn lease(&self) -> Option<std::time::Duration> {
+        self.lease
     }
     async fn ready(&self) -> bool {
         !self.not_ready.load(Ordering::SeqCst)
