@@ -38,18 +38,61 @@ impl<T: DeserializeOwned> FromRequest<ApiState> for Json<T> {
         let bytes = axum::body::Bytes::from_request(req, state)
             .await
             .map_err(|e| json_rejection(JsonRejection::from(e), content_type.clone(), limit))?;
-        let axum::Json(value) = axum::Json::<T>::from_bytes(&bytes)
-            .map_err(|e| json_rejection(e, content_type.clone(), limit))?;
-        // serde's derived structs also accept a JSON array (fields by
-        // position); every body of this API is an object (found by
-        // schemathesis: `[null, null]` was taken as `{}`).
-        match bytes.iter().find(|b| !b.is_ascii_whitespace()) {
-            Some(b'{') => Ok(Json(value)),
-            _ => Err(ApiError::new(
-                ErrorCode::InvalidBody,
-                "request body must be a JSON object",
-            )),
+        from_object_bytes(&bytes, content_type, limit).map(Json)
+    }
+}
+
+/// Deserializes a body that must be a JSON object. serde's derived structs
+/// also accept a JSON array (fields by position), and their message for
+/// other values names the Rust type: every body of this API is an object
+/// (found by schemathesis: `[null, null]` was taken as `{}`), so
+/// well-formed JSON that is not one is `422 invalid_body` saying so.
+fn from_object_bytes<T: DeserializeOwned>(
+    bytes: &[u8],
+    content_type: Option<String>,
+    limit: usize,
+) -> Result<T, ApiError> {
+    let object = bytes.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
+    if !object && serde_json::from_slice::<serde::de::IgnoredAny>(bytes).is_ok() {
+        return Err(ApiError::new(
+            ErrorCode::InvalidBody,
+            "request body must be a JSON object",
+        ));
+    }
+    let axum::Json(value) =
+        axum::Json::<T>::from_bytes(bytes).map_err(|e| json_rejection(e, content_type, limit))?;
+    Ok(value)
+}
+
+/// A JSON object body whose fields are all optional, like [`Json`], that may
+/// also be left out: an empty body (with or without `content-type`) is
+/// `T::default()`, as `{}` would be. Rejections as [`Json`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OptionalJson<T>(pub T);
+
+impl<T: DeserializeOwned + Default> FromRequest<ApiState> for OptionalJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &ApiState) -> Result<Self, ApiError> {
+        let content_type = req
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+        let limit = state.limits.max_body_bytes;
+        let bytes = axum::body::Bytes::from_request(req, state)
+            .await
+            .map_err(|e| json_rejection(JsonRejection::from(e), content_type.clone(), limit))?;
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Ok(OptionalJson(T::default()));
         }
+        if !is_json_content_type(content_type.as_deref()) {
+            return Err(json_rejection(
+                JsonRejection::MissingJsonContentType(Default::default()),
+                content_type,
+                limit,
+            ));
+        }
+        from_object_bytes(&bytes, content_type, limit).map(OptionalJson)
     }
 }
 

@@ -56,7 +56,7 @@ use utoipa::ToSchema;
 
 use crate::error::{tidy, ApiError, ErrorCode};
 use crate::events::store_message;
-use crate::extract::{Json, Path};
+use crate::extract::{Json, OptionalJson, Path};
 use crate::ApiState;
 
 /// Allowed `max_attempts`.
@@ -782,7 +782,7 @@ pub(crate) async fn update(
 pub(crate) async fn rotate_secret(
     State(state): State<ApiState>,
     Path(id): Path<String>,
-    Json(req): Json<RotateSecret>,
+    OptionalJson(req): OptionalJson<RotateSecret>,
 ) -> Result<axum::Json<HandlerView>, ApiError> {
     check_handler_id(&id)?;
     let secret = match req.secret {

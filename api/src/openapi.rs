@@ -552,9 +552,15 @@ fn build() -> OpenApi {
             operation = operation.parameter(parameter);
         }
         if let Some(body) = described.body {
+            // Every field of a rotation is optional, and so is its body.
+            let required = if matches!(op, Operation::RotateHandlerSecret) {
+                Required::False
+            } else {
+                Required::True
+            };
             operation = operation.request_body(Some(
                 RequestBodyBuilder::new()
-                    .required(Some(Required::True))
+                    .required(Some(required))
                     .content(JSON, ContentBuilder::new().schema(Some(body)).build())
                     .build(),
             ));

@@ -248,7 +248,7 @@ fn cases() -> Vec<Case> {
             json!([ev("a")]),
             422,
             "invalid_body",
-            "expected",
+            "must be a JSON object",
         ),
         publish(
             "id with a space",

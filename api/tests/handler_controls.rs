@@ -373,7 +373,54 @@ async fn timeouts_must_be_shorter_than_the_lease_postgres() {
     timeouts_must_be_shorter_than_the_lease(common::Backend::Postgres).await;
 }
 
+/// Every field of a rotation is optional, so is its body; a body that is
+/// JSON but not an object says so (not the name of a Rust type).
+async fn rotation_without_a_body_and_non_object_bodies(app: TestApp) {
+    let id = app.create_handler("rot", &["*"]).await;
+    let before = app.get(&format!("/v1/handlers/{id}")).await.json;
+    let res = app
+        .call(
+            Method::POST,
+            &format!("/v1/handlers/{id}/secret/rotate"),
+            None,
+            Vec::new(),
+        )
+        .await;
+    assert_eq!(res.status, StatusCode::OK, "{res:?}");
+    assert_ne!(res.json["secret"], before["secret"], "a new secret");
+    assert!(res.json["previous_secret_until"].is_string(), "{res:?}");
+    for body in ["null", "[1]", "3", "\"x\""] {
+        let res = app
+            .call(
+                Method::PATCH,
+                &format!("/v1/handlers/{id}"),
+                Some("application/json"),
+                body.as_bytes().to_vec(),
+            )
+            .await;
+        assert_eq!(
+            res.status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{body}: {res:?}"
+        );
+        assert_eq!(
+            res.json["error"]["message"], "request body must be a JSON object",
+            "{body}"
+        );
+    }
+    let res = app
+        .call(
+            Method::PATCH,
+            &format!("/v1/handlers/{id}"),
+            Some("application/json"),
+            b"nul".to_vec(),
+        )
+        .await;
+    assert_eq!(res.status, StatusCode::BAD_REQUEST, "not JSON: {res:?}");
+}
+
 on_every_backend!(
+    rotation_without_a_body_and_non_object_bodies,
     a_rate_limit_can_be_given_at_registration,
     patch_changes_only_the_fields_given,
     bad_patches_are_refused_and_change_nothing,

@@ -38,7 +38,7 @@ pub struct NodeArgs {
     #[arg(long, env = "LANEBUS_DATA_DIR")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub data_dir: Option<PathBuf>,
-    /// Store URL: `postgres://...` or `sqlite://PATH` [default: sqlite://DATA_DIR/lanebus.db].
+    /// Store URL: `postgres://...`, `mongodb://...` (a replica set) or `sqlite://PATH` [default: sqlite://DATA_DIR/lanebus.db].
     #[arg(long, env = "LANEBUS_STORE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub store: Option<String>,

@@ -71,7 +71,7 @@ enum Command {
 
 #[derive(Debug, Args)]
 struct MigrateArgs {
-    /// Store URL: `postgres://...` or `sqlite://PATH`.
+    /// Store URL: `postgres://...`, `mongodb://...` (a replica set) or `sqlite://PATH`.
     #[arg(long, env = "LANEBUS_STORE")]
     store: String,
 }
