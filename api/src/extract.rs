@@ -23,10 +23,7 @@ impl<T: DeserializeOwned> FromRequest<ApiState> for Json<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &ApiState) -> Result<Self, ApiError> {
-        let content_type = req
-            .headers()
-            .get(header::CONTENT_TYPE)
-            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+        let content_type = content_type_of(&req);
         let limit = state.limits.max_body_bytes;
         if !is_json_content_type(content_type.as_deref()) {
             return Err(json_rejection(
@@ -74,10 +71,7 @@ impl<T: DeserializeOwned + Default> FromRequest<ApiState> for OptionalJson<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &ApiState) -> Result<Self, ApiError> {
-        let content_type = req
-            .headers()
-            .get(header::CONTENT_TYPE)
-            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+        let content_type = content_type_of(&req);
         let limit = state.limits.max_body_bytes;
         let bytes = axum::body::Bytes::from_request(req, state)
             .await
@@ -94,6 +88,13 @@ impl<T: DeserializeOwned + Default> FromRequest<ApiState> for OptionalJson<T> {
         }
         from_object_bytes(&bytes, content_type, limit).map(OptionalJson)
     }
+}
+
+/// The request's `content-type`, if any (lossy UTF-8).
+fn content_type_of(req: &Request) -> Option<String> {
+    req.headers()
+        .get(header::CONTENT_TYPE)
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
 }
 
 /// `application/json` or `application/*+json`, parameters ignored (what
