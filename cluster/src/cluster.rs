@@ -301,6 +301,8 @@ struct Inner {
     releasing: watch::Sender<BTreeMap<u16, Releasing>>,
     /// (term, instant) this node became leader, while it is.
     leader_since: Mutex<Option<(u64, Instant)>>,
+    /// Set by [`Cluster::release_lease`]: the renewal duty sends nothing more.
+    released: std::sync::atomic::AtomicBool,
 }
 
 /// A running cluster member. See the module docs for what it does.
@@ -617,6 +619,7 @@ impl Cluster {
             owned: watch::channel(BTreeMap::new()).0,
             releasing: watch::channel(BTreeMap::new()).0,
             leader_since: Mutex::default(),
+            released: std::sync::atomic::AtomicBool::new(false),
         });
         let tasks = vec![
             tokio::spawn(network::serve(
@@ -866,6 +869,38 @@ impl Cluster {
         &self.inner.cfg.net
     }
 
+    /// Gives this node's lease up for a graceful stop: renewals stop, and
+    /// the leader counts the node as not live at once, so it moves the
+    /// node's lanes without waiting for the lease and the margin (the next
+    /// owners fence the next epoch, as after a failure). Call it only when
+    /// this node works no lane any more: lanes drained and stopped, nothing
+    /// in flight (otherwise a late attempt could overtake the next owner's).
+    /// The node is live again after a restart's first renewal.
+    ///
+    /// # Errors
+    /// [`ClusterError::Unavailable`] when no leader applied it within
+    /// `timeout` (the lanes then move after the lease, as before),
+    /// [`ClusterError::Refused`] when not a member.
+    pub async fn release_lease(&self, timeout: Duration) -> Result<()> {
+        self.inner
+            .released
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let r = self
+            .inner
+            .write(
+                Command::ReleaseLease {
+                    node: self.inner.me(),
+                },
+                timeout,
+            )
+            .await?;
+        if r.ok {
+            Ok(())
+        } else {
+            Err(ClusterError::Refused(r.reason.unwrap_or_default()))
+        }
+    }
+
     /// Stops the duties, the RPC server and Raft, and waits for them, so the
     /// data dir can be opened again. Lanes are not handed over: to leave for
     /// good, [`Cluster::remove_node`] first.
@@ -926,9 +961,10 @@ async fn renew_loop(inner: Arc<Inner>) {
             let joined = m.membership_config.membership().nodes().next().is_some();
             joined
         };
-        if !joined {
+        if !joined || inner.released.load(std::sync::atomic::Ordering::SeqCst) {
             // Not part of a cluster yet (waiting for bootstrap or join): a
-            // renewal could only wait for a leader nobody knows.
+            // renewal could only wait for a leader nobody knows. Or the lease
+            // was given up (stopping).
             continue;
         }
         if !incarnated {

@@ -99,6 +99,15 @@ pub enum Command {
         /// Unique name of this process start (e.g. a UUID).
         incarnation: String,
     },
+    /// A node stopping gracefully gives its lease up: it counts as not live
+    /// (as if it never renewed) until its next renewal, so the leader moves
+    /// its lanes at once instead of after the lease and the margin. Sent by
+    /// the node itself once its lanes are drained and stopped (nothing of
+    /// theirs is in flight); allowed for members only.
+    ReleaseLease {
+        /// The stopping node.
+        node: NodeId,
+    },
     /// The old owner of a lane in handover has drained it: the target owns it
     /// now at `epoch + 1` ([`assignment::apply_release`]). Sent by the old
     /// owner; allowed only when the lane is being released by `from`.
@@ -243,6 +252,15 @@ impl ClusterState {
                     index: Some(index),
                     ..CommandResult::ok()
                 }
+            }
+            Command::ReleaseLease { node } => {
+                if !self.members.contains_key(node) {
+                    return CommandResult::refused(format!("node {node} is not a member"));
+                }
+                if let Some(rec) = self.leases.get_mut(node) {
+                    rec.renewals = 0;
+                }
+                CommandResult::ok()
             }
             Command::Incarnate { node, incarnation } => {
                 if !self.members.contains_key(node) {
@@ -467,5 +485,20 @@ mod tests {
         assert!(s.apply(3, &Command::Release { lane: 1, from: 1 }).ok);
         assert_eq!(s.active_lanes(2), BTreeMap::from([(1, 2)]));
         assert!(!s.apply(4, &Command::Release { lane: 9, from: 1 }).ok);
+    }
+
+    #[test]
+    fn a_released_lease_counts_as_never_renewed_until_the_next_renewal() {
+        let mut s = ClusterState::new(4);
+        assert!(add(&mut s, 7).ok);
+        assert!(
+            !s.apply(2, &Command::ReleaseLease { node: 8 }).ok,
+            "members only"
+        );
+        assert!(s.apply(3, &Command::RenewLease { node: 7 }).ok);
+        assert!(s.apply(4, &Command::ReleaseLease { node: 7 }).ok);
+        assert_eq!(s.leases[&7].renewals, 0, "not live");
+        assert!(s.apply(5, &Command::RenewLease { node: 7 }).ok);
+        assert_eq!(s.leases[&7].renewals, 1, "live again after a renewal");
     }
 }

@@ -641,6 +641,20 @@ async fn run(
         a.do_send(StopLane);
     }
     if let Some(c) = &state.cluster {
+        // Drained: nothing of this node's lanes is in flight, so it can give
+        // its lease up and the leader moves the lanes at once (otherwise
+        // their keys wait for the lease and the margin). Not after a drain
+        // that timed out: an attempt still in flight must not overtake the
+        // next owner's, which is what waiting for the lease prevents.
+        if abandoned == 0 {
+            let lease = state.lease.unwrap_or(Duration::from_secs(2));
+            match c.release_lease(lease.min(Duration::from_secs(2))).await {
+                Ok(()) => tracing::info!("lease given up: the lanes move now"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not give the lease up: the lanes move after it ends")
+                }
+            }
+        }
         c.shutdown().await;
     }
     System::current().stop();
