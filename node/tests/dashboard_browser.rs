@@ -134,7 +134,7 @@ async fn dashboard_shows_three_owners_then_the_failover() -> anyhow::Result<()> 
         ("payments", vec!["push"], 2),
     ] {
         let h = api
-            .create_handler(name, &rx.url(name), &routes, attempts)
+            .create_handler_timeout(name, &rx.url(name), &routes, attempts, LEASE_MS - 500)
             .await?;
         rx.set_secret(name, &h.secret);
         n_handlers += 1;

@@ -225,11 +225,25 @@ impl Api {
         routes: &[&str],
         max_attempts: u32,
     ) -> anyhow::Result<Registered> {
+        self.create_handler_timeout(name, url, routes, max_attempts, 5_000)
+            .await
+    }
+
+    /// [`Api::create_handler`] with another attempt timeout (a cluster's
+    /// lane lease must be longer).
+    pub async fn create_handler_timeout(
+        &self,
+        name: &str,
+        url: &str,
+        routes: &[&str],
+        max_attempts: u32,
+        timeout_ms: u64,
+    ) -> anyhow::Result<Registered> {
         let (status, body) = self
             .call(
                 reqwest::Method::POST,
                 "/v1/handlers",
-                Some(serde_json::json!({"name": name, "url": url, "event_types": routes, "max_attempts": max_attempts, "timeout_ms": 5000})),
+                Some(serde_json::json!({"name": name, "url": url, "event_types": routes, "max_attempts": max_attempts, "timeout_ms": timeout_ms})),
             )
             .await?;
         if status != 201 {
