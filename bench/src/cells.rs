@@ -458,7 +458,7 @@ pub fn full() -> Vec<Cell> {
             Settings::Defaults,
             1,
             0,
-            60_000,
+            400_000,
         ),
         dispatch(
             "pg-dispatch-1n-mid",
@@ -466,7 +466,7 @@ pub fn full() -> Vec<Cell> {
             Settings::Mid,
             1,
             0,
-            300_000,
+            500_000,
         ),
         dispatch(
             "pg-dispatch-1n-ours",
@@ -474,7 +474,7 @@ pub fn full() -> Vec<Cell> {
             Settings::Ours,
             1,
             0,
-            400_000,
+            500_000,
         ),
         dispatch(
             "pg-dispatch-1n-tuned-k1000",
@@ -482,7 +482,7 @@ pub fn full() -> Vec<Cell> {
             Settings::Tuned,
             1,
             1000,
-            300_000,
+            400_000,
         ),
         dispatch(
             "pg-dispatch-1n-tuned-hot10",
@@ -490,7 +490,7 @@ pub fn full() -> Vec<Cell> {
             Settings::Tuned,
             1,
             10,
-            30_000,
+            100_000,
         ),
         mixed(
             "pg-mixed-1000-defaults",
@@ -524,7 +524,7 @@ pub fn full() -> Vec<Cell> {
                 Settings::Tuned,
                 1,
                 0,
-                100_000,
+                150_000,
             )
         },
         Cell {
@@ -535,7 +535,7 @@ pub fn full() -> Vec<Cell> {
                 Settings::Tuned,
                 1,
                 0,
-                60_000,
+                100_000,
             )
         },
     ]);
