@@ -30,7 +30,7 @@
 //! than 10 % with 95 % confidence). Without an interval (fewer than three
 //! kept pairs, such as the quick set's two) throughput is indicative and
 //! not gated: on this shared 2-core machine two pairs of the same code gave
-//! ratios from 0.70 to 1.25. Mixed cells are not gated (they publish what
+//! median ratios from 0.84 to 2.27 (the A/A quick runs of bench/results/). Mixed cells are not gated (they publish what
 //! the machine accepts at the offered rate).
 
 use std::collections::{BTreeMap, BTreeSet};
