@@ -85,7 +85,9 @@ pub struct LaneView {
     pub owner: Option<String>,
     /// Current epoch.
     pub epoch: i64,
-    /// `active`, `starting`, `draining`, `stopped` or `unassigned`.
+    /// `active`, `releasing`, `unassigned`, `fenced_out` (the store holds
+    /// the lane for a process outside the cluster), or `stopped` (single
+    /// node).
     #[schema(example = "active")]
     pub state: String,
     /// Milliseconds until the owner's lease expires; `None` without leases.

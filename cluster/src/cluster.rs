@@ -731,6 +731,22 @@ impl Cluster {
         .await
     }
 
+    /// Reports lanes this node owns that someone outside the cluster fenced
+    /// in the store: `(lane, Raft epoch held, epoch found in the store)`.
+    /// Those still owned here at that epoch get `max(epoch, store epoch) + 1`
+    /// ([`Command::Refence`]), which [`Cluster::owned_lanes`] then shows.
+    ///
+    /// # Errors
+    /// [`ClusterError::Refused`] if this node is not a member,
+    /// [`ClusterError::Unavailable`], [`ClusterError::Raft`].
+    pub async fn refence(&self, lanes: Vec<(u16, u64, u64)>) -> Result<()> {
+        self.command(Command::Refence {
+            node: self.node_id(),
+            lanes,
+        })
+        .await
+    }
+
     async fn command(&self, cmd: Command) -> Result<()> {
         let r = self.inner.write(cmd, Duration::from_secs(10)).await?;
         if r.ok {

@@ -117,6 +117,24 @@ pub enum Command {
         /// The releasing (old) owner.
         from: NodeId,
     },
+    /// The owner of active lanes found them fenced in the store by someone
+    /// outside the cluster (e.g. a `lanebus node --single` process on the
+    /// same store): the store holds `store_epoch` (at least the Raft epoch)
+    /// under another name, so the owner can neither claim nor fence them.
+    /// Each listed lane still owned by `node` in state
+    /// [`LaneState::Active`] at `epoch` gets
+    /// `max(epoch, store_epoch) + 1` ([`refence_lanes`]), which the owner
+    /// then fences; the outsider is deposed like any older owner (DESIGN.md
+    /// invariant 4). A lane whose owner or epoch changed meanwhile is left
+    /// alone (a retried or stale report bumps nothing). Sent by the owner
+    /// after the lease plus the margin, so a still-running outsider is not
+    /// fought more often than that. Allowed for members only.
+    Refence {
+        /// The reporting owner.
+        node: NodeId,
+        /// `(lane, Raft epoch the owner holds, epoch found in the store)`.
+        lanes: Vec<(u16, u64, u64)>,
+    },
 }
 
 /// The answer of the state machine to one command.
@@ -173,6 +191,23 @@ pub fn bump_restarted(lanes: &mut [LaneEntry], node: NodeId) -> usize {
     for e in lanes.iter_mut() {
         if e.owner == Some(node) && e.state == LaneState::Active {
             e.epoch += 1;
+            n += 1;
+        }
+    }
+    n
+}
+
+/// [`Command::Refence`]: every `(lane, epoch, store_epoch)` that `node`
+/// still owns in state [`LaneState::Active`] at `epoch` moves to
+/// `max(epoch, store_epoch) + 1`. Returns how many lanes moved on.
+pub fn refence_lanes(lanes: &mut [LaneEntry], node: NodeId, report: &[(u16, u64, u64)]) -> usize {
+    let mut n = 0;
+    for &(lane, epoch, store_epoch) in report {
+        let Some(e) = lanes.get_mut(usize::from(lane)) else {
+            continue;
+        };
+        if e.owner == Some(node) && e.state == LaneState::Active && e.epoch == epoch {
+            e.epoch = epoch.max(store_epoch) + 1;
             n += 1;
         }
     }
@@ -273,6 +308,13 @@ impl ClusterState {
                 bump_restarted(&mut self.lanes, *node);
                 CommandResult::ok()
             }
+            Command::Refence { node, lanes } => {
+                if !self.members.contains_key(node) {
+                    return CommandResult::refused(format!("node {node} is not a member"));
+                }
+                refence_lanes(&mut self.lanes, *node, lanes);
+                CommandResult::ok()
+            }
             Command::Apply { changes } => {
                 for &change in changes {
                     let (Change::Assign { lane, .. }
@@ -338,6 +380,52 @@ pub struct Releasing {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn refence_moves_only_lanes_still_owned_at_the_reported_epoch() {
+        let mut s = ClusterState::new(4);
+        assert!(add(&mut s, 1).ok);
+        for (lane, owner) in [(0u16, 1), (1, 1), (2, 2)] {
+            s.lanes[usize::from(lane)] = LaneEntry {
+                owner: Some(owner),
+                epoch: 3,
+                state: LaneState::Active,
+            };
+        }
+        let report = vec![(0, 3, 3), (1, 2, 9), (2, 3, 5), (3, 0, 4), (99, 1, 1)];
+        let cmd = Command::Refence {
+            node: 1,
+            lanes: report,
+        };
+        assert!(s.apply(5, &cmd).ok);
+        // Lane 0: store epoch equal to Raft's, one above both.
+        assert_eq!(s.lanes[0].epoch, 4);
+        // Lane 1: a stale report (Raft moved on from 2), lane 2 another
+        // owner's, lane 3 unassigned, lane 99 unknown: all unchanged.
+        assert_eq!(s.lanes[1].epoch, 3);
+        assert_eq!(s.lanes[2].epoch, 3);
+        assert_eq!(s.lanes[3], LaneEntry::UNASSIGNED);
+        // The same report again bumps nothing (lane 0 is at 4 now).
+        assert!(s.apply(6, &cmd).ok);
+        assert_eq!(s.lanes[0].epoch, 4);
+        // Store epoch above Raft's: one above the store's.
+        let cmd = Command::Refence {
+            node: 1,
+            lanes: vec![(1, 3, 9)],
+        };
+        assert!(s.apply(7, &cmd).ok);
+        assert_eq!(s.lanes[1].epoch, 10);
+        assert!(
+            !s.apply(
+                8,
+                &Command::Refence {
+                    node: 7,
+                    lanes: vec![]
+                }
+            )
+            .ok
+        );
+    }
 
     fn add(s: &mut ClusterState, node: NodeId) -> CommandResult {
         s.apply(

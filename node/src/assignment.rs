@@ -27,16 +27,36 @@
 //!   (`lanebus_cluster::Command::Incarnate`), which gives its active lanes
 //!   `epoch + 1`; until that is applied here a fence at the old epoch fails
 //!   (the old process's name is in the row) and is retried.
+//!
+//! ## Lanes fenced by someone outside the cluster
+//!
+//! Raft is not the only writer of epochs: a `lanebus node --single` process
+//! (or a second cluster) on the same store fences every lane at its stored
+//! epoch + 1, under its own name. The cluster's owners are then fenced out
+//! (their claims return nothing) and a fence at the Raft epoch fails, since
+//! the store already holds that epoch or a higher one. [`RaftAssignment`]
+//! treats such a lane as *fenced out*: the lane owner reports it
+//! (`LaneDeps::fenced_out`), the lane leaves [`LaneWork::owned`], and if the
+//! store still refuses it after [`FENCED_OUT_GRACE`] (a restart's
+//! `Incarnate` or a Raft change usually ends the refusal before that) the
+//! node logs it at WARN once per lane, lists it in [`FencedOutLanes`]
+//! (`/readyz` answers 503 while any is listed), and after
+//! [`RaftAssignment::new`]'s `refence_after` (the lease plus the margin)
+//! reports the store's epochs to Raft with [`Cluster::refence`]. Raft gives
+//! the lanes `max(epoch, store epoch) + 1`, the node fences that, and the
+//! outsider's owners are the deposed ones (invariant 4 holds: both sides
+//! only ever work at an epoch the store holds for them). A still-running
+//! outsider is thus fought at most once per `refence_after` per lane.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use futures::{stream, StreamExt, TryStreamExt};
 use lanebus_cluster::{Cluster, ClusterError};
 use lanebus_store::{Epoch, Lane, LaneRow, Store, StoreError};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 
 /// Lanes owned by this node and the epoch of each.
 pub type OwnedLanes = BTreeMap<Lane, Epoch>;
@@ -158,6 +178,27 @@ pub fn plan_lanes(
     plan
 }
 
+/// How long the store must keep refusing a lane Raft gives this node before
+/// the node calls it fenced out by an outsider (WARN, [`FencedOutLanes`],
+/// `/readyz`): a restarted process's new epochs and Raft moves settle well
+/// within this.
+pub const FENCED_OUT_GRACE: Duration = Duration::from_secs(1);
+
+/// A lane Raft gives this node that the store holds for someone else.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FencedOut {
+    /// The epoch Raft gives this node.
+    pub epoch: Epoch,
+    /// The owner name the store holds (`<node id>/<incarnation>`).
+    pub store_owner: Option<String>,
+    /// The epoch the store holds (at least `epoch`).
+    pub store_epoch: Epoch,
+}
+
+/// Lanes of this node fenced out by someone outside the cluster, shared
+/// between the [`RaftAssignment`] that finds them and the node's `/readyz`.
+pub type FencedOutLanes = Arc<Mutex<BTreeMap<Lane, FencedOut>>>;
+
 /// Why an assignment could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum AssignmentError {
@@ -196,6 +237,13 @@ pub trait LaneAssignment: Send + Sync + 'static {
 
     /// The owner name this process fences lanes with ([`owner_name`]).
     fn owner(&self) -> &str;
+
+    /// Where lane owners report that the store refused their claim at
+    /// `(lane, epoch)` (fenced out). `None`: nobody listens, the lane just
+    /// stops (single node: the process that fenced later keeps the lane).
+    fn fenced_out_reports(&self) -> Option<mpsc::UnboundedSender<(Lane, Epoch)>> {
+        None
+    }
 }
 
 /// Single-node assignment: owns every lane, fenced at `current epoch + 1`.
@@ -231,7 +279,9 @@ impl LaneAssignment for LocalAssignment {
 
     async fn start(&self) -> Result<watch::Receiver<LaneWork>, AssignmentError> {
         let mut owned = OwnedLanes::new();
-        let mut todo = next_epochs(&self.store.lane_rows().await?);
+        let rows = self.store.lane_rows().await?;
+        warn_if_others_own(&rows, owner_node(&self.owner));
+        let mut todo = next_epochs(&rows);
         // A lane fenced concurrently by someone else is re-read and retried a
         // few times; a single node only races with its own previous life.
         for _round in 0..5 {
@@ -275,6 +325,33 @@ impl LaneAssignment for LocalAssignment {
     }
 }
 
+/// Logs at WARN when other nodes own lanes of the store a single node is
+/// about to take: a cluster (or another `--single` process) shares it. The
+/// single node fences every lane anyway, so their owners are fenced out; a
+/// cluster takes its lanes back after its lease plus margin (see the module
+/// docs), and then this process's lanes stop.
+fn warn_if_others_own(rows: &[LaneRow], me: &str) {
+    let others: BTreeSet<&str> = rows
+        .iter()
+        .filter_map(|r| r.owner.as_deref().map(owner_node))
+        .filter(|n| *n != me)
+        .collect();
+    if !others.is_empty() {
+        let lanes = rows
+            .iter()
+            .filter(|r| r.owner.as_deref().is_some_and(|o| owner_node(o) != me))
+            .count();
+        tracing::warn!(
+            lanes,
+            owners = ?others,
+            "--single on a store whose lanes other nodes own: fencing every lane anyway; \
+             their owners are fenced out, and a cluster on this store takes its lanes back \
+             after its lease plus margin (then this process's lanes stop). Give a single \
+             node a store of its own"
+        );
+    }
+}
+
 /// Lanes through Raft: fences the lanes [`Cluster::owned_lanes`] gives this
 /// node at their epochs and publishes them with the lanes
 /// [`Cluster::releasing`] asks it to hand over.
@@ -283,26 +360,115 @@ impl LaneAssignment for LocalAssignment {
 /// higher epoch) is retried every 250 ms while Raft still gives the lane at
 /// that epoch: Raft moves on (a new incarnation's epochs, a reassignment)
 /// and the retry then fences the new epoch. A lapsed lease empties
-/// `owned_lanes`, so every owner stops by itself.
+/// `owned_lanes`, so every owner stops by itself. A lane that someone
+/// outside the cluster holds in the store is re-fenced through Raft (see
+/// the module docs, "Lanes fenced by someone outside the cluster").
 pub struct RaftAssignment {
     cluster: Arc<Cluster>,
     store: Arc<dyn Store>,
     owner: String,
     sender: std::sync::Mutex<Option<watch::Sender<LaneWork>>>,
+    refence_after: Duration,
+    fenced_out: FencedOutLanes,
+    reports: mpsc::UnboundedSender<(Lane, Epoch)>,
+    reports_rx: std::sync::Mutex<Option<mpsc::UnboundedReceiver<(Lane, Epoch)>>>,
 }
 
 impl RaftAssignment {
     /// The assignment of `cluster`'s node, fencing in `store` under
-    /// [`owner_name`] of its id and incarnation.
-    pub fn new(cluster: Arc<Cluster>, store: Arc<dyn Store>) -> Self {
+    /// [`owner_name`] of its id and incarnation. A lane fenced out by an
+    /// outsider is listed in `fenced_out` after [`FENCED_OUT_GRACE`] and
+    /// re-fenced through Raft once it has been refused for `refence_after`
+    /// (the node passes the lease plus the margin, the same bound as a
+    /// failover).
+    pub fn new(
+        cluster: Arc<Cluster>,
+        store: Arc<dyn Store>,
+        refence_after: Duration,
+        fenced_out: FencedOutLanes,
+    ) -> Self {
         let owner = owner_name(&cluster.node_id().to_string(), cluster.incarnation());
+        let (reports, rx) = mpsc::unbounded_channel();
         RaftAssignment {
             cluster,
             store,
             owner,
             sender: std::sync::Mutex::new(None),
+            refence_after,
+            fenced_out,
+            reports,
+            reports_rx: std::sync::Mutex::new(Some(rx)),
         }
     }
+}
+
+/// A lane the store keeps refusing: since when, and what the store holds.
+struct Refused {
+    since: Instant,
+    /// When `refence_after` is counted from (reset when a re-fence did not
+    /// move Raft on).
+    due: Instant,
+    found: FencedOut,
+    warned: bool,
+}
+
+/// Notes the lanes of `failed` (lane → Raft epoch) the store holds for
+/// someone else at that epoch or a higher one. The store never lowers an
+/// epoch, so a fence at that Raft epoch cannot succeed any more: only a new
+/// epoch from Raft helps.
+fn note_refused(
+    refused: &mut BTreeMap<Lane, Refused>,
+    failed: &OwnedLanes,
+    rows: &[LaneRow],
+    me: &str,
+) {
+    let now = Instant::now();
+    for row in rows {
+        let Some(&epoch) = failed.get(&row.lane) else {
+            continue;
+        };
+        if row.epoch < epoch || row.owner.as_deref() == Some(me) {
+            continue;
+        }
+        let found = FencedOut {
+            epoch,
+            store_owner: row.owner.clone(),
+            store_epoch: row.epoch,
+        };
+        refused.insert(
+            row.lane,
+            Refused {
+                since: now,
+                due: now,
+                found,
+                warned: false,
+            },
+        );
+    }
+}
+
+/// Logs each lane refused for [`FENCED_OUT_GRACE`] at WARN once, and keeps
+/// `shared` to the warned ones.
+fn warn_refused(refused: &mut BTreeMap<Lane, Refused>, shared: &FencedOutLanes) {
+    let now = Instant::now();
+    for (&lane, r) in refused.iter_mut() {
+        if !r.warned && now.duration_since(r.since) >= FENCED_OUT_GRACE {
+            r.warned = true;
+            tracing::warn!(
+                lane,
+                epoch = r.found.epoch,
+                store_owner = r.found.store_owner.as_deref().unwrap_or(""),
+                store_epoch = r.found.store_epoch,
+                "lane fenced out by a process outside the cluster (a --single node on this \
+                 store?): not delivering it until Raft re-fences it above the store's epoch"
+            );
+        }
+    }
+    *shared.lock().expect("not poisoned") = refused
+        .iter()
+        .filter(|(_, r)| r.warned)
+        .map(|(&l, r)| (l, r.found.clone()))
+        .collect();
 }
 
 /// Fences `todo` at their epochs; returns those that hold now.
@@ -341,6 +507,10 @@ impl LaneAssignment for RaftAssignment {
         &self.owner
     }
 
+    fn fenced_out_reports(&self) -> Option<mpsc::UnboundedSender<(Lane, Epoch)>> {
+        Some(self.reports.clone())
+    }
+
     async fn start(&self) -> Result<watch::Receiver<LaneWork>, AssignmentError> {
         let (tx, rx) = watch::channel(LaneWork::default());
         *self.sender.lock().expect("not poisoned") = Some(tx.clone());
@@ -348,8 +518,18 @@ impl LaneAssignment for RaftAssignment {
         let mut releasing_rx = self.cluster.releasing();
         let store = self.store.clone();
         let owner = self.owner.clone();
+        let cluster = self.cluster.clone();
+        let refence_after = self.refence_after;
+        let shared = self.fenced_out.clone();
+        let mut reports = self
+            .reports_rx
+            .lock()
+            .expect("not poisoned")
+            .take()
+            .expect("started once");
         tokio::spawn(async move {
             let mut fenced = OwnedLanes::new();
+            let mut refused: BTreeMap<Lane, Refused> = BTreeMap::new();
             loop {
                 let want: OwnedLanes = owned_rx
                     .borrow_and_update()
@@ -364,6 +544,8 @@ impl LaneAssignment for RaftAssignment {
                 // Removals first: a lane gone must stop without waiting for
                 // other lanes' fences.
                 fenced.retain(|l, e| want.get(l) == Some(e));
+                // Lanes whose Raft epoch moved on are no longer refused.
+                refused.retain(|l, r| want.get(l) == Some(&r.found.epoch));
                 let publish = |fenced: &OwnedLanes| {
                     let work = LaneWork {
                         owned: fenced.clone(),
@@ -376,17 +558,30 @@ impl LaneAssignment for RaftAssignment {
                     });
                 };
                 publish(&fenced);
+                // A refused lane is not fenced again at the same epoch (the
+                // store never lowers it): it waits for a new one from Raft.
                 let todo: OwnedLanes = want
                     .iter()
-                    .filter(|(l, _)| !fenced.contains_key(l))
+                    .filter(|(l, _)| !fenced.contains_key(l) && !refused.contains_key(l))
                     .map(|(&l, &e)| (l, e))
                     .collect();
                 let pending = if todo.is_empty() {
                     false
                 } else {
                     let asked = todo.len();
-                    let done = fence_all(store.clone(), owner.clone(), todo).await;
+                    let done = fence_all(store.clone(), owner.clone(), todo.clone()).await;
                     let pending = done.len() < asked;
+                    if pending {
+                        let failed: OwnedLanes = todo
+                            .into_iter()
+                            .filter(|(l, _)| !done.contains_key(l))
+                            .collect();
+                        match store.lane_rows().await {
+                            Ok(rows) => note_refused(&mut refused, &failed, &rows, &owner),
+                            Err(e) => tracing::warn!(error = %e, "reading lane rows failed"),
+                        }
+                    }
+
                     // The lease may have lapsed or Raft moved on meanwhile.
                     let now: OwnedLanes = owned_rx
                         .borrow()
@@ -398,15 +593,57 @@ impl LaneAssignment for RaftAssignment {
                     publish(&fenced);
                     pending
                 };
-                let wait = if pending {
+                warn_refused(&mut refused, &shared);
+                // Lanes refused for `refence_after`: Raft gives them an epoch
+                // above the store's (applied here, it changes `owned_rx`).
+                let due: Vec<(u16, u64, u64)> = refused
+                    .iter_mut()
+                    .filter(|(_, r)| r.due.elapsed() >= refence_after)
+                    .map(|(&l, r)| {
+                        // Asked again after another `refence_after` if Raft
+                        // did not move (refused, no leader).
+                        r.due = Instant::now();
+                        (l, r.found.epoch as u64, r.found.store_epoch as u64)
+                    })
+                    .collect();
+                if !due.is_empty() {
+                    let lanes = due.len();
+                    match cluster.refence(due).await {
+                        Ok(()) => tracing::info!(
+                            lanes,
+                            "lanes fenced out by an outsider: Raft re-assigned them above the \
+                             store's epochs"
+                        ),
+                        Err(e) => {
+                            tracing::warn!(lanes, error = %e, "re-fencing through Raft failed")
+                        }
+                    }
+                }
+                let mut wait = if pending {
                     Duration::from_millis(250)
                 } else {
                     Duration::from_secs(3600)
                 };
+                for r in refused.values() {
+                    let next = if r.warned {
+                        (r.due + refence_after).saturating_duration_since(Instant::now())
+                    } else {
+                        (r.since + FENCED_OUT_GRACE).saturating_duration_since(Instant::now())
+                    };
+                    wait = wait.min(next.max(Duration::from_millis(10)));
+                }
                 tokio::select! {
                     r = owned_rx.changed() => if r.is_err() { return },
                     r = releasing_rx.changed() => if r.is_err() { return },
                     _ = tx.closed() => return,
+                    report = reports.recv() => {
+                        // A lane owner was fenced out at a claim: fence that
+                        // lane again (and find out who holds it).
+                        let Some((lane, epoch)) = report else { return };
+                        if fenced.get(&lane) == Some(&epoch) {
+                            fenced.remove(&lane);
+                        }
+                    }
                     _ = tokio::time::sleep(wait) => {}
                 }
             }
@@ -478,6 +715,38 @@ mod tests {
             plan_lanes(&running, &work, &BTreeSet::new()),
             LanePlan::default()
         );
+    }
+
+    #[test]
+    fn refused_lanes_are_those_held_elsewhere_at_our_epoch_or_above() {
+        let row = |lane, owner: &str, epoch| LaneRow {
+            lane,
+            owner: Some(owner.into()),
+            epoch,
+            backlog: 0,
+        };
+        let rows = vec![
+            row(0, "7/aa", 3), // an outsider at our epoch: refused
+            row(1, "7/aa", 9), // an outsider above it: refused
+            row(2, "2/bb", 2), // an older owner: a retry will fence
+            row(3, "1/me", 3), // ours already
+            row(4, "7/aa", 9), // not one we failed to fence
+        ];
+        let failed = BTreeMap::from([(0, 3), (1, 3), (2, 3), (3, 3)]);
+        let mut refused = BTreeMap::new();
+        note_refused(&mut refused, &failed, &rows, "1/me");
+        assert_eq!(refused.keys().copied().collect::<Vec<_>>(), vec![0, 1]);
+        assert_eq!(refused[&1].found.store_epoch, 9);
+        assert_eq!(refused[&1].found.store_owner.as_deref(), Some("7/aa"));
+        // Listed (and logged) only after the grace.
+        let shared = FencedOutLanes::default();
+        warn_refused(&mut refused, &shared);
+        assert!(shared.lock().unwrap().is_empty());
+        for r in refused.values_mut() {
+            r.since -= FENCED_OUT_GRACE;
+        }
+        warn_refused(&mut refused, &shared);
+        assert_eq!(shared.lock().unwrap().len(), 2);
     }
 
     #[test]

@@ -50,8 +50,8 @@ use tokio::sync::{oneshot, watch};
 use crate::actors::lane_owner::{Drain, LaneDeps, StopLane, Wake};
 use crate::actors::{LaneBoard, LaneConfig, LaneOwner, LaneState, StoreActor, StoreActorConfig};
 use crate::assignment::{
-    owner_node, plan_lanes, AssignmentError, LaneAssignment, LaneWork, LocalAssignment,
-    RaftAssignment, Running, WorkGate,
+    owner_node, plan_lanes, AssignmentError, FencedOutLanes, LaneAssignment, LaneWork,
+    LocalAssignment, RaftAssignment, Running, WorkGate,
 };
 use crate::catalog::HandlerCatalog;
 use crate::handler::{Dispatcher, Handler};
@@ -262,6 +262,10 @@ pub struct NodeState {
     retention: Duration,
     /// The lane lease of a cluster member (`None` with `--single`).
     lease: Option<Duration>,
+    /// Lanes Raft gives this node that someone outside the cluster holds
+    /// in the store (see [`crate::assignment`]): `/readyz` answers 503
+    /// while any is listed.
+    fenced_out: FencedOutLanes,
 }
 
 impl NodeState {
@@ -284,16 +288,19 @@ impl NodeState {
     /// `GET /admin/lanes` in a cluster: owner, epoch, state and lease from
     /// the Raft state this node applied (the same on every node), backlog
     /// from the store; `in_flight` is this node's own count for the lanes it
-    /// runs and 0 for the others (ask their owner for theirs).
+    /// runs and 0 for the others (ask their owner for theirs). An active
+    /// lane that the store holds for a process outside the cluster (a higher
+    /// epoch, or the same epoch under another node's name) shows as
+    /// `fenced_out` until Raft re-fences it.
     async fn cluster_lanes(&self, cluster: &Cluster) -> Vec<LaneView> {
         let view = cluster.state();
-        let backlog: HashMap<Lane, i64> = self
+        let rows: HashMap<Lane, lanebus_store::LaneRow> = self
             .store
             .lane_rows()
             .await
             .unwrap_or_default()
             .into_iter()
-            .map(|r| (r.lane, r.backlog))
+            .map(|r| (r.lane, r))
             .collect();
         let board = self.board.snapshot();
         let me = cluster.node_id();
@@ -308,18 +315,29 @@ impl NodeState {
                 } else {
                     0
                 };
+                let row = rows.get(&l.lane);
+                let owner = l.owner.map(|o| o.to_string());
+                let outsider = row.is_some_and(|r| {
+                    let raft = l.epoch as Epoch;
+                    r.epoch > raft
+                        || (r.epoch == raft
+                            && r.owner.as_deref().map(owner_node) != owner.as_deref())
+                });
                 LaneView {
                     lane: l.lane,
-                    owner: l.owner.map(|o| o.to_string()),
+                    owner,
                     epoch: l.epoch as i64,
                     state: match l.state {
                         lanebus_cluster::assignment::LaneState::Unassigned => "unassigned",
+                        lanebus_cluster::assignment::LaneState::Active if outsider => {
+                            LaneState::FencedOut.as_str()
+                        }
                         lanebus_cluster::assignment::LaneState::Active => "active",
                         lanebus_cluster::assignment::LaneState::Releasing { .. } => "releasing",
                     }
                     .to_string(),
                     lease_expires_in_ms: l.lease_expires_in_ms.map(|m| m as i64),
-                    backlog: backlog.get(&l.lane).copied().unwrap_or(0),
+                    backlog: row.map_or(0, |r| r.backlog),
                     in_flight,
                 }
             })
@@ -355,12 +373,13 @@ impl NodeView for NodeState {
                     lane: r.lane,
                     owner: r.owner.as_deref().map(|o| owner_node(o).to_string()),
                     epoch: r.epoch,
-                    state: match mine {
-                        Some(s) => s.state.as_str().to_string(),
-                        None if board.contains_key(&r.lane) => {
-                            LaneState::Stopped.as_str().to_string()
+                    state: match (mine, board.get(&r.lane)) {
+                        (Some(s), _) => s.state.as_str().to_string(),
+                        (None, Some(s)) if s.state == LaneState::FencedOut => {
+                            LaneState::FencedOut.as_str().to_string()
                         }
-                        None => "unassigned".to_string(),
+                        (None, Some(_)) => LaneState::Stopped.as_str().to_string(),
+                        (None, None) => "unassigned".to_string(),
                     },
                     lease_expires_in_ms: None,
                     backlog: r.backlog,
@@ -391,9 +410,12 @@ impl NodeView for NodeState {
         self.lease
     }
 
+    /// Started, joined (in a cluster), no lane of this node fenced out by
+    /// a process outside the cluster, and the store answers.
     async fn ready(&self) -> bool {
         let joined = self.cluster.as_ref().is_none_or(|c| c.joined());
-        *self.ready.borrow() && joined && self.store.ping().await.is_ok()
+        let fenced_out = !self.fenced_out.lock().expect("not poisoned").is_empty();
+        *self.ready.borrow() && joined && !fenced_out && self.store.ping().await.is_ok()
     }
 
     async fn join_node(&self, req: JoinRequest) -> Result<(), ClusterChangeError> {
@@ -775,6 +797,7 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
             .cluster
             .as_ref()
             .map(|c| Duration::from_millis(c.lease.lease_ms)),
+        fenced_out: FencedOutLanes::default(),
     });
     tokio::spawn(crate::retention::run(
         store.clone(),
@@ -797,13 +820,14 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
         }
     });
 
-    let deps = LaneDeps {
+    let mut deps = LaneDeps {
         store_actor,
         catalog,
         dispatcher,
         board,
         config: lane_config,
         gate,
+        fenced_out: None,
     };
     let (assignment, drain_bound): (Arc<dyn LaneAssignment>, Duration) =
         match (&cluster, &opts.cluster) {
@@ -825,8 +849,16 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
                 let bound = o
                     .handover_drain
                     .unwrap_or_else(|| handover_drain_bound(&o.lease, longest_timeout_ms));
+                // A lane fenced by an outsider is taken back after the same
+                // bound as a dead node's lanes.
+                let refence_after = Duration::from_millis(o.lease.lease_ms + o.lease.margin_ms);
                 (
-                    Arc::new(RaftAssignment::new(c.clone(), store.clone())),
+                    Arc::new(RaftAssignment::new(
+                        c.clone(),
+                        store.clone(),
+                        refence_after,
+                        state.fenced_out.clone(),
+                    )),
                     bound,
                 )
             }
@@ -835,6 +867,7 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
                 opts.drain_timeout,
             ),
         };
+    deps.fenced_out = assignment.fenced_out_reports();
     tracing::info!(owner = assignment.owner(), "fencing lanes as this owner");
     let work = assignment.start().await?;
     let control = Arc::new(LaneControl {

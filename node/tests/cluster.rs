@@ -16,7 +16,11 @@
 //!   gracefully, with no repeats; a node removed on purpose likewise;
 //! - the whole cluster stopped and started from its data dirs: same
 //!   members, pending work delivered;
-//! - two processes started with the same id never both deliver a delivery.
+//! - two processes started with the same id never both deliver a delivery;
+//! - a `--single` process started on the cluster's store fences every lane:
+//!   the cluster shows its lanes `fenced_out` (not ready), re-fences them
+//!   through Raft above the store's epochs after lease + margin, and once
+//!   the intruder is stopped delivers everything, nothing lost, in order.
 //!
 //! The run size scales with `LANEBUS_TEST_CLUSTER_EVENTS` (default 3,000
 //! events over 300 keys, 1,500 over 150 on MongoDB; the issue's 20,000 over
@@ -608,6 +612,83 @@ async fn same_id_twice(backend: Backend) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The stall of a cluster whose lanes a `--single` process fenced on the
+/// same store (equal epochs under another name: the cluster never fenced
+/// again): the cluster takes its lanes back through Raft and delivers all.
+async fn single_intruder(backend: Backend) -> anyhow::Result<()> {
+    let mut f = Fixture::new(backend, "intruder").await?;
+    f.start(&[1, 2]).await?;
+    let (n, keys) = (400, 40);
+    let mut exp = f.publish(n, keys, "before").await?;
+    f.wait_all(&exp, 60).await?;
+
+    // The intruder: same store, `--single`, its own data dir and ports.
+    let mut single = LocalCluster::new(
+        env!("CARGO_BIN_EXE_lanebus"),
+        f.cluster.dir().join("single"),
+        &f.db.url,
+        &["--single", "--poll-interval-ms", "50"],
+    );
+    std::fs::create_dir_all(single.dir())?;
+    single.spawn(7, Start::Restart)?;
+    single.wait_ready(7, Duration::from_secs(30)).await?;
+    // The cluster's nodes see their lanes fenced out: shown in the admin
+    // view (any node) and in /readyz.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let (mut seen_fenced, mut seen_unready) = (0, false);
+    while seen_fenced == 0 || !seen_unready {
+        ensure!(
+            Instant::now() < deadline,
+            "lanes fenced out by the intruder not shown ({seen_fenced} fenced_out, \
+             readyz 503 seen: {seen_unready})"
+        );
+        let fenced = f
+            .cluster
+            .lanes(1)
+            .await?
+            .iter()
+            .filter(|l| l.state == "fenced_out")
+            .count();
+        seen_fenced = seen_fenced.max(fenced);
+        let ready = reqwest::get(format!("{}/readyz", f.cluster.url(2)))
+            .await?
+            .status();
+        seen_unready |= ready == reqwest::StatusCode::SERVICE_UNAVAILABLE;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    single.stop(7, Duration::from_secs(5))?;
+    let stopped = Instant::now();
+    exp.extend(f.publish(n, keys, "after").await?);
+    // Re-fenced after lease + margin (counted from the refusal), then
+    // delivered; the bound leaves room for a loaded machine.
+    f.wait_all(&exp, 30).await?;
+    let took = stopped.elapsed();
+    let repeats = f.check(&exp, &[])?;
+    let rows = f.store.lane_rows().await?;
+    ensure!(
+        rows.iter()
+            .all(|r| r.owner.as_deref().is_some_and(|o| !o.starts_with("7/"))),
+        "lanes still held by the intruder"
+    );
+    let fenced = f
+        .cluster
+        .lanes(2)
+        .await?
+        .iter()
+        .filter(|l| l.state != "active")
+        .count();
+    ensure!(fenced == 0, "{fenced} lanes not active after the re-fence");
+    f.cluster.wait_ready(1, Duration::from_secs(5)).await?;
+    println!(
+        "{backend:?}: intruder stopped; {} deliveries complete {} ms later, {repeats} repeats",
+        exp.len(),
+        took.as_millis()
+    );
+    drop(single);
+    f.finish().await;
+    Ok(())
+}
+
 /// One scenario at a time: they time leases, and three debug-build nodes
 /// per scenario already fill these 2-core machines.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -658,6 +739,10 @@ mod mongodb {
     }
 }
 on_both!(leader_killed_nothing_lost, leader_killed);
+on_both!(
+    single_intruder_lanes_taken_back_nothing_lost,
+    single_intruder
+);
 on_both!(frozen_past_lease_stops_by_itself, paused_past_lease);
 on_both!(
     fourth_node_joins_and_one_is_removed_gracefully,

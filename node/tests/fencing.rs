@@ -48,7 +48,8 @@ async fn fenced_out_node_stops_and_changes_nothing(backend: Backend) -> anyhow::
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let board = node.state.board().snapshot();
-        if board.values().all(|s| s.state == LaneState::Stopped) {
+        // Stopped because the store refused their claims: shown as such.
+        if board.values().all(|s| s.state == LaneState::FencedOut) {
             break;
         }
         let active = board

@@ -20,7 +20,11 @@
 //! committed during the claim is not left waiting for the poll.
 //!
 //! A completion the store refused (fenced out) suspends dispatching until
-//! the next claim tells whether the lane is still ours.
+//! the next claim tells whether the lane is still ours. A claim the store
+//! refuses stops the lane (state `fenced_out`) and reports it to the
+//! assignment ([`LaneDeps::fenced_out`]), which finds out who holds the lane
+//! (see [`crate::assignment`]); without a listener (single node) the stop is
+//! logged at WARN.
 //!
 //! A full buffer does not hold up the lane's other keys behind a key whose
 //! head is being retried (or a disabled handler): after each dispatch the
@@ -93,8 +97,11 @@ impl Default for LaneConfig {
 pub enum LaneState {
     /// Claiming and delivering.
     Active,
-    /// Stopped (fenced out or unassigned).
+    /// Stopped (unassigned, handed over, or the node is stopping).
     Stopped,
+    /// Stopped because the store refused a claim: another process holds the
+    /// lane at this epoch or a higher one.
+    FencedOut,
 }
 
 impl LaneState {
@@ -103,6 +110,7 @@ impl LaneState {
         match self {
             LaneState::Active => "active",
             LaneState::Stopped => "stopped",
+            LaneState::FencedOut => "fenced_out",
         }
     }
 }
@@ -239,6 +247,9 @@ pub struct LaneDeps {
     pub config: LaneConfig,
     /// Closed while this node must not hand work over (lease lapsed).
     pub gate: WorkGate,
+    /// Where a lane owner reports `(lane, epoch)` when the store refuses its
+    /// claim ([`crate::assignment::LaneAssignment::fenced_out_reports`]).
+    pub fenced_out: Option<tokio::sync::mpsc::UnboundedSender<(Lane, Epoch)>>,
 }
 
 /// The lane owner actor. See the module docs.
@@ -267,6 +278,8 @@ pub struct LaneOwner {
     draining: bool,
     /// The queue's payload bytes as last counted in the node's budget.
     counted_bytes: std::cell::Cell<usize>,
+    /// The store refused a claim: the lane stopped for that reason.
+    fenced_out: bool,
 }
 
 impl LaneOwner {
@@ -290,6 +303,7 @@ impl LaneOwner {
             more_waiting: false,
             draining: false,
             counted_bytes: std::cell::Cell::new(0),
+            fenced_out: false,
         }
     }
 
@@ -363,7 +377,21 @@ impl LaneOwner {
             match res {
                 Ok((batch, _, _)) if !batch.owned => {
                     act.deps.board.budget().claimed(reservation, 0, 0);
-                    tracing::info!(lane = act.lane, epoch = act.epoch, "fenced out: stopping the lane");
+                    act.fenced_out = true;
+                    match &act.deps.fenced_out {
+                        // The assignment finds out who holds it and says so
+                        // once per lane (a cluster's moves do this too).
+                        Some(report) => {
+                            tracing::debug!(lane = act.lane, epoch = act.epoch, "fenced out: stopping the lane");
+                            let _ = report.send((act.lane, act.epoch));
+                        }
+                        None => tracing::warn!(
+                            lane = act.lane,
+                            epoch = act.epoch,
+                            "fenced out: another process fenced this lane in the store; the lane \
+                             stays stopped until this process restarts"
+                        ),
+                    }
                     ctx.stop();
                 }
                 Ok((batch, bytes_before, rows_before)) => {
@@ -687,7 +715,11 @@ impl Actor for LaneOwner {
             self.lane,
             LaneStatus {
                 epoch: self.epoch,
-                state: LaneState::Stopped,
+                state: if self.fenced_out {
+                    LaneState::FencedOut
+                } else {
+                    LaneState::Stopped
+                },
                 queued: 0,
                 in_flight: 0,
             },
