@@ -679,8 +679,24 @@ async fn single_intruder(backend: Backend) -> anyhow::Result<()> {
         .count();
     ensure!(fenced == 0, "{fenced} lanes not active after the re-fence");
     f.cluster.wait_ready(1, Duration::from_secs(5)).await?;
+    // Said at WARN once per lane, not once per claim.
+    let mut warned = 0;
+    for id in [1, 2] {
+        let log = std::fs::read_to_string(f.cluster.dir().join(format!("node-{id}.1.log")))?;
+        let lines: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("fenced out by a process outside the cluster"))
+            .collect();
+        ensure!(
+            lines.iter().all(|l| l.contains("WARN")) && lines.len() <= 256,
+            "node {id}: {} fenced-out lines",
+            lines.len()
+        );
+        warned += lines.len();
+    }
+    ensure!(warned > 0, "no WARN about the fenced-out lanes");
     println!(
-        "{backend:?}: intruder stopped; {} deliveries complete {} ms later, {repeats} repeats",
+        "{backend:?}: {warned} lanes reported fenced out at WARN; intruder stopped; {} deliveries complete {} ms later, {repeats} repeats",
         exp.len(),
         took.as_millis()
     );
