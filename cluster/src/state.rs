@@ -37,7 +37,9 @@ pub struct LeaseRecord {
 }
 
 /// A command proposed through Raft. Each variant says who sends it and why it
-/// is allowed.
+/// is allowed. New variants go at the end: the Raft log and snapshots store
+/// commands with bincode, which numbers variants in order, so a node must
+/// read the entries older versions wrote.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Command {
     /// Record a member and its addresses. Sent by the leader when a node joins
@@ -99,15 +101,6 @@ pub enum Command {
         /// Unique name of this process start (e.g. a UUID).
         incarnation: String,
     },
-    /// A node stopping gracefully gives its lease up: it counts as not live
-    /// (as if it never renewed) until its next renewal, so the leader moves
-    /// its lanes at once instead of after the lease and the margin. Sent by
-    /// the node itself once its lanes are drained and stopped (nothing of
-    /// theirs is in flight); allowed for members only.
-    ReleaseLease {
-        /// The stopping node.
-        node: NodeId,
-    },
     /// The old owner of a lane in handover has drained it: the target owns it
     /// now at `epoch + 1` ([`assignment::apply_release`]). Sent by the old
     /// owner; allowed only when the lane is being released by `from`.
@@ -134,6 +127,15 @@ pub enum Command {
         node: NodeId,
         /// `(lane, Raft epoch the owner holds, epoch found in the store)`.
         lanes: Vec<(u16, u64, u64)>,
+    },
+    /// A node stopping gracefully gives its lease up: it counts as not live
+    /// (as if it never renewed) until its next renewal, so the leader moves
+    /// its lanes at once instead of after the lease and the margin. Sent by
+    /// the node itself once its lanes are drained and stopped (nothing of
+    /// theirs is in flight); allowed for members only.
+    ReleaseLease {
+        /// The stopping node.
+        node: NodeId,
     },
 }
 
@@ -573,6 +575,27 @@ mod tests {
         assert!(s.apply(3, &Command::Release { lane: 1, from: 1 }).ok);
         assert_eq!(s.active_lanes(2), BTreeMap::from([(1, 2)]));
         assert!(!s.apply(4, &Command::Release { lane: 9, from: 1 }).ok);
+    }
+
+    /// The Raft log keeps commands in bincode, which numbers variants in
+    /// declaration order: the variants of earlier versions keep their
+    /// numbers, so entries they wrote still read back as the same command.
+    #[test]
+    fn command_variants_keep_their_bincode_numbers() {
+        let number = |c: &Command| crate::storage::encode(c).expect("encode")[0];
+        assert_eq!(number(&Command::Forget { node: 1 }), 2);
+        assert_eq!(number(&Command::RenewLease { node: 1 }), 3);
+        assert_eq!(number(&Command::Release { lane: 1, from: 2 }), 7);
+        assert_eq!(
+            number(&Command::Refence {
+                node: 1,
+                lanes: vec![]
+            }),
+            8
+        );
+        assert_eq!(number(&Command::ReleaseLease { node: 1 }), 9);
+        let back: Command = crate::storage::decode(&[7, 1, 2]).expect("decode");
+        assert_eq!(back, Command::Release { lane: 1, from: 2 });
     }
 
     #[test]
