@@ -585,16 +585,16 @@ mod tests {
         let number = |c: &Command| crate::storage::encode(c).expect("encode")[0];
         assert_eq!(number(&Command::Forget { node: 1 }), 2);
         assert_eq!(number(&Command::RenewLease { node: 1 }), 3);
-        assert_eq!(number(&Command::Release { lane: 1, from: 2 }), 7);
+        assert_eq!(number(&Command::Release { lane: 1, from: 2 }), 6);
         assert_eq!(
             number(&Command::Refence {
                 node: 1,
                 lanes: vec![]
             }),
-            8
+            7
         );
-        assert_eq!(number(&Command::ReleaseLease { node: 1 }), 9);
-        let back: Command = crate::storage::decode(&[7, 1, 2]).expect("decode");
+        assert_eq!(number(&Command::ReleaseLease { node: 1 }), 8);
+        let back: Command = crate::storage::decode(&[6, 1, 2]).expect("decode");
         assert_eq!(back, Command::Release { lane: 1, from: 2 });
     }
 
