@@ -12,7 +12,8 @@
 //! PATCH /v1/handlers/{id} {"name"?, "url"?, "event_types"?, "max_attempts"?,
 //!                          "timeout_ms"?, "max_in_flight"?, "rate_limit"?}
 //!                           200 <handler> | 404 | 422 invalid_handler
-//! DELETE /v1/handlers/{id}  200 {"deleted": id, "discarded_deliveries": n} | 404
+//! DELETE /v1/handlers/{id}  200 {"deleted": id, "discarded_deliveries": n,
+//!                               "discarded_dead_letters": m} | 404
 //! POST /v1/handlers/{id}/enable  200 <handler> | 404
 //! POST /v1/handlers/{id}/secret/rotate {"secret"?, "grace_period_s"?}
 //!                           200 <handler> | 404 | 422 invalid_handler
@@ -623,6 +624,9 @@ pub struct Deleted {
     pub deleted: String,
     /// Pending deliveries of the handler that were discarded.
     pub discarded_deliveries: u64,
+    /// Dead letters of the handler that were discarded (with the handler,
+    /// in the same store transaction: nothing could replay them any more).
+    pub discarded_dead_letters: u64,
 }
 
 /// Refuses a `timeout_ms` that is not shorter than the cluster's lane lease
@@ -716,7 +720,8 @@ pub(crate) async fn delete(
     state.node.handlers_changed();
     Ok(axum::Json(Deleted {
         deleted: id,
-        discarded_deliveries: discarded,
+        discarded_deliveries: discarded.deliveries,
+        discarded_dead_letters: discarded.dead_letters,
     }))
 }
 

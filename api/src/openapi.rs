@@ -212,7 +212,7 @@ fn describe(op: Operation, s: &mut Schemas) -> Described {
             ..d(
                 "handlers",
                 "Remove a handler",
-                "Its pending deliveries are discarded; the answer counts them.",
+                "Its pending deliveries and its dead letters are discarded; the answer counts them.",
                 (
                     StatusCode::OK,
                     "the handler is removed",

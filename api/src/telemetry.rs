@@ -53,12 +53,13 @@ pub(crate) fn api_error(code: &'static str) {
     metrics::counter!("lanebus_api_errors_total", "code" => code).increment(1);
 }
 
-/// A handler was deleted with `discarded` pending deliveries.
-pub(crate) fn handler_deleted(handler_id: &str, discarded: u64) {
-    metrics::counter!("lanebus_deliveries_discarded_total").increment(discarded);
+/// A handler was deleted, with what was discarded along with it.
+pub(crate) fn handler_deleted(handler_id: &str, discarded: lanebus_store::DeletedHandler) {
+    metrics::counter!("lanebus_deliveries_discarded_total").increment(discarded.deliveries);
     tracing::info!(
         handler_id,
-        discarded_deliveries = discarded,
+        discarded_deliveries = discarded.deliveries,
+        discarded_dead_letters = discarded.dead_letters,
         "handler deleted"
     );
 }

@@ -162,7 +162,10 @@ async fn handler_crud_round_trips(app: TestApp) {
 
     let del = app.delete(&format!("/v1/handlers/{id}")).await;
     assert_eq!(del.status, StatusCode::OK, "{del:?}");
-    assert_eq!(del.json, json!({"deleted": id, "discarded_deliveries": 0}));
+    assert_eq!(
+        del.json,
+        json!({"deleted": id, "discarded_deliveries": 0, "discarded_dead_letters": 0})
+    );
     let gone = app.get(&format!("/v1/handlers/{id}")).await;
     assert_eq!(
         (gone.status, gone.json["error"]["code"].clone()),
@@ -175,6 +178,9 @@ async fn handler_crud_round_trips(app: TestApp) {
 async fn delete_discards_and_counts_pending_deliveries(app: TestApp) {
     let orders = app.create_handler("orders", &["order.*"]).await;
     let other = app.create_handler("other", &["push"]).await;
+    // Two dead letters of `orders` first (made before the other events, so
+    // they alone are claimed and dead-lettered).
+    assert_eq!(app.make_dead_letters("order.failed", "dl-key", 2).await, 2);
     let events: Vec<Value> = (0..3)
         .map(|i| json!({"type": "order.placed", "key": format!("o{i}"), "payload": i}))
         .chain([json!({"type": "push", "payload": 0})])
@@ -185,11 +191,16 @@ async fn delete_discards_and_counts_pending_deliveries(app: TestApp) {
     let del = app.delete(&format!("/v1/handlers/{orders}")).await;
     assert_eq!(
         del.json,
-        json!({"deleted": orders, "discarded_deliveries": 3}),
+        json!({"deleted": orders, "discarded_deliveries": 3, "discarded_dead_letters": 2}),
         "{del:?}"
     );
     let counts = app.store.counts().await.expect("counts");
-    assert_eq!((counts.events, counts.deliveries), (4, 1));
+    assert_eq!(
+        (counts.events, counts.deliveries, counts.dead_letters),
+        (6, 1, 0)
+    );
+    let listed = app.get("/admin/dead-letters").await;
+    assert_eq!(listed.json["dead_letters"], json!([]), "{listed:?}");
     assert_eq!(
         app.get(&format!("/v1/handlers/{other}")).await.status,
         StatusCode::OK

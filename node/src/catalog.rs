@@ -16,7 +16,9 @@
 //! API asks after every change) if none has completed since: once
 //! `DELETE /v1/handlers/{id}` has answered, no attempt of this node that
 //! passes that check is sent to the deleted handler. Other nodes learn of
-//! the change at their next periodic reload.
+//! the change at their next periodic reload, or earlier when the store
+//! refuses an attempt's result because the delivery's row is gone (the key
+//! handler reloads before the key's next delivery is handed out).
 //!
 //! Metric: `lanebus_handlers_disabled` (gauge), the disabled handlers in
 //! the catalog as of the last reload.

@@ -63,7 +63,7 @@ impl Store for Counting {
     async fn get_handler(&self, id: &str) -> Result<Handler> {
         self.inner.get_handler(id).await
     }
-    async fn delete_handler(&self, id: &str) -> Result<u64> {
+    async fn delete_handler(&self, id: &str) -> Result<DeletedHandler> {
         self.inner.delete_handler(id).await
     }
     async fn list_dead_letters(&self, filter: &DeadLetterFilter) -> Result<Vec<DeadLetter>> {

@@ -66,6 +66,18 @@ fn expected_of(handler: &str, events: &[Value]) -> Vec<Expected> {
         .collect()
 }
 
+/// Makes the receiver answer `500` to every request of `handler`.
+fn fail_always(rx: &Receiver, handler: &str) {
+    rx.add_rule(Rule {
+        handler: Some(handler.into()),
+        key: None,
+        action: Action::Status {
+            status: 500,
+            retry_after: None,
+        },
+    });
+}
+
 async fn state_of(api: &Api, id: &str) -> anyhow::Result<String> {
     let (status, body) = api.get(&format!("/v1/handlers/{id}")).await?;
     ensure!(status == 200, "get handler: {status} {body}");
@@ -260,14 +272,7 @@ async fn disabled_while_retrying_stops_retries(backend: Backend) -> anyhow::Resu
     )
     .await?;
     rx.set_secret("flaky", &secret);
-    rx.add_rule(Rule {
-        handler: Some("flaky".into()),
-        key: None,
-        action: Action::Status {
-            status: 500,
-            retry_after: None,
-        },
-    });
+    fail_always(&rx, "flaky");
     let events = keyed_events("flaky", 3, 1);
     api.publish(&events, 3).await?;
     ensure!(
@@ -424,6 +429,145 @@ async fn delete_stops_attempts_waiting_for_a_slot_sqlite() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delete_stops_attempts_waiting_for_a_slot_postgres() {
     delete_stops_attempts_waiting_for_a_slot(Backend::Postgres)
+        .await
+        .unwrap();
+}
+
+/// Where a test deletes the handler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DeleteVia {
+    /// `DELETE /v1/handlers/{id}` on the node that runs the lanes.
+    ThisNode,
+    /// Straight in the store, as another node's `DELETE` does: this node is
+    /// not told.
+    OtherNode,
+}
+
+/// The tester's case: a handler whose URL always answers `500` (default
+/// `max_attempts` 8), 40 events over 10 keys, deleted while its keys wait
+/// for retries. Afterwards only the requests already on the wire may still
+/// arrive, at most one per key, and no event not sent before gets its first
+/// attempt: the waiting retries, the deliveries queued behind them and
+/// those buffered in the lane owner are dropped.
+///
+/// Deleted through this node, that holds once `DELETE` has answered (its
+/// count covers every delivery, pending or dead-lettered). Deleted through
+/// another node, this node learns it at its next catalog reload (1 s in the
+/// tests, 5 s by default) or as soon as the store refuses the result of an
+/// attempt on the wire (its row is gone): it then reloads before the key's
+/// next delivery goes out (before, the rest of each key went out back to
+/// back).
+async fn delete_while_retrying(backend: Backend, via: DeleteVia) -> anyhow::Result<()> {
+    let db = TestDb::new(backend, "delete_retrying").await?;
+    let rx = Receiver::start().await?;
+    let node = start_node(&db.url).await?;
+    let api = Api::new(&node.base_url());
+    let (id, secret) = create(&api, "failing", &rx.url("failing"), json!({})).await?;
+    rx.set_secret("failing", &secret);
+    fail_always(&rx, "failing");
+    let events = keyed_events("retrying", 40, 10);
+    api.publish(&events, 40).await?;
+    // Every key's head is retrying (attempt 2 or later).
+    ensure!(
+        rx.wait_until(Duration::from_secs(30), |log| {
+            let keys: std::collections::HashSet<_> = log
+                .iter()
+                .filter(|r| r.attempt >= 2)
+                .map(|r| r.key.clone())
+                .collect();
+            keys.len() == 10
+        })
+        .await,
+        "not every key retried"
+    );
+    let deleted_ms = match via {
+        DeleteVia::ThisNode => {
+            let (status, body) = api.delete(&format!("/v1/handlers/{id}")).await?;
+            let answered_ms = rx.now_ms();
+            ensure!(status == 200, "delete: {status} {body}");
+            let discarded = body["discarded_deliveries"]
+                .as_u64()
+                .context("discarded_deliveries")?
+                + body["discarded_dead_letters"]
+                    .as_u64()
+                    .context("discarded_dead_letters")?;
+            ensure!(discarded == 40, "delete answered {body}");
+            answered_ms
+        }
+        DeleteVia::OtherNode => {
+            let other = lanebus_store::open(&db.url).await?;
+            let deleted = other.delete_handler(&id).await?;
+            let deleted_ms = rx.now_ms();
+            ensure!(
+                deleted.deliveries + deleted.dead_letters == 40,
+                "{deleted:?}"
+            );
+            deleted_ms
+        }
+    };
+    // Longer than the retry cap (2 s) and the catalog refresh (1 s).
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    let log = rx.requests();
+    let (before, after): (Vec<_>, Vec<_>) = log.iter().partition(|r| r.arrived_ms <= deleted_ms);
+    let sent_before: std::collections::HashSet<&str> =
+        before.iter().map(|r| r.event_id.as_str()).collect();
+    let mut per_key = std::collections::HashMap::<Option<String>, usize>::new();
+    for r in &after {
+        *per_key.entry(r.key.clone()).or_default() += 1;
+    }
+    let late: Vec<String> = after
+        .iter()
+        .map(|r| {
+            format!(
+                "{} attempt {} +{:.0} ms",
+                r.event_id,
+                r.attempt,
+                r.arrived_ms - deleted_ms
+            )
+        })
+        .collect();
+    ensure!(
+        !after
+            .iter()
+            .any(|r| r.attempt == 1 && !sent_before.contains(r.event_id.as_str())),
+        "first attempts of events not sent before the delete ({via:?}): {late:?}"
+    );
+    ensure!(
+        per_key.values().all(|&n| n <= 1),
+        "{} requests after the delete ({via:?}), more than one for a key: {late:?}",
+        after.len()
+    );
+    let c = node.store().counts().await?;
+    ensure!(c.deliveries == 0 && c.dead_letters == 0, "{c:?}");
+    node.shutdown().await?;
+    db.drop_db().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_stops_retries_and_queued_deliveries_sqlite() {
+    delete_while_retrying(Backend::Sqlite, DeleteVia::ThisNode)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_stops_retries_and_queued_deliveries_postgres() {
+    delete_while_retrying(Backend::Postgres, DeleteVia::ThisNode)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleted_elsewhere_stops_at_the_next_reload_sqlite() {
+    delete_while_retrying(Backend::Sqlite, DeleteVia::OtherNode)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleted_elsewhere_stops_at_the_next_reload_postgres() {
+    delete_while_retrying(Backend::Postgres, DeleteVia::OtherNode)
         .await
         .unwrap();
 }
@@ -800,14 +944,7 @@ async fn failing_for_the_period_disables(backend: Backend) -> anyhow::Result<()>
     )
     .await?;
     rx.set_secret("failing", &secret);
-    rx.add_rule(Rule {
-        handler: Some("failing".into()),
-        key: None,
-        action: Action::Status {
-            status: 500,
-            retry_after: None,
-        },
-    });
+    fail_always(&rx, "failing");
     let evs = keyed_events("fail", 6, 2);
     let started = Instant::now();
     api.publish(&evs, 6).await?;

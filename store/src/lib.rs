@@ -624,6 +624,16 @@ pub struct RecoverOutcome {
     pub pruned: u64,
 }
 
+/// What [`Store::delete_handler`] removed with the handler.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeletedHandler {
+    /// Pending deliveries discarded.
+    pub deliveries: u64,
+    /// Dead letters discarded (their events are then pruned by retention
+    /// like any other event without a pending delivery or dead letter).
+    pub dead_letters: u64,
+}
+
 /// What one [`Store::prune`] batch removed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Pruned {
@@ -808,9 +818,10 @@ pub trait Store: Send + Sync + 'static {
         let _ = (id, failing, at);
         Ok(())
     }
-    /// Removes a handler and discards its pending deliveries, returning how
-    /// many were discarded; [`StoreError::NotFound`] if absent.
-    async fn delete_handler(&self, id: &str) -> Result<u64>;
+    /// Removes a handler and, in the same transaction, discards its pending
+    /// deliveries and its dead letters, returning how many of each were
+    /// discarded; [`StoreError::NotFound`] if absent (nothing removed).
+    async fn delete_handler(&self, id: &str) -> Result<DeletedHandler>;
 
     /// Lists dead letters, oldest first.
     async fn list_dead_letters(&self, filter: &DeadLetterFilter) -> Result<Vec<DeadLetter>>;

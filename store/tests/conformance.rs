@@ -378,6 +378,7 @@ conformance!(
     reschedule_records_the_failed_attempt,
     dead_letters_are_listed_and_replayed,
     delete_handler_discards_its_deliveries,
+    delete_handler_discards_its_dead_letters,
     lane_rows_report_owner_epoch_and_backlog,
     payload_bytes_round_trip_exactly,
     claim_cursor_and_limit_read_everything_once_in_order,
@@ -1218,7 +1219,13 @@ async fn delete_handler_discards_its_deliveries(h: &dyn Harness) {
     .await
     .expect("publish");
     assert_eq!(counts(&*s).await.deliveries, 6);
-    assert_eq!(s.delete_handler(&a.id).await.expect("delete"), 3);
+    assert_eq!(
+        s.delete_handler(&a.id).await.expect("delete"),
+        DeletedHandler {
+            deliveries: 3,
+            dead_letters: 0
+        }
+    );
     assert_eq!(counts(&*s).await.deliveries, 3);
     assert!(matches!(
         s.get_handler(&a.id).await,
@@ -1240,6 +1247,96 @@ async fn delete_handler_discards_its_deliveries(h: &dyn Harness) {
         hs.iter().map(|h| h.id.clone()).collect::<Vec<_>>(),
         vec![b.id.clone()]
     );
+}
+
+/// Deleting a handler discards its dead letters in the same call (they
+/// could be neither replayed nor discarded afterwards), leaves the other
+/// handler's alone, and lets retention prune their events.
+async fn delete_handler_discards_its_dead_letters(h: &dyn Harness) {
+    let s = h.store();
+    let a = handler(&*s, "a", &["*"]).await;
+    let b = handler(&*s, "b", &["*"]).await;
+    s.publish(vec![
+        ev(Some("dead1"), "t.x", Some("k")),
+        ev(Some("dead2"), "t.x", None),
+        ev(Some("pending"), "t.x", Some("k")),
+    ])
+    .await
+    .expect("publish");
+    let ds = claim_all(&*s).await;
+    let of = |handler: &Handler, id: &str| {
+        ds.iter()
+            .find(|d| d.handler_id == handler.id && d.event_id == id)
+            .expect("claimed")
+    };
+    // a: two dead letters and one pending delivery; b: one dead letter,
+    // the other two completed.
+    dead_letter_each(&*s, &[of(&a, "dead1"), of(&a, "dead2"), of(&b, "dead1")]).await;
+    let done = [dref(of(&b, "dead2"), 0, 1), dref(of(&b, "pending"), 0, 1)];
+    assert_eq!(s.complete(&done).await.expect("complete").len(), 2);
+    let c = counts(&*s).await;
+    assert_eq!((c.deliveries, c.dead_letters), (1, 3));
+
+    assert_eq!(
+        s.delete_handler(&a.id).await.expect("delete"),
+        DeletedHandler {
+            deliveries: 1,
+            dead_letters: 2
+        }
+    );
+    let c = counts(&*s).await;
+    assert_eq!((c.deliveries, c.dead_letters), (0, 1));
+    let listed = |handler_id: Option<String>| {
+        let s = s.clone();
+        async move {
+            s.list_dead_letters(&DeadLetterFilter {
+                handler_id,
+                after_id: None,
+                limit: 10,
+            })
+            .await
+            .expect("list")
+        }
+    };
+    assert!(listed(Some(a.id.clone())).await.is_empty());
+    let left = listed(None).await;
+    assert_eq!(left.len(), 1);
+    assert_eq!(
+        (left[0].handler_id.as_str(), left[0].event_id.as_str()),
+        (b.id.as_str(), "dead1")
+    );
+    // A second delete finds nothing and removes nothing.
+    assert!(matches!(
+        s.delete_handler(&a.id).await,
+        Err(StoreError::NotFound(_))
+    ));
+    assert_eq!(counts(&*s).await.dead_letters, 1);
+
+    // Retention prunes the events the deleted handler's dead letters held
+    // (dead2, pending); b's dead letter still holds dead1.
+    let cutoff = Utc::now() + chrono::TimeDelta::minutes(5);
+    let mut pruned = Pruned::default();
+    loop {
+        let p = s.prune(cutoff, 100).await.expect("prune");
+        if p == Pruned::default() {
+            break;
+        }
+        pruned.completions += p.completions;
+        pruned.events += p.events;
+    }
+    assert_eq!(pruned.events, 2);
+    let c = counts(&*s).await;
+    assert_eq!((c.events, c.dead_letters), (1, 1));
+    // Deleting b as well frees the last event.
+    assert_eq!(
+        s.delete_handler(&b.id).await.expect("delete"),
+        DeletedHandler {
+            deliveries: 0,
+            dead_letters: 1
+        }
+    );
+    assert_eq!(s.prune(cutoff, 100).await.expect("prune").events, 1);
+    assert_eq!(counts(&*s).await.events, 0);
 }
 
 async fn lane_rows_report_owner_epoch_and_backlog(h: &dyn Harness) {

@@ -36,6 +36,10 @@
 //! - Deleted meanwhile: no attempt; the delivery is discarded in the store
 //!   (a no-op when the delete removed it already; it removes a row a late
 //!   publish left behind) and settled as [`SettledOutcome::HandlerGone`].
+//! - Deleted through another node while an attempt was on the wire: the
+//!   store refuses its result (the row is gone); the catalog is reloaded
+//!   before the delivery is settled as [`SettledOutcome::Refused`], so the
+//!   key's next delivery is not sent from a stale catalog.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -291,7 +295,7 @@ impl KeyHandler {
                     }
                 },
                 // Fenced out, or the row is gone (handler deleted).
-                Ok(false) => act.settle(id, SettledOutcome::Refused, ctx),
+                Ok(false) => act.refused(id, ctx),
                 Err(StoreCallError::Stopped) => ctx.stop(),
                 Err(e) => {
                     if !act.deps.owner.connected() {
@@ -381,6 +385,23 @@ impl KeyHandler {
                 Err(_) => {}
             }
             act.settle(r.id, SettledOutcome::HandlerGone, ctx);
+        }));
+    }
+
+    /// The store refused the attempt's result: the lane was fenced away, or
+    /// the delivery's row is gone, as when its handler was deleted through
+    /// another node whose change this node's catalog has not seen yet.
+    /// Reloads the catalog before settling, so the lane owner does not hand
+    /// the key's next delivery out from a stale catalog (a deleted handler's
+    /// queued deliveries are then held, and dropped by the reload).
+    fn refused(&mut self, id: i64, ctx: &mut Context<Self>) {
+        let catalog = self.deps.catalog.clone();
+        let fut = async move { catalog.reload_fresh().await };
+        ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
+            if let Err(e) = res {
+                tracing::warn!(delivery = id, error = %e, "handler catalog reload after a refused write failed");
+            }
+            act.settle(id, SettledOutcome::Refused, ctx);
         }));
     }
 

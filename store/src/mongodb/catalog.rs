@@ -259,13 +259,13 @@ pub(super) async fn mark_handler_failing(
     Ok(())
 }
 
-/// Removes the handler and its deliveries; returns (handlers removed,
-/// deliveries discarded).
+/// Removes the handler, its deliveries and its dead letters; returns
+/// (handlers removed, what was discarded).
 pub(super) async fn delete_handler(
     s: &MongoStore,
     session: &mut ClientSession,
     id: &str,
-) -> TxnResult<(u64, u64)> {
+) -> TxnResult<(u64, DeletedHandler)> {
     let removed = s
         .coll(names::HANDLERS)
         .delete_one(doc! { "_id": id })
@@ -273,15 +273,27 @@ pub(super) async fn delete_handler(
         .await?
         .deleted_count;
     if removed == 0 {
-        return Ok((0, 0));
+        return Ok((0, DeletedHandler::default()));
     }
-    let discarded = s
+    let deliveries = s
         .coll(names::DELIVERIES)
         .delete_many(doc! { "handler_id": id })
         .session(&mut *session)
         .await?
         .deleted_count;
-    Ok((removed, discarded))
+    let dead_letters = s
+        .coll(names::DEAD_LETTERS)
+        .delete_many(doc! { "handler_id": id })
+        .session(&mut *session)
+        .await?
+        .deleted_count;
+    Ok((
+        removed,
+        DeletedHandler {
+            deliveries,
+            dead_letters,
+        },
+    ))
 }
 
 pub(super) async fn list_dead_letters(

@@ -825,7 +825,7 @@ impl Store for MongoStore {
         catalog::mark_handler_failing(self, id, failing, at).await
     }
 
-    async fn delete_handler(&self, id: &str) -> Result<u64> {
+    async fn delete_handler(&self, id: &str) -> Result<DeletedHandler> {
         let (removed, discarded) =
             in_transaction!(self, |sess| catalog::delete_handler(self, sess, id))?;
         if removed == 0 {

@@ -211,13 +211,14 @@ pub(super) async fn mark_handler_failing(
     crate::common::handler_found(n, id)
 }
 
-/// Deletes the handler and its pending deliveries in one statement; returns
-/// how many deliveries were discarded.
-pub(super) async fn delete_handler(pool: &PgPool, id: &str) -> Result<u64> {
-    let (removed, discarded): (i64, i64) = sqlx::query_as(
+/// Deletes the handler, its pending deliveries and its dead letters in one
+/// statement; returns how many deliveries and dead letters were discarded.
+pub(super) async fn delete_handler(pool: &PgPool, id: &str) -> Result<DeletedHandler> {
+    let (removed, discarded, dead): (i64, i64, i64) = sqlx::query_as(
         "WITH h AS (DELETE FROM handlers WHERE id = $1 RETURNING id), \
-              d AS (DELETE FROM deliveries WHERE handler_id = $1 AND EXISTS (SELECT 1 FROM h) RETURNING 1) \
-         SELECT (SELECT count(*) FROM h), (SELECT count(*) FROM d)",
+              d AS (DELETE FROM deliveries WHERE handler_id = $1 AND EXISTS (SELECT 1 FROM h) RETURNING 1), \
+              x AS (DELETE FROM dead_letters WHERE handler_id = $1 AND EXISTS (SELECT 1 FROM h) RETURNING 1) \
+         SELECT (SELECT count(*) FROM h), (SELECT count(*) FROM d), (SELECT count(*) FROM x)",
     )
     .bind(id)
     .fetch_one(pool)
@@ -226,7 +227,10 @@ pub(super) async fn delete_handler(pool: &PgPool, id: &str) -> Result<u64> {
     if removed == 0 {
         return Err(StoreError::NotFound(format!("handler {id}")));
     }
-    Ok(u64::try_from(discarded).unwrap_or_default())
+    Ok(DeletedHandler {
+        deliveries: u64::try_from(discarded).unwrap_or_default(),
+        dead_letters: u64::try_from(dead).unwrap_or_default(),
+    })
 }
 
 pub(super) async fn list_dead_letters(

@@ -542,7 +542,7 @@ impl Store for PgStore {
         catalog::mark_handler_failing(&self.pool, id, failing, at).await
     }
 
-    async fn delete_handler(&self, id: &str) -> Result<u64> {
+    async fn delete_handler(&self, id: &str) -> Result<DeletedHandler> {
         catalog::delete_handler(&self.pool, id).await
     }
 

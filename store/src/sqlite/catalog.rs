@@ -119,10 +119,19 @@ where
     handler_from_row(&row)
 }
 
-/// Deletes the handler's deliveries, then the handler; the caller's
-/// transaction is dropped (rolled back) on [`StoreError::NotFound`].
-pub(super) async fn delete_handler(conn: &mut SqliteConnection, id: &str) -> Result<u64> {
+/// Deletes the handler's deliveries and dead letters, then the handler; the
+/// caller's transaction is dropped (rolled back) on [`StoreError::NotFound`].
+pub(super) async fn delete_handler(
+    conn: &mut SqliteConnection,
+    id: &str,
+) -> Result<DeletedHandler> {
     let discarded = sqlx::query("DELETE FROM deliveries WHERE handler_id = ?1")
+        .bind(id)
+        .execute(&mut *conn)
+        .await
+        .map_err(map_err)?
+        .rows_affected();
+    let dead_letters = sqlx::query("DELETE FROM dead_letters WHERE handler_id = ?1")
         .bind(id)
         .execute(&mut *conn)
         .await
@@ -137,7 +146,10 @@ pub(super) async fn delete_handler(conn: &mut SqliteConnection, id: &str) -> Res
     if removed == 0 {
         return Err(StoreError::NotFound(format!("handler {id}")));
     }
-    Ok(discarded)
+    Ok(DeletedHandler {
+        deliveries: discarded,
+        dead_letters,
+    })
 }
 
 pub(super) async fn list_dead_letters(

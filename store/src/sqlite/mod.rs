@@ -465,7 +465,7 @@ impl Store for SqliteStore {
         Ok(())
     }
 
-    async fn delete_handler(&self, id: &str) -> Result<u64> {
+    async fn delete_handler(&self, id: &str) -> Result<DeletedHandler> {
         let (_guard, mut tx) = self.begin_write().await?;
         let discarded = catalog::delete_handler(&mut tx, id).await?;
         tx.commit().await.map_err(map_err)?;
