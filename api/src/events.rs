@@ -104,40 +104,6 @@ impl From<PublishOutcome> for PublishAnswer {
     }
 }
 
-/// Deepest nesting of arrays and objects a payload may have: the default
-/// recursion limit of serde_json (128), which receivers parsing with it, or
-/// with parsers of similar limits, would otherwise fail on every attempt.
-pub const MAX_PAYLOAD_DEPTH: usize = 128;
-
-/// `Some(max + 1)` when well-formed JSON `raw` nests arrays and objects
-/// deeper than `max`, else `None` (brackets inside strings do not count).
-fn nesting_beyond(raw: &str, max: usize) -> Option<usize> {
-    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
-    for b in raw.bytes() {
-        if in_string {
-            match (escaped, b) {
-                (true, _) => escaped = false,
-                (false, b'\\') => escaped = true,
-                (false, b'"') => in_string = false,
-                _ => {}
-            }
-            continue;
-        }
-        match b {
-            b'"' => in_string = true,
-            b'[' | b'{' => {
-                depth += 1;
-                if depth > max {
-                    return Some(depth);
-                }
-            }
-            b']' | b'}' => depth = depth.saturating_sub(1),
-            _ => {}
-        }
-    }
-    None
-}
-
 /// Checks a batch against `limits` and the event rules, and turns it into
 /// store events.
 ///
@@ -145,7 +111,8 @@ fn nesting_beyond(raw: &str, max: usize) -> Option<usize> {
 /// `422 empty_batch`, `422 batch_too_large`, `413 payload_too_large`,
 /// `400 invalid_parameter` (a `deliver_at` that is no RFC 3339 date-time) or
 /// `422 invalid_event` (also a `deliver_at` more than 7 days ahead, a
-/// payload nested deeper than [`MAX_PAYLOAD_DEPTH`]), naming the event's
+/// payload nested deeper than
+/// [`lanebus_store::MAX_PAYLOAD_DEPTH`], checked by the store), naming the event's
 /// index (`events[3]`).
 pub fn validate_batch(req: PublishRequest, limits: &Limits) -> Result<Vec<NewEvent>, ApiError> {
     if req.events.is_empty() {
@@ -176,15 +143,6 @@ pub fn validate_batch(req: PublishRequest, limits: &Limits) -> Result<Vec<NewEve
                         "events[{i}]: payload of {} bytes exceeds the limit of {} bytes",
                         payload.len(),
                         limits.max_payload_bytes
-                    ),
-                ));
-            }
-            if let Some(depth) = nesting_beyond(payload, MAX_PAYLOAD_DEPTH) {
-                return Err(ApiError::new(
-                    ErrorCode::InvalidEvent,
-                    format!(
-                        "events[{i}]: payload nests {depth} or more arrays/objects deep; at most \
-                         {MAX_PAYLOAD_DEPTH} are allowed (receivers' JSON parsers refuse deeper)"
                     ),
                 ));
             }
@@ -261,8 +219,9 @@ mod tests {
         };
         let nested = |n: usize| format!("{}1{}", "[".repeat(n), "]".repeat(n));
         let body = |p: &str| batch(&format!(r#"{{"events":[{{"type":"a","payload":{p}}}]}}"#));
-        assert!(validate_batch(body(&nested(MAX_PAYLOAD_DEPTH)), &limits).is_ok());
-        let e = validate_batch(body(&nested(MAX_PAYLOAD_DEPTH + 1)), &limits).expect_err("deep");
+        assert!(validate_batch(body(&nested(lanebus_store::MAX_PAYLOAD_DEPTH)), &limits).is_ok());
+        let e = validate_batch(body(&nested(lanebus_store::MAX_PAYLOAD_DEPTH + 1)), &limits)
+            .expect_err("deep");
         assert_eq!(e.code, ErrorCode::InvalidEvent);
         assert!(
             e.message.contains("events[0]: payload nests 129"),

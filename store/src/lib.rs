@@ -150,8 +150,44 @@ pub struct NewEvent {
     pub deliver_at: Option<DateTime<Utc>>,
 }
 
+/// Deepest nesting of arrays and objects a payload may have: the default
+/// recursion limit of serde_json (128), which receivers parsing with it, or
+/// with parsers of similar limits, would otherwise fail on every attempt.
+pub const MAX_PAYLOAD_DEPTH: usize = 128;
+
+/// `Some(max + 1)` when well-formed JSON `raw` nests arrays and objects
+/// deeper than `max`, else `None` (brackets inside strings do not count).
+fn nesting_beyond(raw: &[u8], max: usize) -> Option<usize> {
+    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+    for &b in raw {
+        if in_string {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > max {
+                    return Some(depth);
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    None
+}
+
 impl NewEvent {
-    /// Checks the glossary's rules for id, type and key.
+    /// Checks the glossary's rules for id, type and key, the `deliver_at`
+    /// horizon and the payload's nesting ([`MAX_PAYLOAD_DEPTH`]): for every
+    /// way in (the API and `publish_in`).
     ///
     /// # Errors
     /// [`StoreError::Invalid`] naming the field and the rule it breaks.
@@ -181,6 +217,12 @@ impl NewEvent {
                     "event key {key:?} must not contain control characters"
                 )));
             }
+        }
+        if let Some(depth) = nesting_beyond(&self.payload, MAX_PAYLOAD_DEPTH) {
+            return Err(StoreError::Invalid(format!(
+                "payload nests {depth} or more arrays/objects deep; at most \
+                 {MAX_PAYLOAD_DEPTH} are allowed (receivers' JSON parsers refuse deeper)"
+            )));
         }
         if let Some(at) = self.deliver_at {
             let latest = Utc::now() + MAX_DELIVER_AHEAD;
@@ -963,6 +1005,24 @@ pub fn generate_event_id() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every way in (the API and `publish_in`) refuses a payload nested
+    /// deeper than serde_json's limit; brackets in strings are text.
+    #[test]
+    fn payload_nesting_is_bounded() {
+        let nested = |n: usize| format!("{}1{}", "[".repeat(n), "]".repeat(n)).into_bytes();
+        let mut e = ev(None, None);
+        e.payload = nested(MAX_PAYLOAD_DEPTH);
+        assert!(e.validate().is_ok());
+        e.payload = nested(MAX_PAYLOAD_DEPTH + 1);
+        let err = e.validate().expect_err("too deep");
+        assert!(
+            matches!(&err, StoreError::Invalid(m) if m.starts_with("payload nests 129")),
+            "{err:?}"
+        );
+        e.payload = format!(r#"{{"s":"\"{}"}}"#, "[".repeat(500)).into_bytes();
+        assert!(e.validate().is_ok(), "brackets inside a string");
+    }
 
     fn ev(id: Option<&str>, key: Option<&str>) -> NewEvent {
         NewEvent {
