@@ -377,21 +377,26 @@ impl Sandbox {
         self.start.elapsed().as_millis() as u64
     }
 
-    /// First start of node `i`, until ready. A free port can be taken by
-    /// another process between our probe and the node's bind: then the node
-    /// gets new ports and one more try.
+    /// First start of node `i`, until ready. A first start has no state to
+    /// keep, so when it fails (a free port taken by another process between
+    /// our probe and the node's bind, or anything else) the node gets new
+    /// ports, an empty data dir and one more try; the first failure and the
+    /// end of its log are printed, not hidden.
     async fn first_start(&mut self, i: usize) -> anyhow::Result<()> {
         for attempt in 0..2 {
             self.spawn(i).await?;
             match self.wait_ready(i, Duration::from_secs(60)).await {
                 Ok(()) => return Ok(()),
+                Err(e) if attempt == 1 => return Err(e),
                 Err(e) => {
-                    let log = std::fs::read_to_string(&self.nodes[i].log).unwrap_or_default();
-                    if attempt == 1 || !log.contains("Address already in use") {
-                        return Err(e);
-                    }
+                    println!(
+                        "  first start of node {} failed, trying again: {e:#}",
+                        self.nodes[i].id
+                    );
                     self.kill(i).await;
                     let node = &mut self.nodes[i];
+                    let old = node.log.with_extension("first-try.log");
+                    let _ = std::fs::rename(&node.log, old);
                     node.http = format!("127.0.0.1:{}", free_port()?).parse()?;
                     node.raft_bind = format!("127.0.0.1:{}", free_port()?).parse()?;
                     node.starts = 0;
@@ -466,8 +471,10 @@ impl Sandbox {
         Ok(())
     }
 
-    /// Waits until node `i` answers `/readyz` with 200.
-    pub async fn wait_ready(&self, i: usize, within: Duration) -> anyhow::Result<()> {
+    /// Waits until node `i` answers `/readyz` with 200. Fails at once when
+    /// the process exits, else after `within`; the error carries the end of
+    /// the node's log (CI keeps no sandbox directory).
+    pub async fn wait_ready(&mut self, i: usize, within: Duration) -> anyhow::Result<()> {
         let deadline = Instant::now() + within;
         let url = format!("{}/readyz", self.nodes[i].url());
         loop {
@@ -476,11 +483,22 @@ impl Sandbox {
                     return Ok(());
                 }
             }
-            if Instant::now() > deadline {
+            let exited = match self.nodes[i].child.as_mut().map(Child::try_wait) {
+                Some(Ok(Some(status))) => Some(status.to_string()),
+                None => Some("not running".to_string()),
+                _ => None,
+            };
+            if exited.is_some() || Instant::now() > deadline {
+                let node = &self.nodes[i];
+                let why = match exited {
+                    Some(status) => format!("exited ({status})"),
+                    None => format!("not ready within {within:?}"),
+                };
                 bail!(
-                    "node {} not ready within {within:?} (log: {})",
-                    self.nodes[i].id,
-                    self.nodes[i].log.display()
+                    "node {} {why} (log: {}); its last log lines:\n{}",
+                    node.id,
+                    node.log.display(),
+                    log_tail(&node.log, 25)
                 );
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -662,4 +680,20 @@ pub fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())
+}
+
+/// The last `n` lines of a log file, each indented, or a note that it
+/// cannot be read.
+fn log_tail(path: &Path, n: usize) -> String {
+    match std::fs::read_to_string(path) {
+        Ok(text) => {
+            let lines: Vec<&str> = text.lines().collect();
+            lines[lines.len().saturating_sub(n)..]
+                .iter()
+                .map(|l| format!("    | {l}"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        }
+        Err(e) => format!("    (cannot read it: {e})"),
+    }
 }
