@@ -389,12 +389,33 @@ pub(crate) async fn join(
     State(state): State<ApiState>,
     Json(req): Json<JoinRequest>,
 ) -> Result<axum::Json<ClusterChanged>, ApiError> {
+    validate_join(&req)?;
     state
         .node
         .join_node(req)
         .await
         .map_err(cluster_change_error)?;
     Ok(axum::Json(ClusterChanged { ok: true }))
+}
+
+/// Checks a join request before any cluster round trip: `422
+/// invalid_input` for id 0 or an address that is not `IP:PORT`.
+fn validate_join(req: &JoinRequest) -> Result<(), ApiError> {
+    if req.id == 0 {
+        return Err(ApiError::new(
+            ErrorCode::InvalidInput,
+            "id must be a positive integer, got 0",
+        ));
+    }
+    for (name, a) in [("raft_addr", &req.raft_addr), ("http_addr", &req.http_addr)] {
+        if a.parse::<std::net::SocketAddr>().is_err() {
+            return Err(ApiError::new(
+                ErrorCode::InvalidInput,
+                format!("{name} {a:?} must be IP:PORT"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Handler of `POST /admin/cluster/remove`, through

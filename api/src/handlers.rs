@@ -793,6 +793,18 @@ pub(crate) async fn rotate_secret(
     let secret = match req.secret {
         Some(s) => {
             validate_secret(&s)?;
+            // The previous secret (perhaps still in its grace period) would
+            // be replaced by the current one: receivers on it would fail.
+            let current = state
+                .store
+                .get_handler(&id)
+                .await
+                .map_err(|e| refused(e, &id))?;
+            if current.secret == s {
+                return Err(invalid(
+                    "secret is the handler's current secret; a rotation needs a new one".into(),
+                ));
+            }
             s
         }
         None => generate_secret(),

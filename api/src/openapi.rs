@@ -264,7 +264,8 @@ fn describe(op: Operation, s: &mut Schemas) -> Described {
                  both signatures, space-separated (`v1,<new> v1,<old>`), so a receiver knowing \
                  either secret verifies every request. A secret still in an earlier grace \
                  period stops signing. The answer shows the new `secret` and \
-                 `previous_secret_until`.",
+                 `previous_secret_until`. A given `secret` equal to the current one is refused \
+                 (`422 invalid_handler`): it would end the previous secret's grace period.",
                 (
                     StatusCode::OK,
                     "the handler with its new secret",
@@ -346,7 +347,8 @@ fn describe(op: Operation, s: &mut Schemas) -> Described {
                 "Add a node to the cluster",
                 "Records the node as a member (forwarded to the Raft leader); the leader then \
                  makes it a learner, and a voter while there are fewer voters than configured. \
-                 Idempotent for the same id and addresses. `409 conflict`: the id is a member \
+                 Idempotent for the same id and addresses. `422 invalid_input`: id 0, or an \
+                 address that is not `IP:PORT`; `409 conflict`: the id is a member \
                  with other addresses, or this node runs without a cluster; `503 not_ready`: \
                  no leader reachable now, retry.",
                 (

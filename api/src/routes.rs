@@ -189,9 +189,10 @@ impl Operation {
             ]
             .concat(),
             Operation::Readyz => vec![E::NotReady, E::StoreUnavailable],
-            Operation::JoinCluster | Operation::RemoveNode => {
-                [&JSON_BODY[..], &[E::Conflict, E::NotReady]].concat()
+            Operation::JoinCluster => {
+                [&JSON_BODY[..], &[E::InvalidInput, E::Conflict, E::NotReady]].concat()
             }
+            Operation::RemoveNode => [&JSON_BODY[..], &[E::Conflict, E::NotReady]].concat(),
             Operation::ListLanes
             | Operation::GetCluster
             | Operation::Metrics

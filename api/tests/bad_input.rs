@@ -570,6 +570,24 @@ fn cases() -> Vec<Case> {
             "invalid_body",
             "idz",
         ),
+        case(
+            "join with id 0",
+            Method::POST,
+            "/admin/cluster/join",
+            json!({"id": 0, "raft_addr": "127.0.0.1:7001", "http_addr": "127.0.0.1:8001"}),
+            422,
+            "invalid_input",
+            "got 0",
+        ),
+        case(
+            "join with a host name as raft address",
+            Method::POST,
+            "/admin/cluster/join",
+            json!({"id": 4, "raft_addr": "node4:7001", "http_addr": "127.0.0.1:8001"}),
+            422,
+            "invalid_input",
+            "raft_addr \"node4:7001\"",
+        ),
         // routing
         case(
             "unknown path",

@@ -244,6 +244,11 @@ async fn rotation_answers_the_new_secret_and_the_grace_period(app: TestApp) {
             "grace_period_s 2592001",
         ),
         (json!({"grace": 1}), "invalid_body", "grace"),
+        (
+            json!({"secret": given, "grace_period_s": 60}),
+            "invalid_handler",
+            "current secret",
+        ),
         // serde would take an array as the struct's fields by position.
         (json!([null, null]), "invalid_body", "JSON object"),
         (json!([]), "invalid_body", "JSON object"),
