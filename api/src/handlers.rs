@@ -750,6 +750,23 @@ pub(crate) async fn enable(
     Ok(axum::Json(handler.into()))
 }
 
+/// Handler of `POST /v1/handlers/{id}/disable`: the handler's deliveries
+/// are kept, not attempted, until it is enabled (reason `api`).
+pub(crate) async fn disable(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+) -> Result<axum::Json<HandlerView>, ApiError> {
+    check_handler_id(&id)?;
+    let handler = state
+        .store
+        .change_handler_state(&id, HandlerState::Disabled, "api")
+        .await
+        .map_err(|e| not_found(e, &id))?;
+    crate::telemetry::handler_disabled(&id);
+    state.node.handlers_changed();
+    Ok(axum::Json(handler.into()))
+}
+
 /// Handler of `PATCH /v1/handlers/{id}`: changes the settings given (see
 /// [`UpdateHandler`]) and tells the node, whose lanes use them from the
 /// next attempt; other nodes follow at their next catalog reload.

@@ -235,6 +235,23 @@ fn describe(op: Operation, s: &mut Schemas) -> Described {
                 ),
             )
         },
+        Operation::DisableHandler => Described {
+            parameters: vec![path_id("handler id (`hdl_` + 32 hex digits)", handler_id())],
+            ..d(
+                "handlers",
+                "Disable a handler",
+                "Stops attempts to the handler (as a `410 Gone` answer does; `state_reason` \
+                 `api`): its pending deliveries, and those of events published meanwhile, are \
+                 kept, not attempted, until `POST /v1/handlers/{id}/enable`. An attempt already \
+                 in flight finishes. This node stops at once, the others at their next catalog \
+                 reload. Idempotent.",
+                (
+                    StatusCode::OK,
+                    "the handler, disabled",
+                    json(s.of::<HandlerView>()),
+                ),
+            )
+        },
         Operation::UpdateHandler => Described {
             parameters: vec![path_id("handler id (`hdl_` + 32 hex digits)", handler_id())],
             body: Some(s.of::<UpdateHandler>()),

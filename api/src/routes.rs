@@ -38,6 +38,9 @@ pub enum Operation {
     /// `POST /v1/handlers/{id}/enable`: enable a handler (disabled by a
     /// `410 Gone` answer); its kept deliveries resume, in order per key.
     EnableHandler,
+    /// `POST /v1/handlers/{id}/disable`: disable a handler by hand; its
+    /// deliveries are kept, not attempted, until it is enabled.
+    DisableHandler,
     /// `PATCH /v1/handlers/{id}`: change a handler's settings.
     UpdateHandler,
     /// `POST /v1/handlers/{id}/secret/rotate`: a new signing secret, the old
@@ -113,6 +116,7 @@ impl Operation {
             Operation::GetHandler => "getHandler",
             Operation::DeleteHandler => "deleteHandler",
             Operation::EnableHandler => "enableHandler",
+            Operation::DisableHandler => "disableHandler",
             Operation::UpdateHandler => "updateHandler",
             Operation::RotateHandlerSecret => "rotateHandlerSecret",
             Operation::RecoverHandler => "recoverHandler",
@@ -170,7 +174,10 @@ impl Operation {
             .concat(),
             // `invalid_parameter`: a path segment that does not decode
             // (`%FF`); `not_found` also for an id that is no handler id.
-            Operation::GetHandler | Operation::DeleteHandler | Operation::EnableHandler => {
+            Operation::GetHandler
+            | Operation::DeleteHandler
+            | Operation::EnableHandler
+            | Operation::DisableHandler => {
                 [&[E::InvalidParameter, E::NotFound][..], &STORE].concat()
             }
             Operation::RecoverHandler => [
@@ -230,6 +237,7 @@ impl Operation {
             Operation::GetHandler => get(handlers::get),
             Operation::DeleteHandler => delete(handlers::delete),
             Operation::EnableHandler => post(handlers::enable),
+            Operation::DisableHandler => post(handlers::disable),
             Operation::UpdateHandler => patch(handlers::update),
             Operation::RotateHandlerSecret => post(handlers::rotate_secret),
             Operation::RecoverHandler => post(recovery::recover),
@@ -289,6 +297,11 @@ pub const ROUTES: &[RouteSpec] = &[
         Method::POST,
         "/v1/handlers/{id}/enable",
         Operation::EnableHandler,
+    ),
+    spec(
+        Method::POST,
+        "/v1/handlers/{id}/disable",
+        Operation::DisableHandler,
     ),
     spec(
         Method::POST,

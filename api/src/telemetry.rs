@@ -7,6 +7,7 @@
 //! | `lanebus_events_duplicates_total` | counter | | events of `POST /v1/events` whose id was already stored |
 //! | `lanebus_api_errors_total` | counter | `code` ([`crate::ErrorCode`]) | every error answer |
 //! | `lanebus_deliveries_discarded_total` | counter | | pending deliveries discarded by `DELETE /v1/handlers/{id}` |
+//! | `lanebus_handlers_disabled_total` | counter | `handler`, `reason` = `api` | handlers disabled by `POST /v1/handlers/{id}/disable` (other reasons come from the node) |
 //! | `lanebus_dead_letters_replayed_total` | counter | | dead letters put back by a replay |
 //! | `lanebus_handlers_enabled_total` | counter | | handlers enabled by `POST /v1/handlers/{id}/enable` (a `410 Gone` disables one: `lanebus_handlers_disabled_total`, from the node) |
 //!
@@ -68,6 +69,14 @@ pub(crate) fn handler_deleted(handler_id: &str, discarded: lanebus_store::Delete
 pub(crate) fn handler_enabled(handler_id: &str, was: lanebus_store::HandlerState) {
     metrics::counter!("lanebus_handlers_enabled_total").increment(1);
     tracing::info!(handler_id, was = was.as_str(), "handler enabled");
+}
+
+/// A handler was disabled through the API (reason `api`; a `410` answer or
+/// a long failure disables in the node, reasons `gone` and `failing`).
+pub(crate) fn handler_disabled(handler_id: &str) {
+    metrics::counter!("lanebus_handlers_disabled_total", "handler" => handler_id.to_owned(), "reason" => "api")
+        .increment(1);
+    tracing::info!(handler_id, "handler disabled through the API");
 }
 
 /// Dead letters were replayed (`replayed` of them), asked for by handler

@@ -1,6 +1,7 @@
 //! Handlers that change under their deliveries: a `410 Gone` disables the
 //! handler (events published meanwhile are kept for it too) and `POST
-//! /v1/handlers/{id}/enable` resumes them, in order per key; a handler
+//! /v1/handlers/{id}/enable` resumes them, in order per key (so does a
+//! handler disabled by hand, `POST /v1/handlers/{id}/disable`); a handler
 //! disabled while a delivery waits for its retry is not attempted again; a
 //! handler deleted while attempts wait for its concurrency slot gets no
 //! further request; deliveries a late publish leaves for a deleted handler
@@ -255,6 +256,79 @@ async fn gone_disables_and_enable_resumes_sqlite() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gone_disables_and_enable_resumes_postgres() {
     gone_disables_and_enable_resumes(Backend::Postgres)
+        .await
+        .unwrap();
+}
+
+async fn disabled_by_hand_keeps_then_resumes(backend: Backend) -> anyhow::Result<()> {
+    let db = TestDb::new(backend, "by_hand").await?;
+    let rx = Receiver::start().await?;
+    let node = start_node(&db.url).await?;
+    let api = Api::new(&node.base_url());
+    let (id, secret) = create(&api, "paused", &rx.url("paused"), json!({})).await?;
+    rx.set_secret("paused", &secret);
+    let (status, body) = api
+        .post(&format!("/v1/handlers/{id}/disable"), json!({}))
+        .await?;
+    ensure!(
+        status == 200 && body["state"] == "disabled" && body["state_reason"] == "api",
+        "disable: {status} {body}"
+    );
+    let events = keyed_events("paused", 20, 4);
+    api.publish(&events, 20).await?;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    ensure!(
+        rx.requests().is_empty(),
+        "{} requests to a disabled handler",
+        rx.requests().len()
+    );
+    let c = node.store().counts().await?;
+    ensure!(
+        c.deliveries == 20 && c.dead_letters == 0,
+        "while disabled: {c:?}"
+    );
+    ensure!(
+        api.metrics().await?.contains(&format!(
+            "lanebus_handlers_disabled_total{{handler=\"{id}\",reason=\"api\"}}"
+        )),
+        "disabling is not in the metrics"
+    );
+    let (status, _) = api
+        .post(&format!("/v1/handlers/{id}/enable"), json!({}))
+        .await?;
+    ensure!(status == 200, "enable: {status}");
+    let expected = expected_of("paused", &events);
+    ensure!(
+        rx.wait_accepted(20, Duration::from_secs(30)).await,
+        "after enable: {:?}",
+        rx.verdict(&expected)
+    );
+    ensure!(rx.verdict(&expected).exact(), "{:?}", rx.verdict(&expected));
+    let (status, _) = api
+        .post(
+            "/v1/handlers/hdl_0123456789abcdef0123456789abcdef/disable",
+            json!({}),
+        )
+        .await?;
+    ensure!(
+        status == 404,
+        "disable of an unknown handler answered {status}"
+    );
+    node.shutdown().await?;
+    db.drop_db().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disabled_by_hand_keeps_then_resumes_sqlite() {
+    disabled_by_hand_keeps_then_resumes(Backend::Sqlite)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disabled_by_hand_keeps_then_resumes_postgres() {
+    disabled_by_hand_keeps_then_resumes(Backend::Postgres)
         .await
         .unwrap();
 }
