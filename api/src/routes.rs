@@ -211,6 +211,9 @@ impl Operation {
             | Operation::DashboardStyle => Vec::new(),
         };
         codes.extend(EVERY_ROUTE);
+        if self.refuses_query() {
+            codes.push(E::InvalidParameter);
+        }
         // Authentication (`crate::auth`): a path that needs a scope can be
         // `401`; one that needs `admin` also `403` (every valid token has
         // the `publish` scope).
@@ -226,6 +229,20 @@ impl Operation {
         codes.sort_by_key(|c| (c.status().as_u16(), c.as_str()));
         codes.dedup();
         codes
+    }
+
+    /// Whether a query string is refused (`400 invalid_parameter`): every
+    /// `/v1` and `/admin` operation but `GET /admin/dead-letters` (whose
+    /// own parameters are checked by its extractor) takes none, and a
+    /// parameter given anyway (`GET /v1/handlers?limit=10`) would be
+    /// silently ignored. Probes, `/metrics` and the dashboard are lenient.
+    fn refuses_query(self) -> bool {
+        let path = ROUTES
+            .iter()
+            .find(|r| r.operation == self)
+            .map_or("", |r| r.path);
+        (path.starts_with("/v1/") || path.starts_with("/admin/"))
+            && self != Operation::ListDeadLetters
     }
 
     /// The axum handler serving this operation.
@@ -358,7 +375,13 @@ pub fn router(state: ApiState) -> Router {
     ROUTES
         .iter()
         .fold(Router::new(), |r, spec| {
-            r.route(spec.path, spec.operation.method_router())
+            let m = spec.operation.method_router();
+            let m = if spec.operation.refuses_query() {
+                m.route_layer(axum::middleware::from_fn(refuse_query))
+            } else {
+                m
+            };
+            r.route(spec.path, m)
         })
         .method_not_allowed_fallback(method_not_allowed)
         .fallback(path_not_found)
@@ -384,6 +407,33 @@ async fn method_not_allowed(method: Method, uri: axum::http::Uri) -> ApiError {
         ErrorCode::MethodNotAllowed,
         format!("method {method} is not allowed on {}", uri.path()),
     )
+}
+
+/// Refuses a request with a query string, naming its parameters (see
+/// [`Operation::refuses_query`]).
+async fn refuse_query(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    match req.uri().query() {
+        None => next.run(req).await,
+        Some(q) => {
+            let names: Vec<String> = q
+                .split('&')
+                .filter(|p| !p.is_empty())
+                .map(|p| {
+                    let name = p.split('=').next().unwrap_or_default();
+                    name.chars().take(64).collect()
+                })
+                .collect();
+            ApiError::new(
+                ErrorCode::InvalidParameter,
+                format!(
+                    "query parameters {names:?} given, but {} {} takes none",
+                    req.method(),
+                    req.uri().path()
+                ),
+            )
+            .into_response()
+        }
+    }
 }
 
 /// Refuses a request whose URI is longer than [`MAX_URI_BYTES`] with

@@ -588,6 +588,24 @@ fn cases() -> Vec<Case> {
             "invalid_input",
             "raft_addr \"node4:7001\"",
         ),
+        case(
+            "query parameter on handlers",
+            Method::GET,
+            "/v1/handlers?limit=10",
+            Value::Null,
+            400,
+            "invalid_parameter",
+            "\"limit\"",
+        ),
+        case(
+            "query parameter on a publish",
+            Method::POST,
+            "/v1/events?wait=true",
+            json!({"events": [ev("a.b")]}),
+            400,
+            "invalid_parameter",
+            "\"wait\"",
+        ),
         // routing
         case(
             "unknown path",
