@@ -84,6 +84,18 @@ enum AdminCommand {
     /// Dead letters: list or replay.
     #[command(subcommand)]
     DeadLetters(DeadLetters),
+    /// Disables a handler: its deliveries are kept, not attempted, until
+    /// it is enabled.
+    Disable {
+        /// The handler (id `hdl_...` or name).
+        handler: String,
+    },
+    /// Enables a handler (disabled by hand, by a `410 Gone` answer, or for
+    /// failing too long): its kept deliveries resume, in order per key.
+    Enable {
+        /// The handler (id `hdl_...` or name).
+        handler: String,
+    },
     /// Removes a node on purpose: its lanes are handed over, then it leaves.
     Remove {
         /// Id of the node to remove.
@@ -225,7 +237,7 @@ fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
 pub async fn run(args: AdminArgs) -> anyhow::Result<ExitCode> {
     lanebus_node::webhook::install_crypto_provider();
     let Some(command) = args.command.clone() else {
-        bail!("lanebus admin needs a command: lanes, cluster, handlers, dead-letters or remove (see --help)");
+        bail!("lanebus admin needs a command: lanes, cluster, handlers, dead-letters, disable, enable or remove (see --help)");
     };
     let output = args.output;
     let file = args.config.clone();
@@ -299,6 +311,25 @@ pub async fn run(args: AdminArgs) -> anyhow::Result<ExitCode> {
                 }
             };
             (text, replayed_line)
+        }
+        AdminCommand::Disable { handler } | AdminCommand::Enable { handler } => {
+            let (verb, then) = if matches!(command, AdminCommand::Disable { .. }) {
+                (
+                    "disable",
+                    "its deliveries are kept, not attempted, until `lanebus admin enable`",
+                )
+            } else {
+                ("enable", "its kept deliveries resume, in order per key")
+            };
+            let id = client.handler_id(handler).await?;
+            let text = client
+                .post(&format!("/v1/handlers/{id}/{verb}"), None)
+                .await?;
+            let out = match output {
+                Output::Json => with_newline(text),
+                Output::Table => format!("handler {id} is {verb}d: {then}\n"),
+            };
+            return emit(&out);
         }
         AdminCommand::Remove { id } => {
             let text = client

@@ -163,6 +163,23 @@ async fn json_output_is_the_apis_answer_and_errors_are_clear() -> anyhow::Result
     .await?;
     ensure!(rest["replayed"] == 4, "{rest}");
 
+    // Disable and enable by name; JSON is the handler as the API answers.
+    let off = ok(&["disable", "payments", "--node", &url]).await?;
+    ensure!(
+        off.starts_with(&format!("handler {} is disabled", h.id)),
+        "{off}"
+    );
+    let (_, got) = api.get(&format!("/v1/handlers/{}", h.id)).await?;
+    ensure!(
+        got["state"] == "disabled" && got["state_reason"] == "api",
+        "{got}"
+    );
+    let on = json(&["enable", &h.id, "--output", "json", "--node", &url]).await?;
+    ensure!(
+        on["state"] == "enabled" && on["id"] == h.id.as_str(),
+        "{on}"
+    );
+
     // An error answer: its code and message, a non-zero exit.
     let o = admin(
         &[
