@@ -64,8 +64,8 @@ enum Command {
     /// receiver, real GitHub payloads, one node killed halfway, and the
     /// exactness verdict (exits non-zero if an invariant broke).
     Demo(demo::DemoFlags),
-    /// A running node's admin API: lanes, cluster, handlers, dead letters
-    /// (list, replay), planned removal.
+    /// A running node's admin API: lanes, cluster, handlers (disable,
+    /// enable), dead letters (list, replay), planned removal.
     Admin(admin::AdminArgs),
 }
 
