@@ -2030,6 +2030,48 @@ mod postgres_only {
         h.cleanup().await;
     }
 
+    /// A dead-letter write that holds a handler's delivery while the
+    /// handler is deleted: the delete waits for it and discards the dead
+    /// letter too (it was left behind, orphaned, when the delete read one
+    /// snapshot taken before the wait).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_dead_letter_written_during_a_handler_delete_is_discarded_too() {
+        let h = PgHarness::new().await;
+        let s = h.store();
+        let id = handler(&*s, "doomed", &["*"]).await.id;
+        s.publish(vec![ev(Some("dl-race"), "t.x", Some("k"))])
+            .await
+            .expect("publish");
+        // The dead-letter statement of a node, held open: delivery row
+        // deleted (locked), dead letter inserted, not committed.
+        let mut node_tx = h.store.pool().begin().await.expect("begin");
+        sqlx::query(
+            "WITH d AS (DELETE FROM deliveries WHERE handler_id = $1 RETURNING *) \
+             INSERT INTO dead_letters (handler_id, event_id, lane, key, seq, attempts, last_error) \
+             SELECT handler_id, event_id, lane, key, seq, 3, 'boom' FROM d",
+        )
+        .bind(&id)
+        .execute(&mut *node_tx)
+        .await
+        .expect("dead letter in a held transaction");
+        let delete = {
+            let (s, id) = (s.clone(), id.clone());
+            tokio::spawn(async move { s.delete_handler(&id).await })
+        };
+        // Let the delete start and meet the locked delivery row.
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        node_tx.commit().await.expect("commit the dead letter");
+        let deleted = delete.await.expect("join").expect("delete");
+        let c = counts(&*s).await;
+        assert_eq!(
+            (c.deliveries, c.dead_letters),
+            (0, 0),
+            "left behind by the handler delete: {c:?} (answered {deleted:?})"
+        );
+        assert_eq!(deleted.dead_letters, 1, "{deleted:?}");
+        h.cleanup().await;
+    }
+
     /// Transaction ids follow first writes, not key-lock order: a publisher
     /// with an older transaction id can take a key's next number after a
     /// younger one. Claim order (and limit cuts) must still follow sequence order.
