@@ -313,7 +313,9 @@ impl Retry {
     }
 
     /// Whether to run the whole transaction again after `e`; sleeps a
-    /// jittered backoff (up to about 50 ms) first.
+    /// jittered backoff first: up to 2^attempts ms, at most about 1 s (a
+    /// 64 ms cap let one of eight publishers of the same hot keys lose every
+    /// round for the whole [`TXN_RETRY_LIMIT`] on a loaded test server).
     async fn again(&mut self, e: &MongoError) -> bool {
         let transient = e.contains_label(TRANSIENT_TRANSACTION_ERROR);
         let duplicate = is_duplicate_key(e) && self.duplicates < DUPLICATE_RETRIES;
@@ -324,7 +326,7 @@ impl Retry {
             self.duplicates += 1;
         }
         self.attempts += 1;
-        let cap_ms = 1u64 << self.attempts.min(6);
+        let cap_ms = 1u64 << self.attempts.min(10);
         let wait = Duration::from_micros(rand::random::<u64>() % (cap_ms * 1000) + 100);
         tracing::debug!(attempt = self.attempts, error = %e, "mongodb transaction retried");
         tokio::time::sleep(wait).await;
