@@ -278,7 +278,27 @@ pub fn layered<T: Serialize + serde::de::DeserializeOwned>(
     }
     fig.merge(Serialized::defaults(flags))
         .extract()
-        .map_err(|e| anyhow::anyhow!("config: {e}"))
+        .map_err(config_error)
+}
+
+/// A figment error as a user reads it: `key: what is wrong (in FILE)`, one
+/// per problem, without figment's profile name (`default.`) or the source
+/// location of values that came from flags.
+fn config_error(e: figment::Error) -> anyhow::Error {
+    let problems: Vec<String> = e
+        .into_iter()
+        .map(|e| {
+            let file = match e.metadata.as_ref().and_then(|m| m.source.as_ref()) {
+                Some(figment::Source::File(p)) => format!(" (in {})", p.display()),
+                _ => String::new(),
+            };
+            match e.path.join(".") {
+                key if key.is_empty() => format!("{}{file}", e.kind),
+                key => format!("{key}: {}{file}", e.kind),
+            }
+        })
+        .collect();
+    anyhow::anyhow!("config: {}", problems.join("; "))
 }
 
 fn addr(name: &str, value: Option<&str>, default: &str) -> anyhow::Result<SocketAddr> {
@@ -662,12 +682,26 @@ mod tests {
         assert_eq!(c.data_dir, PathBuf::from("/tmp/y"));
         std::fs::write(&path, "id = 7\ndata_dir = \"/tmp/y\"\nhttp_adr = \"x\"\n").unwrap();
         let e = load(NodeArgs {
-            config: Some(path),
+            config: Some(path.clone()),
             ..NodeArgs::default()
         })
         .unwrap_err()
         .to_string();
         assert!(e.contains("http_adr"), "{e}");
+        // A wrong type names the key and the file, not figment's profile.
+        std::fs::write(&path, "id = 7\nlease_ms = \"3s\"\n").unwrap();
+        let e = load(NodeArgs {
+            config: Some(path.clone()),
+            ..NodeArgs::default()
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with("config: lease_ms: invalid type")
+                && e.contains(&format!("(in {})", path.display()))
+                && !e.contains("default."),
+            "{e}"
+        );
         let _ = std::fs::remove_dir_all(dir);
     }
 }
