@@ -116,7 +116,7 @@ pub struct Cell {
     pub title: String,
     /// What is measured.
     pub kind: Kind,
-    /// `postgres` or `sqlite`.
+    /// `postgres`, `sqlite` or `mongodb`.
     pub store: String,
     /// Concurrent publishers.
     pub publishers: usize,
@@ -539,8 +539,73 @@ pub fn full() -> Vec<Cell> {
             )
         },
     ]);
+    v.extend(mongo_cells());
     v
 }
+
+/// The MongoDB cells (in the full set): publish and dispatch on a
+/// throwaway SecantusDB per sample, a MongoDB-compatible test server in
+/// Python (real `mongod` cannot be installed here), with a store of 16
+/// lanes as the node tests use on it ([`crate::mongo`]). Their figures are
+/// of that server, not of MongoDB; the backlog is sized so a sample takes
+/// seconds there.
+pub fn mongo_cells() -> Vec<Cell> {
+    let m = |c: Cell| Cell {
+        store: "mongodb".into(),
+        ..c
+    };
+    vec![
+        m(publish(
+            "mongo-publish-p8-b1",
+            "MongoDB (SecantusDB) publish, P=8, batch 1",
+            8,
+            1,
+            1,
+            0,
+            Via::Store,
+        )),
+        m(publish(
+            "mongo-publish-p8-b100",
+            "MongoDB (SecantusDB) publish, P=8, batch 100",
+            8,
+            100,
+            1,
+            0,
+            Via::Store,
+        )),
+        m(dispatch(
+            "mongo-dispatch-1n-tuned",
+            "MongoDB (SecantusDB) dispatch, 1 node, tuned",
+            Settings::Tuned,
+            1,
+            0,
+            MONGO_DISPATCH_PRELOAD,
+        )),
+        m(count(
+            "mongo-count-publish-b100",
+            "MongoDB (SecantusDB) fixed work: 2,000 events, 100 per call",
+            Kind::CountPublish,
+            2_000,
+            100,
+            1,
+        )),
+        m(count(
+            "mongo-count-drain",
+            "MongoDB (SecantusDB) fixed work: drain 2,000 deliveries (claim 200 per lane, complete 200 per call)",
+            Kind::CountDrain,
+            2_000,
+            100,
+            1,
+        )),
+    ]
+}
+
+/// Backlog of `mongo-dispatch-1n-tuned`: the test server completes about
+/// 60 deliveries a second through a node (handlers run up to 400 a second
+/// ahead of the completions), so 6,000 events outlast the 12 s of warm-up
+/// and window many times over, and the preload (4 loaders, 500 per call)
+/// takes about 10 s there.
+const MONGO_DISPATCH_PRELOAD: usize = 6_000;
 
 #[cfg(test)]
 mod tests {

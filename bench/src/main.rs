@@ -10,6 +10,7 @@
 mod cells;
 mod exact;
 mod gate;
+mod mongo;
 mod peers;
 mod pg;
 mod report;
@@ -88,6 +89,11 @@ struct RunArgs {
     /// harness itself with the same profile).
     #[arg(long, default_value = "release")]
     profile: String,
+    /// SecantusDB server command for the MongoDB cells (each sample starts
+    /// its own); default `.venv/bin/secantusd-py` of the repository. The
+    /// MongoDB cells are skipped when there is none.
+    #[arg(long, env = mongo::SECANTUS_ENV)]
+    mongod_cmd: Option<PathBuf>,
 }
 
 fn run_set(set: &str, a: RunArgs) -> ExitCode {
@@ -105,6 +111,21 @@ fn run_set(set: &str, a: RunArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     }
+    let repo = run::repo_root().unwrap_or_else(|_| PathBuf::from("."));
+    let mongo_cmd = mongo::find_command(a.mongod_cmd.as_deref(), &repo);
+    let n_mongo = cells.iter().filter(|c| c.store == "mongodb").count();
+    if mongo_cmd.is_none() && n_mongo > 0 {
+        eprintln!(
+            "skipping {n_mongo} MongoDB cell(s): no SecantusDB server command \
+             (--mongod-cmd, {}, or .venv/bin/secantusd-py in {})",
+            mongo::SECANTUS_ENV,
+            repo.display()
+        );
+        cells.retain(|c| c.store != "mongodb");
+        if cells.is_empty() {
+            return ExitCode::from(2);
+        }
+    }
     let opts = run::RunOptions {
         cells,
         set: set.into(),
@@ -119,6 +140,7 @@ fn run_set(set: &str, a: RunArgs) -> ExitCode {
         out: a.out,
         target_dir: a.target_dir,
         profile: a.profile,
+        mongo_cmd,
     };
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,

@@ -179,6 +179,23 @@ const REFERENCE: &[(&str, &str, [Option<f64>; 3])] = &[
     ),
 ];
 
+/// The counters a cell's database server did not report (MongoDB cells on
+/// the test server), as a line under its counter table: named, not
+/// estimated.
+fn unavailable_note(md: &mut String, cell: &str, records: &[Record]) {
+    let mut names: Vec<&str> = records
+        .iter()
+        .filter(|r| r.cell == cell)
+        .flat_map(|r| r.out.unavailable.iter().map(String::as_str))
+        .collect();
+    names.sort_unstable();
+    names.dedup();
+    if !names.is_empty() {
+        let list: Vec<String> = names.iter().map(|n| format!("`{n}`")).collect();
+        let _ = writeln!(md, "\nNot available on this server: {}.", list.join(", "));
+    }
+}
+
 /// Builds the report.
 pub fn build(
     cells: &[Cell],
@@ -350,7 +367,7 @@ pub fn build(
         );
     }
     let _ = writeln!(md, "\n## Exact counters per unit\n");
-    let _ = writeln!(md, "Per published event (publish cells) or per delivery (dispatch and mixed cells), steady window only; `cpu_app_ms` and `cpu_db_ms` are CPU milliseconds of the sample process (node and publishers) and of all PostgreSQL processes per unit, which is the same number as CPU seconds per 1,000 units. Database counters cover the whole sample: statistics are reset after the setup (and preload), and read again after every connection of the sample has closed (so every backend has flushed its statistics); they are divided by the events stored or the deliveries completed, as the database counts them. CPU covers the steady window. Counters are gated on the fixed-work cells (`pg-count-*`, thresholds in the last column and in `bench/README.md`); on the time-windowed cells they are reported, not gated (batch sizes follow timing), and those cells are gated on throughput instead.\n");
+    let _ = writeln!(md, "Per published event (publish cells) or per delivery (dispatch and mixed cells), steady window only; `cpu_app_ms` and `cpu_db_ms` are CPU milliseconds of the sample process (node and publishers) and of all PostgreSQL processes per unit, which is the same number as CPU seconds per 1,000 units. Database counters cover the whole sample: statistics are reset after the setup (and preload), and read again after every connection of the sample has closed (so every backend has flushed its statistics); they are divided by the events stored or the deliveries completed, as the database counts them. CPU covers the steady window. MongoDB cells (`mongo-*`, on the SecantusDB test server, not MongoDB) give the server's `serverStatus` operation counters and requests (`mongo.op.*`, `mongo.requests`, the harness's own probe commands taken off) and the oplog entries written (`mongo.oplog_bytes`, `mongo.oplog_entries`), differenced over the whole sample, and `cpu_db_ms` of the SecantusDB process. Counters are gated on the fixed-work cells (`pg-count-*`, thresholds in the last column and in `bench/README.md`); on the time-windowed cells they are reported, not gated (batch sizes follow timing), and those cells are gated on throughput instead.\n");
     for (c, s) in &sums {
         if s.counters[1].is_empty() && s.counters[0].is_empty() {
             continue;
@@ -387,6 +404,7 @@ pub fn build(
                 num(cv)
             );
         }
+        unavailable_note(&mut md, &c.name, records);
         let _ = writeln!(md);
     }
 

@@ -63,6 +63,8 @@ pub struct RunOptions {
     pub target_dir: Option<PathBuf>,
     /// Cargo profile of side builds (`release`; `dev` for a quick try).
     pub profile: String,
+    /// SecantusDB server command for the MongoDB cells.
+    pub mongo_cmd: Option<PathBuf>,
 }
 
 /// One measured side.
@@ -466,6 +468,7 @@ async fn run_cells(
                     pg_url: server.url.clone(),
                     pg_dir: Some(server.dir.clone()),
                     work_dir: work.join("sqlite"),
+                    mongo_cmd: opts.mongo_cmd.clone(),
                 };
                 let load = load1();
                 let spin = spin_ms();

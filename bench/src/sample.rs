@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context as _};
 use async_trait::async_trait;
 use lanebus_node::{Handler, HandlerError, NodeOptions, StoreSource};
+use lanebus_store::mongodb::MongoStore;
 use lanebus_store::postgres::PgStore;
 use lanebus_store::sqlite::SqliteStore;
 use lanebus_store::{Delivery, DeliveryRef, LaneClaim, NewEvent, NewHandler, Store};
@@ -24,6 +25,7 @@ use sqlx::{Connection as _, PgConnection};
 
 use crate::cells::{Cell, Kind, Via};
 use crate::exact::{self, Exactness, Handled, Held};
+use crate::mongo;
 use crate::pg;
 
 /// What the harness hands a sample runner.
@@ -37,6 +39,10 @@ pub struct SampleSpec {
     pub pg_dir: Option<PathBuf>,
     /// Scratch directory for SQLite files.
     pub work_dir: PathBuf,
+    /// MongoDB cells: the SecantusDB server command the sample starts its
+    /// own server with (see [`crate::mongo`]).
+    #[serde(default)]
+    pub mongo_cmd: Option<PathBuf>,
 }
 
 /// Commit-to-handler latency of a mixed sample, milliseconds.
@@ -85,6 +91,9 @@ pub struct SampleOut {
     /// Whether they still disagreed after 8 s; database counters of such
     /// a sample are left out of the medians.
     pub stats_incomplete: bool,
+    /// Counters the database server does not report (MongoDB cells on the
+    /// test server): left out, not estimated.
+    pub unavailable: Vec<String>,
 }
 
 /// Records hand-overs; `Hang` never returns (publish cells through a node:
@@ -142,10 +151,27 @@ struct Stores {
     probe: Option<PgConnection>,
     db: Option<String>,
     url: String,
+    mongo: Option<MongoSide>,
+}
+
+/// A MongoDB sample's own server, the harness's probe connection, and the
+/// snapshots that bound the whole sample.
+struct MongoSide {
+    server: mongo::Server,
+    probe: mongo::Probe,
+    /// The latest snapshot taken.
+    last: Option<mongo::Snap>,
+    /// After the setup (the sample's start).
+    start: Option<mongo::Snap>,
+    /// After every connection of the sample closed (its end).
+    end: Option<mongo::Snap>,
 }
 
 async fn open(spec: &SampleSpec) -> anyhow::Result<Stores> {
     let tag = uuid::Uuid::new_v4().simple().to_string();
+    if spec.cell.store == "mongodb" {
+        return open_mongo(spec, &tag).await;
+    }
     if spec.cell.store == "sqlite" {
         std::fs::create_dir_all(&spec.work_dir)?;
         let path = spec.work_dir.join(format!("bench-{tag}.db"));
@@ -157,6 +183,7 @@ async fn open(spec: &SampleSpec) -> anyhow::Result<Stores> {
             probe: None,
             db: None,
             url,
+            mongo: None,
         });
     }
     let db = format!("bench_{}", &tag[..16]);
@@ -176,6 +203,36 @@ async fn open(spec: &SampleSpec) -> anyhow::Result<Stores> {
         probe: Some(probe),
         db: Some(db),
         url,
+        mongo: None,
+    })
+}
+
+/// A MongoDB sample: its own SecantusDB (killed when the sample's stores
+/// are dropped), a store of [`mongo::LANES`] lanes in database `bench`,
+/// and the probe connection.
+async fn open_mongo(spec: &SampleSpec, tag: &str) -> anyhow::Result<Stores> {
+    let cmd = spec.mongo_cmd.as_deref().context(
+        "a MongoDB cell needs the SecantusDB command (--mongod-cmd or LANEBUS_BENCH_SECANTUS)",
+    )?;
+    let log = spec.work_dir.join(format!("secantus-{tag}.log"));
+    let server = mongo::Server::start(cmd, &log).await?;
+    let url = server.db_url("bench");
+    let store = MongoStore::connect_with_lanes(&url, mongo::LANES).await?;
+    let probe = mongo::Probe::open(&server.db_url("bench"), "bench").await?;
+    let _ = std::fs::remove_file(&log);
+    Ok(Stores {
+        dyn_store: Arc::new(store),
+        pg: None,
+        probe: None,
+        db: None,
+        url,
+        mongo: Some(MongoSide {
+            server,
+            probe,
+            last: None,
+            start: None,
+            end: None,
+        }),
     })
 }
 
@@ -398,6 +455,9 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
 
     // Whole-sample database counters start here (after the preload).
     let sa = snapshot(stores, pm).await?;
+    if let Some(m) = stores.mongo.as_mut() {
+        m.start = m.last.clone();
+    }
     if cell.kind.fixed_work() {
         return run_count(cell, stores, pm, sa, &handler_idx, &preloaded).await;
     }
@@ -441,6 +501,7 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
         probe: None,
         db: None,
         url: stores.url.clone(),
+        mongo: None,
     });
     let mut publishers = Vec::new();
     if cell.kind != Kind::Dispatch {
@@ -534,7 +595,9 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
     // without a database counter (SQLite), hand-overs.
     let units = match cell.kind {
         Kind::Publish | Kind::CountPublish => events_in_window,
-        _ if stores.probe.is_some() => (s1.completed - s0.completed).max(0) as u64,
+        _ if stores.probe.is_some() || stores.mongo.is_some() => {
+            (s1.completed - s0.completed).max(0) as u64
+        }
         _ => h1 - h0,
     };
     let held = Held {
@@ -624,6 +687,7 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
     }
     .max(0) as u64;
     let mut counters = pg::per_unit(&sa, &sb, db_units);
+    let unavailable = mongo_counters(stores, &mut counters, db_units).await?;
     let window_counters = pg::per_unit(&s0, &s1, units);
     for k in ["cpu_app_ms", "cpu_db_ms"] {
         match window_counters.get(k) {
@@ -645,6 +709,7 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
         problems,
         stats_wait_ms,
         stats_incomplete: !stats_complete,
+        unavailable,
     })
 }
 
@@ -668,6 +733,9 @@ async fn settle(
     kind: Kind,
 ) -> anyhow::Result<(pg::Snapshot, f64, bool, lanebus_store::StoreCounts)> {
     let pre = snapshot(stores, pm).await?;
+    if let Some(m) = stores.mongo.as_mut() {
+        m.end = m.last.clone();
+    }
     let counts = lanebus_store::open(&stores.url).await?.counts().await?;
     let t = Instant::now();
     loop {
@@ -829,6 +897,7 @@ async fn run_count(
         problems.push("nothing was measured".into());
     }
     let mut counters = pg::per_unit(&sa, &sb, units);
+    let unavailable = mongo_counters(stores, &mut counters, units).await?;
     let cpu = pg::per_unit(&sa, &s1, units);
     for k in ["cpu_app_ms", "cpu_db_ms"] {
         match cpu.get(k) {
@@ -850,10 +919,23 @@ async fn run_count(
         problems,
         stats_wait_ms,
         stats_incomplete: !stats_complete,
+        unavailable,
     })
 }
 
 async fn snapshot(stores: &mut Stores, pm: Option<u32>) -> anyhow::Result<pg::Snapshot> {
+    if let Some(m) = stores.mongo.as_mut() {
+        // The sample's own server: its CPU, its completion documents.
+        let s = m.probe.snapshot().await?;
+        let out = pg::Snapshot {
+            app_cpu: pg::self_cpu(),
+            db_cpu: pg::tree_cpu(m.server.pid),
+            completed: s.completed,
+            ..pg::Snapshot::default()
+        };
+        m.last = Some(s);
+        return Ok(out);
+    }
     match stores.probe.as_mut() {
         Some(p) => pg::snapshot(p, pm, pg::self_cpu()).await,
         None => Ok(pg::Snapshot {
@@ -861,6 +943,30 @@ async fn snapshot(stores: &mut Stores, pm: Option<u32>) -> anyhow::Result<pg::Sn
             ..pg::Snapshot::default()
         }),
     }
+}
+
+/// MongoDB cells: replaces the PostgreSQL counters of `counters` by the
+/// server's counters over the whole sample (from the snapshot after the
+/// setup to the one after every connection closed; see [`crate::mongo`])
+/// per unit; returns the counters the server does not report. Other
+/// stores: unchanged, nothing unavailable.
+async fn mongo_counters(
+    stores: &Stores,
+    counters: &mut BTreeMap<String, f64>,
+    units: u64,
+) -> anyhow::Result<Vec<String>> {
+    let Some(m) = stores.mongo.as_ref() else {
+        return Ok(Vec::new());
+    };
+    for k in ["statements", "wal_bytes", "wal_records", "wal_fpi"] {
+        counters.remove(k);
+    }
+    if let (Some(a), Some(b), true) = (&m.start, &m.end, units > 0) {
+        for (k, v) in mongo::whole(&m.probe, a, b).await? {
+            counters.insert(k, v as f64 / units as f64);
+        }
+    }
+    Ok(m.probe.unavailable.clone())
 }
 
 /// Prints every hand-over of an (event, handler) handed over more than once
