@@ -112,14 +112,20 @@ fn run_set(set: &str, a: RunArgs) -> ExitCode {
         }
     }
     let repo = run::repo_root().unwrap_or_else(|_| PathBuf::from("."));
-    let mongo_cmd = mongo::find_command(a.mongod_cmd.as_deref(), &repo);
+    let mut roots = vec![repo.clone()];
+    roots.extend(run::main_worktree(&repo));
+    let mongo_cmd = mongo::find_command(a.mongod_cmd.as_deref(), &roots);
     let n_mongo = cells.iter().filter(|c| c.store == "mongodb").count();
     if mongo_cmd.is_none() && n_mongo > 0 {
         eprintln!(
             "skipping {n_mongo} MongoDB cell(s): no SecantusDB server command \
              (--mongod-cmd, {}, or .venv/bin/secantusd-py in {})",
             mongo::SECANTUS_ENV,
-            repo.display()
+            roots
+                .iter()
+                .map(|r| r.display().to_string())
+                .collect::<Vec<_>>()
+                .join(" or ")
         );
         cells.retain(|c| c.store != "mongodb");
         if cells.is_empty() {

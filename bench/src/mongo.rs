@@ -50,17 +50,21 @@ pub const LANES: u16 = 16;
 const OPS: [&str; 6] = ["insert", "query", "update", "delete", "getmore", "command"];
 
 /// The server command: `flag` (`--mongod-cmd`), else
-/// `$LANEBUS_BENCH_SECANTUS`, else `.venv/bin/secantusd-py` of the
-/// repository at `repo` if it exists. `None`: the MongoDB cells cannot run.
-pub fn find_command(flag: Option<&Path>, repo: &Path) -> Option<PathBuf> {
+/// `$LANEBUS_BENCH_SECANTUS`, else the first `.venv/bin/secantusd-py` that
+/// exists under `roots` (the repository, then its main worktree: a git
+/// worktree has no `.venv` of its own). `None`: the MongoDB cells cannot
+/// run.
+pub fn find_command(flag: Option<&Path>, roots: &[PathBuf]) -> Option<PathBuf> {
     if let Some(p) = flag {
         return Some(p.to_owned());
     }
     if let Some(p) = std::env::var_os(SECANTUS_ENV).filter(|p| !p.is_empty()) {
         return Some(PathBuf::from(p));
     }
-    let p = repo.join(".venv/bin/secantusd-py");
-    p.exists().then_some(p)
+    roots
+        .iter()
+        .map(|r| r.join(".venv/bin/secantusd-py"))
+        .find(|p| p.exists())
 }
 
 /// A throwaway SecantusDB of one sample; killed on drop.
@@ -324,7 +328,7 @@ mod tests {
 
     #[test]
     fn the_flag_wins_then_the_environment() {
-        let repo = Path::new("/nonexistent-repo");
+        let repo = &[PathBuf::from("/nonexistent-repo")];
         assert_eq!(
             find_command(Some(Path::new("/x/secantusd")), repo),
             Some(PathBuf::from("/x/secantusd"))

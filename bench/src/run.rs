@@ -125,6 +125,18 @@ pub fn repo_root() -> anyhow::Result<PathBuf> {
     )?))
 }
 
+/// The main worktree of the repository at `repo` (the parent of its common
+/// git directory), when `repo` is another worktree of it.
+pub fn main_worktree(repo: &Path) -> Option<PathBuf> {
+    let common = git(
+        repo,
+        &["rev-parse", "--path-format=absolute", "--git-common-dir"],
+    )
+    .ok()?;
+    let root = Path::new(&common).parent()?.to_owned();
+    (root != repo).then_some(root)
+}
+
 /// A fixed CPU spin (xorshift, 40 million steps), milliseconds.
 pub fn spin_ms() -> f64 {
     let t = Instant::now();
