@@ -540,6 +540,23 @@ mod tests {
     }
 
     #[test]
+    fn counters_the_server_lacks_are_named_once() {
+        let mut recs = vec![rec("base", 0, 1.0, 0.0), rec("candidate", 0, 1.0, 0.0)];
+        for r in &mut recs {
+            r.out.unavailable = vec!["mongo.requests".into(), "mongo.op.getmore".into()];
+        }
+        let mut md = String::new();
+        unavailable_note(&mut md, "c", &recs);
+        assert_eq!(
+            md.trim(),
+            "Not available on this server: `mongo.op.getmore`, `mongo.requests`."
+        );
+        let mut md = String::new();
+        unavailable_note(&mut md, "other", &recs);
+        assert!(md.is_empty());
+    }
+
+    #[test]
     fn numbers_are_grouped() {
         assert_eq!(num(Some(1234567.0)), "1,234,567");
         assert_eq!(num(Some(1325.4)), "1,325");
