@@ -8,6 +8,11 @@
 -- if it committed first, makes the re-checked row fail the epoch test: a
 -- deposed owner changes nothing even when its statement started before the
 -- fence committed (invariant 4).
+-- `d.lane + 0`: the lane test is a filter, not an index condition, so the
+-- planner finds each row by the primary key on id. With `d.lane = x.lane`
+-- and a row estimate of 1 for `fenced` it chose deliveries_claim (lane,
+-- xid) and read every delivery of the lane per batch: seconds per batch on
+-- a lane with a large backlog (seen on a fresh cluster, auto_explain).
 WITH x AS (
     SELECT * FROM unnest($1::bigint[], $2::int[], $3::bigint[], $4::int[], $5::timestamptz[], $6::text[])
         AS x (id, lane, epoch, attempts, due_at, last_error)
@@ -22,5 +27,5 @@ fenced AS MATERIALIZED (
 UPDATE deliveries d
 SET attempts = x.attempts, due_at = x.due_at, last_error = x.last_error, held = true
 FROM x, fenced f
-WHERE d.id = x.id AND d.lane = x.lane AND f.lane = x.lane AND f.epoch = x.epoch
+WHERE d.id = x.id AND d.lane + 0 = x.lane AND f.lane = x.lane AND f.epoch = x.epoch
 RETURNING d.id
