@@ -97,6 +97,12 @@ impl HandlerCatalog {
         self.handlers.read().expect("not poisoned").clone()
     }
 
+    /// The longest `timeout_ms` of the handlers as last loaded (0 with
+    /// none), in milliseconds.
+    pub fn longest_timeout_ms(&self) -> u64 {
+        self.all().values().map(|h| h.timeout_ms).max().unwrap_or(0)
+    }
+
     /// Watch of the number of completed reloads: changes after every reload.
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.version.subscribe()

@@ -682,12 +682,7 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
     catalog.set_auto_disable_after(opts.auto_disable_after);
     catalog.reload_fresh().await?;
     tokio::spawn(catalog.clone().refresh_loop(opts.catalog_refresh));
-    let longest_timeout_ms = catalog
-        .all()
-        .values()
-        .map(|h| h.timeout_ms)
-        .max()
-        .unwrap_or(0);
+    let longest_timeout_ms = catalog.longest_timeout_ms();
     if let Some(c) = &opts.cluster {
         c.lease.validate(longest_timeout_ms).map_err(|e| {
             NodeError::Config(format!(
@@ -818,7 +813,7 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
         gate,
         fenced_out: None,
     };
-    let (assignment, drain_bound): (Arc<dyn LaneAssignment>, Duration) =
+    let (assignment, drain_bound): (Arc<dyn LaneAssignment>, DrainBound) =
         match (&cluster, &opts.cluster) {
             (Some(c), Some(o)) => {
                 if o.bootstrap {
@@ -835,9 +830,10 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
                         },
                     ));
                 }
-                let bound = o
-                    .handover_drain
-                    .unwrap_or_else(|| handover_drain_bound(&o.lease, longest_timeout_ms));
+                let bound = match o.handover_drain {
+                    Some(d) => DrainBound::Fixed(d),
+                    None => DrainBound::Handover(o.lease.clone()),
+                };
                 // A lane fenced by an outsider is taken back after the same
                 // bound as a dead node's lanes.
                 let refence_after = Duration::from_millis(o.lease.lease_ms + o.lease.margin_ms);
@@ -853,7 +849,7 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
             }
             _ => (
                 Arc::new(LocalAssignment::new(store.clone(), opts.node_id.clone())),
-                opts.drain_timeout,
+                DrainBound::Fixed(opts.drain_timeout),
             ),
         };
     deps.fenced_out = assignment.fenced_out_reports();
@@ -938,6 +934,19 @@ async fn join_loop(url: String, token: Option<String>, req: JoinRequest) {
     }
 }
 
+/// How long a lane being handed over may drain before it is released with
+/// attempts still in flight.
+enum DrainBound {
+    /// A set time (`--handover-drain-ms`, or the local drain timeout).
+    Fixed(Duration),
+    /// [`handover_drain_bound`] of the lease and the longest timeout of the
+    /// handlers as the catalog has them when the drain starts: a bound
+    /// taken at start missed handlers registered later (a node started
+    /// before any handler drained for 500 ms, then left 10 s attempts in
+    /// flight to the next owner, which sent them again).
+    Handover(LeaseConfig),
+}
+
 /// Carries out [`plan_lanes`]: starts, stops and drains lane owners so
 /// that they follow the assignment's [`LaneWork`].
 struct LaneControl {
@@ -949,10 +958,20 @@ struct LaneControl {
     work: watch::Receiver<LaneWork>,
     /// Lanes whose release is under way or done (not released twice).
     releases_sent: Mutex<BTreeSet<Lane>>,
-    drain_bound: Duration,
+    drain_bound: DrainBound,
 }
 
 impl LaneControl {
+    /// The drain bound for a drain starting now.
+    fn drain_bound(&self) -> Duration {
+        match &self.drain_bound {
+            DrainBound::Fixed(d) => *d,
+            DrainBound::Handover(lease) => {
+                handover_drain_bound(lease, self.deps.catalog.longest_timeout_ms())
+            }
+        }
+    }
+
     /// Follows the assignment; also re-applies every second, so a release
     /// that failed is tried again.
     async fn watch(self: Arc<Self>, mut work: watch::Receiver<LaneWork>) {
@@ -1004,7 +1023,7 @@ impl LaneControl {
             tracing::info!(
                 lane,
                 epoch = o.epoch,
-                bound_ms = self.drain_bound.as_millis() as u64,
+                bound_ms = self.drain_bound().as_millis() as u64,
                 "handing the lane over: draining"
             );
             actix_rt::spawn(
@@ -1039,7 +1058,7 @@ impl LaneControl {
     }
 
     async fn drain_then_release(self: Arc<Self>, lane: Lane, epoch: Epoch, addr: Addr<LaneOwner>) {
-        let deadline = tokio::time::Instant::now() + self.drain_bound;
+        let deadline = tokio::time::Instant::now() + self.drain_bound();
         while addr.connected() && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }

@@ -489,6 +489,92 @@ async fn fourth_joins_and_one_leaves(backend: Backend) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A handler registered after the nodes started, slower than the drain
+/// bound the nodes would have computed at start (1,000 ms handlers: 1.5 s):
+/// a join moves lanes while its attempts (2.3 s) are in flight, and the old
+/// owners wait for them (the bound follows the catalog), so nothing is sent
+/// twice and no key has two requests in flight. With the bound taken at
+/// start the new owners sent the in-flight deliveries again.
+async fn handler_added_after_start(backend: Backend) -> anyhow::Result<()> {
+    let mut f = Fixture::with_args(backend, "late_handler", ARGS_JOIN).await?;
+    f.start(&[1, 2]).await?;
+    let slow = f
+        .store
+        .create_handler(NewHandler {
+            name: "slow".into(),
+            url: f.rx.url("slow"),
+            event_types: vec!["*".into()],
+            max_attempts: handler_defaults::MAX_ATTEMPTS,
+            timeout_ms: 2_400,
+            max_in_flight: handler_defaults::MAX_IN_FLIGHT,
+            secret: lanebus_store::generate_secret(),
+            rate_limit: None,
+        })
+        .await?;
+    f.rx.set_secret("slow", &slow.secret);
+    f.rx.add_rule(Rule {
+        handler: Some("slow".into()),
+        key: None,
+        action: Action::Delay(Duration::from_millis(2_300)),
+    });
+    f.handlers.push(Registered {
+        id: slow.id,
+        name: "slow".into(),
+        secret: slow.secret,
+        routes: slow.event_types,
+    });
+    // Both nodes' catalogs reload (every 5 s) before the work starts.
+    tokio::time::sleep(Duration::from_millis(5_500)).await;
+    let exp = f.publish(300, 100, "late").await?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !f.rx.requests().iter().any(|r| r.handler == "slow") {
+        ensure!(Instant::now() < deadline, "no request to the slow handler");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The drains of this move are in the logs after this point (the
+    // formation's own, before the slow handler existed, come before it).
+    let dir = f.cluster.dir().to_path_buf();
+    let log_of = |id: u64| dir.join(format!("node-{id}.1.log"));
+    let offsets: Vec<usize> = [1, 2]
+        .iter()
+        .map(|&id| std::fs::read_to_string(log_of(id)).map_or(0, |l| l.len()))
+        .collect();
+    f.cluster.spawn(3, Start::Join(f.cluster.url(1)))?;
+    f.cluster.wait_ready(3, Duration::from_secs(30)).await?;
+    f.cluster
+        .wait_balanced(1, &[1, 2, 3], Duration::from_secs(60))
+        .await?;
+    f.wait_all(&exp, 120).await?;
+    let repeats = f.check(&exp, &[]).context("a repeat in a graceful move")?;
+    let bounds: Vec<String> = [1, 2]
+        .iter()
+        .zip(&offsets)
+        .filter_map(|(&id, &from)| {
+            std::fs::read_to_string(log_of(id))
+                .ok()
+                .map(|l| l.get(from..).unwrap_or_default().to_string())
+        })
+        .flat_map(|log| {
+            log.lines()
+                .filter(|l| l.contains("handing the lane over"))
+                .filter_map(|l| l.split("bound_ms=").nth(1))
+                .map(|b| b.split_whitespace().next().unwrap_or_default().to_string())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    ensure!(
+        !bounds.is_empty() && bounds.iter().all(|b| b == "2500"),
+        "drain bounds logged: {bounds:?}"
+    );
+    ensure!(repeats == 0, "{repeats} repeats in the graceful move");
+    println!(
+        "{backend:?}: lanes moved to a joining node while 2.3 s attempts were in flight; {} drains bounded at 2,500 ms; no repeats",
+        bounds.len()
+    );
+    f.finish().await;
+    Ok(())
+}
+
 async fn whole_cluster_restarts(backend: Backend) -> anyhow::Result<()> {
     let mut f = Fixture::new(backend, "restart").await?;
     f.start(&[1, 2, 3]).await?;
@@ -769,6 +855,16 @@ on_both!(
     whole_cluster_restarts
 );
 on_both!(same_id_twice_never_both_deliver, same_id_twice);
+
+/// SQLite only: the drain bound is node logic, the same on every store.
+mod handler_added_after_start_drains_its_attempts {
+    use super::*;
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite() {
+        let _one = SERIAL.lock().await;
+        handler_added_after_start(Backend::Sqlite).await.unwrap();
+    }
+}
 
 /// A lease not longer than the longest handler timeout is refused at start,
 /// with the reason.
