@@ -32,8 +32,27 @@ fn demo_runs_on_sqlite_and_reports_an_exact_verdict() {
 fn node_refuses_bad_configuration_with_a_clear_message() {
     let dir = std::env::temp_dir().join(format!("lanebus-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
+    let fresh = dir.join("fresh");
+    let fresh = fresh.to_str().unwrap();
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (vec!["node", "--data-dir", "/tmp/x"], "missing node id"),
+        (
+            vec!["node", "--id", "1", "--data-dir", fresh],
+            "holds no cluster state and none of --bootstrap",
+        ),
+        (
+            vec![
+                "node",
+                "--id",
+                "1",
+                "--single",
+                "--data-dir",
+                fresh,
+                "--webhook-source-ip",
+                "192.0.2.1",
+            ],
+            "webhook_source_ip 192.0.2.1 is not an address of this host",
+        ),
         (
             vec![
                 "node",
