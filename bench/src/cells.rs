@@ -581,6 +581,18 @@ pub fn mongo_cells() -> Vec<Cell> {
             0,
             MONGO_DISPATCH_PRELOAD,
         )),
+        // Keyed: the exactness check then also holds the MongoDB store to
+        // per-key order (1, 2, 3, ... per handler and key). Keyed preloads
+        // conflict on the key counters, so this backlog loads slower (about
+        // 30 s for 5,000 events); the node completes about 175 a second.
+        m(dispatch(
+            "mongo-dispatch-1n-tuned-k1000",
+            "MongoDB (SecantusDB) dispatch, 1,000 distinct keys, 1 node, tuned",
+            Settings::Tuned,
+            1,
+            1000,
+            5_000,
+        )),
         m(count(
             "mongo-count-publish-b100",
             "MongoDB (SecantusDB) fixed work: 2,000 events, 100 per call",
