@@ -45,8 +45,8 @@ impl NodeView for Preview {
         "n1".into()
     }
 
-    async fn lanes(&self) -> Vec<LaneView> {
-        (0..256u16)
+    async fn lanes(&self) -> Result<Vec<LaneView>, lanebus_store::StoreError> {
+        Ok((0..256u16)
             .map(|lane| {
                 let moved = self.n3_dead() && lane % 3 == 2;
                 LaneView {
@@ -64,7 +64,7 @@ impl NodeView for Preview {
                     in_flight: if lane % 17 == 3 { 2 } else { 0 },
                 }
             })
-            .collect()
+            .collect())
     }
 
     fn published(&self, _lanes: &[Lane]) {}
@@ -80,7 +80,7 @@ impl NodeView for Preview {
     }
 
     async fn cluster(&self) -> ClusterView {
-        let lanes = self.lanes().await;
+        let lanes = self.lanes().await.unwrap_or_default();
         let nodes = ["n1", "n2", "n3"]
             .iter()
             .enumerate()

@@ -351,10 +351,10 @@ pub(crate) struct LaneList {
 }
 
 /// Handler of `GET /admin/lanes`, from [`crate::NodeView::lanes`].
-pub(crate) async fn lanes(State(state): State<ApiState>) -> axum::Json<LaneList> {
-    axum::Json(LaneList {
-        lanes: state.node.lanes().await,
-    })
+pub(crate) async fn lanes(State(state): State<ApiState>) -> Result<axum::Json<LaneList>, ApiError> {
+    Ok(axum::Json(LaneList {
+        lanes: state.node.lanes().await?,
+    }))
 }
 
 /// Handler of `GET /admin/cluster`, from [`crate::NodeView::cluster`].

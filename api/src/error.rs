@@ -307,7 +307,10 @@ pub(crate) fn error_response(status: StatusCode, code: ErrorCode, message: &str)
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = self.status();
-        if status.is_server_error() {
+        if self.code == ErrorCode::NotReady {
+            // Probes ask often during an outage; the node logs the cause.
+            tracing::debug!(code = self.code.as_str(), message = %self.message, "not ready");
+        } else if status.is_server_error() {
             tracing::error!(code = self.code.as_str(), message = %self.message, "request failed");
         } else {
             tracing::debug!(code = self.code.as_str(), message = %self.message, "request refused");

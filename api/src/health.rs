@@ -41,6 +41,10 @@ pub(crate) async fn healthz() -> axum::Json<Status> {
     axum::Json(Status { status: "ok" })
 }
 
+/// How long `/readyz` waits for the store's answer: a probe must hear
+/// "not ready" sooner than the store pool's own timeout (10 s).
+const READY_PING: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Handler of `GET /readyz`.
 pub(crate) async fn readyz(State(state): State<ApiState>) -> Result<axum::Json<Status>, ApiError> {
     if !state.node.ready().await {
@@ -49,11 +53,19 @@ pub(crate) async fn readyz(State(state): State<ApiState>) -> Result<axum::Json<S
             format!("node {} is not ready", state.node.node_id()),
         ));
     }
-    state.store.ping().await.map_err(|e| {
-        ApiError::new(
+    let backend = state.store.backend();
+    match tokio::time::timeout(READY_PING, state.store.ping()).await {
+        Ok(Ok(())) => Ok(axum::Json(Status { status: "ready" })),
+        Ok(Err(e)) => Err(ApiError::new(
             ErrorCode::StoreUnavailable,
-            format!("{} store does not answer: {e}", state.store.backend()),
-        )
-    })?;
-    Ok(axum::Json(Status { status: "ready" }))
+            format!("{backend} store does not answer: {e}"),
+        )),
+        Err(_) => Err(ApiError::new(
+            ErrorCode::StoreUnavailable,
+            format!(
+                "{backend} store does not answer within {} ms",
+                READY_PING.as_millis()
+            ),
+        )),
+    }
 }

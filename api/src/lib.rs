@@ -174,7 +174,11 @@ pub trait NodeView: Send + Sync + 'static {
     fn node_id(&self) -> String;
 
     /// The lane table, by lane number.
-    async fn lanes(&self) -> Vec<LaneView>;
+    ///
+    /// # Errors
+    /// The store's error when the table comes from the store (a node
+    /// without a cluster) and the store does not answer: `503`.
+    async fn lanes(&self) -> Result<Vec<LaneView>, lanebus_store::StoreError>;
 
     /// Called after a publish through the API committed, with the lanes that
     /// got new deliveries, so the node can wake those lanes at once (stores
@@ -237,6 +241,7 @@ pub trait NodeView: Send + Sync + 'static {
         let owned = self
             .lanes()
             .await
+            .unwrap_or_default()
             .iter()
             .filter(|l| l.owner.as_deref() == Some(id.as_str()))
             .count();

@@ -200,8 +200,8 @@ impl Operation {
                 [&JSON_BODY[..], &[E::InvalidInput, E::Conflict, E::NotReady]].concat()
             }
             Operation::RemoveNode => [&JSON_BODY[..], &[E::Conflict, E::NotReady]].concat(),
-            Operation::ListLanes
-            | Operation::GetCluster
+            Operation::ListLanes => STORE.to_vec(),
+            Operation::GetCluster
             | Operation::Metrics
             | Operation::Healthz
             | Operation::OpenApi

@@ -415,6 +415,22 @@ async fn admin_lanes_and_cluster(backend: Backend) {
     .await;
 }
 
+/// A lane table read from a store that does not answer is a `503`, not an
+/// empty table.
+#[tokio::test]
+async fn admin_lanes_without_the_store_is_503() {
+    let node = StubNode {
+        lanes_error: Some("pool timed out".into()),
+        ..StubNode::default()
+    };
+    run_with(Backend::Sqlite, TEST_LIMITS, node, |app| async move {
+        let res = app.get("/admin/lanes").await;
+        assert_eq!(res.status, StatusCode::SERVICE_UNAVAILABLE, "{res:?}");
+        assert_eq!(res.json["error"]["code"], "store_unavailable", "{res:?}");
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn sqlite_admin_lanes_and_cluster() {
     admin_lanes_and_cluster(Backend::Sqlite).await;

@@ -77,8 +77,16 @@ struct MigrateArgs {
 }
 
 fn init_tracing(filter: &str, format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_new(filter)
+    let mut env = tracing_subscriber::EnvFilter::try_new(filter)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // PostgreSQL's notices at migration ("relation ... already exists,
+    // skipping") are not news at every start, unless asked for by name.
+    if !filter.contains("sqlx") {
+        if let Ok(d) = "sqlx::postgres::notice=warn".parse() {
+            env = env.add_directive(d);
+        }
+    }
+    let filter = env;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

@@ -358,13 +358,15 @@ impl NodeView for NodeState {
         self.node_id.clone()
     }
 
-    async fn lanes(&self) -> Vec<LaneView> {
+    async fn lanes(&self) -> Result<Vec<LaneView>, lanebus_store::StoreError> {
         if let Some(c) = &self.cluster {
-            return self.cluster_lanes(c).await;
+            // Raft's table; the store only adds outsiders' fences.
+            return Ok(self.cluster_lanes(c).await);
         }
-        let rows = self.store.lane_rows().await.unwrap_or_default();
+        let rows = self.store.lane_rows().await?;
         let board = self.board.snapshot();
-        rows.into_iter()
+        Ok(rows
+            .into_iter()
             .map(|r| {
                 let mine = board.get(&r.lane).filter(|s| {
                     s.epoch == r.epoch && r.owner.as_deref().map(owner_node) == Some(&self.node_id)
@@ -386,7 +388,7 @@ impl NodeView for NodeState {
                     in_flight: mine.map(|s| s.in_flight as i64).unwrap_or(0),
                 }
             })
-            .collect()
+            .collect())
     }
 
     fn published(&self, lanes: &[Lane]) {
@@ -410,12 +412,12 @@ impl NodeView for NodeState {
         self.lease
     }
 
-    /// Started, joined (in a cluster), no lane of this node fenced out by
-    /// a process outside the cluster, and the store answers.
+    /// Started, joined (in a cluster), and no lane of this node fenced out
+    /// by a process outside the cluster (`/readyz` pings the store itself).
     async fn ready(&self) -> bool {
         let joined = self.cluster.as_ref().is_none_or(|c| c.joined());
         let fenced_out = !self.fenced_out.lock().expect("not poisoned").is_empty();
-        *self.ready.borrow() && joined && !fenced_out && self.store.ping().await.is_ok()
+        *self.ready.borrow() && joined && !fenced_out
     }
 
     /// The API checked the id and the addresses (`422` before this call).
@@ -439,7 +441,8 @@ impl NodeView for NodeState {
 
     async fn cluster(&self) -> ClusterView {
         let Some(c) = &self.cluster else {
-            let lanes = self.lanes().await;
+            // Lane counts are left at 0 while the store does not answer.
+            let lanes = self.lanes().await.unwrap_or_default();
             let owned = lanes
                 .iter()
                 .filter(|l| l.owner.as_deref() == Some(self.node_id.as_str()))

@@ -39,6 +39,9 @@ pub struct StubNode {
     pub published: Mutex<Vec<Vec<Lane>>>,
     pub handlers_changed: AtomicUsize,
     pub lanes: Vec<LaneView>,
+    /// [`NodeView::lanes`] answers `StoreError::Unavailable` with this
+    /// message instead of `lanes`.
+    pub lanes_error: Option<String>,
     /// The lane lease answered by [`NodeView::lease`] (`None`: no bound).
     pub lease: Option<std::time::Duration>,
 }
@@ -48,8 +51,11 @@ impl NodeView for StubNode {
     fn node_id(&self) -> String {
         "n1".into()
     }
-    async fn lanes(&self) -> Vec<LaneView> {
-        self.lanes.clone()
+    async fn lanes(&self) -> Result<Vec<LaneView>, lanebus_store::StoreError> {
+        match &self.lanes_error {
+            Some(m) => Err(lanebus_store::StoreError::Unavailable(m.clone())),
+            None => Ok(self.lanes.clone()),
+        }
     }
     fn published(&self, lanes: &[Lane]) {
         self.published.lock().expect("lock").push(lanes.to_vec());
