@@ -757,12 +757,20 @@ pub(crate) async fn disable(
     Path(id): Path<String>,
 ) -> Result<axum::Json<HandlerView>, ApiError> {
     check_handler_id(&id)?;
+    let was = state
+        .store
+        .get_handler(&id)
+        .await
+        .map_err(|e| not_found(e, &id))?
+        .state;
     let handler = state
         .store
         .change_handler_state(&id, HandlerState::Disabled, "api")
         .await
         .map_err(|e| not_found(e, &id))?;
-    crate::telemetry::handler_disabled(&id);
+    if was == HandlerState::Enabled {
+        crate::telemetry::handler_disabled(&id);
+    }
     state.node.handlers_changed();
     Ok(axum::Json(handler.into()))
 }

@@ -279,8 +279,9 @@ fn describe(op: Operation, s: &mut Schemas) -> Described {
                 "The new secret (given, or generated) signs from now on. The old one keeps \
                  signing for the grace period (default 24 h): `webhook-signature` then carries \
                  both signatures, space-separated (`v1,<new> v1,<old>`), so a receiver knowing \
-                 either secret verifies every request. A secret still in an earlier grace \
-                 period stops signing. The answer shows the new `secret` and \
+                 either secret verifies every request (this node at once, the other nodes from \
+                 their next catalog reload, within 5 s: switch receivers after that). A secret \
+                 still in an earlier grace period stops signing. The answer shows the new `secret` and \
                  `previous_secret_until`. A given `secret` equal to the current one is refused \
                  (`422 invalid_handler`): it would end the previous secret's grace period.",
                 (

@@ -7,7 +7,7 @@
 //! | `lanebus_events_duplicates_total` | counter | | events of `POST /v1/events` whose id was already stored |
 //! | `lanebus_api_errors_total` | counter | `code` ([`crate::ErrorCode`]) | every error answer |
 //! | `lanebus_deliveries_discarded_total` | counter | | pending deliveries discarded by `DELETE /v1/handlers/{id}` |
-//! | `lanebus_handlers_disabled_total` | counter | `handler`, `reason` = `api` | handlers disabled by `POST /v1/handlers/{id}/disable` (other reasons come from the node) |
+//! | `lanebus_handlers_disabled_total` | counter | `handler`, `reason` = `api` | enabled handlers disabled by `POST /v1/handlers/{id}/disable` (a call on a disabled one counts nothing; other reasons come from the node) |
 //! | `lanebus_dead_letters_replayed_total` | counter | | dead letters put back by a replay |
 //! | `lanebus_handlers_enabled_total` | counter | | handlers enabled by `POST /v1/handlers/{id}/enable` (a `410 Gone` disables one: `lanebus_handlers_disabled_total`, from the node) |
 //!

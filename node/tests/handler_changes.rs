@@ -287,11 +287,16 @@ async fn disabled_by_hand_keeps_then_resumes(backend: Backend) -> anyhow::Result
         c.deliveries == 20 && c.dead_letters == 0,
         "while disabled: {c:?}"
     );
+    // Idempotent, and counted once: the second call changes nothing.
+    let (status, _) = api
+        .post(&format!("/v1/handlers/{id}/disable"), json!({}))
+        .await?;
+    ensure!(status == 200, "second disable: {status}");
     ensure!(
         api.metrics().await?.contains(&format!(
-            "lanebus_handlers_disabled_total{{handler=\"{id}\",reason=\"api\"}}"
+            "lanebus_handlers_disabled_total{{handler=\"{id}\",reason=\"api\"}} 1\n"
         )),
-        "disabling is not in the metrics"
+        "disabling is not in the metrics once"
     );
     let (status, _) = api
         .post(&format!("/v1/handlers/{id}/enable"), json!({}))
