@@ -144,6 +144,12 @@ pub struct Cell {
     /// sample process (`lanebus_node::receiver`, signatures verified)
     /// instead of in-process no-ops: the webhook path.
     pub http_sink: bool,
+    /// Dispatch: nodes sharing the store. 1: one node owning every lane
+    /// (`--single`); more: a Raft cluster of that many members in the
+    /// sample process (each with its own runtime thread, store pool, Raft
+    /// port and data dir; node 1 bootstraps, the others join it), the
+    /// window starting once the lanes are balanced.
+    pub nodes: usize,
 }
 
 impl Default for Cell {
@@ -165,6 +171,7 @@ impl Default for Cell {
             steady_s: 8.0,
             payload_bytes: 200,
             http_sink: false,
+            nodes: 1,
         }
     }
 }
@@ -528,6 +535,17 @@ pub fn full() -> Vec<Cell> {
             )
         },
         Cell {
+            nodes: 3,
+            ..dispatch(
+                "pg-dispatch-3n-tuned",
+                "PostgreSQL dispatch, 3 nodes (Raft cluster), tuned",
+                Settings::Tuned,
+                1,
+                0,
+                500_000,
+            )
+        },
+        Cell {
             store: "sqlite".into(),
             ..dispatch(
                 "sqlite-dispatch-1n-tuned",
@@ -535,7 +553,7 @@ pub fn full() -> Vec<Cell> {
                 Settings::Tuned,
                 1,
                 0,
-                100_000,
+                300_000,
             )
         },
     ]);

@@ -66,6 +66,10 @@ struct RunArgs {
     /// Pairs per cell (default: 2 quick, 3 full).
     #[arg(long)]
     pairs: Option<usize>,
+    /// Pairs per cell outside the quick set (default: `--pairs`); to fit
+    /// a full run into the time there is, say so in its report.
+    #[arg(long)]
+    rest_pairs: Option<usize>,
     /// Only these cells (comma-separated names).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
@@ -140,6 +144,7 @@ fn run_set(set: &str, a: RunArgs) -> ExitCode {
         candidate: a.candidate,
         candidate_patch: a.candidate_patch,
         pairs: a.pairs.unwrap_or(pairs).max(1),
+        rest_pairs: a.rest_pairs.unwrap_or(a.pairs.unwrap_or(pairs)).max(1),
         peers: !a.no_peers,
         peer_jobs: a.peer_jobs.unwrap_or(jobs),
         port: a.port,

@@ -242,13 +242,17 @@ pub fn build(
     );
     let _ = writeln!(
         md,
-        "Base `{}`, candidate `{}`, set `{}`, {} pair(s) per cell, interleaved (pair 0 base first, pair 1 candidate first, ...). \
+        "Base `{}`, candidate `{}`, set `{}`, {} pair(s) per cell{}, interleaved (pair 0 base first, pair 1 candidate first, ...). \
          Machine {} ({} cores, {}), load average {} at the start and {} at the end: other work shared the machine, so read \
          throughput as ratios and the counters as exact. Started {}.\n",
         sides[0].rev,
         sides[1].rev,
         env["set"].as_str().unwrap_or(""),
         env["pairs"],
+        match env.get("rest_pairs") {
+            Some(r) if *r != env["pairs"] => format!(" of the quick set and {r} per other cell"),
+            _ => String::new(),
+        },
         env["fingerprint"].as_str().unwrap_or(""),
         env["cores"],
         env["cpu"].as_str().unwrap_or(""),
@@ -441,6 +445,18 @@ pub fn build(
             r.side,
             r.pair,
             r.out.problems.join("; ")
+        );
+    }
+    // Cluster cells: repeats are allowed only across a lane's change of
+    // owner, which should not happen once the window starts.
+    for r in records
+        .iter()
+        .filter(|r| r.out.exact.moved_repeats > 0 || r.out.lane_moves_in_window > 0)
+    {
+        let _ = writeln!(
+            md,
+            "- `{}` {} pair {}: {} repeat(s) explained by a lane's change of owner (before the window), {} lane(s) changed owner inside the steady window",
+            r.cell, r.side, r.pair, r.out.exact.moved_repeats, r.out.lane_moves_in_window
         );
     }
 

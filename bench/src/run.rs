@@ -49,8 +49,10 @@ pub struct RunOptions {
     pub candidate: String,
     /// Patch applied to the candidate tree (then built from HEAD or the ref).
     pub candidate_patch: Option<PathBuf>,
-    /// Pairs per cell.
+    /// Pairs per cell of the quick set.
     pub pairs: usize,
+    /// Pairs per cell outside the quick set.
+    pub rest_pairs: usize,
     /// Run the peers.
     pub peers: bool,
     /// Jobs per peer run.
@@ -346,6 +348,7 @@ fn env_json(
         "postgresql_settings": settings,
         "set": opts.set,
         "pairs": opts.pairs,
+        "rest_pairs": opts.rest_pairs,
         "sides": sides,
     })
 }
@@ -457,7 +460,15 @@ async fn run_cells(
     out_dir: &Path,
 ) -> CellsResult {
     let mut records = Vec::new();
-    let total = (opts.cells.len() * opts.pairs * 2) as u64;
+    let quick: Vec<String> = crate::cells::quick().into_iter().map(|c| c.name).collect();
+    let pairs_of = |c: &Cell| {
+        if quick.contains(&c.name) {
+            opts.pairs
+        } else {
+            opts.rest_pairs
+        }
+    };
+    let total = opts.cells.iter().map(|c| pairs_of(c) * 2).sum::<usize>() as u64;
     let pb = ProgressBar::new(total);
     pb.set_style(
         ProgressStyle::with_template(
@@ -470,7 +481,7 @@ async fn run_cells(
         Err(e) => return Err((records, e.into())),
     };
     for cell in &opts.cells {
-        for pair in 0..opts.pairs {
+        for pair in 0..pairs_of(cell) {
             let order = if pair % 2 == 0 { [0, 1] } else { [1, 0] };
             for (position, &s) in order.iter().enumerate() {
                 let side = &sides[s];

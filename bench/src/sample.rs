@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use async_trait::async_trait;
-use lanebus_node::{Handler, HandlerError, NodeOptions, StoreSource};
+use lanebus_node::{ClusterOptions, Handler, HandlerError, NodeHandle, NodeOptions, StoreSource};
 use lanebus_store::mongodb::MongoStore;
 use lanebus_store::postgres::PgStore;
 use lanebus_store::sqlite::SqliteStore;
@@ -94,12 +94,17 @@ pub struct SampleOut {
     /// Counters the database server does not report (MongoDB cells on the
     /// test server): left out, not estimated.
     pub unavailable: Vec<String>,
+    /// Cluster cells: lanes whose owner or epoch differed between the start
+    /// and the end of the steady window (0 in a steady run).
+    pub lane_moves_in_window: u64,
 }
 
 /// Records hand-overs; `Hang` never returns (publish cells through a node:
 /// nothing may complete).
 struct BenchHandler {
     idx: u16,
+    /// Cluster id of the node serving it (1 with one node).
+    node: u64,
     log: Arc<Log>,
     hang: bool,
     started: Arc<Instant>,
@@ -109,11 +114,15 @@ struct BenchHandler {
 struct Log {
     handled: Mutex<Vec<(Handled, Instant)>>,
     /// Per hand-over, in the order of `handled`: delivery id, its lane,
-    /// its attempt (1, 2, ...) and the time since the sample started,
-    /// for explaining a repeat (`LANEBUS_BENCH_REPEATS=1` prints them).
-    detail: Mutex<Vec<(i64, u16, u32, Duration)>>,
+    /// its attempt (1, 2, ...), the time since the sample started and the
+    /// node that handed it over, for explaining a repeat
+    /// (`LANEBUS_BENCH_REPEATS=1` prints them; cluster cells check them).
+    detail: Mutex<Vec<Detail>>,
     count: AtomicU64,
 }
+
+/// One hand-over's detail (see [`Log::detail`]).
+type Detail = (i64, u16, u32, Duration, u64);
 
 #[async_trait]
 impl Handler for BenchHandler {
@@ -136,6 +145,7 @@ impl Handler for BenchHandler {
                 d.lane,
                 d.attempts + 1,
                 now.saturating_duration_since(*self.started),
+                self.node,
             ));
         }
         self.log.count.fetch_add(1, Ordering::Relaxed);
@@ -148,6 +158,8 @@ impl Handler for BenchHandler {
 struct Stores {
     dyn_store: Arc<dyn Store>,
     pg: Option<Arc<PgStore>>,
+    /// The stores of cluster members 2, 3, ... (each node its own pool).
+    extra: Vec<Arc<PgStore>>,
     probe: Option<PgConnection>,
     db: Option<String>,
     url: String,
@@ -180,6 +192,7 @@ async fn open(spec: &SampleSpec) -> anyhow::Result<Stores> {
         return Ok(Stores {
             dyn_store: Arc::new(store),
             pg: None,
+            extra: Vec::new(),
             probe: None,
             db: None,
             url,
@@ -200,6 +213,7 @@ async fn open(spec: &SampleSpec) -> anyhow::Result<Stores> {
     Ok(Stores {
         dyn_store: store.clone(),
         pg: Some(store),
+        extra: Vec::new(),
         probe: Some(probe),
         db: Some(db),
         url,
@@ -223,6 +237,7 @@ async fn open_mongo(spec: &SampleSpec, tag: &str) -> anyhow::Result<Stores> {
     Ok(Stores {
         dyn_store: Arc::new(store),
         pg: None,
+        extra: Vec::new(),
         probe: None,
         db: None,
         url,
@@ -357,7 +372,7 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
     } else {
         None
     };
-    let mut in_process: HashMap<String, Arc<dyn Handler>> = HashMap::new();
+    let mut names: Vec<String> = Vec::new();
     let mut handler_idx: HashMap<String, u16> = HashMap::new();
     for i in 0..cell.handlers {
         let name = format!("h{i}");
@@ -382,18 +397,28 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
             })
             .await?;
         handler_idx.insert(h.id.to_string(), i as u16);
-        if receiver.is_none() {
-            in_process.insert(
-                name,
-                Arc::new(BenchHandler {
+        names.push(name);
+    }
+    // The in-process handlers of node `node` (none for webhooks).
+    let in_process_of = |node: u64| -> HashMap<String, Arc<dyn Handler>> {
+        if receiver.is_some() {
+            return HashMap::new();
+        }
+        names
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                let h: Arc<dyn Handler> = Arc::new(BenchHandler {
                     idx: i as u16,
+                    node,
                     log: log.clone(),
                     hang,
                     started: started.clone(),
-                }),
-            );
-        }
-    }
+                });
+                (name.clone(), h)
+            })
+            .collect()
+    };
 
     // Preload (dispatch: 4 loaders; fixed-work drain: 1 loader, so the
     // backlog is the same every time), 500 events per call.
@@ -464,9 +489,9 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
 
     // A node, unless this is a publish cell through the store.
     let needs_node = cell.kind != Kind::Publish || cell.via == Via::Http;
-    let node = if needs_node {
-        let mut opts = NodeOptions::new("bench", StoreSource::Opened(store.clone()));
-        opts.in_process = in_process;
+    let node_options = |id: &str, store: Arc<dyn Store>, node: u64| {
+        let mut opts = NodeOptions::new(id, StoreSource::Opened(store));
+        opts.in_process = in_process_of(node);
         if receiver.is_some() {
             opts.egress = lanebus_api::egress::EgressPolicy::allow_loopback();
         }
@@ -479,9 +504,50 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
             opts.lane.buffer_cap = cell.settings.lane_buffer();
         }
         opts.poll_interval = cell.settings.poll();
-        Some(lanebus_node::start(opts).await?)
-    } else {
+        opts
+    };
+    let cluster_dir = spec
+        .work_dir
+        .join(format!("cluster-{}", uuid::Uuid::new_v4().simple()));
+    let mut members: Vec<NodeHandle> = Vec::new();
+    let node = if !needs_node {
         None
+    } else if cell.nodes <= 1 {
+        Some(lanebus_node::start(node_options("bench", store.clone(), 1)).await?)
+    } else {
+        if cell.kind != Kind::Dispatch || receiver.is_some() || stores.pg.is_none() {
+            bail!("cluster cells are PostgreSQL dispatch cells with in-process handlers");
+        }
+        let mut all = start_cluster(cell, stores, &cluster_dir, &node_options).await?;
+        members = all.split_off(1);
+        all.pop()
+    };
+    // Cluster cells: each lane's owners in the order seen (from node 1's
+    // applied Raft state, polled every 50 ms until the shutdown), to
+    // explain repeats by a change of owner.
+    let owners: Arc<Mutex<HashMap<u16, Vec<u64>>>> = Arc::default();
+    let watching = Arc::new(AtomicBool::new(true));
+    let watcher = match (&node, cell.nodes > 1) {
+        (Some(n), true) => {
+            let (state, owners, watching) = (n.state.clone(), owners.clone(), watching.clone());
+            Some(tokio::spawn(async move {
+                while watching.load(Ordering::Relaxed) {
+                    if let Some(c) = state.cluster() {
+                        record_owners(&mut owners.lock().expect("owners lock"), &c.state().lanes);
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }))
+        }
+        _ => None,
+    };
+    let lane_table = |n: &Option<NodeHandle>| -> Vec<(u16, Option<u64>, u64)> {
+        n.as_ref()
+            .and_then(|n| n.state.cluster().map(|c| c.state().lanes))
+            .unwrap_or_default()
+            .into_iter()
+            .map(|l| (l.lane, l.owner, l.epoch))
+            .collect()
     };
     let http = node
         .as_ref()
@@ -498,6 +564,7 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
     let stores_ref = Arc::new(Stores {
         dyn_store: store.clone(),
         pg: stores.pg.clone(),
+        extra: Vec::new(),
         probe: None,
         db: None,
         url: stores.url.clone(),
@@ -561,12 +628,15 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
         None => log.count.load(Ordering::Relaxed),
     };
     let h0 = handed();
+    let lanes0 = lane_table(&node);
     phase.store(STEADY, Ordering::Relaxed);
     let t0 = Instant::now();
     tokio::time::sleep(Duration::from_secs_f64(cell.steady_s)).await;
     phase.store(DONE, Ordering::Relaxed);
-    let window = t0.elapsed();
+    let window_end = Instant::now();
+    let window = window_end.saturating_duration_since(t0);
     let h1 = handed();
+    let lanes1 = lane_table(&node);
     let s1 = snapshot(stores, pm).await?;
     let events_in_window = in_window.load(Ordering::Relaxed);
 
@@ -574,9 +644,20 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
     for p in publishers {
         let _ = p.await;
     }
-    if let Some(n) = node {
-        n.shutdown().await?;
+    // Every member stops at once (one after the other, the last would
+    // take over the lanes of the others first).
+    let mut stopping = Vec::new();
+    for n in node.into_iter().chain(members) {
+        stopping.push(tokio::spawn(n.shutdown()));
     }
+    for t in stopping {
+        t.await??;
+    }
+    watching.store(false, Ordering::Relaxed);
+    if let Some(w) = watcher {
+        let _ = w.await;
+    }
+    let _ = std::fs::remove_dir_all(&cluster_dir);
     // Close every connection of the sample so the backends exit and flush
     // their statistics (table and WAL-record counters are flushed by a
     // backend about once a second, and at exit), then read the counters
@@ -642,7 +723,22 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
             .collect();
     }
     let only: Vec<Handled> = handled.iter().map(|(h, _)| h.clone()).collect();
-    let ex = exact::check(&only, held, expected);
+    let moved = if cell.nodes > 1 {
+        let origins: Vec<exact::Origin> = log
+            .detail
+            .lock()
+            .expect("log lock")
+            .iter()
+            .map(|d| exact::Origin {
+                node: d.4,
+                lane: d.1,
+            })
+            .collect();
+        exact::moved_repeats(&only, &origins, &owners.lock().expect("owners lock"))
+    } else {
+        Default::default()
+    };
+    let ex = exact::check_moved(&only, held, expected, &moved);
     if ex.duplicated > 0 && std::env::var_os("LANEBUS_BENCH_REPEATS").is_some() {
         print_repeats(&only, &log.detail.lock().expect("log lock"));
     }
@@ -653,8 +749,11 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
             held.pending, held.completed
         ));
     }
-    if cell.kind == Kind::Dispatch && held.pending == 0 {
-        problems.push("the backlog drained before the window ended: preload more".into());
+    if cell.kind == Kind::Dispatch && exact::drained_by(&handled, window_end, expected) {
+        problems.push(
+            "the backlog drained before the window ended (every delivery handed over by its end): preload more"
+                .into(),
+        );
     }
     if units == 0 {
         problems.push("nothing was measured in the steady window".into());
@@ -710,7 +809,85 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
         stats_wait_ms,
         stats_incomplete: !stats_complete,
         unavailable,
+        lane_moves_in_window: lanes0.iter().zip(&lanes1).filter(|(a, b)| a != b).count() as u64,
     })
+}
+
+/// Appends each lane's owner to its history when it differs from the last
+/// one recorded.
+fn record_owners(owners: &mut HashMap<u16, Vec<u64>>, lanes: &[lanebus_cluster::LaneView]) {
+    for l in lanes {
+        if let Some(o) = l.owner {
+            let h = owners.entry(l.lane).or_default();
+            if h.last() != Some(&o) {
+                h.push(o);
+            }
+        }
+    }
+}
+
+/// Starts a Raft cluster of `cell.nodes` members in this process: node 1
+/// bootstraps (and owns every lane at first), the others join it through
+/// its API, each with its own store pool, Raft port and data dir under
+/// `dir`; returns them (node 1 first) once every lane is active and the
+/// members' lane counts differ by at most one.
+///
+/// # Errors
+/// A member that does not start, or lanes not balanced within 60 s.
+async fn start_cluster(
+    cell: &Cell,
+    stores: &mut Stores,
+    dir: &std::path::Path,
+    node_options: &dyn Fn(&str, Arc<dyn Store>, u64) -> NodeOptions,
+) -> anyhow::Result<Vec<NodeHandle>> {
+    let mut handles: Vec<NodeHandle> = Vec::new();
+    for id in 1..=cell.nodes as u64 {
+        let store: Arc<dyn Store> = if id == 1 {
+            stores.dyn_store.clone()
+        } else {
+            let s = Arc::new(PgStore::connect(&stores.url).await?);
+            stores.extra.push(s.clone());
+            s
+        };
+        let mut opts = node_options(&id.to_string(), store, id);
+        let raft = lanebus_node::local_cluster::free_port()?;
+        let mut c = ClusterOptions::new(id, raft.to_string(), dir.join(format!("node-{id}")));
+        match handles.first() {
+            None => c.bootstrap = true,
+            Some(first) => c.join = Some(first.base_url()),
+        }
+        opts.cluster = Some(c);
+        handles.push(lanebus_node::start(opts).await?);
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let want = handles.len();
+    loop {
+        let lanes = handles[0]
+            .state
+            .cluster()
+            .map(|c| c.state().lanes)
+            .unwrap_or_default();
+        let mut per: HashMap<u64, usize> = HashMap::new();
+        let active = lanes.iter().all(|l| {
+            l.state == lanebus_cluster::assignment::LaneState::Active && l.owner.is_some()
+        });
+        for l in &lanes {
+            if let Some(o) = l.owner {
+                *per.entry(o).or_default() += 1;
+            }
+        }
+        let (min, max) = (
+            per.values().min().copied().unwrap_or(0),
+            per.values().max().copied().unwrap_or(0),
+        );
+        if !lanes.is_empty() && active && per.len() == want && max <= min + 1 {
+            return Ok(handles);
+        }
+        if Instant::now() > deadline {
+            bail!("cluster lanes not balanced over {want} nodes within 60 s: {per:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// Reads the end snapshot once the table statistics agree with what the
@@ -767,6 +944,9 @@ async fn settle(
 async fn close_and_wait(stores: &mut Stores) -> anyhow::Result<()> {
     if let Some(pg) = &stores.pg {
         pg.pool().close().await;
+    }
+    for s in stores.extra.drain(..) {
+        s.pool().close().await;
     }
     if let Some(p) = stores.probe.as_mut() {
         pg::wait_alone(p).await?;
@@ -920,6 +1100,7 @@ async fn run_count(
         stats_wait_ms,
         stats_incomplete: !stats_complete,
         unavailable,
+        lane_moves_in_window: 0,
     })
 }
 
@@ -971,7 +1152,7 @@ async fn mongo_counters(
 
 /// Prints every hand-over of an (event, handler) handed over more than once
 /// with its delivery id, lane, attempt and time (stderr).
-fn print_repeats(handled: &[Handled], detail: &[(i64, u16, u32, Duration)]) {
+fn print_repeats(handled: &[Handled], detail: &[Detail]) {
     let mut by: HashMap<(u16, &str), Vec<usize>> = HashMap::new();
     for (i, h) in handled.iter().enumerate() {
         by.entry((h.handler, &h.event)).or_default().push(i);
@@ -982,9 +1163,9 @@ fn print_repeats(handled: &[Handled], detail: &[(i64, u16, u32, Duration)]) {
         let parts: Vec<String> = v
             .iter()
             .filter_map(|&i| detail.get(i))
-            .map(|(id, lane, attempt, at)| {
+            .map(|(id, lane, attempt, at, node)| {
                 format!(
-                    "id={id} lane={lane} attempt={attempt} t={:.3}s",
+                    "id={id} lane={lane} attempt={attempt} node={node} t={:.3}s",
                     at.as_secs_f64()
                 )
             })
