@@ -408,11 +408,20 @@ fn validate_join(req: &JoinRequest) -> Result<(), ApiError> {
         ));
     }
     for (name, a) in [("raft_addr", &req.raft_addr), ("http_addr", &req.http_addr)] {
-        if a.parse::<std::net::SocketAddr>().is_err() {
-            return Err(ApiError::new(
-                ErrorCode::InvalidInput,
-                format!("{name} {a:?} must be IP:PORT"),
-            ));
+        match a.parse::<std::net::SocketAddr>() {
+            Err(_) => {
+                return Err(ApiError::new(
+                    ErrorCode::InvalidInput,
+                    format!("{name} {a:?} must be IP:PORT"),
+                ))
+            }
+            Ok(s) if s.ip().is_unspecified() => {
+                return Err(ApiError::new(
+                    ErrorCode::InvalidInput,
+                    format!("{name} {a:?} is an unspecified address: peers cannot reach it"),
+                ))
+            }
+            Ok(_) => {}
         }
     }
     Ok(())

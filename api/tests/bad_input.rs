@@ -606,6 +606,15 @@ fn cases() -> Vec<Case> {
             "invalid_parameter",
             "\"wait\"",
         ),
+        case(
+            "join with an unspecified address",
+            Method::POST,
+            "/admin/cluster/join",
+            json!({"id": 4, "raft_addr": "127.0.0.1:7001", "http_addr": "0.0.0.0:8001"}),
+            422,
+            "invalid_input",
+            "http_addr \"0.0.0.0:8001\" is an unspecified address",
+        ),
         // routing
         case(
             "unknown path",

@@ -571,6 +571,19 @@ impl Cluster {
                 )));
             }
         }
+        // The members table records the addresses a node binds; peers
+        // cannot reach 0.0.0.0 or [::] on another host.
+        for (name, a) in [("raft_addr", &cfg.raft_addr), ("http_addr", &cfg.http_addr)] {
+            if a.parse::<std::net::SocketAddr>()
+                .is_ok_and(|a| a.ip().is_unspecified())
+            {
+                return Err(ClusterError::Config(format!(
+                    "{name} {a} is an unspecified address: the cluster records the address a \
+                     node binds and its peers use it to reach the node; bind the address the \
+                     other nodes reach this one at (or run --single)"
+                )));
+            }
+        }
         let listener =
             TcpListener::bind(&cfg.raft_addr)
                 .await
@@ -696,6 +709,20 @@ impl Cluster {
     /// [`ClusterError::Unavailable`] if no leader answered within 10 s,
     /// [`ClusterError::Raft`].
     pub async fn add_node(&self, id: NodeId, raft_addr: &str, http_addr: &str) -> Result<()> {
+        // Another member's address would make a member nobody reaches (a
+        // typo, or a copied config). Checked against this node's applied
+        // state before the proposal: the log's rule stays as it was.
+        let state = self.inner.sm.current();
+        let members = &state.data.state.members;
+        if let Some((other, m)) = members
+            .iter()
+            .find(|(n, m)| **n != id && (m.raft_addr == raft_addr || m.http_addr == http_addr))
+        {
+            return Err(ClusterError::Refused(format!(
+                "node {other} already uses raft_addr {} / http_addr {}: each member needs its own",
+                m.raft_addr, m.http_addr
+            )));
+        }
         let cmd = Command::AddNode {
             node: id,
             raft_addr: raft_addr.to_owned(),
