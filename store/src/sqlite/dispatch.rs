@@ -305,12 +305,17 @@ pub(super) async fn prune(
 ) -> Result<Pruned> {
     let before = to_micros(before);
     // Oldest first (rowid order is completion order for these append-only
-    // tables); only completions are counted.
+    // tables); only completions are counted. The scan stops at the first
+    // row young enough to keep (it read the whole table under the write
+    // lock whenever fewer than `limit` rows qualified).
     let mut completions = 0;
     for table in ["completions", "late_completions"] {
         let removed = sqlx::query(&format!(
             "DELETE FROM {table} WHERE rowid IN \
-             (SELECT rowid FROM {table} WHERE completed_at < ?1 ORDER BY rowid LIMIT ?2)"
+             (SELECT rowid FROM {table} WHERE completed_at < ?1 AND rowid < coalesce(\
+                (SELECT y.rowid FROM {table} y WHERE y.completed_at >= ?1 ORDER BY y.rowid LIMIT 1), \
+                9223372036854775807) \
+              ORDER BY rowid LIMIT ?2)"
         ))
         .bind(before)
         .bind(i64::from(limit))
