@@ -70,6 +70,11 @@ struct RunArgs {
     /// a full run into the time there is, say so in its report.
     #[arg(long)]
     rest_pairs: Option<usize>,
+    /// Start no further cell after this time (RFC 3339, e.g.
+    /// `2026-11-30T23:55:00Z`); the peers still run, and the report and
+    /// `env.json` (`cells_not_run`) name the cells left out.
+    #[arg(long)]
+    cells_until: Option<chrono::DateTime<chrono::Utc>>,
     /// Only these cells (comma-separated names).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
@@ -144,6 +149,7 @@ fn run_set(set: &str, a: RunArgs) -> ExitCode {
         candidate: a.candidate,
         candidate_patch: a.candidate_patch,
         pairs: a.pairs.unwrap_or(pairs).max(1),
+        cells_until: a.cells_until,
         rest_pairs: a.rest_pairs.unwrap_or(a.pairs.unwrap_or(pairs)).max(1),
         peers: !a.no_peers,
         peer_jobs: a.peer_jobs.unwrap_or(jobs),

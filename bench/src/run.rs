@@ -19,6 +19,7 @@
 //! copied.
 
 use std::collections::BTreeMap;
+use std::fmt::Write as _;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -53,6 +54,8 @@ pub struct RunOptions {
     pub pairs: usize,
     /// Pairs per cell outside the quick set.
     pub rest_pairs: usize,
+    /// Start no further cell after this time (the peers still run).
+    pub cells_until: Option<chrono::DateTime<chrono::Utc>>,
     /// Run the peers.
     pub peers: bool,
     /// Jobs per peer run.
@@ -419,7 +422,18 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<(PathBuf, bool)> {
     // with the report.
     let _ = std::fs::copy(server.dir.join("log"), out_dir.join("postgres.log"));
     server.stop();
-    let env = env_json(&sides, &settings, &opts, load_start, &started.to_rfc3339());
+    let mut env = env_json(&sides, &settings, &opts, load_start, &started.to_rfc3339());
+    let not_run: Vec<String> = match &result {
+        Ok(records) => opts
+            .cells
+            .iter()
+            .filter(|c| !records.iter().any(|r| r.cell == c.name))
+            .map(|c| c.name.clone())
+            .collect(),
+        Err(_) => Vec::new(),
+    };
+    env["cells_not_run"] = serde_json::json!(not_run);
+    env["cells_until"] = serde_json::json!(opts.cells_until.map(|t| t.to_rfc3339()));
     std::fs::write(
         out_dir.join("env.json"),
         serde_json::to_string_pretty(&env)?,
@@ -436,7 +450,20 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<(PathBuf, bool)> {
         &env,
         error.as_ref().map(|e| format!("{e:#}")),
     );
-    std::fs::write(out_dir.join("report.md"), &rep.markdown)?;
+    let mut markdown = rep.markdown;
+    if !not_run.is_empty() {
+        let _ = writeln!(
+            markdown,
+            "\n## Cut\n\nNo cell was started after {} (`--cells-until`), to finish in the time there was; not run: {}.",
+            opts.cells_until.map(|t| t.to_rfc3339()).unwrap_or_default(),
+            not_run
+                .iter()
+                .map(|c| format!("`{c}`"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    std::fs::write(out_dir.join("report.md"), &markdown)?;
     std::fs::write(
         out_dir.join("peers.json"),
         serde_json::to_string_pretty(&peers)?,
@@ -481,6 +508,15 @@ async fn run_cells(
         Err(e) => return Err((records, e.into())),
     };
     for cell in &opts.cells {
+        if opts.cells_until.is_some_and(|t| chrono::Utc::now() > t) {
+            pb.suspend(|| {
+                eprintln!(
+                    "--cells-until passed: {} and the cells after it are not run",
+                    cell.name
+                )
+            });
+            break;
+        }
         for pair in 0..pairs_of(cell) {
             let order = if pair % 2 == 0 { [0, 1] } else { [1, 0] };
             for (position, &s) in order.iter().enumerate() {
