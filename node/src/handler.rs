@@ -97,6 +97,9 @@ pub struct Dispatcher {
     permits: Arc<Mutex<Permits>>,
     rates: Arc<crate::rate::RateLimiter>,
     gate: crate::assignment::WorkGate,
+    /// Hand-overs under way on this node, whatever their lane's owner does
+    /// meanwhile (see [`Dispatcher::attempts_in_flight`]).
+    in_flight: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// Per handler id: its `max_in_flight` and the semaphore enforcing it.
@@ -111,7 +114,15 @@ impl Dispatcher {
             permits: Arc::default(),
             rates: Arc::default(),
             gate: crate::assignment::WorkGate::default(),
+            in_flight: Arc::default(),
         }
+    }
+
+    /// Attempts being sent (or run, in process) by this node right now,
+    /// counted around each hand-over. A lane owner stopped at once (its
+    /// lease lapsed) leaves its attempts running: this count still has them.
+    pub fn attempts_in_flight(&self) -> usize {
+        self.in_flight.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// The same dispatcher, checking `gate` once an attempt has its permit,
@@ -233,6 +244,7 @@ impl Dispatcher {
         delivery: &Delivery,
         attempt: u32,
     ) -> AttemptOutcome {
+        let _counted = InFlight::enter(&self.in_flight);
         if let Some(name) = in_process_name(&handler.url) {
             let Some(h) = self.in_process.get(name) else {
                 return AttemptOutcome::Failed {
@@ -254,6 +266,23 @@ impl Dispatcher {
             };
         }
         self.webhook.send(handler, delivery, attempt).await
+    }
+}
+
+/// One hand-over counted in [`Dispatcher::attempts_in_flight`] while it
+/// lives (dropped also when the attempt's future is dropped).
+struct InFlight<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl<'a> InFlight<'a> {
+    fn enter(n: &'a std::sync::atomic::AtomicUsize) -> Self {
+        n.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        InFlight(n)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
@@ -342,6 +371,11 @@ mod tests {
             );
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert_eq!(dispatcher.semaphores(), 1);
+        assert_eq!(
+            dispatcher.attempts_in_flight(),
+            1,
+            "the one being handed over, not the one waiting for a slot"
+        );
 
         // Deleted (through the API: store, then a reload asked for).
         store.delete_handler(&h.id).await.expect("delete");
@@ -366,5 +400,6 @@ mod tests {
             0,
             "the deleted handler's semaphore is kept"
         );
+        assert_eq!(dispatcher.attempts_in_flight(), 0);
     }
 }

@@ -266,6 +266,9 @@ pub struct NodeState {
     /// in the store (see [`crate::assignment`]): `/readyz` answers 503
     /// while any is listed.
     fenced_out: FencedOutLanes,
+    /// The dispatcher's count of attempts under way (the graceful stop gives
+    /// the lease up only when it is 0).
+    dispatcher: Dispatcher,
 }
 
 impl NodeState {
@@ -638,13 +641,20 @@ async fn run(
     while owners.iter().any(|a| a.connected()) && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let abandoned: usize = state
+    // Attempts of owners stopped earlier (a lapsed lease stops them at
+    // once, their attempts go on) are not on the board: the dispatcher
+    // counts every attempt under way.
+    while state.dispatcher.attempts_in_flight() > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let on_board: usize = state
         .board
         .snapshot()
         .values()
         .filter(|s| s.state == LaneState::Active)
         .map(|s| s.in_flight)
         .sum();
+    let abandoned = on_board.max(state.dispatcher.attempts_in_flight());
     if abandoned > 0 {
         tracing::warn!(
             abandoned,
@@ -785,6 +795,7 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
             .as_ref()
             .map(|c| Duration::from_millis(c.lease.lease_ms)),
         fenced_out: FencedOutLanes::default(),
+        dispatcher: dispatcher.clone(),
     });
     tokio::spawn(crate::retention::run(
         store.clone(),
