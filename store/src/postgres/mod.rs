@@ -166,6 +166,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../migrations/postgres/0002_handler_controls.sql"),
     include_str!("../../migrations/postgres/0003_retention.sql"),
     include_str!("../../migrations/postgres/0004_late_completions.sql"),
+    include_str!("../../migrations/postgres/0005_held_backfill.sql"),
 ];
 
 /// The PostgreSQL store. Cheap to clone: clones share the pool.

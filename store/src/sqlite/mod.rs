@@ -65,6 +65,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../migrations/sqlite/0002_handler_controls.sql"),
     include_str!("../../migrations/sqlite/0003_retention.sql"),
     include_str!("../../migrations/sqlite/0004_late_completions.sql"),
+    include_str!("../../migrations/sqlite/0005_held_backfill.sql"),
 ];
 
 /// The SQLite store. Cheap to clone: clones share the pool.
