@@ -99,7 +99,14 @@ pub struct Dispatcher {
     gate: crate::assignment::WorkGate,
     /// Hand-overs under way on this node, whatever their lane's owner does
     /// meanwhile (see [`Dispatcher::attempts_in_flight`]).
-    in_flight: Arc<std::sync::atomic::AtomicUsize>,
+    in_flight: Arc<InFlightCounts>,
+}
+
+/// Hand-overs under way: in all, and per lane.
+#[derive(Default)]
+struct InFlightCounts {
+    total: std::sync::atomic::AtomicUsize,
+    lanes: Mutex<HashMap<lanebus_store::Lane, usize>>,
 }
 
 /// Per handler id: its `max_in_flight` and the semaphore enforcing it.
@@ -122,7 +129,23 @@ impl Dispatcher {
     /// counted around each hand-over. A lane owner stopped at once (its
     /// lease lapsed) leaves its attempts running: this count still has them.
     pub fn attempts_in_flight(&self) -> usize {
-        self.in_flight.load(std::sync::atomic::Ordering::SeqCst)
+        self.in_flight
+            .total
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// As [`attempts_in_flight`](Self::attempts_in_flight), for one lane: a
+    /// lane owner started again on this node (its lease came back at the
+    /// same epoch) waits for its predecessor's attempts before it claims,
+    /// or it would send the same rows again next to them.
+    pub fn lane_attempts_in_flight(&self, lane: lanebus_store::Lane) -> usize {
+        self.in_flight
+            .lanes
+            .lock()
+            .expect("not poisoned")
+            .get(&lane)
+            .copied()
+            .unwrap_or(0)
     }
 
     /// The same dispatcher, checking `gate` once an attempt has its permit,
@@ -244,7 +267,7 @@ impl Dispatcher {
         delivery: &Delivery,
         attempt: u32,
     ) -> AttemptOutcome {
-        let _counted = InFlight::enter(&self.in_flight);
+        let _counted = InFlight::enter(&self.in_flight, delivery.lane);
         if let Some(name) = in_process_name(&handler.url) {
             let Some(h) = self.in_process.get(name) else {
                 return AttemptOutcome::Failed {
@@ -271,18 +294,32 @@ impl Dispatcher {
 
 /// One hand-over counted in [`Dispatcher::attempts_in_flight`] while it
 /// lives (dropped also when the attempt's future is dropped).
-struct InFlight<'a>(&'a std::sync::atomic::AtomicUsize);
+struct InFlight<'a>(&'a InFlightCounts, lanebus_store::Lane);
 
 impl<'a> InFlight<'a> {
-    fn enter(n: &'a std::sync::atomic::AtomicUsize) -> Self {
-        n.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        InFlight(n)
+    fn enter(n: &'a InFlightCounts, lane: lanebus_store::Lane) -> Self {
+        n.total.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        *n.lanes
+            .lock()
+            .expect("not poisoned")
+            .entry(lane)
+            .or_default() += 1;
+        InFlight(n, lane)
     }
 }
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        let mut lanes = self.0.lanes.lock().expect("not poisoned");
+        if let Some(n) = lanes.get_mut(&self.1) {
+            *n -= 1;
+            if *n == 0 {
+                lanes.remove(&self.1);
+            }
+        }
+        self.0
+            .total
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
@@ -376,6 +413,8 @@ mod tests {
             1,
             "the one being handed over, not the one waiting for a slot"
         );
+        assert_eq!(dispatcher.lane_attempts_in_flight(0), 1);
+        assert_eq!(dispatcher.lane_attempts_in_flight(1), 0);
 
         // Deleted (through the API: store, then a reload asked for).
         store.delete_handler(&h.id).await.expect("delete");
@@ -401,5 +440,6 @@ mod tests {
             "the deleted handler's semaphore is kept"
         );
         assert_eq!(dispatcher.attempts_in_flight(), 0);
+        assert_eq!(dispatcher.lane_attempts_in_flight(0), 0);
     }
 }

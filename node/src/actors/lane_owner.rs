@@ -280,6 +280,12 @@ pub struct LaneOwner {
     counted_bytes: std::cell::Cell<usize>,
     /// The store refused a claim: the lane stopped for that reason.
     fenced_out: bool,
+    /// No claim yet: the first waits until no attempt of this lane is under
+    /// way on this node. An owner stopped at once (its holder lease lapsed)
+    /// leaves its attempts running; started again at the same epoch, a new
+    /// owner would claim those rows and send them a second time next to
+    /// them.
+    first_claim: bool,
 }
 
 impl LaneOwner {
@@ -298,6 +304,7 @@ impl LaneOwner {
             reloading: false,
             reload_again: false,
             key_handlers: HashMap::new(),
+            first_claim: true,
             due_timer: None,
             claim_errors: 0,
             more_waiting: false,
@@ -323,6 +330,13 @@ impl LaneOwner {
     fn claim(&mut self, ctx: &mut Context<Self>) {
         if self.draining {
             return;
+        }
+        if self.first_claim {
+            if self.deps.dispatcher.lane_attempts_in_flight(self.lane) > 0 {
+                // Checked again at the next poll tick or wake-up.
+                return;
+            }
+            self.first_claim = false;
         }
         if self.claiming {
             self.claim_again = true;
