@@ -390,6 +390,7 @@ conformance!(
     recover_puts_completed_events_back_as_replays,
     prune_removes_old_completed_events_and_keeps_pending_and_dead,
     retention_counts_from_the_last_completion,
+    prune_passes_over_many_kept_events,
 );
 
 // ---------------------------------------------------------------------------
@@ -3211,6 +3212,34 @@ async fn retention_counts_from_the_last_completion(h: &dyn Harness) {
     let gone = s.prune(later, 100).await.expect("prune");
     assert_eq!(gone.events, 2, "{gone:?}");
     assert_eq!(counts(&*s).await.events, 0);
+}
+
+/// Old events kept by a pending delivery must not stop the pruning of
+/// later, unneeded events, however many there are: successive batches (a
+/// node runs a pass a minute) reach them. MongoDB read the kept ones from
+/// the oldest on in every batch, a few rounds of them, and pruned nothing
+/// more once they filled those rounds (found in review).
+async fn prune_passes_over_many_kept_events(h: &dyn Harness) {
+    let s = h.store();
+    handler(&*s, "a", &["t.*"]).await;
+    // 17 kept events (a pending delivery each): more than 8 rounds of a
+    // batch of 2.
+    let kept: Vec<NewEvent> = (0..17)
+        .map(|i| ev(Some(&format!("kept{i}")), "t.x", None))
+        .collect();
+    s.publish(kept).await.expect("publish kept");
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    // Published later, matches no handler: nothing needs it.
+    s.publish(vec![ev(Some("free"), "u.y", None)])
+        .await
+        .expect("publish free");
+    let cutoff = Utc::now() + chrono::TimeDelta::minutes(5);
+    let mut events = 0;
+    for _batch in 0..10 {
+        events += s.prune(cutoff, 2).await.expect("prune").events;
+    }
+    assert_eq!(events, 1, "the unneeded event is pruned");
+    assert_eq!(counts(&*s).await.events, 17, "the kept ones are kept");
 }
 
 async fn prune_removes_old_completed_events_and_keeps_pending_and_dead(h: &dyn Harness) {

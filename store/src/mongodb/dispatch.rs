@@ -24,6 +24,10 @@ use crate::*;
 /// are passed over, see [`prune`]).
 const PRUNE_ROUNDS: usize = 8;
 
+/// The last event a retention batch read: `(published_at µs, id)`; the next
+/// batch reads on after it (see [`prune`]).
+pub(crate) type PruneResume = (i64, String);
+
 /// Lanes per claim aggregation (one `$unionWith` stage each; MongoDB limits
 /// a pipeline to 1,000 stages).
 const CLAIM_CHUNK: usize = 64;
@@ -655,7 +659,8 @@ pub(super) async fn prune(
     session: &mut ClientSession,
     before: chrono::DateTime<Utc>,
     limit: u32,
-) -> TxnResult<Pruned> {
+    from: Option<PruneResume>,
+) -> TxnResult<(Pruned, Option<PruneResume>)> {
     retention_lock(s, session).await?;
     let before = to_micros(before);
     let old: Vec<Bson> = s
@@ -681,33 +686,53 @@ pub(super) async fn prune(
             .await?
             .deleted_count
     };
-    // Events still pending or dead-lettered are kept; they are passed over
-    // (by `$nin`, few in practice) so that old kept events cannot stall the
-    // pruning of the others. A few rounds at most per batch.
-    let mut keep: HashSet<String> = HashSet::new();
+    // Events still pending or dead-lettered are kept and passed over: the
+    // candidates are read in (published_at, _id) order from where the last
+    // batch stopped (`from`), a few rounds per batch, so kept events at the
+    // front cannot stop the pruning of later ones (a `$nin` of the kept ones
+    // from the oldest event on did: with 8 rounds' worth of them, every
+    // batch read only those, for good). At the end of the events the next
+    // batch starts again from the oldest.
+    let mut cursor = from;
     let mut gone: Vec<String> = Vec::new();
+    let mut at_end = false;
     for _ in 0..PRUNE_ROUNDS {
         let want = i64::from(limit) - gone.len() as i64;
         if want <= 0 {
             break;
         }
-        let mut skip: Vec<&String> = keep.iter().collect();
-        skip.extend(gone.iter());
-        let candidates: Vec<String> = s
+        let mut filter = doc! { "published_at": { "$lt": before } };
+        if let Some((p, id)) = &cursor {
+            filter.insert(
+                "$or",
+                vec![
+                    doc! { "published_at": { "$gt": *p } },
+                    doc! { "published_at": *p, "_id": { "$gt": id.as_str() } },
+                ],
+            );
+        }
+        let found: Vec<Document> = s
             .coll(names::EVENTS)
-            .find(doc! { "published_at": { "$lt": before }, "_id": { "$nin": skip } })
-            .projection(doc! { "_id": 1 })
-            .sort(doc! { "published_at": 1 })
+            .find(filter)
+            .projection(doc! { "_id": 1, "published_at": 1 })
+            .sort(doc! { "published_at": 1, "_id": 1 })
             .limit(want)
             .batch_size(FULL_BATCH)
             .session(&mut *session)
             .await?
             .stream(&mut *session)
             .try_collect::<Vec<Document>>()
-            .await?
+            .await?;
+        let candidates: Vec<String> = found
             .iter()
             .map(|d| get_string(d, "_id"))
             .collect::<Result<_>>()?;
+        if let Some(last) = found.last() {
+            cursor = Some((get_int(last, "published_at")?, get_string(last, "_id")?));
+        }
+        if (candidates.len() as i64) < want {
+            at_end = true;
+        }
         if candidates.is_empty() {
             break;
         }
@@ -719,18 +744,12 @@ pub(super) async fn prune(
         let recent =
             doc! { "event_id": { "$in": &candidates }, "completed_at": { "$gte": before } };
         held.extend(strings_in(s, session, names::COMPLETIONS, recent, "event_id").await?);
-        let short = (candidates.len() as i64) < want;
-        for id in candidates {
-            if held.contains(&id) {
-                keep.insert(id);
-            } else {
-                gone.push(id);
-            }
-        }
-        if short {
+        gone.extend(candidates.into_iter().filter(|id| !held.contains(id)));
+        if at_end {
             break;
         }
     }
+    let next = if at_end { None } else { cursor };
     let events = if gone.is_empty() {
         0
     } else {
@@ -740,8 +759,11 @@ pub(super) async fn prune(
             .await?
             .deleted_count
     };
-    Ok(Pruned {
-        completions,
-        events,
-    })
+    Ok((
+        Pruned {
+            completions,
+            events,
+        },
+        next,
+    ))
 }

@@ -209,6 +209,9 @@ pub struct MongoStore {
     client: Client,
     db: Database,
     lanes: u16,
+    /// Where the next retention batch goes on reading events (see
+    /// `dispatch::prune`), shared by clones.
+    prune_resume: std::sync::Arc<std::sync::Mutex<Option<dispatch::PruneResume>>>,
 }
 
 /// The collections, by name.
@@ -484,7 +487,12 @@ impl MongoStore {
                  the server of database {database:?} is a standalone"
             )));
         }
-        let mut store = MongoStore { client, db, lanes };
+        let mut store = MongoStore {
+            client,
+            db,
+            lanes,
+            prune_resume: std::sync::Arc::default(),
+        };
         store.lanes = store.migrate_with_lanes(lanes).await?;
         Ok(store)
     }
@@ -880,7 +888,16 @@ impl Store for MongoStore {
         if limit == 0 {
             return Ok(Pruned::default());
         }
-        in_transaction!(self, |sess| dispatch::prune(self, sess, before, limit))
+        let from = self.prune_resume.lock().expect("not poisoned").clone();
+        let (pruned, next) = in_transaction!(self, |sess| dispatch::prune(
+            self,
+            sess,
+            before,
+            limit,
+            from.clone()
+        ))?;
+        *self.prune_resume.lock().expect("not poisoned") = next;
+        Ok(pruned)
     }
 
     async fn lane_rows(&self) -> Result<Vec<LaneRow>> {
