@@ -28,7 +28,8 @@
 //! key.
 //!
 //! `PATCH` is a JSON merge patch of the settings: absent fields stay,
-//! `"rate_limit": null` removes the limit; other fields cannot be null. The
+//! `"rate_limit": null` removes the limit, a `rate_limit` object replaces it
+//! whole (not merged field by field); other fields cannot be null. The
 //! result is checked like a registration. Route changes apply to events
 //! published after the change.
 //!

@@ -259,7 +259,8 @@ fn describe(op: Operation, s: &mut Schemas) -> Described {
                 "handlers",
                 "Change a handler's settings",
                 "A JSON merge patch: absent fields stay as they are, `\"rate_limit\": null` \
-                 removes the rate limit, other fields cannot be null. The result is checked \
+                 removes the rate limit, a `rate_limit` object replaces it whole (`per_second` \
+                 required, `burst` defaults to it), other fields cannot be null. The result is checked \
                  like a registration. Route changes apply to events published after the \
                  change; the other settings to the next attempt (this node at once, the others \
                  at their next catalog reload).",
