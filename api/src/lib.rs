@@ -86,8 +86,9 @@ pub struct LaneView {
     /// Current epoch.
     pub epoch: i64,
     /// `active`, `releasing`, `unassigned`, `fenced_out` (the store holds
-    /// the lane for a process outside the cluster), or `stopped` (single
-    /// node).
+    /// the lane for a process outside the cluster), `lease_lapsed` (assigned,
+    /// but its owner's lease ran out: nobody works it until the owner renews
+    /// or the leader moves it), or `stopped` (single node).
     #[schema(example = "active")]
     pub state: String,
     /// Milliseconds until the owner's lease expires; `None` without leases.

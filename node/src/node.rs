@@ -330,21 +330,33 @@ impl NodeState {
                     lane: l.lane,
                     owner,
                     epoch: l.epoch as i64,
-                    state: match l.state {
-                        lanebus_cluster::assignment::LaneState::Unassigned => "unassigned",
-                        lanebus_cluster::assignment::LaneState::Active if outsider => {
-                            LaneState::FencedOut.as_str()
-                        }
-                        lanebus_cluster::assignment::LaneState::Active => "active",
-                        lanebus_cluster::assignment::LaneState::Releasing { .. } => "releasing",
-                    }
-                    .to_string(),
+                    state: cluster_lane_state(&l.state, outsider, l.lease_expires_in_ms)
+                        .to_string(),
                     lease_expires_in_ms: l.lease_expires_in_ms.map(|m| m as i64),
                     backlog: row.map_or(0, |r| r.backlog),
                     in_flight,
                 }
             })
             .collect()
+    }
+}
+
+/// The `state` of a lane in `/admin/lanes` in a cluster, from its Raft
+/// state, whether the store holds it for a process outside the cluster, and
+/// its owner's lease as this node sees it (`Some(0)`: ran out; nobody works
+/// the lane until the owner renews or the leader moves it).
+fn cluster_lane_state(
+    state: &lanebus_cluster::assignment::LaneState,
+    outsider: bool,
+    lease_expires_in_ms: Option<u64>,
+) -> &'static str {
+    use lanebus_cluster::assignment::LaneState as Raft;
+    match state {
+        Raft::Unassigned => "unassigned",
+        Raft::Active if outsider => LaneState::FencedOut.as_str(),
+        Raft::Active if lease_expires_in_ms == Some(0) => "lease_lapsed",
+        Raft::Active => "active",
+        Raft::Releasing { .. } => "releasing",
     }
 }
 
@@ -1109,5 +1121,37 @@ impl LaneControl {
                 .remove(&lane);
         }
         self.apply();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lanebus_cluster::assignment::LaneState as Raft;
+
+    #[test]
+    fn an_active_lane_whose_owner_lease_ran_out_is_shown_lapsed() {
+        assert_eq!(
+            cluster_lane_state(&Raft::Active, false, Some(900)),
+            "active"
+        );
+        assert_eq!(cluster_lane_state(&Raft::Active, false, None), "active");
+        assert_eq!(
+            cluster_lane_state(&Raft::Active, false, Some(0)),
+            "lease_lapsed"
+        );
+        assert_eq!(
+            cluster_lane_state(&Raft::Active, true, Some(0)),
+            "fenced_out",
+            "a fence from outside is said first"
+        );
+        assert_eq!(
+            cluster_lane_state(&Raft::Releasing { to: 2 }, false, Some(0)),
+            "releasing"
+        );
+        assert_eq!(
+            cluster_lane_state(&Raft::Unassigned, false, None),
+            "unassigned"
+        );
     }
 }
