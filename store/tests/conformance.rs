@@ -2073,6 +2073,46 @@ mod postgres_only {
         h.cleanup().await;
     }
 
+    /// A publish that read a handler before its DELETE and commits after it
+    /// leaves the deleted handler a delivery; when that delivery fails for
+    /// good, it goes without a dead letter (nobody could replay one, and it
+    /// would keep its event from being pruned; found in review).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_deleted_handlers_late_delivery_leaves_no_dead_letter() {
+        let h = PgHarness::new().await;
+        let s = h.store();
+        let id = handler(&*s, "doomed", &["*"]).await.id;
+        let lane = lane_of_key("late", s.lanes());
+        assert!(s.fence(lane, "n1", 1).await.expect("fence"));
+        let mut late = h.store.pool().begin().await.expect("begin");
+        h.store
+            .publish_in(&mut late, vec![ev(Some("late-1"), "t.x", Some("late"))])
+            .await
+            .expect("publish_in");
+        s.delete_handler(&id).await.expect("delete");
+        late.commit().await.expect("commit the late publish");
+        let b = s
+            .claim(&one_lane_claim(lane, 1, 0, 10))
+            .await
+            .expect("claim");
+        let d = b[0].deliveries[0].clone();
+        assert_eq!(d.handler_id, id, "the orphan delivery");
+        let gone = s
+            .dead_letter(&[DeadLetterRequest {
+                id: d.id,
+                lane,
+                epoch: 1,
+                attempts: 3,
+                last_error: "boom".into(),
+            }])
+            .await
+            .expect("dead letter");
+        assert_eq!(gone, vec![d.id], "the delivery is settled");
+        let c = counts(&*s).await;
+        assert_eq!((c.deliveries, c.dead_letters), (0, 0), "{c:?}");
+        h.cleanup().await;
+    }
+
     /// Transaction ids follow first writes, not key-lock order: a publisher
     /// with an older transaction id can take a key's next number after a
     /// younger one. Claim order (and limit cuts) must still follow sequence order.

@@ -375,8 +375,34 @@ pub(super) async fn dead_letter(
         return Ok(Vec::new());
     }
     let ids: Vec<i64> = found.keys().copied().collect();
+    // A deleted handler's delivery (left by a publish that read the handler
+    // before the delete) goes without a dead letter: nobody could replay it
+    // and it would keep its event from being pruned.
+    let handler_ids: Vec<String> = found
+        .values()
+        .filter_map(|d| d.get_str("handler_id").ok().map(str::to_string))
+        .collect::<HashSet<_>>()
+        .into_iter()
+        .collect();
+    let known: HashSet<String> = strings_in(
+        s,
+        session,
+        names::HANDLERS,
+        doc! { "_id": { "$in": handler_ids } },
+        "_id",
+    )
+    .await?
+    .into_iter()
+    .collect();
+    let found: BTreeMap<i64, Document> = found
+        .into_iter()
+        .filter(|(_, d)| d.get_str("handler_id").is_ok_and(|h| known.contains(h)))
+        .collect();
+    if found.is_empty() {
+        return Ok(ids);
+    }
     let mut incs = BTreeMap::new();
-    incs.insert(names::DEAD_LETTERS.to_string(), ids.len() as i64);
+    incs.insert(names::DEAD_LETTERS.to_string(), found.len() as i64);
     let mut next = bump(s, session, &incs).await?[names::DEAD_LETTERS];
     let now = to_micros(Utc::now());
     let letters: Vec<Document> = found

@@ -28,8 +28,15 @@ del AS (
     WHERE d.id = x.id AND d.lane + 0 = x.lane AND f.lane = x.lane AND f.epoch = x.epoch
     RETURNING d.id, d.handler_id, d.event_id, d.lane, d.key, d.seq, x.attempts, x.last_error
 ),
+-- Not for a deleted handler (a publish that read it before the delete left
+-- it a delivery): the delivery goes without a dead letter, which nobody
+-- could replay and which would keep its event from being pruned. A handler
+-- DELETE in progress waits for this statement's delivery rows and then
+-- deletes what it inserted (postgres/catalog.rs delete_handler).
 ins AS (
     INSERT INTO dead_letters (handler_id, event_id, lane, key, seq, attempts, last_error)
-    SELECT handler_id, event_id, lane, key, seq, attempts, last_error FROM del ORDER BY id
+    SELECT handler_id, event_id, lane, key, seq, attempts, last_error FROM del
+    WHERE EXISTS (SELECT 1 FROM handlers h WHERE h.id = del.handler_id)
+    ORDER BY id
 )
 SELECT id FROM del ORDER BY id

@@ -1,5 +1,8 @@
 -- Copies fenced deliveries into dead_letters; ?1: JSON array of
--- [id, lane, epoch, attempts, last_error]; ?2: failed_at (µs).
+-- [id, lane, epoch, attempts, last_error]; ?2: failed_at (µs). Not for a
+-- deleted handler (a publish that read it before the delete left it a
+-- delivery): its delivery is removed without a dead letter, which nobody
+-- could replay and which would keep its event from being pruned.
 WITH x (id, lane, epoch, attempts, last_error) AS (
     SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]'), json_extract(value, '$[2]'),
            json_extract(value, '$[3]'), json_extract(value, '$[4]')
@@ -10,4 +13,5 @@ SELECT d.handler_id, d.event_id, d.lane, d.key, d.seq, x.attempts, x.last_error,
 FROM x
 JOIN deliveries d ON d.id = x.id AND d.lane = x.lane
 JOIN lanes l ON l.lane = x.lane AND l.epoch = x.epoch
+JOIN handlers h ON h.id = d.handler_id
 ORDER BY d.id
