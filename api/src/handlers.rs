@@ -734,21 +734,7 @@ pub(crate) async fn enable(
     State(state): State<ApiState>,
     Path(id): Path<String>,
 ) -> Result<axum::Json<HandlerView>, ApiError> {
-    check_handler_id(&id)?;
-    let was = state
-        .store
-        .get_handler(&id)
-        .await
-        .map_err(|e| not_found(e, &id))?
-        .state;
-    let handler = state
-        .store
-        .change_handler_state(&id, HandlerState::Enabled, "api")
-        .await
-        .map_err(|e| not_found(e, &id))?;
-    crate::telemetry::handler_enabled(&id, was);
-    state.node.handlers_changed();
-    Ok(axum::Json(handler.into()))
+    set_state(&state, &id, HandlerState::Enabled).await
 }
 
 /// Handler of `POST /v1/handlers/{id}/disable`: the handler's deliveries
@@ -757,20 +743,34 @@ pub(crate) async fn disable(
     State(state): State<ApiState>,
     Path(id): Path<String>,
 ) -> Result<axum::Json<HandlerView>, ApiError> {
-    check_handler_id(&id)?;
+    set_state(&state, &id, HandlerState::Disabled).await
+}
+
+/// Enable or disable by hand (reason `api`): the change is counted and
+/// logged when the state changed, and the node reloads its catalog.
+async fn set_state(
+    state: &ApiState,
+    id: &str,
+    to: HandlerState,
+) -> Result<axum::Json<HandlerView>, ApiError> {
+    check_handler_id(id)?;
     let was = state
         .store
-        .get_handler(&id)
+        .get_handler(id)
         .await
-        .map_err(|e| not_found(e, &id))?
+        .map_err(|e| not_found(e, id))?
         .state;
     let handler = state
         .store
-        .change_handler_state(&id, HandlerState::Disabled, "api")
+        .change_handler_state(id, to, "api")
         .await
-        .map_err(|e| not_found(e, &id))?;
-    if was == HandlerState::Enabled {
-        crate::telemetry::handler_disabled(&id);
+        .map_err(|e| not_found(e, id))?;
+    match to {
+        HandlerState::Enabled => crate::telemetry::handler_enabled(id, was),
+        HandlerState::Disabled if was == HandlerState::Enabled => {
+            crate::telemetry::handler_disabled(id);
+        }
+        HandlerState::Disabled => {}
     }
     state.node.handlers_changed();
     Ok(axum::Json(handler.into()))
