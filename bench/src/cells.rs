@@ -335,7 +335,7 @@ pub fn quick() -> Vec<Cell> {
             Settings::Tuned,
             1,
             0,
-            500_000,
+            1_000_000,
         ),
         dispatch(
             "pg-dispatch-1n-tuned-fan5",
@@ -343,7 +343,7 @@ pub fn quick() -> Vec<Cell> {
             Settings::Tuned,
             5,
             0,
-            120_000,
+            200_000,
         ),
         mixed(
             "pg-mixed-1000",
@@ -465,7 +465,7 @@ pub fn full() -> Vec<Cell> {
             Settings::Defaults,
             1,
             0,
-            400_000,
+            1_000_000,
         ),
         dispatch(
             "pg-dispatch-1n-mid",
@@ -473,7 +473,7 @@ pub fn full() -> Vec<Cell> {
             Settings::Mid,
             1,
             0,
-            500_000,
+            1_000_000,
         ),
         dispatch(
             "pg-dispatch-1n-ours",
@@ -481,7 +481,7 @@ pub fn full() -> Vec<Cell> {
             Settings::Ours,
             1,
             0,
-            500_000,
+            1_000_000,
         ),
         dispatch(
             "pg-dispatch-1n-tuned-k1000",
@@ -489,7 +489,7 @@ pub fn full() -> Vec<Cell> {
             Settings::Tuned,
             1,
             1000,
-            400_000,
+            800_000,
         ),
         dispatch(
             "pg-dispatch-1n-tuned-hot10",
@@ -542,7 +542,7 @@ pub fn full() -> Vec<Cell> {
                 Settings::Tuned,
                 1,
                 0,
-                500_000,
+                1_000_000,
             )
         },
         Cell {
