@@ -531,7 +531,7 @@ pub fn full() -> Vec<Cell> {
                 Settings::Tuned,
                 1,
                 0,
-                150_000,
+                400_000,
             )
         },
         Cell {
