@@ -166,6 +166,21 @@ struct Stores {
     mongo: Option<MongoSide>,
 }
 
+impl Stores {
+    /// A store with nothing else: no PostgreSQL side, probe or server.
+    fn only(dyn_store: Arc<dyn Store>, url: String) -> Stores {
+        Stores {
+            dyn_store,
+            pg: None,
+            extra: Vec::new(),
+            probe: None,
+            db: None,
+            url,
+            mongo: None,
+        }
+    }
+}
+
 /// A MongoDB sample's own server, the harness's probe connection, and the
 /// snapshots that bound the whole sample.
 struct MongoSide {
@@ -189,15 +204,7 @@ async fn open(spec: &SampleSpec) -> anyhow::Result<Stores> {
         let path = spec.work_dir.join(format!("bench-{tag}.db"));
         let url = format!("sqlite://{}", path.display());
         let store = SqliteStore::connect(&url).await?;
-        return Ok(Stores {
-            dyn_store: Arc::new(store),
-            pg: None,
-            extra: Vec::new(),
-            probe: None,
-            db: None,
-            url,
-            mongo: None,
-        });
+        return Ok(Stores::only(Arc::new(store), url));
     }
     let db = format!("bench_{}", &tag[..16]);
     let mut admin = PgConnection::connect(&spec.pg_url).await?;
@@ -211,13 +218,10 @@ async fn open(spec: &SampleSpec) -> anyhow::Result<Stores> {
         .execute(&mut probe)
         .await?;
     Ok(Stores {
-        dyn_store: store.clone(),
-        pg: Some(store),
-        extra: Vec::new(),
+        pg: Some(store.clone()),
         probe: Some(probe),
         db: Some(db),
-        url,
-        mongo: None,
+        ..Stores::only(store, url)
     })
 }
 
@@ -235,12 +239,6 @@ async fn open_mongo(spec: &SampleSpec, tag: &str) -> anyhow::Result<Stores> {
     let probe = mongo::Probe::open(&server.db_url("bench"), "bench").await?;
     let _ = std::fs::remove_file(&log);
     Ok(Stores {
-        dyn_store: Arc::new(store),
-        pg: None,
-        extra: Vec::new(),
-        probe: None,
-        db: None,
-        url,
         mongo: Some(MongoSide {
             server,
             probe,
@@ -248,6 +246,7 @@ async fn open_mongo(spec: &SampleSpec, tag: &str) -> anyhow::Result<Stores> {
             start: None,
             end: None,
         }),
+        ..Stores::only(Arc::new(store), url)
     })
 }
 
@@ -562,13 +561,8 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
     let failure: Arc<Mutex<Option<String>>> = Arc::default();
     let shared = Arc::new((cell.clone(), http));
     let stores_ref = Arc::new(Stores {
-        dyn_store: store.clone(),
         pg: stores.pg.clone(),
-        extra: Vec::new(),
-        probe: None,
-        db: None,
-        url: stores.url.clone(),
-        mongo: None,
+        ..Stores::only(store.clone(), stores.url.clone())
     });
     let mut publishers = Vec::new();
     if cell.kind != Kind::Dispatch {
