@@ -858,7 +858,7 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
                 }
                 let bound = match o.handover_drain {
                     Some(d) => DrainBound::Fixed(d),
-                    None => DrainBound::Handover(o.lease.clone()),
+                    None => DrainBound::Handover(o.lease),
                 };
                 // A lane fenced by an outsider is taken back after the same
                 // bound as a dead node's lanes.

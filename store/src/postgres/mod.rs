@@ -102,8 +102,12 @@
 //!   the dispatch path writes nothing more.
 //! - **Retention** (`sql/prune.sql`): one statement per batch deletes up to
 //!   n completions completed before the cutoff and up to n events published
-//!   two minutes or more before it that have no pending delivery (looked up
-//!   through the claim index, by lane), no dead letter (`dead_letters
+//!   two minutes or more before it that have no pending delivery (one hash
+//!   anti-join over `deliveries`, built once per batch: the lookup by lane
+//!   through the claim index read every delivery of the lane, dead index
+//!   entries included, per event, 0.2-0.9 s a batch with a 20,000-delivery
+//!   backlog against 20-100 ms now; there is no `event_id` index, which would
+//!   cost WAL on every publish), no dead letter (`dead_letters
 //!   (event_id)`, a b-tree on a rare table) and no late completion at or
 //!   after the cutoff. Retention counts from an event's last completion, not
 //!   its publish: a completion more than a minute ([`LATE_COMPLETION`])

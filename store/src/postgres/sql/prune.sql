@@ -11,6 +11,9 @@
 -- for an event between the check and the delete; a dead-letter replay
 -- turns a dead letter into a delivery in one statement, so this statement's
 -- snapshot sees one or the other.
+-- The pending-delivery test is uncorrelated by lane on purpose: the planner
+-- then hashes `deliveries` once per batch (no event_id index: it would cost
+-- WAL per publish) instead of reading a lane's claim index per event.
 --   $1 before (timestamptz), $2 batch size
 WITH oc AS (
     SELECT ctid FROM completions WHERE completed_at < $1 LIMIT $2
@@ -27,7 +30,7 @@ dl AS (
 oe AS (
     SELECT e.ctid FROM events e
     WHERE e.published_at < $1 - interval '2 minutes'
-      AND NOT EXISTS (SELECT 1 FROM deliveries d WHERE d.lane = e.lane AND d.event_id = e.id)
+      AND NOT EXISTS (SELECT 1 FROM deliveries d WHERE d.event_id = e.id)
       AND NOT EXISTS (SELECT 1 FROM late_completions l WHERE l.event_id = e.id AND l.completed_at >= $1)
       AND NOT EXISTS (SELECT 1 FROM dead_letters x WHERE x.event_id = e.id)
     LIMIT $2
