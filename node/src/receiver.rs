@@ -122,9 +122,17 @@ pub struct Verdict {
     pub duplicated: usize,
     /// Accepted although not expected.
     pub unexpected: usize,
-    /// (handler, key) orders broken: a lower sequence after a higher one, or
-    /// a higher one before the lower one was accepted.
+    /// (handler, key) orders broken: a delivery's first arrival after a
+    /// higher sequence, or a higher sequence before the lower one was
+    /// accepted.
     pub out_of_order: usize,
+    /// Repeats of an already accepted delivery that arrived after a higher
+    /// sequence of its key (a stale attempt of a deposed owner, written
+    /// after the new owner went on): not disorder of the first deliveries,
+    /// which is what DESIGN.md invariant 2 orders; they are repeats
+    /// (counted in `duplicated` too), which invariant 3 requires a cause
+    /// for (callers check that, e.g. `local_cluster::repeats`).
+    pub rewinds: usize,
     /// Requests whose signature did not verify.
     pub bad_signatures: usize,
     /// Examples of problems, for messages.
@@ -329,13 +337,21 @@ pub fn verdict(log: &[Received], expected: &[Expected]) -> Verdict {
     }
     // Per (handler, key): sequences never go down, and a higher sequence
     // arrives only after the previous one was accepted.
+    // A lower sequence whose delivery was accepted before is a rewind.
     let mut last: HashMap<(&str, &str), (i64, bool)> = HashMap::new();
+    let mut seen_ok: std::collections::HashSet<(&str, &str)> = std::collections::HashSet::new();
     for r in log {
         let (Some(key), Some(seq)) = (r.key.as_deref(), r.sequence) else {
             continue;
         };
         let slot = (r.handler.as_str(), key);
+        let delivery = (r.handler.as_str(), r.event_id.as_str());
+        let repeat_of_accepted = seen_ok.contains(&delivery);
+        if r.accepted() {
+            seen_ok.insert(delivery);
+        }
         match last.get(&slot) {
+            Some(&(prev, _)) if seq < prev && repeat_of_accepted => v.rewinds += 1,
             Some(&(prev, prev_ok)) if seq < prev || (seq > prev && !prev_ok) => {
                 v.out_of_order += 1;
                 if v.problems.len() < 10 {
@@ -526,8 +542,37 @@ mod tests {
             rec("h", "a", "k", 1, 200),
         ];
         let v = verdict(&log, &[exp("h", "a"), exp("h", "b"), exp("h", "c")]);
-        assert_eq!((v.lost, v.duplicated, v.out_of_order), (1, 1, 2), "{v:?}");
+        // a's first arrival after b is disorder; its repeat is a rewind.
+        assert_eq!(
+            (v.lost, v.duplicated, v.out_of_order, v.rewinds),
+            (1, 1, 1, 1),
+            "{v:?}"
+        );
         assert!(!v.exact());
+    }
+
+    #[test]
+    fn a_stale_repeat_after_the_next_delivery_is_a_rewind_not_disorder() {
+        // a accepted, then b; a's stale attempt arrives last.
+        let log = vec![
+            rec("h", "a", "k", 1, 200),
+            rec("h", "b", "k", 2, 200),
+            rec("h", "a", "k", 1, 200),
+        ];
+        let v = verdict(&log, &[exp("h", "a"), exp("h", "b")]);
+        assert_eq!(
+            (v.out_of_order, v.rewinds, v.duplicated),
+            (0, 1, 1),
+            "{v:?}"
+        );
+        // Not accepted before: the same arrival order is disorder.
+        let log = vec![
+            rec("h", "a", "k", 1, 500),
+            rec("h", "b", "k", 2, 200),
+            rec("h", "a", "k", 1, 200),
+        ];
+        let v = verdict(&log, &[exp("h", "a"), exp("h", "b")]);
+        assert_eq!((v.out_of_order, v.rewinds), (2, 0), "{v:?}");
     }
 
     #[test]
