@@ -409,12 +409,6 @@ fn validate_join(req: &JoinRequest) -> Result<(), ApiError> {
     }
     for (name, a) in [("raft_addr", &req.raft_addr), ("http_addr", &req.http_addr)] {
         match a.parse::<std::net::SocketAddr>() {
-            Err(_) => {
-                return Err(ApiError::new(
-                    ErrorCode::InvalidInput,
-                    format!("{name} {a:?} must be IP:PORT"),
-                ))
-            }
             Ok(s) if s.ip().is_unspecified() => {
                 return Err(ApiError::new(
                     ErrorCode::InvalidInput,
@@ -422,9 +416,30 @@ fn validate_join(req: &JoinRequest) -> Result<(), ApiError> {
                 ))
             }
             Ok(_) => {}
+            // A node started with --advertise-addr NAME records NAME:PORT.
+            Err(_) if is_dns_host_port(a) => {}
+            Err(_) => {
+                return Err(ApiError::new(
+                    ErrorCode::InvalidInput,
+                    format!("{name} {a:?} must be IP:PORT or HOST:PORT"),
+                ))
+            }
         }
     }
     Ok(())
+}
+
+/// Whether `a` is `NAME:PORT` with a DNS name (letters, digits, hyphens and
+/// dots, as the `url` crate parses a domain) and a port above 0.
+fn is_dns_host_port(a: &str) -> bool {
+    let Some((host, port)) = a.rsplit_once(':') else {
+        return false;
+    };
+    let plain = |b: u8| b.is_ascii_alphanumeric() || b == b'-' || b == b'.';
+    !host.is_empty()
+        && host.bytes().all(plain)
+        && port.parse::<u16>().is_ok_and(|p| p > 0)
+        && matches!(url::Host::parse(host), Ok(url::Host::Domain(_)))
 }
 
 /// Handler of `POST /admin/cluster/remove`, through
@@ -526,4 +541,32 @@ pub(crate) async fn handler_summaries(
             .collect(),
         dead_letters_exact: exact,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_dns_host_port;
+
+    #[test]
+    fn dns_host_and_port_is_told_from_the_rest() {
+        for ok in [
+            "lanebus-1:9080",
+            "node-2.internal.example:8080",
+            "localhost:1",
+        ] {
+            assert!(is_dns_host_port(ok), "{ok}");
+        }
+        for bad in [
+            "lanebus-1",
+            "lanebus-1:0",
+            "lanebus-1:99999",
+            ":9080",
+            "node_1:9080",
+            "http://node:9080",
+            "a b:9080",
+            "user@node:9080",
+        ] {
+            assert!(!is_dns_host_port(bad), "{bad}");
+        }
+    }
 }

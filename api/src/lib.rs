@@ -124,9 +124,9 @@ pub struct ClusterView {
 pub struct ClusterNodeView {
     /// Node id.
     pub id: String,
-    /// Raft address (`IP:PORT`); `None` when unknown.
+    /// Raft address (`IP:PORT`, or `HOST:PORT` for a node started with `--advertise-addr NAME`); `None` when unknown.
     pub raft_addr: Option<String>,
-    /// HTTP address of the node's API (`IP:PORT`); `None` when unknown.
+    /// HTTP address of the node's API (`IP:PORT` or `HOST:PORT`); `None` when unknown.
     pub http_addr: Option<String>,
     /// Whether the node is a voter (`false`: learner).
     pub voter: bool,
@@ -142,9 +142,9 @@ pub struct ClusterNodeView {
 pub struct JoinRequest {
     /// The new node's id (a positive integer, unique in the cluster).
     pub id: u64,
-    /// Its Raft address, `IP:PORT`.
+    /// Its Raft address, `IP:PORT` or `HOST:PORT` (a DNS name).
     pub raft_addr: String,
-    /// Its HTTP API address, `IP:PORT`.
+    /// Its HTTP API address, `IP:PORT` or `HOST:PORT`.
     pub http_addr: String,
 }
 

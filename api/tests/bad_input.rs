@@ -580,13 +580,13 @@ fn cases() -> Vec<Case> {
             "got 0",
         ),
         case(
-            "join with a host name as raft address",
+            "join with a host name that is not a DNS name as raft address",
             Method::POST,
             "/admin/cluster/join",
-            json!({"id": 4, "raft_addr": "node4:7001", "http_addr": "127.0.0.1:8001"}),
+            json!({"id": 4, "raft_addr": "node_4:7001", "http_addr": "127.0.0.1:8001"}),
             422,
             "invalid_input",
-            "raft_addr \"node4:7001\"",
+            "raft_addr \"node_4:7001\"",
         ),
         case(
             "query parameter on handlers",
@@ -614,6 +614,15 @@ fn cases() -> Vec<Case> {
             422,
             "invalid_input",
             "http_addr \"0.0.0.0:8001\" is an unspecified address",
+        ),
+        case(
+            "join with an address that is neither IP:PORT nor HOST:PORT",
+            Method::POST,
+            "/admin/cluster/join",
+            json!({"id": 4, "raft_addr": "http://node-4:7001", "http_addr": "node-4:8001"}),
+            422,
+            "invalid_input",
+            "raft_addr \"http://node-4:7001\" must be IP:PORT or HOST:PORT",
         ),
         // routing
         case(

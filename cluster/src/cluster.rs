@@ -116,6 +116,13 @@ pub struct ClusterConfig {
     pub raft_addr: String,
     /// `IP:PORT` of this node's HTTP API, recorded for forwarding.
     pub http_addr: String,
+    /// Host name or IP other nodes reach this node at (`--advertise-addr`),
+    /// when it differs from the bound IPs (a node bound to `0.0.0.0` in a
+    /// container, a DNS name that survives an IP change). The members table
+    /// then records `HOST:PORT` with the ports of
+    /// [`raft_addr`](Self::raft_addr) and [`http_addr`](Self::http_addr).
+    /// `None`: the bound addresses are recorded (and may not be unspecified).
+    pub advertise_host: Option<String>,
     /// Directory for `raft.redb` (created if missing).
     pub data_dir: PathBuf,
     /// Number of lanes (the store's count). Fixed at the cluster's first
@@ -158,6 +165,7 @@ impl ClusterConfig {
             node_id,
             raft_addr: raft_addr.into(),
             http_addr: http_addr.into(),
+            advertise_host: None,
             data_dir: data_dir.into(),
             lanes: 256,
             lease: LeaseConfig::default(),
@@ -168,6 +176,49 @@ impl ClusterConfig {
             secret: None,
         }
     }
+}
+
+/// Checks an advertised host: an IP that is not unspecified, or a DNS name
+/// (RFC 1123 labels of letters, digits and hyphens, at most 253 bytes); no
+/// port, no scheme. The error says what was wrong.
+pub fn check_advertise_host(host: &str) -> std::result::Result<(), String> {
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    if let Ok(ip) = bare.parse::<std::net::IpAddr>() {
+        if ip.is_unspecified() {
+            return Err(format!(
+                "advertise_addr {host:?} is an unspecified address: peers cannot reach it"
+            ));
+        }
+        return Ok(());
+    }
+    let label_ok = |l: &str| {
+        !l.is_empty()
+            && l.len() <= 63
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+            && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+    };
+    if host.is_empty() || host.len() > 253 || !host.split('.').all(label_ok) {
+        return Err(format!(
+            "advertise_addr {host:?} must be an IP or a DNS name without port or scheme, such as \
+             10.0.0.5 or lanebus-1.internal"
+        ));
+    }
+    Ok(())
+}
+
+/// `host` with the port of `addr` (`IP:PORT`): `HOST:PORT`, brackets
+/// around an IPv6 host.
+fn advertised(host: &str, addr: &str) -> Result<String> {
+    let port = addr
+        .parse::<std::net::SocketAddr>()
+        .map_err(|_| ClusterError::Config(format!("{addr:?} must be IP:PORT")))?
+        .port();
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    Ok(match bare.parse::<std::net::IpAddr>() {
+        Ok(ip) => std::net::SocketAddr::new(ip, port).to_string(),
+        Err(_) => format!("{host}:{port}"),
+    })
 }
 
 /// A name for this process start: wall-clock nanoseconds and process id, in
@@ -571,17 +622,23 @@ impl Cluster {
                 )));
             }
         }
-        // The members table records the addresses a node binds; peers
-        // cannot reach 0.0.0.0 or [::] on another host.
-        for (name, a) in [("raft_addr", &cfg.raft_addr), ("http_addr", &cfg.http_addr)] {
-            if a.parse::<std::net::SocketAddr>()
-                .is_ok_and(|a| a.ip().is_unspecified())
-            {
-                return Err(ClusterError::Config(format!(
-                    "{name} {a} is an unspecified address: the cluster records the address a \
-                     node binds and its peers use it to reach the node; bind the address the \
-                     other nodes reach this one at (or run --single)"
-                )));
+        // The members table records the addresses a node binds, or its
+        // advertised host; peers cannot reach 0.0.0.0 or [::] on another
+        // host.
+        if let Some(host) = &cfg.advertise_host {
+            check_advertise_host(host).map_err(ClusterError::Config)?;
+        } else {
+            for (name, a) in [("raft_addr", &cfg.raft_addr), ("http_addr", &cfg.http_addr)] {
+                if a.parse::<std::net::SocketAddr>()
+                    .is_ok_and(|a| a.ip().is_unspecified())
+                {
+                    return Err(ClusterError::Config(format!(
+                        "{name} {a} is an unspecified address: the cluster records the address \
+                         a node binds and its peers use it to reach the node; bind the address \
+                         the other nodes reach this one at, or give that host with \
+                         advertise_addr (--advertise-addr), or run --single"
+                    )));
+                }
             }
         }
         let listener =
@@ -593,6 +650,12 @@ impl Cluster {
                 })?;
         if let Ok(a) = listener.local_addr() {
             cfg.raft_addr = a.to_string();
+        }
+        // From here on `raft_addr` and `http_addr` are the recorded
+        // (advertised) addresses.
+        if let Some(host) = &cfg.advertise_host {
+            cfg.raft_addr = advertised(host, &cfg.raft_addr)?;
+            cfg.http_addr = advertised(host, &cfg.http_addr)?;
         }
 
         let t = cfg.raft;
@@ -661,9 +724,17 @@ impl Cluster {
         &self.inner.cfg.incarnation
     }
 
-    /// The bound Raft address (`IP:PORT`).
+    /// The Raft address other nodes reach this one at (`IP:PORT`, or
+    /// `HOST:PORT` with [`ClusterConfig::advertise_host`]): the bound one,
+    /// with the port picked when 0 was asked.
     pub fn raft_addr(&self) -> &str {
         &self.inner.cfg.raft_addr
+    }
+
+    /// The HTTP API address recorded for this node (`IP:PORT`, or
+    /// `HOST:PORT` with [`ClusterConfig::advertise_host`]).
+    pub fn http_addr(&self) -> &str {
+        &self.inner.cfg.http_addr
     }
 
     /// Starts a one-node cluster of this node and records it as a member.

@@ -66,7 +66,8 @@ pub mod state;
 pub mod storage;
 
 pub use cluster::{
-    Cluster, ClusterConfig, ClusterError, ClusterView, LaneView, MemberView, RaftTiming,
+    check_advertise_host, Cluster, ClusterConfig, ClusterError, ClusterView, LaneView, MemberView,
+    RaftTiming,
 };
 pub use lease::LeaseConfig;
 pub use network::{ClusterSecret, NetSwitch};

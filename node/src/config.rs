@@ -34,6 +34,12 @@ pub struct NodeArgs {
     #[arg(long, env = "LANEBUS_RAFT_ADDR")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub raft_addr: Option<String>,
+    /// Host name or IP the other nodes reach this one at, recorded in the
+    /// cluster with the ports of http_addr and raft_addr (needed when those
+    /// bind 0.0.0.0, as in a container) [default: the bound IPs].
+    #[arg(long, env = "LANEBUS_ADVERTISE_ADDR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub advertise_addr: Option<String>,
     /// Directory for the node's files (created if missing).
     #[arg(long, env = "LANEBUS_DATA_DIR")]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -171,6 +177,7 @@ pub struct NodeConfig {
     pub id: u64,
     pub http_addr: SocketAddr,
     pub raft_addr: SocketAddr,
+    pub advertise_addr: Option<String>,
     pub data_dir: PathBuf,
     pub store: String,
     pub bootstrap: bool,
@@ -245,6 +252,7 @@ impl NodeConfig {
             c.handover_drain = self.handover_drain;
             c.secret = self.cluster_secret.clone();
             c.join_token = self.join_token.clone();
+            c.advertise_host = self.advertise_addr.clone();
             o.cluster = Some(c);
         }
         o
@@ -321,6 +329,13 @@ pub fn validate(a: NodeArgs) -> anyhow::Result<NodeConfig> {
     if http_addr == raft_addr && http_addr.port() != 0 {
         bail!("http_addr and raft_addr must differ, both are {http_addr}");
     }
+    let advertise_addr = match a.advertise_addr.as_deref().map(str::trim) {
+        None | Some("") => None,
+        Some(h) => {
+            lanebus_cluster::check_advertise_host(h).map_err(anyhow::Error::msg)?;
+            Some(h.to_owned())
+        }
+    };
     let Some(data_dir) = a.data_dir else {
         bail!("missing data dir: pass --data-dir DIR, set LANEBUS_DATA_DIR, or put `data_dir` in the config file")
     };
@@ -448,6 +463,7 @@ pub fn validate(a: NodeArgs) -> anyhow::Result<NodeConfig> {
         id,
         http_addr,
         raft_addr,
+        advertise_addr,
         data_dir,
         store,
         bootstrap,
@@ -589,6 +605,21 @@ mod tests {
             ..base()
         })
         .contains("\"localhost\""));
+        assert!(err(NodeArgs {
+            advertise_addr: Some("lanebus-1:9080".into()),
+            ..base()
+        })
+        .contains("advertise_addr \"lanebus-1:9080\" must be an IP or a DNS name"));
+        assert_eq!(
+            validate(NodeArgs {
+                advertise_addr: Some(" lanebus-1.internal ".into()),
+                ..base()
+            })
+            .unwrap()
+            .advertise_addr
+            .as_deref(),
+            Some("lanebus-1.internal")
+        );
         assert!(err(NodeArgs {
             store: Some("redis://x".into()),
             ..base()

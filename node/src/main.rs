@@ -157,6 +157,7 @@ async fn run_node(args: NodeArgs) -> anyhow::Result<ExitCode> {
         id = cfg.id,
         http_addr = %cfg.http_addr,
         raft_addr = %cfg.raft_addr,
+        advertise_addr = ?cfg.advertise_addr,
         data_dir = %cfg.data_dir.display(),
         store = %config::redact(&cfg.store),
         single = cfg.single,

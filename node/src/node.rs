@@ -97,6 +97,9 @@ pub struct ClusterOptions {
     pub node_id: u64,
     /// Raft address to bind and record, `IP:PORT`.
     pub raft_addr: String,
+    /// Host or IP recorded for this node instead of the bound IPs
+    /// ([`ClusterConfig::advertise_host`], `--advertise-addr`).
+    pub advertise_host: Option<String>,
     /// The node's data dir (Raft log and state machine).
     pub data_dir: PathBuf,
     /// Lease timing; checked at start against the longest handler timeout.
@@ -128,6 +131,7 @@ impl ClusterOptions {
         ClusterOptions {
             node_id,
             raft_addr: raft_addr.into(),
+            advertise_host: None,
             data_dir: data_dir.into(),
             lease: LeaseConfig::default(),
             voters: 3,
@@ -771,6 +775,7 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
             cfg.raft = c.raft;
             cfg.incarnation = uuid::Uuid::now_v7().simple().to_string();
             cfg.secret = c.secret.clone();
+            cfg.advertise_host = c.advertise_host.clone();
             Some(Arc::new(Cluster::start(cfg).await?))
         }
     };
@@ -852,7 +857,7 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
                         JoinRequest {
                             id: o.node_id,
                             raft_addr: c.raft_addr().to_string(),
-                            http_addr: addr.to_string(),
+                            http_addr: c.http_addr().to_string(),
                         },
                     ));
                 }

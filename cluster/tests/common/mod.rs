@@ -43,6 +43,8 @@ pub struct Node {
     pub snapshot_every: u64,
     /// The cluster secret this node is started with.
     pub secret: Option<String>,
+    /// The host recorded instead of the bound IP (`--advertise-addr`).
+    pub advertise: Option<String>,
     drainer: Option<JoinHandle<()>>,
 }
 
@@ -65,6 +67,7 @@ impl Node {
         cfg.lanes = LANES;
         cfg.lease = LEASE;
         cfg.secret = self.secret.clone().map(lanebus_cluster::ClusterSecret);
+        cfg.advertise_host = self.advertise.clone();
         cfg.raft = RaftTiming {
             heartbeat_ms: 60,
             election_timeout_min_ms: 300,
@@ -142,6 +145,7 @@ impl Sandbox {
             cluster: None,
             snapshot_every: 200,
             secret: None,
+            advertise: None,
             drainer: None,
         });
         self.nodes.len() - 1
