@@ -633,7 +633,17 @@ async fn run(
             return Err(NodeError::Runtime(msg));
         }
     };
-    tracing::info!(node_id = %state.node_id, http_addr = %addr, backend = state.store.backend(), "node ready");
+    // Ready (`/readyz` 200) comes later in a cluster: once this node is a
+    // member ("joined the cluster" below).
+    tracing::info!(node_id = %state.node_id, http_addr = %addr, backend = state.store.backend(), "node started");
+    if let Some(c) = state.cluster.clone() {
+        tokio::spawn(async move {
+            while !c.joined() {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            tracing::info!(node_id = c.node_id(), "joined the cluster: ready");
+        });
+    }
     let _ = started.send(Ok((addr, state.clone())));
     let _ = shutdown.await;
     tracing::info!(node_id = %state.node_id, "node stopping");
