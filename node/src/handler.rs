@@ -10,6 +10,7 @@
 //! dead letters: only the final hand-over differs.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -99,29 +100,66 @@ pub struct Dispatcher {
     gate: crate::assignment::WorkGate,
     /// Hand-overs under way on this node, whatever their lane's owner does
     /// meanwhile (see [`Dispatcher::attempts_in_flight`]).
-    in_flight: Arc<InFlightCounts>,
+    in_flight: Arc<AttemptCounter>,
 }
 
-/// Hand-overs under way: in all, and per lane.
-#[derive(Default)]
-struct InFlightCounts {
-    total: std::sync::atomic::AtomicUsize,
-    lanes: Mutex<HashMap<lanebus_store::Lane, usize>>,
+/// Hand-overs under way on a node: in all, and per lane.
+///
+/// One atomic per lane of the store (`0..lanes`, allocated once), so a
+/// hand-over takes no lock to be counted. Shared by all clones of a
+/// [`Dispatcher`] ([`Dispatcher::attempt_counter`]); the node's graceful
+/// stop reads it without the dispatcher.
+#[derive(Debug)]
+pub struct AttemptCounter {
+    total: AtomicUsize,
+    /// Indexed by lane; its length is the store's lane count.
+    lanes: Box<[AtomicUsize]>,
+}
+
+impl AttemptCounter {
+    /// A counter for lanes `0..lanes` (the store's
+    /// [`lanes`](lanebus_store::Store::lanes)), all at 0.
+    pub fn new(lanes: lanebus_store::Lane) -> Self {
+        AttemptCounter {
+            total: AtomicUsize::new(0),
+            lanes: (0..lanes).map(|_| AtomicUsize::new(0)).collect(),
+        }
+    }
+
+    /// Hand-overs under way, all lanes together.
+    pub fn total(&self) -> usize {
+        self.total.load(Ordering::SeqCst)
+    }
+
+    /// Hand-overs under way for `lane`; 0 for a lane outside `0..lanes`
+    /// (none is ever counted there).
+    pub fn lane(&self, lane: lanebus_store::Lane) -> usize {
+        self.lanes
+            .get(usize::from(lane))
+            .map_or(0, |n| n.load(Ordering::SeqCst))
+    }
 }
 
 /// Per handler id: its `max_in_flight` and the semaphore enforcing it.
 type Permits = HashMap<String, (u32, Arc<Semaphore>)>;
 
 impl Dispatcher {
-    /// A dispatcher with the given in-process handlers, by name.
-    pub fn new(webhook: WebhookSender, in_process: HashMap<String, Arc<dyn Handler>>) -> Self {
+    /// A dispatcher with the given in-process handlers, by name, for a
+    /// store of `lanes` lanes (the store's
+    /// [`lanes`](lanebus_store::Store::lanes); it sizes the per-lane
+    /// attempt counts).
+    pub fn new(
+        webhook: WebhookSender,
+        in_process: HashMap<String, Arc<dyn Handler>>,
+        lanes: lanebus_store::Lane,
+    ) -> Self {
         Dispatcher {
             webhook,
             in_process: Arc::new(in_process),
             permits: Arc::default(),
             rates: Arc::default(),
             gate: crate::assignment::WorkGate::default(),
-            in_flight: Arc::default(),
+            in_flight: Arc::new(AttemptCounter::new(lanes)),
         }
     }
 
@@ -129,9 +167,13 @@ impl Dispatcher {
     /// counted around each hand-over. A lane owner stopped at once (its
     /// lease lapsed) leaves its attempts running: this count still has them.
     pub fn attempts_in_flight(&self) -> usize {
-        self.in_flight
-            .total
-            .load(std::sync::atomic::Ordering::SeqCst)
+        self.in_flight.total()
+    }
+
+    /// The shared counter behind [`attempts_in_flight`](Self::attempts_in_flight)
+    /// and [`lane_attempts_in_flight`](Self::lane_attempts_in_flight).
+    pub fn attempt_counter(&self) -> Arc<AttemptCounter> {
+        self.in_flight.clone()
     }
 
     /// As [`attempts_in_flight`](Self::attempts_in_flight), for one lane: a
@@ -139,13 +181,7 @@ impl Dispatcher {
     /// same epoch) waits for its predecessor's attempts before it claims,
     /// or it would send the same rows again next to them.
     pub fn lane_attempts_in_flight(&self, lane: lanebus_store::Lane) -> usize {
-        self.in_flight
-            .lanes
-            .lock()
-            .expect("not poisoned")
-            .get(&lane)
-            .copied()
-            .unwrap_or(0)
+        self.in_flight.lane(lane)
     }
 
     /// The same dispatcher, checking `gate` once an attempt has its permit,
@@ -294,39 +330,36 @@ impl Dispatcher {
 
 /// One hand-over counted in [`Dispatcher::attempts_in_flight`] while it
 /// lives (dropped also when the attempt's future is dropped).
-struct InFlight<'a>(&'a InFlightCounts, lanebus_store::Lane);
+struct InFlight<'a> {
+    counter: &'a AttemptCounter,
+    /// The lane's slot; `None` for a lane outside the store's (not counted
+    /// per lane).
+    lane: Option<&'a AtomicUsize>,
+}
 
 impl<'a> InFlight<'a> {
-    fn enter(n: &'a InFlightCounts, lane: lanebus_store::Lane) -> Self {
-        n.total.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        *n.lanes
-            .lock()
-            .expect("not poisoned")
-            .entry(lane)
-            .or_default() += 1;
-        InFlight(n, lane)
+    fn enter(counter: &'a AttemptCounter, lane: lanebus_store::Lane) -> Self {
+        counter.total.fetch_add(1, Ordering::SeqCst);
+        let lane = counter.lanes.get(usize::from(lane));
+        if let Some(n) = lane {
+            n.fetch_add(1, Ordering::SeqCst);
+        }
+        InFlight { counter, lane }
     }
 }
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        let mut lanes = self.0.lanes.lock().expect("not poisoned");
-        if let Some(n) = lanes.get_mut(&self.1) {
-            *n -= 1;
-            if *n == 0 {
-                lanes.remove(&self.1);
-            }
+        if let Some(n) = self.lane {
+            n.fetch_sub(1, Ordering::SeqCst);
         }
-        self.0
-            .total
-            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        self.counter.total.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
     use tokio::sync::Notify;
 
     /// Counts calls and holds each until released.
@@ -344,10 +377,44 @@ mod tests {
         }
     }
 
+    /// Holds each delivery until its own release (by event id).
+    struct HeldEach {
+        calls: AtomicUsize,
+        release: HashMap<String, Notify>,
+    }
+
+    #[async_trait]
+    impl Handler for HeldEach {
+        async fn handle(&self, d: &Delivery) -> Result<(), HandlerError> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            self.release[&d.event_id].notified().await;
+            Ok(())
+        }
+    }
+
+    /// Registration of the in-process handler `name`: every event type, a
+    /// 60 s timeout, `max_in_flight` concurrent attempts.
+    fn in_process_handler(name: &str, max_in_flight: u32) -> lanebus_store::NewHandler {
+        lanebus_store::NewHandler {
+            name: name.into(),
+            url: format!("{IN_PROCESS_PREFIX}{name}"),
+            event_types: vec!["*".into()],
+            max_attempts: 3,
+            timeout_ms: 60_000,
+            max_in_flight,
+            secret: lanebus_store::generate_secret(),
+            rate_limit: None,
+        }
+    }
+
     fn delivery(id: i64, handler_id: &str) -> Delivery {
+        delivery_on(id, 0, handler_id)
+    }
+
+    fn delivery_on(id: i64, lane: lanebus_store::Lane, handler_id: &str) -> Delivery {
         Delivery {
             id,
-            lane: 0,
+            lane,
             handler_id: handler_id.into(),
             event_id: format!("e{id}"),
             event_type: "t.x".into(),
@@ -366,16 +433,7 @@ mod tests {
     async fn an_attempt_waiting_for_a_slot_is_not_sent_after_its_handler_is_deleted() {
         let store = lanebus_store::open("sqlite::memory:").await.expect("store");
         let h = store
-            .create_handler(lanebus_store::NewHandler {
-                name: "gate".into(),
-                url: format!("{IN_PROCESS_PREFIX}gate"),
-                event_types: vec!["*".into()],
-                max_attempts: 3,
-                timeout_ms: 60_000,
-                max_in_flight: 1,
-                secret: lanebus_store::generate_secret(),
-                rate_limit: None,
-            })
+            .create_handler(in_process_handler("gate", 1))
             .await
             .expect("handler");
         let catalog = Arc::new(HandlerCatalog::new(store.clone()));
@@ -389,6 +447,7 @@ mod tests {
         let dispatcher = Dispatcher::new(
             WebhookSender::new(lanebus_api::egress::EgressPolicy::default()).expect("sender"),
             in_process,
+            store.lanes(),
         );
         let config = catalog.get(&h.id).expect("cached");
 
@@ -441,5 +500,66 @@ mod tests {
         );
         assert_eq!(dispatcher.attempts_in_flight(), 0);
         assert_eq!(dispatcher.lane_attempts_in_flight(0), 0);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn per_lane_attempt_counts_go_up_and_down_on_two_lanes() {
+        let held = Arc::new(HeldEach {
+            calls: AtomicUsize::new(0),
+            release: (1..=4).map(|i| (format!("e{i}"), Notify::new())).collect(),
+        });
+        let mut in_process: HashMap<String, Arc<dyn Handler>> = HashMap::new();
+        in_process.insert("held".into(), held.clone());
+        let dispatcher = Dispatcher::new(
+            WebhookSender::new(lanebus_api::egress::EgressPolicy::default()).expect("sender"),
+            in_process,
+            256,
+        );
+        let handler = HandlerConfig::registered(
+            "h1".into(),
+            in_process_handler("held", 8),
+            chrono::Utc::now(),
+        );
+        let counter = dispatcher.attempt_counter();
+        // Two on lane 3, one on lane 255 (the last), one on a lane outside
+        // the store's 256: counted in the total only.
+        let mut tasks = HashMap::new();
+        for (id, lane) in [(1, 3), (2, 3), (3, 255), (4, 300)] {
+            let (d, h) = (dispatcher.clone(), handler.clone());
+            tasks.insert(
+                id,
+                tokio::spawn(async move { d.attempt(&h, &delivery_on(id, lane, "h1"), 1).await }),
+            );
+        }
+        while held.calls.load(Ordering::SeqCst) < 4 {
+            tokio::task::yield_now().await;
+        }
+        let lanes = |d: &Dispatcher| [0, 3, 255, 300].map(|l| d.lane_attempts_in_flight(l));
+        assert_eq!(dispatcher.attempts_in_flight(), 4);
+        assert_eq!(lanes(&dispatcher), [0, 2, 1, 0]);
+
+        let finish = |id: i64, tasks: &mut HashMap<i64, tokio::task::JoinHandle<_>>| {
+            held.release[&format!("e{id}")].notify_one();
+            tasks.remove(&id).expect("task")
+        };
+        let t = finish(2, &mut tasks);
+        assert_eq!(t.await.expect("join"), AttemptOutcome::Delivered);
+        assert_eq!(lanes(&dispatcher), [0, 1, 1, 0], "one left on lane 3");
+        assert_eq!(counter.total(), 3);
+
+        let t = finish(3, &mut tasks);
+        assert_eq!(t.await.expect("join"), AttemptOutcome::Delivered);
+        assert_eq!(lanes(&dispatcher), [0, 1, 0, 0], "lane 255 done");
+
+        // A dropped attempt (its future cancelled) is uncounted as well.
+        tasks.remove(&1).expect("task").abort();
+        while counter.lane(3) > 0 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(counter.total(), 1, "the out-of-range one is still running");
+        let t = finish(4, &mut tasks);
+        assert_eq!(t.await.expect("join"), AttemptOutcome::Delivered);
+        assert_eq!(counter.total(), 0);
+        assert_eq!(lanes(&dispatcher), [0; 4]);
     }
 }

@@ -54,7 +54,7 @@ use crate::assignment::{
     LocalAssignment, RaftAssignment, Running, WorkGate,
 };
 use crate::catalog::HandlerCatalog;
-use crate::handler::{Dispatcher, Handler};
+use crate::handler::{AttemptCounter, Dispatcher, Handler};
 use crate::metrics;
 use crate::webhook::{WebhookError, WebhookSender};
 
@@ -271,8 +271,8 @@ pub struct NodeState {
     /// while any is listed.
     fenced_out: FencedOutLanes,
     /// The dispatcher's count of attempts under way (the graceful stop gives
-    /// the lease up only when it is 0).
-    dispatcher: Dispatcher,
+    /// the lease up only when its total is 0).
+    attempts: Arc<AttemptCounter>,
 }
 
 impl NodeState {
@@ -670,7 +670,7 @@ async fn run(
     // Attempts of owners stopped earlier (a lapsed lease stops them at
     // once, their attempts go on) are not on the board: the dispatcher
     // counts every attempt under way.
-    while state.dispatcher.attempts_in_flight() > 0 && tokio::time::Instant::now() < deadline {
+    while state.attempts.total() > 0 && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let on_board: usize = state
@@ -680,7 +680,7 @@ async fn run(
         .filter(|s| s.state == LaneState::Active)
         .map(|s| s.in_flight)
         .sum();
-    let abandoned = on_board.max(state.dispatcher.attempts_in_flight());
+    let abandoned = on_board.max(state.attempts.total());
     if abandoned > 0 {
         tracing::warn!(
             abandoned,
@@ -801,6 +801,7 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
     let dispatcher = Dispatcher::new(
         WebhookSender::with_source_ip(opts.egress.clone(), opts.webhook_source_ip)?,
         opts.in_process.clone(),
+        store.lanes(),
     )
     .with_gate(gate.clone());
     let board = Arc::new(LaneBoard::default());
@@ -822,7 +823,7 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
             .as_ref()
             .map(|c| Duration::from_millis(c.lease.lease_ms)),
         fenced_out: FencedOutLanes::default(),
-        dispatcher: dispatcher.clone(),
+        attempts: dispatcher.attempt_counter(),
     });
     tokio::spawn(crate::retention::run(
         store.clone(),
