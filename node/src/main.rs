@@ -129,27 +129,9 @@ fn main() -> ExitCode {
 
 async fn run_node(args: NodeArgs) -> anyhow::Result<ExitCode> {
     let cfg = config::load(args)?;
-    // A node with no Raft state and no way to get one would accept events
-    // (the store takes them) and never deliver them.
-    if !cfg.single
-        && !cfg.bootstrap
-        && cfg.join.is_none()
-        && !cfg.data_dir.join("raft.redb").exists()
-    {
-        anyhow::bail!(
-            "{} holds no cluster state and none of --bootstrap (start a cluster), --join URL \
-             (join one) or --single (run without a cluster) is given: this node would take \
-             events and never deliver them",
-            cfg.data_dir.display()
-        );
-    }
-    // The address must be one of this host's: else every attempt fails to
-    // bind and dead-letters.
-    if let Some(ip) = cfg.webhook_source_ip {
-        std::net::TcpListener::bind((ip, 0)).with_context(|| {
-            format!("webhook_source_ip {ip} is not an address of this host (cannot bind to it)")
-        })?;
-    }
+    // Refused before any directory is created (the node checks again).
+    let opts = cfg.node_options();
+    opts.check()?;
     std::fs::create_dir_all(&cfg.data_dir)
         .with_context(|| format!("cannot create data dir {}", cfg.data_dir.display()))?;
     config::create_sqlite_dir(&cfg.store)?;
@@ -168,7 +150,7 @@ async fn run_node(args: NodeArgs) -> anyhow::Result<ExitCode> {
         cluster_secret = cfg.cluster_secret.is_some(),
         "starting node"
     );
-    let node = lanebus_node::start(cfg.node_options()).await?;
+    let node = lanebus_node::start(opts).await?;
     println!("lanebus node {} listening on {}", cfg.id, node.http_addr);
     tokio::select! {
         r = wait_for_signal() => {

@@ -88,6 +88,31 @@ pub enum NodeError {
     /// The cluster member could not start, bootstrap or join.
     #[error(transparent)]
     Cluster(#[from] ClusterError),
+    /// A cluster member ([`NodeOptions::cluster`] set) whose data dir holds
+    /// no Raft state (`raft.redb`) and that neither bootstraps
+    /// ([`ClusterOptions::bootstrap`], `--bootstrap`) nor joins
+    /// ([`ClusterOptions::join`], `--join URL`): it would take events and
+    /// never deliver them. Run without a cluster with `cluster: None`
+    /// (`--single`).
+    #[error(
+        "{} holds no cluster state and none of --bootstrap (start a cluster), --join URL \
+         (join one) or --single (run without a cluster) is given: this node would take \
+         events and never deliver them",
+        data_dir.display()
+    )]
+    NoClusterState {
+        /// The data dir without `raft.redb`.
+        data_dir: PathBuf,
+    },
+    /// [`NodeOptions::webhook_source_ip`] is not an address of this host:
+    /// every attempt would fail to bind and end as a dead letter.
+    #[error("webhook_source_ip {ip} is not an address of this host (cannot bind to it)")]
+    WebhookSourceIp {
+        /// The address.
+        ip: std::net::IpAddr,
+        /// Why binding a socket to it failed.
+        source: std::io::Error,
+    },
 }
 
 /// Running as a cluster member (`lanebus node` without `--single`).
@@ -237,6 +262,30 @@ impl NodeOptions {
             egress: EgressPolicy::default(),
             auth: Auth::open(),
         }
+    }
+
+    /// The checks [`start`] makes before it opens anything: a cluster
+    /// member must have Raft state in its data dir, bootstrap or join
+    /// ([`NodeError::NoClusterState`]), and the webhook source address must
+    /// be one of this host's ([`NodeError::WebhookSourceIp`]; checked by
+    /// binding a socket to it on port 0). Callers may run them earlier,
+    /// e.g. before creating directories.
+    ///
+    /// # Errors
+    /// The first check that fails.
+    pub fn check(&self) -> Result<(), NodeError> {
+        if let Some(c) = &self.cluster {
+            if !c.bootstrap && c.join.is_none() && !c.data_dir.join("raft.redb").exists() {
+                return Err(NodeError::NoClusterState {
+                    data_dir: c.data_dir.clone(),
+                });
+            }
+        }
+        if let Some(ip) = self.webhook_source_ip {
+            std::net::TcpListener::bind((ip, 0))
+                .map_err(|source| NodeError::WebhookSourceIp { ip, source })?;
+        }
+        Ok(())
     }
 }
 
@@ -568,7 +617,9 @@ impl NodeHandle {
 /// its lanes.
 ///
 /// # Errors
-/// [`NodeError`] naming what failed during start-up.
+/// [`NodeError`] naming what failed during start-up; first the checks of
+/// [`NodeOptions::check`] (no cluster state and no way to get one, a
+/// webhook source address not on this host), before the store is opened.
 pub async fn start(opts: NodeOptions) -> Result<NodeHandle, NodeError> {
     let (started_tx, started_rx) = oneshot::channel();
     let (shutdown_tx, shutdown_rx) = oneshot::channel();
@@ -712,6 +763,7 @@ async fn run(
 }
 
 async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeError> {
+    opts.check()?;
     let metrics_handle = metrics::install_recorder();
     let store = match &opts.store {
         StoreSource::Url(url) => lanebus_store::open(url).await?,

@@ -83,6 +83,59 @@ fn a_node_refuses_an_open_api_or_raft_off_loopback() {
     );
 }
 
+/// An embedded node (the library's [`lanebus_node::start`], no CLI) makes
+/// the same start checks as `lanebus node`: a webhook source address that
+/// is not on this host, and a cluster member with no Raft state that
+/// neither bootstraps nor joins, are refused before the store is opened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_embedded_node_refuses_a_foreign_source_ip_or_no_cluster_state() -> anyhow::Result<()> {
+    use lanebus_node::node::{ClusterOptions, NodeError};
+
+    // 192.0.2.1 is TEST-NET-1 (RFC 5737): never an address of this host.
+    let ip: std::net::IpAddr = "192.0.2.1".parse()?;
+    let mut opts = test_options("sqlite::memory:");
+    opts.webhook_source_ip = Some(ip);
+    match lanebus_node::start(opts).await {
+        Err(e @ NodeError::WebhookSourceIp { .. }) => {
+            let msg = e.to_string();
+            ensure!(
+                msg.contains("webhook_source_ip 192.0.2.1 is not an address of this host"),
+                "{msg}"
+            );
+        }
+        Err(e) => anyhow::bail!("refused for another reason: {e}"),
+        Ok(node) => {
+            node.shutdown().await?;
+            anyhow::bail!("started with a source IP not on this host");
+        }
+    }
+
+    // A loopback source address is on every host: accepted.
+    let mut opts = test_options("sqlite::memory:");
+    opts.webhook_source_ip = Some("127.0.0.1".parse()?);
+    lanebus_node::start(opts).await?.shutdown().await?;
+
+    let dir = std::env::temp_dir().join(format!("lanebus-emb-{}", uuid::Uuid::now_v7().simple()));
+    let mut opts = test_options("sqlite::memory:");
+    opts.cluster = Some(ClusterOptions::new(1, "127.0.0.1:0", &dir));
+    let res = lanebus_node::start(opts).await;
+    let raft_files = dir.join("raft.redb").exists();
+    let _ = std::fs::remove_dir_all(&dir);
+    match res {
+        Err(e @ NodeError::NoClusterState { .. }) => {
+            let msg = e.to_string();
+            ensure!(msg.contains("holds no cluster state"), "{msg}");
+        }
+        Err(e) => anyhow::bail!("refused for another reason: {e}"),
+        Ok(node) => {
+            node.shutdown().await?;
+            anyhow::bail!("a cluster member started with no way to get cluster state");
+        }
+    }
+    ensure!(!raft_files, "the refused node created its Raft state");
+    Ok(())
+}
+
 async fn call(
     http: &reqwest::Client,
     method: reqwest::Method,
