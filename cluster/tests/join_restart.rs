@@ -12,13 +12,7 @@ use lanebus_cluster::assignment::LaneState;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fourth_node_joins_by_handover_leaves_by_handover_and_all_restart() {
-    let mut sb = Sandbox::new();
-    sb.start_cluster(&[1, 2, 3]).await;
-    wait_until(Duration::from_secs(20), "3 nodes balanced", || {
-        let v = sb.node(1).view();
-        balanced_over(&v, &[1, 2, 3]) && voters(&v) == 3 && views_agree(&sb)
-    })
-    .await;
+    let mut sb = Sandbox::three_balanced().await;
     // From here the test itself plays the drained lane owners.
     for id in [1, 2, 3] {
         sb.node_mut(id).set_drainer(false);

@@ -58,13 +58,7 @@ async fn cut_and_check(sb: &Sandbox, victim: u64, observer: u64, extra: Duration
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cut_off_node_stops_its_lanes_before_they_are_reassigned() {
-    let mut sb = Sandbox::new();
-    sb.start_cluster(&[1, 2, 3]).await;
-    wait_until(Duration::from_secs(20), "3 nodes balanced", || {
-        let v = sb.node(1).view();
-        balanced_over(&v, &[1, 2, 3]) && voters(&v) == 3 && views_agree(&sb)
-    })
-    .await;
+    let mut sb = Sandbox::three_balanced().await;
 
     // A follower.
     let leader = sb.leader().expect("leader");

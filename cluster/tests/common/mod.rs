@@ -179,6 +179,19 @@ impl Sandbox {
         }
     }
 
+    /// Nodes 1, 2 and 3 started, three voters, the lanes balanced over
+    /// them and every view the same (within 20 s).
+    pub async fn three_balanced() -> Self {
+        let mut sb = Sandbox::new();
+        sb.start_cluster(&[1, 2, 3]).await;
+        wait_until(Duration::from_secs(20), "3 nodes balanced", || {
+            let v = sb.node(1).view();
+            balanced_over(&v, &[1, 2, 3]) && voters(&v) == 3 && views_agree(&sb)
+        })
+        .await;
+        sb
+    }
+
     /// Asks member `via` to add node `id`.
     pub async fn join(&self, via: NodeId, id: NodeId) {
         let n = self.node(id);
