@@ -746,34 +746,72 @@ pub(crate) async fn disable(
     set_state(&state, &id, HandlerState::Disabled).await
 }
 
-/// Enable or disable by hand (reason `api`): the change is counted and
-/// logged when the state changed, and the node reloads its catalog.
+/// Enable or disable by hand (reason `api`): [`change_state`], then the
+/// node reloads its catalog.
 async fn set_state(
     state: &ApiState,
     id: &str,
     to: HandlerState,
 ) -> Result<axum::Json<HandlerView>, ApiError> {
     check_handler_id(id)?;
-    let was = state
-        .store
-        .get_handler(id)
-        .await
-        .map_err(|e| not_found(e, id))?
-        .state;
-    let handler = state
-        .store
-        .change_handler_state(id, to, "api")
+    let change = change_state(state.store.as_ref(), id, to, "api")
         .await
         .map_err(|e| not_found(e, id))?;
+    state.node.handlers_changed();
+    Ok(axum::Json(change.handler.into()))
+}
+
+/// What [`change_state`] did.
+#[derive(Debug, Clone)]
+pub struct StateChange {
+    /// The handler as stored after the call.
+    pub handler: Handler,
+    /// Its state before the call.
+    pub was: HandlerState,
+}
+
+impl StateChange {
+    /// The call changed the handler's state (it was not already `to`).
+    pub fn changed(&self) -> bool {
+        self.was != self.handler.state
+    }
+}
+
+/// Process-wide: state changes of this process one at a time, so that of
+/// two disables at once (a `410 Gone` for two keys, an operator's call)
+/// exactly one sees the handler enabled and counts the change.
+static STATE_CHANGES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Sets handler `id` to `to`, recording `reason` in its `state_reason`
+/// (`api`: an operator; `gone`: a `410` answer; `failing`: the node's
+/// auto-disable), the one step of every enable and disable. A disable that
+/// changed the state is counted in `lanebus_handlers_disabled_total{handler,
+/// reason}` and logged once; disabling a disabled handler counts and logs
+/// nothing. An enable is counted in `lanebus_handlers_enabled_total` and
+/// logged with the state it had. Calls of one process are serialized;
+/// other processes (other nodes) count their own changes.
+///
+/// # Errors
+/// The store's: [`StoreError::NotFound`](lanebus_store::StoreError::NotFound)
+/// if there is no such handler.
+pub async fn change_state(
+    store: &dyn lanebus_store::Store,
+    id: &str,
+    to: HandlerState,
+    reason: &'static str,
+) -> Result<StateChange, lanebus_store::StoreError> {
+    let _one_at_a_time = STATE_CHANGES.lock().await;
+    let was = store.get_handler(id).await?.state;
+    let handler = store.change_handler_state(id, to, reason).await?;
+    let change = StateChange { handler, was };
     match to {
         HandlerState::Enabled => crate::telemetry::handler_enabled(id, was),
-        HandlerState::Disabled if was == HandlerState::Enabled => {
-            crate::telemetry::handler_disabled(id);
+        HandlerState::Disabled if change.changed() => {
+            crate::telemetry::handler_disabled(id, reason);
         }
         HandlerState::Disabled => {}
     }
-    state.node.handlers_changed();
-    Ok(axum::Json(handler.into()))
+    Ok(change)
 }
 
 /// Handler of `PATCH /v1/handlers/{id}`: changes the settings given (see

@@ -7,7 +7,7 @@
 //! | `lanebus_events_duplicates_total` | counter | | events of `POST /v1/events` whose id was already stored |
 //! | `lanebus_api_errors_total` | counter | `code` ([`crate::ErrorCode`]) | every error answer |
 //! | `lanebus_deliveries_discarded_total` | counter | | pending deliveries discarded by `DELETE /v1/handlers/{id}` |
-//! | `lanebus_handlers_disabled_total` | counter | `handler`, `reason` = `api` | enabled handlers disabled by `POST /v1/handlers/{id}/disable` (a call on a disabled one counts nothing; other reasons come from the node) |
+//! | `lanebus_handlers_disabled_total` | counter | `handler`, `reason` = `api` (`POST /v1/handlers/{id}/disable`), `gone` (a `410` answer), `failing` (the node's auto-disable) | enabled handlers disabled by this process ([`crate::handlers::change_state`]: a disable of a disabled handler counts nothing, so two `410`s at once count one) |
 //! | `lanebus_dead_letters_replayed_total` | counter | | dead letters put back by a replay |
 //! | `lanebus_handlers_enabled_total` | counter | | handlers enabled by `POST /v1/handlers/{id}/enable` (a `410 Gone` disables one: `lanebus_handlers_disabled_total`, from the node) |
 //!
@@ -71,12 +71,19 @@ pub(crate) fn handler_enabled(handler_id: &str, was: lanebus_store::HandlerState
     tracing::info!(handler_id, was = was.as_str(), "handler enabled");
 }
 
-/// A handler was disabled through the API (reason `api`; a `410` answer or
-/// a long failure disables in the node, reasons `gone` and `failing`).
-pub(crate) fn handler_disabled(handler_id: &str) {
-    metrics::counter!("lanebus_handlers_disabled_total", "handler" => handler_id.to_owned(), "reason" => "api")
+/// A handler was disabled, for `reason`: `api` (through the API), `gone`
+/// (a `410` answer) or `failing` (the node's auto-disable).
+pub(crate) fn handler_disabled(handler_id: &str, reason: &'static str) {
+    metrics::counter!("lanebus_handlers_disabled_total", "handler" => handler_id.to_owned(), "reason" => reason)
         .increment(1);
-    tracing::info!(handler_id, "handler disabled through the API");
+    match reason {
+        "api" => tracing::info!(handler_id, reason, "handler disabled through the API"),
+        _ => tracing::warn!(
+            handler_id,
+            reason,
+            "handler disabled; its deliveries are kept, not attempted, until it is enabled"
+        ),
+    }
 }
 
 /// Dead letters were replayed (`replayed` of them), asked for by handler

@@ -41,6 +41,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use lanebus_api::handlers::{change_state, StateChange};
 use lanebus_store::{Handler as HandlerConfig, HandlerState, Store, StoreError};
 use tokio::sync::{watch, Mutex, Notify};
 
@@ -148,7 +149,10 @@ impl HandlerCatalog {
     }
 
     /// As [`set_state`](Self::set_state), recording `reason` (`gone`,
-    /// `failing`, ...) in the handler's `state_reason`.
+    /// `failing`, ...) in the handler's `state_reason`, through
+    /// [`lanebus_api::handlers::change_state`]: a disable is counted
+    /// (`lanebus_handlers_disabled_total{reason}`) and logged only by the
+    /// call that changed the state ([`StateChange::changed`]).
     ///
     /// # Errors
     /// The store's error ([`StoreError::NotFound`] if the handler is gone).
@@ -156,11 +160,11 @@ impl HandlerCatalog {
         &self,
         id: &str,
         state: HandlerState,
-        reason: &str,
-    ) -> Result<HandlerConfig, StoreError> {
-        let handler = self.store.change_handler_state(id, state, reason).await?;
+        reason: &'static str,
+    ) -> Result<StateChange, StoreError> {
+        let change = change_state(self.store.as_ref(), id, state, reason).await?;
         self.reload_fresh().await?;
-        Ok(handler)
+        Ok(change)
     }
 
     /// Sets the auto-disable period (see the module docs).
@@ -229,10 +233,11 @@ impl HandlerCatalog {
                 .set_state_because(&id, HandlerState::Disabled, "failing")
                 .await
             {
-                Ok(_) => {
-                    crate::metrics::handler_disabled(&id, "failing");
-                    tracing::warn!(handler = %id, failing_since = %since, after_s = me.auto_disable_after().as_secs(), "handler failed without a success for the auto-disable period: disabled; its deliveries are kept until it is enabled");
+                // Counted and logged (warn) by `change_state`; the why here.
+                Ok(change) if change.changed() => {
+                    tracing::info!(handler = %id, failing_since = %since, after_s = me.auto_disable_after().as_secs(), "auto-disable: the handler failed without a success for the auto-disable period");
                 }
+                Ok(_) => {}
                 Err(e) => {
                     tracing::warn!(handler = %id, error = %e, "could not auto-disable the handler")
                 }

@@ -51,6 +51,14 @@ pub enum Action {
     },
     /// Wait, then answer 200.
     Delay(Duration),
+    /// Wait, then answer `status` (requests arriving meanwhile are all
+    /// answered so: e.g. a `410` for several keys at once).
+    DelayedStatus {
+        /// The wait.
+        delay: Duration,
+        /// The status.
+        status: u16,
+    },
 }
 
 /// A behaviour for requests of a handler and/or key (`None` matches any).
@@ -453,6 +461,10 @@ async fn hook(
         Some((Action::Delay(d), _)) => {
             tokio::time::sleep(d).await;
             200
+        }
+        Some((Action::DelayedStatus { delay, status }, _)) => {
+            tokio::time::sleep(delay).await;
+            status
         }
     };
     let rec = Received {

@@ -246,6 +246,86 @@ async fn gone_disables_and_enable_resumes(backend: Backend) -> anyhow::Result<()
     Ok(())
 }
 
+/// A `410` for several keys at once disables the handler once, and the
+/// disable is counted once (`lanebus_handlers_disabled_total`): only the
+/// call that changed the state counts.
+async fn gone_for_several_keys_at_once_counts_one_disable(backend: Backend) -> anyhow::Result<()> {
+    let db = TestDb::new(backend, "gone_keys").await?;
+    let rx = Receiver::start().await?;
+    let node = start_node(&db.url).await?;
+    let api = Api::new(&node.base_url());
+    let (id, secret) = create(
+        &api,
+        "gonekeys",
+        &rx.url("gonekeys"),
+        json!({"max_attempts": 1, "max_in_flight": 8}),
+    )
+    .await?;
+    rx.set_secret("gonekeys", &secret);
+    // Held 500 ms: the heads of all four keys arrive before the first 410
+    // is answered.
+    rx.add_rule(Rule {
+        handler: Some("gonekeys".into()),
+        key: None,
+        action: Action::DelayedStatus {
+            delay: Duration::from_millis(500),
+            status: 410,
+        },
+    });
+    api.publish(&keyed_events("gonekeys", 4, 4), 4).await?;
+    ensure!(
+        rx.wait_until(Duration::from_secs(30), |log| log
+            .iter()
+            .filter(|r| r.status == 410)
+            .count()
+            == 4)
+            .await,
+        "not every key got a 410: {} requests",
+        rx.requests().len()
+    );
+    wait_state(&api, &id, "disabled").await?;
+    // Every key records its 410 and asks for the disable: give them time.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let metrics = api.metrics().await?;
+    let counted: Vec<&str> = metrics
+        .lines()
+        .filter(|l| {
+            l.starts_with(&format!(
+                "lanebus_handlers_disabled_total{{handler=\"{id}\""
+            ))
+        })
+        .collect();
+    ensure!(
+        counted
+            == [format!(
+                "lanebus_handlers_disabled_total{{handler=\"{id}\",reason=\"gone\"}} 1"
+            )],
+        "four 410s at once, one disable: {counted:?}"
+    );
+    let c = node.store().counts().await?;
+    ensure!(
+        c.deliveries == 4 && c.dead_letters == 0,
+        "the deliveries are kept: {c:?}"
+    );
+    node.shutdown().await?;
+    db.drop_db().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gone_for_several_keys_at_once_counts_one_disable_sqlite() {
+    gone_for_several_keys_at_once_counts_one_disable(Backend::Sqlite)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gone_for_several_keys_at_once_counts_one_disable_postgres() {
+    gone_for_several_keys_at_once_counts_one_disable(Backend::Postgres)
+        .await
+        .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gone_disables_and_enable_resumes_sqlite() {
     gone_disables_and_enable_resumes(Backend::Sqlite)

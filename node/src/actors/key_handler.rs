@@ -228,7 +228,7 @@ impl KeyHandler {
             }
             Decision::Disable { error } => {
                 metrics::delivery_outcome(&handler.id, "failed");
-                tracing::warn!(delivery = delivery.id, handler = %handler.id, attempt, error = %error, "410 Gone: disabling the handler; its deliveries are kept until it is enabled");
+                tracing::info!(delivery = delivery.id, handler = %handler.id, attempt, error = %error, "410 Gone: the handler is to be disabled");
                 Record::Disable(Reschedule {
                     id: delivery.id,
                     lane,
@@ -336,10 +336,8 @@ impl KeyHandler {
                 .await
         };
         ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| match res {
-            Ok(_) => {
-                metrics::handler_disabled(&delivery.handler_id, "gone");
-                act.park(delivery);
-            }
+            // Counted and logged by the call that changed the state.
+            Ok(_) => act.park(delivery),
             Err(lanebus_store::StoreError::NotFound(_)) => act.gone(delivery, ctx),
             Err(e) => {
                 let wait = act
