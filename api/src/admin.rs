@@ -494,11 +494,14 @@ pub(crate) struct HandlerSummaries {
 }
 
 /// Handler of `GET /admin/handlers`: the catalog with dead-letter counts
-/// (see the module docs for the bound on counting).
+/// (see the module docs for the bound on counting); a catalog read the
+/// store does not answer within 2 s is `503 store_unavailable`
+/// ([`crate::health::bounded`]).
 pub(crate) async fn handler_summaries(
     State(state): State<ApiState>,
 ) -> Result<axum::Json<HandlerSummaries>, ApiError> {
-    let handlers = state.store.list_handlers().await?;
+    let handlers =
+        crate::health::bounded(state.store.backend(), state.store.list_handlers()).await??;
     let mut counts: HashMap<String, u64> = HashMap::new();
     let mut after = None;
     let mut read = 0u32;

@@ -8,7 +8,8 @@
 //!   201 {"id", "name", "url", "event_types", "max_attempts", "timeout_ms",
 //!        "max_in_flight", "secret", "state", "created_at", "rate_limit", ...}
 //! GET /v1/handlers          200 {"handlers": [<handler>, ...]}  (creation order)
-//! GET /v1/handlers/{id}     200 <handler> | 404 not_found
+//!                           | 503 store_unavailable (no answer within 2 s)
+//! GET /v1/handlers/{id}     200 <handler> | 404 not_found | 503 (as above)
 //! PATCH /v1/handlers/{id} {"name"?, "url"?, "event_types"?, "max_attempts"?,
 //!                          "timeout_ms"?, "max_in_flight"?, "rate_limit"?}
 //!                           200 <handler> | 404 | 422 invalid_handler
@@ -675,32 +676,32 @@ pub(crate) async fn create(
     Ok((StatusCode::CREATED, axum::Json(handler.into())))
 }
 
-/// Handler of `GET /v1/handlers`.
+/// Handler of `GET /v1/handlers`; a store that does not answer within
+/// 2 s is `503 store_unavailable` ([`crate::health::bounded`]).
 pub(crate) async fn list(
     State(state): State<ApiState>,
 ) -> Result<axum::Json<HandlerList>, ApiError> {
+    let store = &state.store;
     Ok(axum::Json(HandlerList {
-        handlers: state
-            .store
-            .list_handlers()
-            .await?
+        handlers: crate::health::bounded(store.backend(), store.list_handlers())
+            .await??
             .into_iter()
             .map(HandlerView::from)
             .collect(),
     }))
 }
 
-/// Handler of `GET /v1/handlers/{id}`.
+/// Handler of `GET /v1/handlers/{id}`; a store that does not answer
+/// within 2 s is `503 store_unavailable` ([`crate::health::bounded`]).
 pub(crate) async fn get(
     State(state): State<ApiState>,
     Path(id): Path<String>,
 ) -> Result<axum::Json<HandlerView>, ApiError> {
     check_handler_id(&id)?;
+    let store = &state.store;
     Ok(axum::Json(
-        state
-            .store
-            .get_handler(&id)
-            .await
+        crate::health::bounded(store.backend(), store.get_handler(&id))
+            .await?
             .map_err(|e| not_found(e, &id))?
             .into(),
     ))

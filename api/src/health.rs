@@ -41,9 +41,34 @@ pub(crate) async fn healthz() -> axum::Json<Status> {
     axum::Json(Status { status: "ok" })
 }
 
-/// How long `/readyz` waits for the store's answer: a probe must hear
-/// "not ready" sooner than the store pool's own timeout (10 s).
-const READY_PING: std::time::Duration = std::time::Duration::from_secs(2);
+/// How long `/readyz` waits for the store's ping, and the API for a
+/// catalog read (`GET /v1/handlers`, `GET /v1/handlers/{id}`, the handler
+/// list of `GET /admin/handlers`): a probe or an operator must hear "store
+/// unavailable" sooner than the store pool's own timeout (10 s).
+pub(crate) const STORE_READ_BOUND: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Awaits the store call `read` for at most [`STORE_READ_BOUND`].
+///
+/// # Errors
+/// `503 store_unavailable` ("`{backend}` store does not answer within 2000
+/// ms") when it did not finish in time; the call's own result otherwise,
+/// for the caller to map.
+pub(crate) async fn bounded<T>(
+    backend: &str,
+    read: impl std::future::Future<Output = Result<T, lanebus_store::StoreError>>,
+) -> Result<Result<T, lanebus_store::StoreError>, ApiError> {
+    tokio::time::timeout(STORE_READ_BOUND, read)
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                ErrorCode::StoreUnavailable,
+                format!(
+                    "{backend} store does not answer within {} ms",
+                    STORE_READ_BOUND.as_millis()
+                ),
+            )
+        })
+}
 
 /// Handler of `GET /readyz`.
 pub(crate) async fn readyz(State(state): State<ApiState>) -> Result<axum::Json<Status>, ApiError> {
@@ -54,18 +79,11 @@ pub(crate) async fn readyz(State(state): State<ApiState>) -> Result<axum::Json<S
         ));
     }
     let backend = state.store.backend();
-    match tokio::time::timeout(READY_PING, state.store.ping()).await {
-        Ok(Ok(())) => Ok(axum::Json(Status { status: "ready" })),
-        Ok(Err(e)) => Err(ApiError::new(
+    match bounded(backend, state.store.ping()).await? {
+        Ok(()) => Ok(axum::Json(Status { status: "ready" })),
+        Err(e) => Err(ApiError::new(
             ErrorCode::StoreUnavailable,
             format!("{backend} store does not answer: {e}"),
-        )),
-        Err(_) => Err(ApiError::new(
-            ErrorCode::StoreUnavailable,
-            format!(
-                "{backend} store does not answer within {} ms",
-                READY_PING.as_millis()
-            ),
         )),
     }
 }

@@ -6,7 +6,7 @@ mod common;
 use std::sync::atomic::Ordering;
 
 use axum::http::{Method, StatusCode};
-use common::{run_with, Backend, StubNode, TestApp, TEST_LIMITS};
+use common::{run_configured, run_with, Backend, StubNode, TestApp, TEST_LIMITS};
 use lanebus_api::{LaneView, ROUTES};
 use lanebus_store::{lane_of_event, LaneClaim};
 use serde_json::{json, Value};
@@ -428,6 +428,114 @@ async fn admin_lanes_without_the_store_is_503() {
         assert_eq!(res.status, StatusCode::SERVICE_UNAVAILABLE, "{res:?}");
         assert_eq!(res.json["error"]["code"], "store_unavailable", "{res:?}");
     })
+    .await;
+}
+
+/// A store that takes every call and never answers (a stalled server).
+mod stalled {
+    use async_trait::async_trait;
+    use lanebus_store::*;
+    use std::future::pending;
+
+    pub struct Stalled;
+
+    #[async_trait]
+    impl Store for Stalled {
+        fn backend(&self) -> &'static str {
+            "stalled"
+        }
+        fn lanes(&self) -> u16 {
+            DEFAULT_LANES
+        }
+        async fn publish(&self, _: Vec<NewEvent>) -> Result<PublishOutcome> {
+            pending().await
+        }
+        async fn fence(&self, _: Lane, _: &str, _: Epoch) -> Result<bool> {
+            pending().await
+        }
+        async fn claim(&self, _: &[LaneClaim]) -> Result<Vec<LaneBatch>> {
+            pending().await
+        }
+        async fn complete(&self, _: &[DeliveryRef]) -> Result<Vec<i64>> {
+            pending().await
+        }
+        async fn reschedule(&self, _: &[Reschedule]) -> Result<Vec<i64>> {
+            pending().await
+        }
+        async fn dead_letter(&self, _: &[DeadLetterRequest]) -> Result<Vec<i64>> {
+            pending().await
+        }
+        async fn create_handler(&self, _: NewHandler) -> Result<Handler> {
+            pending().await
+        }
+        async fn list_handlers(&self) -> Result<Vec<Handler>> {
+            pending().await
+        }
+        async fn get_handler(&self, _: &str) -> Result<Handler> {
+            pending().await
+        }
+        async fn delete_handler(&self, _: &str) -> Result<DeletedHandler> {
+            pending().await
+        }
+        async fn list_dead_letters(&self, _: &DeadLetterFilter) -> Result<Vec<DeadLetter>> {
+            pending().await
+        }
+        async fn replay_dead_letters(&self, _: &[i64], _: Option<&str>) -> Result<u64> {
+            pending().await
+        }
+        async fn lane_rows(&self) -> Result<Vec<LaneRow>> {
+            pending().await
+        }
+        async fn counts(&self) -> Result<StoreCounts> {
+            pending().await
+        }
+        async fn ping(&self) -> Result<()> {
+            pending().await
+        }
+        async fn wakeups(&self) -> Result<Wakeups> {
+            pending().await
+        }
+    }
+}
+
+/// Catalog reads of a store that does not answer are `503
+/// store_unavailable` after the 2 s bound `/readyz` uses, not a wait for
+/// the pool's timeout (or for ever).
+#[tokio::test]
+async fn catalog_reads_of_a_stalled_store_are_503() {
+    use std::time::Duration;
+    run_configured(
+        Backend::Sqlite,
+        TEST_LIMITS,
+        StubNode::default(),
+        |state| state.store = std::sync::Arc::new(stalled::Stalled),
+        |app| async move {
+            for path in [
+                "/v1/handlers",
+                "/v1/handlers/hdl_0123456789abcdef0123456789abcdef",
+                "/admin/handlers",
+                "/readyz",
+            ] {
+                // A guard against a hang, not a speed check.
+                let res = tokio::time::timeout(Duration::from_secs(20), app.get(path))
+                    .await
+                    .unwrap_or_else(|_| panic!("GET {path} still waits after 20 s"));
+                assert_eq!(
+                    res.status,
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "{path}: {res:?}"
+                );
+                assert_eq!(
+                    res.json["error"]["code"], "store_unavailable",
+                    "{path}: {res:?}"
+                );
+                assert_eq!(
+                    res.json["error"]["message"], "stalled store does not answer within 2000 ms",
+                    "{path}: {res:?}"
+                );
+            }
+        },
+    )
     .await;
 }
 
