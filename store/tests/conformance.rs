@@ -16,12 +16,15 @@
 //! instantiates it once per backend (`sqlite::name`, `postgres::name`,
 //! `mongodb::name`).
 
+mod common;
+
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
+use common::with_database;
 use lanebus_store::postgres::PgStore;
 use lanebus_store::sqlite::SqliteStore;
 use lanebus_store::*;
@@ -130,19 +133,6 @@ fn pg_admin_url() -> String {
              {PG_URL_VAR}=<the URL it prints>"
         )
     })
-}
-
-/// `url` with its database name replaced by `db`.
-fn with_database(url: &str, db: &str) -> String {
-    let (base, query) = match url.find('?') {
-        Some(i) => (&url[..i], &url[i..]),
-        None => (url, ""),
-    };
-    let scheme_end = base.find("://").map_or(0, |i| i + 3);
-    let host_end = base[scheme_end..]
-        .find('/')
-        .map_or(base.len(), |i| scheme_end + i);
-    format!("{}/{db}{query}", &base[..host_end])
 }
 
 struct PgHarness {
