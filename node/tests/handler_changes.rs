@@ -262,30 +262,30 @@ async fn gone_for_several_keys_at_once_counts_one_disable(backend: Backend) -> a
     )
     .await?;
     rx.set_secret("gonekeys", &secret);
-    // Held 500 ms: the heads of all four keys arrive before the first 410
-    // is answered.
+    // Held 800 ms: the heads of the four keys arrive before the first 410
+    // is answered (on a stalled machine a late one may find the handler
+    // disabled already: two are enough).
     rx.add_rule(Rule {
         handler: Some("gonekeys".into()),
         key: None,
         action: Action::DelayedStatus {
-            delay: Duration::from_millis(500),
+            delay: Duration::from_millis(800),
             status: 410,
         },
     });
     api.publish(&keyed_events("gonekeys", 4, 4), 4).await?;
+    let gone =
+        |log: &[lanebus_node::receiver::Received]| log.iter().filter(|r| r.status == 410).count();
     ensure!(
-        rx.wait_until(Duration::from_secs(30), |log| log
-            .iter()
-            .filter(|r| r.status == 410)
-            .count()
-            == 4)
+        rx.wait_until(Duration::from_secs(30), |log| gone(log) >= 2)
             .await,
-        "not every key got a 410: {} requests",
+        "fewer than two keys got a 410: {} requests",
         rx.requests().len()
     );
     wait_state(&api, &id, "disabled").await?;
     // Every key records its 410 and asks for the disable: give them time.
     tokio::time::sleep(Duration::from_millis(1500)).await;
+    let gone = gone(&rx.requests());
     let metrics = api.metrics().await?;
     let counted: Vec<&str> = metrics
         .lines()
@@ -300,7 +300,7 @@ async fn gone_for_several_keys_at_once_counts_one_disable(backend: Backend) -> a
             == [format!(
                 "lanebus_handlers_disabled_total{{handler=\"{id}\",reason=\"gone\"}} 1"
             )],
-        "four 410s at once, one disable: {counted:?}"
+        "{gone} 410s at once, one disable: {counted:?}"
     );
     let c = node.store().counts().await?;
     ensure!(
