@@ -178,6 +178,10 @@ impl ClusterConfig {
     }
 }
 
+/// How long [`Cluster::add_node`] waits for the new member to answer the
+/// Raft handshake at its address.
+pub const JOIN_PROBE_TIMEOUT: Duration = Duration::from_secs(3);
+
 /// Checks an advertised host: an IP that is not unspecified, or a DNS name
 /// (RFC 1123 labels of letters, digits and hyphens, at most 253 bytes); no
 /// port, no scheme. The error says what was wrong.
@@ -475,7 +479,7 @@ impl Inner {
         let req = RpcRequest::ClientWrite(cmd.clone());
         match self
             .transport
-            .call(&addr, Channel::Write, &req, timeout)
+            .call(leader, &addr, Channel::Write, &req, timeout)
             .await
         {
             Ok(RpcResponse::ClientWrite(Ok(r))) => Some(r),
@@ -729,6 +733,7 @@ impl Cluster {
                 raft,
                 inner.cfg.net.clone(),
                 secret,
+                inner.me(),
             )),
             tokio::spawn(renew_loop(inner.clone())),
             tokio::spawn(publish_loop(inner.clone())),
@@ -821,6 +826,9 @@ impl Cluster {
     ///
     /// # Errors
     /// [`ClusterError::Refused`] if `id` is a member with other addresses,
+    /// another member uses either address, or node `id` does not answer the
+    /// Raft handshake at `raft_addr` within [`JOIN_PROBE_TIMEOUT`] (not
+    /// running, another node there, another cluster secret);
     /// [`ClusterError::Unavailable`] if no leader answered within 10 s,
     /// [`ClusterError::Raft`].
     pub async fn add_node(&self, id: NodeId, raft_addr: &str, http_addr: &str) -> Result<()> {
@@ -837,6 +845,24 @@ impl Cluster {
                 "node {other} already uses raft_addr {} / http_addr {}: each member needs its own",
                 m.raft_addr, m.http_addr
             )));
+        }
+        // The new member must answer at its Raft address, as itself and with
+        // the cluster secret: an address that reaches nobody, another node
+        // (another spelling of a member's address), or a node with another
+        // secret would make a member nobody can replicate to.
+        let known = members
+            .get(&id)
+            .is_some_and(|m| m.raft_addr == raft_addr && m.http_addr == http_addr);
+        if !known {
+            self.inner
+                .transport
+                .probe(id, raft_addr, JOIN_PROBE_TIMEOUT)
+                .await
+                .map_err(|e| {
+                    ClusterError::Refused(format!(
+                        "raft_addr {raft_addr} does not answer as node {id}: {e}"
+                    ))
+                })?;
         }
         let cmd = Command::AddNode {
             node: id,

@@ -37,9 +37,19 @@
 //! ```text
 //! client                         server
 //!   ◀── frame(nonce, 32 bytes) ──
-//!   ─── frame(hmac, 32 bytes) ──▶  checked in constant time
+//!   ─── frame(hmac ‖ target id, 32 + 8 bytes) ──▶  hmac checked in constant
+//!                                  time, then target id = the server's id
 //!   ◀── frame("ok") ─────────────  or frame("refused: ...") and close
 //! ```
+//!
+//! The target id (big-endian u64) is the node the client means to reach.
+//! A server that is another node refuses: an address recorded for one node
+//! that reaches another (the same host under another name or IP, a node
+//! bound to 0.0.0.0 reached through any of its addresses, an address moved
+//! to another node) never carries a Raft message to the wrong node. Without
+//! this, a learner recorded at the leader's own address made the leader
+//! replicate to itself, which openraft treats as a second leader of its term
+//! and panics on (`assertion failed: self.leader.is_none()`).
 
 use std::collections::HashMap;
 use std::io;
@@ -122,14 +132,18 @@ async fn read_small_frame(stream: &mut TcpStream) -> io::Result<Vec<u8>> {
 /// The server's side of the handshake (module docs): `Ok(())` when the
 /// client proved the secret; otherwise the refusal was sent (if possible)
 /// and the error says why.
-pub(crate) async fn accept_handshake(stream: &mut TcpStream, secret: &[u8]) -> io::Result<()> {
+pub(crate) async fn accept_handshake(
+    stream: &mut TcpStream,
+    secret: &[u8],
+    me: NodeId,
+) -> io::Result<()> {
     use subtle::ConstantTimeEq as _;
     let nonce: [u8; 32] = rand::random();
     write_frame(stream, &nonce).await?;
     let answer = tokio::time::timeout(HANDSHAKE_TIMEOUT, read_small_frame(stream))
         .await
         .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no answer to the challenge"))??;
-    let good = answer.len() == 32 && bool::from(proof(secret, &nonce).ct_eq(&answer[..]));
+    let good = answer.len() == 40 && bool::from(proof(secret, &nonce).ct_eq(&answer[..32]));
     if !good {
         let _ = write_frame(
             stream,
@@ -141,13 +155,29 @@ pub(crate) async fn accept_handshake(stream: &mut TcpStream, secret: &[u8]) -> i
             "the peer did not prove the cluster secret (cluster_secret / LANEBUS_CLUSTER_SECRET missing or different)",
         ));
     }
+    let target = NodeId::from_be_bytes(answer[32..].try_into().expect("8 bytes"));
+    if target != me {
+        let why = format!(
+            "this is node {me}, not node {target}: the address recorded for node {target} \
+             reaches node {me}"
+        );
+        let _ = write_frame(stream, format!("refused: {why}").as_bytes()).await;
+        return Err(io::Error::new(io::ErrorKind::PermissionDenied, why));
+    }
     write_frame(stream, HANDSHAKE_OK).await
 }
 
-/// The client's side of the handshake (module docs).
-pub(crate) async fn connect_handshake(stream: &mut TcpStream, secret: &[u8]) -> io::Result<()> {
+/// The client's side of the handshake (module docs), to reach node
+/// `target`.
+pub(crate) async fn connect_handshake(
+    stream: &mut TcpStream,
+    secret: &[u8],
+    target: NodeId,
+) -> io::Result<()> {
     let nonce = read_small_frame(stream).await?;
-    write_frame(stream, &proof(secret, &nonce)).await?;
+    let mut answer = proof(secret, &nonce).to_vec();
+    answer.extend_from_slice(&target.to_be_bytes());
+    write_frame(stream, &answer).await?;
     let answer = read_small_frame(stream).await?;
     if answer != HANDSHAKE_OK {
         return Err(io::Error::new(
@@ -233,7 +263,7 @@ type Slot = Arc<tokio::sync::Mutex<Option<TcpStream>>>;
 /// Outgoing side: a pool of connections, one per (peer address, channel).
 #[derive(Debug)]
 pub(crate) struct Transport {
-    pool: Mutex<HashMap<(String, Channel), Slot>>,
+    pool: Mutex<HashMap<(NodeId, String, Channel), Slot>>,
     switch: NetSwitch,
     secret: Secret,
 }
@@ -271,17 +301,44 @@ impl Transport {
         }
     }
 
-    fn slot(&self, addr: &str, channel: Channel) -> Slot {
+    fn slot(&self, target: NodeId, addr: &str, channel: Channel) -> Slot {
         let mut pool = self
             .pool
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        pool.entry((addr.to_owned(), channel)).or_default().clone()
+        pool.entry((target, addr.to_owned(), channel))
+            .or_default()
+            .clone()
     }
 
-    /// Sends `req` to `addr` and waits for the answer, at most `timeout`.
+    /// Connects to `addr` and runs the handshake as for node `target`,
+    /// within `timeout`: `Ok` when node `target` answers there with the
+    /// cluster secret; otherwise why not (unreachable, another node, the
+    /// secret differs). Nothing is pooled.
+    pub(crate) async fn probe(
+        &self,
+        target: NodeId,
+        addr: &str,
+        timeout: Duration,
+    ) -> io::Result<()> {
+        if self.switch.is_cut() {
+            return Err(io::Error::other("network cut by the test hook"));
+        }
+        let secret = self.secret.clone();
+        tokio::time::timeout(timeout, async move {
+            let mut stream = TcpStream::connect(addr).await?;
+            connect_handshake(&mut stream, &secret, target).await
+        })
+        .await
+        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no answer in time"))?
+    }
+
+    /// Sends `req` to node `target` at `addr` and waits for the answer, at
+    /// most `timeout`. A server at `addr` that is not `target` refuses the
+    /// connection (module docs): [`CallError::Unreachable`].
     pub(crate) async fn call(
         &self,
+        target: NodeId,
         addr: &str,
         channel: Channel,
         req: &RpcRequest,
@@ -291,7 +348,7 @@ impl Transport {
             addr: addr.to_owned(),
             source: io::Error::other(e),
         })?;
-        let slot = self.slot(addr, channel);
+        let slot = self.slot(target, addr, channel);
         let mut conn = slot.lock().await;
         for attempt in 0..2 {
             if self.switch.is_cut() {
@@ -314,7 +371,7 @@ impl Transport {
                         let mut stream = TcpStream::connect(addr).await?;
                         // Small frames must not wait for Nagle's algorithm.
                         let _ = stream.set_nodelay(true);
-                        connect_handshake(&mut stream, &secret).await?;
+                        connect_handshake(&mut stream, &secret, target).await?;
                         Ok::<_, io::Error>(stream)
                     })
                     .await
@@ -427,7 +484,13 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         let req = RpcRequest::AppendEntries(rpc);
         match self
             .transport
-            .call(&self.addr, Channel::Raft, &req, option.hard_ttl())
+            .call(
+                self.target,
+                &self.addr,
+                Channel::Raft,
+                &req,
+                option.hard_ttl(),
+            )
             .await
             .map_err(rpc_error)?
         {
@@ -447,7 +510,13 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         let req = RpcRequest::InstallSnapshot(rpc);
         match self
             .transport
-            .call(&self.addr, Channel::Raft, &req, option.hard_ttl())
+            .call(
+                self.target,
+                &self.addr,
+                Channel::Raft,
+                &req,
+                option.hard_ttl(),
+            )
             .await
             .map_err(rpc_error)?
         {
@@ -464,7 +533,13 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         let req = RpcRequest::Vote(rpc);
         match self
             .transport
-            .call(&self.addr, Channel::Raft, &req, option.hard_ttl())
+            .call(
+                self.target,
+                &self.addr,
+                Channel::Raft,
+                &req,
+                option.hard_ttl(),
+            )
             .await
             .map_err(rpc_error)?
         {
@@ -476,7 +551,13 @@ impl RaftNetwork<TypeConfig> for PeerClient {
 
 /// Runs the RPC server on `listener` until the task is aborted (which also
 /// aborts every connection it serves).
-pub(crate) async fn serve(listener: TcpListener, raft: Raft, switch: NetSwitch, secret: Secret) {
+pub(crate) async fn serve(
+    listener: TcpListener,
+    raft: Raft,
+    switch: NetSwitch,
+    secret: Secret,
+    me: NodeId,
+) {
     let mut conns = JoinSet::new();
     let refusals: Refusals = Arc::default();
     loop {
@@ -495,6 +576,7 @@ pub(crate) async fn serve(listener: TcpListener, raft: Raft, switch: NetSwitch, 
                         secret.clone(),
                         refusals.clone(),
                         peer,
+                        me,
                     ));
                 }
                 Err(e) => {
@@ -517,9 +599,10 @@ async fn serve_conn(
     secret: Secret,
     refusals: Refusals,
     peer_addr: std::net::SocketAddr,
+    me: NodeId,
 ) {
     let peer = peer_addr.to_string();
-    if let Err(e) = accept_handshake(&mut stream, &secret).await {
+    if let Err(e) = accept_handshake(&mut stream, &secret, me).await {
         if e.kind() == io::ErrorKind::PermissionDenied || e.kind() == io::ErrorKind::InvalidData {
             let now = std::time::Instant::now();
             let mut seen = refusals
@@ -638,7 +721,7 @@ mod tests {
                 let Ok((mut s, _)) = listener.accept().await else {
                     return;
                 };
-                accept_handshake(&mut s, b"").await.expect("handshake");
+                accept_handshake(&mut s, b"", 1).await.expect("handshake");
                 let (first, second, count) = (first.clone(), second.clone(), count.clone());
                 tokio::spawn(async move {
                     while read_frame(&mut s).await.is_ok() {
@@ -659,12 +742,12 @@ mod tests {
         let long = Duration::from_secs(2);
         let cut = tokio::time::timeout(
             Duration::from_millis(50),
-            t.call(&addr, Channel::Write, &req, long),
+            t.call(1, &addr, Channel::Write, &req, long),
         )
         .await;
         assert!(cut.is_err(), "the first call should have been dropped");
         tokio::time::sleep(Duration::from_millis(200)).await;
-        match t.call(&addr, Channel::Write, &req, long).await {
+        match t.call(1, &addr, Channel::Write, &req, long).await {
             Ok(RpcResponse::ClientWrite(Ok(r))) => {
                 assert_eq!(
                     r.reason.as_deref(),
@@ -686,13 +769,13 @@ mod tests {
         let req = RpcRequest::ClientWrite(Command::RenewLease { node: 1 });
         let timeout = Duration::from_millis(200);
         let err = t
-            .call(&addr, Channel::Write, &req, timeout)
+            .call(1, &addr, Channel::Write, &req, timeout)
             .await
             .unwrap_err();
         assert!(matches!(err, CallError::Unreachable { .. }), "{err}");
         switch.set_cut(true);
         let err = t
-            .call("127.0.0.1:1", Channel::Raft, &req, timeout)
+            .call(1, "127.0.0.1:1", Channel::Raft, &req, timeout)
             .await
             .unwrap_err();
         assert!(err.to_string().contains("cut"), "{err}");
@@ -712,7 +795,7 @@ mod tests {
                 };
                 let count = count.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = accept_handshake(&mut s, secret).await {
+                    if let Err(e) = accept_handshake(&mut s, secret, 1).await {
                         assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{e}");
                         count.fetch_add(1, Ordering::SeqCst);
                         return;
@@ -740,7 +823,7 @@ mod tests {
         for wrong in [&b""[..], &b"another-secret"[..]] {
             let t = Transport::new(NetSwitch::default(), Arc::from(wrong));
             let err = t
-                .call(&addr, Channel::Write, &req, timeout)
+                .call(1, &addr, Channel::Write, &req, timeout)
                 .await
                 .unwrap_err();
             assert!(err.to_string().contains("cluster secret"), "{err}");
@@ -760,11 +843,38 @@ mod tests {
             NetSwitch::default(),
             Arc::from(&b"s3cret-of-the-cluster"[..]),
         );
-        match t.call(&addr, Channel::Write, &req, timeout).await {
+        match t.call(1, &addr, Channel::Write, &req, timeout).await {
             Ok(RpcResponse::ClientWrite(Ok(r))) => assert!(r.ok),
             other => panic!("unexpected answer: {other:?}"),
         }
         assert_eq!(refused.load(Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn a_server_that_is_another_node_refuses_and_says_which_it_is() {
+        let (addr, refused) = secret_server(b"s3cret-of-the-cluster").await;
+        let t = Transport::new(
+            NetSwitch::default(),
+            Arc::from(&b"s3cret-of-the-cluster"[..]),
+        );
+        let req = RpcRequest::ClientWrite(Command::RenewLease { node: 1 });
+        let timeout = Duration::from_secs(2);
+        // The server is node 1; the address was recorded for node 5.
+        let err = t
+            .call(5, &addr, Channel::Raft, &req, timeout)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, CallError::Unreachable { .. }), "{err}");
+        assert!(
+            err.to_string().contains("this is node 1, not node 5"),
+            "{err}"
+        );
+        assert_eq!(refused.load(Ordering::SeqCst), 1);
+        // Meant for node 1, the same address answers.
+        match t.call(1, &addr, Channel::Raft, &req, timeout).await {
+            Ok(RpcResponse::ClientWrite(Ok(r))) => assert!(r.ok),
+            other => panic!("unexpected answer: {other:?}"),
+        }
     }
 
     #[test]
