@@ -1225,6 +1225,7 @@ async fn publish_loop(inner: Arc<Inner>) {
 async fn readdress_loop(inner: Arc<Inner>) {
     let mut every = tokio::time::interval(Duration::from_millis(500));
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut failing_since: Option<Instant> = None;
     loop {
         every.tick().await;
         let (raft_addr, http_addr) = (&inner.cfg.raft_addr, &inner.cfg.http_addr);
@@ -1239,6 +1240,7 @@ async fn readdress_loop(inner: Arc<Inner>) {
                 !m.leaving && (&m.raft_addr != raft_addr || &m.http_addr != http_addr)
             });
         if !moved {
+            failing_since = None;
             continue;
         }
         let cmd = Command::MoveNode {
@@ -1258,11 +1260,27 @@ async fn readdress_loop(inner: Arc<Inner>) {
                 reason = %r.reason.unwrap_or_default(),
                 "the cluster refused this node's new addresses; retrying"
             ),
-            Err(e) => tracing::info!(
-                node = inner.me(),
-                error = %e,
-                "recording this node's new addresses: no leader reached yet; retrying"
-            ),
+            Err(e) => {
+                let since = *failing_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= Duration::from_secs(30) {
+                    // Every member moved at once: nobody reaches anybody.
+                    tracing::warn!(
+                        node = inner.me(),
+                        error = %e,
+                        "this node's new addresses are not recorded after 30 s: no leader is \
+                         reachable; if the other members moved too, restart a majority of them \
+                         at their recorded addresses (GET /admin/cluster), or advertise DNS \
+                         names that move with them (--advertise-addr)"
+                    );
+                    failing_since = Some(Instant::now());
+                } else {
+                    tracing::info!(
+                        node = inner.me(),
+                        error = %e,
+                        "recording this node's new addresses: no leader reached yet; retrying"
+                    );
+                }
+            }
         }
     }
 }

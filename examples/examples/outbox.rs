@@ -24,7 +24,7 @@ async fn main() -> anyhow::Result<()> {
     for (what, order) in [("committed", &paid), ("rolled back", &failed)] {
         let (row, event) = store.stored(order).await?;
         println!(
-            "{what:<12} order {}: row stored {row}, event stored {event}",
+            "{what} order {}: row stored {row}, event stored {event}",
             order.id
         );
     }

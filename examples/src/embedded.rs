@@ -95,11 +95,14 @@ pub async fn run(store_url: &str, orders: usize, customers: usize) -> anyhow::Re
     opts.lane.retry.base = Duration::from_millis(50);
     let node = lanebus_node::start(opts).await?;
 
+    // Ids of this run: an id already stored is a duplicate and is not
+    // delivered again, so a second run on the same store needs its own.
+    let run = chrono::Utc::now().timestamp_millis();
     let mut published_by_customer: HashMap<String, Vec<String>> = HashMap::new();
     let events: Vec<NewEvent> = (0..orders)
         .map(|i| {
-            let customer = format!("customer-{}", i % customers);
-            let id = format!("order-{i}");
+            let customer = format!("customer-{run}-{}", i % customers);
+            let id = format!("order-{run}-{i}");
             published_by_customer
                 .entry(customer.clone())
                 .or_default()
@@ -114,7 +117,12 @@ pub async fn run(store_url: &str, orders: usize, customers: usize) -> anyhow::Re
         })
         .collect();
     for batch in events.chunks(100) {
-        store.publish(batch.to_vec()).await?;
+        let out = store.publish(batch.to_vec()).await?;
+        anyhow::ensure!(
+            out.duplicates == 0,
+            "{} of the example's event ids were stored already",
+            out.duplicates
+        );
     }
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     while distinct(&ledger.booked()) < orders {

@@ -330,7 +330,10 @@ pub fn validate(a: NodeArgs) -> anyhow::Result<NodeConfig> {
         bail!("http_addr and raft_addr must differ, both are {http_addr}");
     }
     let advertise_addr = match a.advertise_addr.as_deref().map(str::trim) {
-        None | Some("") => None,
+        None => None,
+        Some("") => bail!(
+            "advertise_addr is empty: give the host or IP the other nodes reach this one at, or leave it out"
+        ),
         Some(h) => {
             lanebus_cluster::check_advertise_host(h).map_err(anyhow::Error::msg)?;
             Some(h.to_owned())
@@ -605,6 +608,11 @@ mod tests {
             ..base()
         })
         .contains("\"localhost\""));
+        assert!(err(NodeArgs {
+            advertise_addr: Some(" ".into()),
+            ..base()
+        })
+        .contains("advertise_addr is empty"));
         assert!(err(NodeArgs {
             advertise_addr: Some("lanebus-1:9080".into()),
             ..base()

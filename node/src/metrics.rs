@@ -153,14 +153,11 @@ pub fn orphans_discarded(handler_id: &str, n: usize) {
 }
 
 /// Rows removed by one retention batch.
+/// Both series exist from the first batch on, zeros included.
 pub fn pruned(completions: u64, events: u64) {
-    if completions > 0 {
-        metrics::counter!("lanebus_retention_pruned_total", "kind" => "completions")
-            .increment(completions);
-    }
-    if events > 0 {
-        metrics::counter!("lanebus_retention_pruned_total", "kind" => "events").increment(events);
-    }
+    metrics::counter!("lanebus_retention_pruned_total", "kind" => "completions")
+        .increment(completions);
+    metrics::counter!("lanebus_retention_pruned_total", "kind" => "events").increment(events);
 }
 
 /// Payload bytes held in memory by the node's lanes.
