@@ -437,12 +437,7 @@ impl Inner {
                 match local_write(&self.raft, cmd.clone()).await {
                     Ok(r) => Ok(Some(r.data)),
                     Err(WriteRejected::Failed(m)) => Err(ClusterError::Raft(m)),
-                    // No leader known (an election, or this node is not
-                    // reached at its recorded address): whichever member
-                    // leads carries it out.
-                    Err(WriteRejected::ForwardToLeader { leader: None }) => {
-                        Ok(self.forward_to_any(&cmd, left).await)
-                    }
+                    Err(WriteRejected::ForwardToLeader { leader: None }) => Ok(None),
                     Err(WriteRejected::ForwardToLeader { leader: Some(l) }) => {
                         Ok(self.forward(l, &cmd, left).await)
                     }
@@ -493,27 +488,6 @@ impl Inner {
                 None
             }
         }
-    }
-
-    /// Sends `cmd` to every other member of the Raft membership in turn
-    /// until one carries it out (only the leader does); `None` if none did.
-    async fn forward_to_any(&self, cmd: &Command, timeout: Duration) -> Option<CommandResult> {
-        let others: Vec<NodeId> = {
-            let m = self.raft.metrics();
-            let m = m.borrow();
-            m.membership_config
-                .membership()
-                .nodes()
-                .map(|(id, _)| *id)
-                .filter(|id| *id != self.me())
-                .collect()
-        };
-        for id in others {
-            if let Some(r) = self.forward(id, cmd, timeout).await {
-                return Some(r);
-            }
-        }
-        None
     }
 
     /// Instant from which this node counts `node`'s lease: when it applied
@@ -738,7 +712,6 @@ impl Cluster {
             tokio::spawn(renew_loop(inner.clone())),
             tokio::spawn(publish_loop(inner.clone())),
             tokio::spawn(leader_loop(inner.clone())),
-            tokio::spawn(readdress_loop(inner.clone())),
         ];
         Ok(Cluster {
             inner,
@@ -797,25 +770,8 @@ impl Cluster {
             }
         }
         let cfg = &self.inner.cfg;
-        if self.is_member() {
-            // Restarted (with --bootstrap still given): recorded already; a
-            // change of address is recorded by the readdress loop.
-            return Ok(());
-        }
         self.add_node(cfg.node_id, &cfg.raft_addr, &cfg.http_addr)
             .await
-    }
-
-    /// Whether this node's applied state records it as a member (at any
-    /// address).
-    pub fn is_member(&self) -> bool {
-        self.inner
-            .sm
-            .current()
-            .data
-            .state
-            .members
-            .contains_key(&self.inner.me())
     }
 
     /// Adds a member (the `--join` request of a new node). Works on any
@@ -1215,76 +1171,6 @@ async fn publish_loop(inner: Arc<Inner>) {
 
 /// Leader duty, every tick while this node leads: plan lanes over the live
 /// set and reconcile the Raft membership.
-/// A member restarted with other addresses than the recorded ones (a new
-/// IP, other ports) records the new ones ([`Command::MoveNode`]); the
-/// leader then points the Raft membership there
-/// ([`reconcile_membership`]). Until then the others cannot reach it, so
-/// the proposal goes to whichever member leads ([`Inner::write`]). Checks
-/// every 500 ms for the node's whole life (the applied state may show the
-/// old addresses only after the log is replayed).
-async fn readdress_loop(inner: Arc<Inner>) {
-    let mut every = tokio::time::interval(Duration::from_millis(500));
-    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut failing_since: Option<Instant> = None;
-    loop {
-        every.tick().await;
-        let (raft_addr, http_addr) = (&inner.cfg.raft_addr, &inner.cfg.http_addr);
-        let moved = inner
-            .sm
-            .current()
-            .data
-            .state
-            .members
-            .get(&inner.me())
-            .is_some_and(|m| {
-                !m.leaving && (&m.raft_addr != raft_addr || &m.http_addr != http_addr)
-            });
-        if !moved {
-            failing_since = None;
-            continue;
-        }
-        let cmd = Command::MoveNode {
-            node: inner.me(),
-            raft_addr: raft_addr.clone(),
-            http_addr: http_addr.clone(),
-        };
-        match inner.write(cmd, Duration::from_secs(5)).await {
-            Ok(r) if r.ok => tracing::info!(
-                node = inner.me(),
-                %raft_addr,
-                %http_addr,
-                "recorded this node's new addresses"
-            ),
-            Ok(r) => tracing::warn!(
-                node = inner.me(),
-                reason = %r.reason.unwrap_or_default(),
-                "the cluster refused this node's new addresses; retrying"
-            ),
-            Err(e) => {
-                let since = *failing_since.get_or_insert_with(Instant::now);
-                if since.elapsed() >= Duration::from_secs(30) {
-                    // Every member moved at once: nobody reaches anybody.
-                    tracing::warn!(
-                        node = inner.me(),
-                        error = %e,
-                        "this node's new addresses are not recorded after 30 s: no leader is \
-                         reachable; if the other members moved too, restart a majority of them \
-                         at their recorded addresses (GET /admin/cluster), or advertise DNS \
-                         names that move with them (--advertise-addr)"
-                    );
-                    failing_since = Some(Instant::now());
-                } else {
-                    tracing::info!(
-                        node = inner.me(),
-                        error = %e,
-                        "recording this node's new addresses: no leader reached yet; retrying"
-                    );
-                }
-            }
-        }
-    }
-}
-
 async fn leader_loop(inner: Arc<Inner>) {
     let tick = Duration::from_millis((inner.cfg.lease.renew_interval_ms / 2).clamp(50, 1_000));
     let mut every = tokio::time::interval(tick);
@@ -1372,7 +1258,7 @@ async fn leader_tick(inner: &Inner) -> Result<()> {
 /// One Raft membership change per tick, toward: every member known to Raft,
 /// `voters` of them voting, leavers without lanes removed and forgotten.
 async fn reconcile_membership(inner: &Inner, applied: &Applied) -> Result<()> {
-    let (raft_nodes, raft_addrs, voters, learners, replication, last_index) = {
+    let (raft_nodes, voters, learners, replication, last_index) = {
         let m = inner.raft.metrics();
         let m = m.borrow();
         let mem = m.membership_config.membership();
@@ -1381,9 +1267,6 @@ async fn reconcile_membership(inner: &Inner, applied: &Applied) -> Result<()> {
         }
         (
             mem.nodes().map(|(id, _)| *id).collect::<BTreeSet<_>>(),
-            mem.nodes()
-                .map(|(id, n)| (*id, n.addr.clone()))
-                .collect::<BTreeMap<_, _>>(),
             mem.voter_ids().collect::<BTreeSet<_>>(),
             mem.learner_ids().collect::<BTreeSet<_>>(),
             m.replication.clone().unwrap_or_default(),
@@ -1423,26 +1306,6 @@ async fn reconcile_membership(inner: &Inner, applied: &Applied) -> Result<()> {
             .await
             .map_err(|e| ClusterError::Raft(e.to_string()))?;
         return Ok(());
-    }
-
-    // Members that moved (MoveNode): the Raft membership follows, so
-    // replication reaches them at the new address.
-    for (&id, m) in &s.members {
-        if !m.leaving && raft_addrs.get(&id).is_some_and(|a| a != &m.raft_addr) {
-            tracing::info!(node = id, raft_addr = %m.raft_addr, "member moved: updating its Raft address");
-            inner
-                .raft
-                .change_membership(
-                    ChangeMembers::SetNodes(BTreeMap::from([(
-                        id,
-                        BasicNode::new(m.raft_addr.clone()),
-                    )])),
-                    false,
-                )
-                .await
-                .map_err(raft_err)?;
-            return Ok(());
-        }
     }
 
     // New members become learners.

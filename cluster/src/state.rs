@@ -137,20 +137,6 @@ pub enum Command {
         /// The stopping node.
         node: NodeId,
     },
-    /// A member restarted with other addresses (a new IP, other ports)
-    /// records them: sent by the node itself when it finds its recorded
-    /// addresses differ from the ones it serves at; the leader then updates
-    /// the Raft membership so replication reaches it there. Allowed for a
-    /// member that is not leaving, when no other member uses either
-    /// address; the same addresses again are a no-op.
-    MoveNode {
-        /// The node.
-        node: NodeId,
-        /// Its new Raft RPC address.
-        raft_addr: String,
-        /// Its new HTTP API address.
-        http_addr: String,
-    },
 }
 
 /// The answer of the state machine to one command.
@@ -302,30 +288,6 @@ impl ClusterState {
                 CommandResult {
                     index: Some(index),
                     ..CommandResult::ok()
-                }
-            }
-            Command::MoveNode {
-                node,
-                raft_addr,
-                http_addr,
-            } => {
-                if let Some((other, _)) = self.members.iter().find(|(n, m)| {
-                    *n != node && (&m.raft_addr == raft_addr || &m.http_addr == http_addr)
-                }) {
-                    return CommandResult::refused(format!(
-                        "node {other} already uses raft_addr {raft_addr} or http_addr {http_addr}"
-                    ));
-                }
-                match self.members.get_mut(node) {
-                    None => CommandResult::refused(format!("node {node} is not a member")),
-                    Some(m) if m.leaving => {
-                        CommandResult::refused(format!("node {node} is leaving the cluster"))
-                    }
-                    Some(m) => {
-                        m.raft_addr.clone_from(raft_addr);
-                        m.http_addr.clone_from(http_addr);
-                        CommandResult::ok()
-                    }
                 }
             }
             Command::ReleaseLease { node } => {
@@ -615,34 +577,6 @@ mod tests {
         assert!(!s.apply(4, &Command::Release { lane: 9, from: 1 }).ok);
     }
 
-    #[test]
-    fn a_member_moves_to_free_addresses_only() {
-        let mut s = ClusterState::new(4);
-        let add = |n: NodeId| Command::AddNode {
-            node: n,
-            raft_addr: format!("10.0.0.{n}:9080"),
-            http_addr: format!("10.0.0.{n}:8080"),
-        };
-        let mv = |n: NodeId, host: &str| Command::MoveNode {
-            node: n,
-            raft_addr: format!("{host}:9080"),
-            http_addr: format!("{host}:8080"),
-        };
-        assert!(s.apply(1, &add(1)).ok);
-        assert!(s.apply(2, &add(2)).ok);
-        assert!(s.apply(3, &mv(2, "10.0.0.9")).ok);
-        assert_eq!(s.members[&2].raft_addr, "10.0.0.9:9080");
-        assert_eq!(s.members[&2].http_addr, "10.0.0.9:8080");
-        // Again: a no-op. Onto another member's address, or as a stranger,
-        // or while leaving: refused.
-        assert!(s.apply(4, &mv(2, "10.0.0.9")).ok);
-        assert!(!s.apply(5, &mv(2, "10.0.0.1")).ok);
-        assert!(!s.apply(6, &mv(3, "10.0.0.3")).ok);
-        assert!(s.apply(7, &Command::RemoveNode { node: 2 }).ok);
-        assert!(!s.apply(8, &mv(2, "10.0.0.7")).ok);
-        assert_eq!(s.members[&2].raft_addr, "10.0.0.9:9080");
-    }
-
     /// The Raft log keeps commands in bincode, which numbers variants in
     /// declaration order: the variants of earlier versions keep their
     /// numbers, so entries they wrote still read back as the same command.
@@ -660,14 +594,6 @@ mod tests {
             7
         );
         assert_eq!(number(&Command::ReleaseLease { node: 1 }), 8);
-        assert_eq!(
-            number(&Command::MoveNode {
-                node: 1,
-                raft_addr: String::new(),
-                http_addr: String::new()
-            }),
-            9
-        );
         let back: Command = crate::storage::decode(&[6, 1, 2]).expect("decode");
         assert_eq!(back, Command::Release { lane: 1, from: 2 });
     }

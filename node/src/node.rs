@@ -915,7 +915,6 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
                 }
                 if let Some(url) = &o.join {
                     tokio::spawn(join_loop(
-                        c.clone(),
                         url.clone(),
                         o.join_token.clone(),
                         JoinRequest {
@@ -992,19 +991,11 @@ async fn bootstrap(cluster: &Cluster) -> Result<(), NodeError> {
 /// `--join URL`: asks that member to add this node, until it answers 2xx
 /// (retried every 500 ms while it cannot be reached or has no leader; a 409
 /// is logged and retried too, slower, since an operator may fix it).
-async fn join_loop(cluster: Arc<Cluster>, url: String, token: Option<String>, req: JoinRequest) {
+async fn join_loop(url: String, token: Option<String>, req: JoinRequest) {
     let client = reqwest::Client::new();
     let target = format!("{}/admin/cluster/join", url.trim_end_matches('/'));
     let mut attempt = 0u32;
     loop {
-        // A restart with --join still given: a member already (a change of
-        // address is recorded by the cluster itself).
-        if cluster.is_member() {
-            if attempt == 0 {
-                tracing::info!(url = %target, "a member already: --join not needed");
-            }
-            return;
-        }
         attempt += 1;
         let mut r = client.post(&target).json(&req);
         if let Some(t) = &token {
