@@ -174,6 +174,11 @@ impl LocalCluster {
             .arg(&node.data_dir)
             .args(["--store", &self.store])
             .args(&self.args);
+        // Each node sends webhooks from its own loopback address, so a
+        // receiver tells the nodes apart (`Received::sender`).
+        if !self.args.iter().any(|a| a == "--webhook-source-ip") && id < 255 {
+            cmd.args(["--webhook-source-ip", &format!("127.0.0.{}", id + 1)]);
+        }
         match &start {
             Start::Bootstrap => {
                 cmd.arg("--bootstrap");
@@ -479,6 +484,7 @@ mod tests {
 
     fn rx(handler: &str, id: &str, key: &str, at: f64) -> Received {
         Received {
+            sender: None,
             handler: handler.into(),
             event_id: id.into(),
             key: Some(key.into()),

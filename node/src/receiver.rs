@@ -97,6 +97,10 @@ pub struct Received {
     pub body: String,
     /// All headers, lower-case names.
     pub headers: BTreeMap<String, String>,
+    /// The sending node's IP (the connection's peer address): nodes of a
+    /// local cluster send from their own loopback address
+    /// (`--webhook-source-ip`, see [`crate::local_cluster`]).
+    pub sender: Option<String>,
 }
 
 impl Received {
@@ -135,8 +139,9 @@ pub struct Verdict {
     /// accepted.
     pub out_of_order: usize,
     /// Repeats of an already accepted delivery that arrived after a higher
-    /// sequence of its key (a stale attempt of a deposed owner, written
-    /// after the new owner went on): not disorder of the first deliveries,
+    /// sequence of its key sent by another node (a stale attempt of a
+    /// deposed owner, written after the new owner went on; from the same
+    /// node it is disorder): not disorder of the first deliveries,
     /// which is what DESIGN.md invariant 2 orders; they are repeats
     /// (counted in `duplicated` too), which invariant 3 requires a cause
     /// for (callers check that, e.g. `local_cluster::repeats`).
@@ -201,6 +206,7 @@ impl Receiver {
             .route("/hook/{name}", post(hook))
             .with_state(shared.clone());
         tokio::spawn(async move {
+            let app = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
             let _ = axum::serve(listener, app).await;
         });
         Ok(Receiver { shared, addr })
@@ -345,8 +351,11 @@ pub fn verdict(log: &[Received], expected: &[Expected]) -> Verdict {
     }
     // Per (handler, key): sequences never go down, and a higher sequence
     // arrives only after the previous one was accepted.
-    // A lower sequence whose delivery was accepted before is a rewind.
+    // A lower sequence whose delivery was accepted before, sent by another
+    // node than the one that sent the higher sequence, is a rewind: a
+    // deposed owner's stale attempt. From the same sender it is disorder.
     let mut last: HashMap<(&str, &str), (i64, bool)> = HashMap::new();
+    let mut sent_by: HashMap<(&str, &str), Option<&str>> = HashMap::new();
     let mut seen_ok: std::collections::HashSet<(&str, &str)> = std::collections::HashSet::new();
     for r in log {
         let (Some(key), Some(seq)) = (r.key.as_deref(), r.sequence) else {
@@ -358,8 +367,11 @@ pub fn verdict(log: &[Received], expected: &[Expected]) -> Verdict {
         if r.accepted() {
             seen_ok.insert(delivery);
         }
+        let other_sender = sent_by.get(&slot).is_some_and(|prev_sender| {
+            matches!((prev_sender, r.sender.as_deref()), (Some(a), Some(b)) if *a != b)
+        });
         match last.get(&slot) {
-            Some(&(prev, _)) if seq < prev && repeat_of_accepted => v.rewinds += 1,
+            Some(&(prev, _)) if seq < prev && repeat_of_accepted && other_sender => v.rewinds += 1,
             Some(&(prev, prev_ok)) if seq < prev || (seq > prev && !prev_ok) => {
                 v.out_of_order += 1;
                 if v.problems.len() < 10 {
@@ -382,6 +394,7 @@ pub fn verdict(log: &[Received], expected: &[Expected]) -> Verdict {
                     r.accepted()
                 },
             );
+            sent_by.insert(slot, r.sender.as_deref());
         }
     }
     v
@@ -389,6 +402,7 @@ pub fn verdict(log: &[Received], expected: &[Expected]) -> Verdict {
 
 async fn hook(
     State(shared): State<Arc<Shared>>,
+    axum::extract::ConnectInfo(peer): axum::extract::ConnectInfo<std::net::SocketAddr>,
     Path(name): Path<String>,
     headers: HeaderMap,
     body: Bytes,
@@ -489,6 +503,7 @@ async fn hook(
                 )
             })
             .collect(),
+        sender: Some(peer.ip().to_string()),
     };
     {
         let mut inner = shared.inner.lock().expect("not poisoned");
@@ -511,7 +526,12 @@ mod tests {
     use super::*;
 
     fn rec(handler: &str, id: &str, key: &str, seq: i64, status: u16) -> Received {
+        from("127.0.0.1", handler, id, key, seq, status)
+    }
+
+    fn from(sender: &str, handler: &str, id: &str, key: &str, seq: i64, status: u16) -> Received {
         Received {
+            sender: Some(sender.into()),
             handler: handler.into(),
             event_id: id.into(),
             key: Some(key.into()),
@@ -554,10 +574,11 @@ mod tests {
             rec("h", "a", "k", 1, 200),
         ];
         let v = verdict(&log, &[exp("h", "a"), exp("h", "b"), exp("h", "c")]);
-        // a's first arrival after b is disorder; its repeat is a rewind.
+        // a's first arrival after b is disorder, and so is its repeat from
+        // the same sender.
         assert_eq!(
             (v.lost, v.duplicated, v.out_of_order, v.rewinds),
-            (1, 1, 1, 1),
+            (1, 1, 2, 0),
             "{v:?}"
         );
         assert!(!v.exact());
@@ -565,11 +586,12 @@ mod tests {
 
     #[test]
     fn a_stale_repeat_after_the_next_delivery_is_a_rewind_not_disorder() {
-        // a accepted, then b; a's stale attempt arrives last.
+        // a accepted, then b from the new owner; the old owner's stale
+        // attempt of a arrives last.
         let log = vec![
-            rec("h", "a", "k", 1, 200),
-            rec("h", "b", "k", 2, 200),
-            rec("h", "a", "k", 1, 200),
+            from("127.0.0.3", "h", "a", "k", 1, 200),
+            from("127.0.0.1", "h", "b", "k", 2, 200),
+            from("127.0.0.3", "h", "a", "k", 1, 200),
         ];
         let v = verdict(&log, &[exp("h", "a"), exp("h", "b")]);
         assert_eq!(
@@ -577,6 +599,15 @@ mod tests {
             (0, 1, 1),
             "{v:?}"
         );
+        // The node that sent b sends a again: disorder (it went on to b
+        // while a was not done, as far as it knew).
+        let log = vec![
+            from("127.0.0.3", "h", "a", "k", 1, 200),
+            from("127.0.0.1", "h", "b", "k", 2, 200),
+            from("127.0.0.1", "h", "a", "k", 1, 200),
+        ];
+        let v = verdict(&log, &[exp("h", "a"), exp("h", "b")]);
+        assert_eq!((v.out_of_order, v.rewinds), (1, 0), "{v:?}");
         // Not accepted before: the same arrival order is disorder.
         let log = vec![
             rec("h", "a", "k", 1, 500),
