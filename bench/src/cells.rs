@@ -553,7 +553,7 @@ pub fn full() -> Vec<Cell> {
                 Settings::Tuned,
                 1,
                 0,
-                300_000,
+                800_000,
             )
         },
     ]);
