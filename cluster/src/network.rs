@@ -143,6 +143,14 @@ pub(crate) async fn accept_handshake(
     let answer = tokio::time::timeout(HANDSHAKE_TIMEOUT, read_small_frame(stream))
         .await
         .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no answer to the challenge"))??;
+    if answer.len() == 32 {
+        // The answer of builds before the target id (a rolling upgrade
+        // across that change: restart every node on the new build).
+        let why = "the peer runs an older lanebus (its handshake names no target node): run \
+                   the same version on every node";
+        let _ = write_frame(stream, format!("refused: {why}").as_bytes()).await;
+        return Err(io::Error::new(io::ErrorKind::PermissionDenied, why));
+    }
     let good = answer.len() == 40 && bool::from(proof(secret, &nonce).ct_eq(&answer[..32]));
     if !good {
         let _ = write_frame(
@@ -875,6 +883,21 @@ mod tests {
             Ok(RpcResponse::ClientWrite(Ok(r))) => assert!(r.ok),
             other => panic!("unexpected answer: {other:?}"),
         }
+    }
+
+    #[tokio::test]
+    async fn a_peer_of_the_older_handshake_is_told_so() {
+        let (addr, refused) = secret_server(b"s3cret-of-the-cluster").await;
+        let mut raw = TcpStream::connect(&addr).await.expect("connect");
+        let nonce = read_small_frame(&mut raw).await.expect("challenge");
+        // Before the target id: the proof alone, 32 bytes.
+        write_frame(&mut raw, &proof(b"s3cret-of-the-cluster", &nonce))
+            .await
+            .expect("write");
+        let answer = read_small_frame(&mut raw).await.expect("refusal");
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.contains("older lanebus"), "{answer}");
+        assert_eq!(refused.load(Ordering::SeqCst), 1);
     }
 
     #[test]

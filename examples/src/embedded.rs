@@ -40,11 +40,14 @@ impl Handler for Ledger {
         if d.attempts == 0 && d.seq.is_some_and(|s| s % 10 == 0) {
             return Err(HandlerError::new("ledger busy, try again"));
         }
-        self.booked.lock().expect("not poisoned").push((
-            customer,
-            d.event_id.clone(),
-            d.attempts + 1,
-        ));
+        // Idempotent: a delivery can come again after a failed attempt or a
+        // change of lane owner (DESIGN.md invariant 3), with the same event
+        // id; a real ledger books once per id (here: a look at what is
+        // booked; in a database, a unique key on the event id).
+        let mut booked = self.booked.lock().expect("not poisoned");
+        if !booked.iter().any(|(_, id, _)| *id == d.event_id) {
+            booked.push((customer, d.event_id.clone(), d.attempts + 1));
+        }
         Ok(())
     }
 }

@@ -86,8 +86,8 @@ impl OutboxStore {
         const INSERT: &str = "INSERT INTO orders (id, customer, amount_cents) VALUES ($1, $2, $3)";
         // The same steps on either backend's transaction type.
         macro_rules! place_in {
-            ($store:expr) => {{
-                let mut tx = $store.pool().begin().await?;
+            ($store:expr, $begin:expr) => {{
+                let mut tx = $begin.await?;
                 sqlx::query(INSERT)
                     .bind(&order.id)
                     .bind(&order.customer)
@@ -103,8 +103,11 @@ impl OutboxStore {
             }};
         }
         match self {
-            OutboxStore::Postgres(s) => place_in!(s),
-            OutboxStore::Sqlite(s) => place_in!(s),
+            OutboxStore::Postgres(s) => place_in!(s, s.pool().begin()),
+            // SQLite: a write transaction from the start (`BEGIN IMMEDIATE`,
+            // as SqliteStore::publish_in asks), so a read before the writes
+            // cannot end in SQLITE_BUSY_SNAPSHOT when another writer commits.
+            OutboxStore::Sqlite(s) => place_in!(s, s.pool().begin_with("BEGIN IMMEDIATE")),
         }
         Ok(())
     }

@@ -76,9 +76,10 @@ async fn receive(
             ),
         );
     };
+    // abs_diff: a hostile timestamp cannot overflow the subtraction.
     let fresh = ts
         .parse::<i64>()
-        .is_ok_and(|t| (chrono::Utc::now().timestamp() - t).abs() <= TOLERANCE_SECS);
+        .is_ok_and(|t| chrono::Utc::now().timestamp().abs_diff(t) <= TOLERANCE_SECS.unsigned_abs());
     if !fresh || !lanebus_node::webhook::verify(&inbox.secret, id, ts, sig, &body) {
         return (
             StatusCode::UNAUTHORIZED,
