@@ -762,35 +762,18 @@ async fn set_state(
     Ok(axum::Json(change.handler.into()))
 }
 
-/// What [`change_state`] did.
-#[derive(Debug, Clone)]
-pub struct StateChange {
-    /// The handler as stored after the call.
-    pub handler: Handler,
-    /// Its state before the call.
-    pub was: HandlerState,
-}
-
-impl StateChange {
-    /// The call changed the handler's state (it was not already `to`).
-    pub fn changed(&self) -> bool {
-        self.was != self.handler.state
-    }
-}
-
-/// Process-wide: state changes of this process one at a time, so that of
-/// two disables at once (a `410 Gone` for two keys, an operator's call)
-/// exactly one sees the handler enabled and counts the change.
-static STATE_CHANGES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+pub use lanebus_store::StateChange;
 
 /// Sets handler `id` to `to`, recording `reason` in its `state_reason`
 /// (`api`: an operator; `gone`: a `410` answer; `failing`: the node's
-/// auto-disable), the one step of every enable and disable. A disable that
-/// changed the state is counted in `lanebus_handlers_disabled_total{handler,
-/// reason}` and logged once; disabling a disabled handler counts and logs
-/// nothing. An enable is counted in `lanebus_handlers_enabled_total` and
-/// logged with the state it had. Calls of one process are serialized;
-/// other processes (other nodes) count their own changes.
+/// auto-disable), the one step of every enable and disable. The store reads
+/// the state before and writes the new one atomically
+/// ([`Store::change_handler_state`](lanebus_store::Store::change_handler_state)),
+/// so of concurrent calls setting the same state, on this node or any
+/// other, exactly one changed it: that one is counted, in
+/// `lanebus_handlers_disabled_total{handler, reason}` or
+/// `lanebus_handlers_enabled_total`, and logged. Setting the state a
+/// handler already has counts and logs nothing.
 ///
 /// # Errors
 /// The store's: [`StoreError::NotFound`](lanebus_store::StoreError::NotFound)
@@ -801,16 +784,12 @@ pub async fn change_state(
     to: HandlerState,
     reason: &'static str,
 ) -> Result<StateChange, lanebus_store::StoreError> {
-    let _one_at_a_time = STATE_CHANGES.lock().await;
-    let was = store.get_handler(id).await?.state;
-    let handler = store.change_handler_state(id, to, reason).await?;
-    let change = StateChange { handler, was };
-    match to {
-        HandlerState::Enabled => crate::telemetry::handler_enabled(id, was),
-        HandlerState::Disabled if change.changed() => {
-            crate::telemetry::handler_disabled(id, reason);
+    let change = store.change_handler_state(id, to, reason).await?;
+    if change.changed() {
+        match to {
+            HandlerState::Enabled => crate::telemetry::handler_enabled(id, change.was),
+            HandlerState::Disabled => crate::telemetry::handler_disabled(id, reason),
         }
-        HandlerState::Disabled => {}
     }
     Ok(change)
 }

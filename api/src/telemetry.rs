@@ -7,9 +7,9 @@
 //! | `lanebus_events_duplicates_total` | counter | | events of `POST /v1/events` whose id was already stored |
 //! | `lanebus_api_errors_total` | counter | `code` ([`crate::ErrorCode`]) | every error answer |
 //! | `lanebus_deliveries_discarded_total` | counter | | pending deliveries discarded by `DELETE /v1/handlers/{id}` |
-//! | `lanebus_handlers_disabled_total` | counter | `handler`, `reason` = `api` (`POST /v1/handlers/{id}/disable`), `gone` (a `410` answer), `failing` (the node's auto-disable) | enabled handlers disabled by this process ([`crate::handlers::change_state`]: a disable of a disabled handler counts nothing, so two `410`s at once count one) |
+//! | `lanebus_handlers_disabled_total` | counter | `handler`, `reason` = `api` (`POST /v1/handlers/{id}/disable`), `gone` (a `410` answer), `failing` (the node's auto-disable) | enabled handlers disabled ([`crate::handlers::change_state`]: the store reads and writes the state in one step, so a disable of a disabled handler counts nothing and two `410`s at once, on one node or two, count one) |
 //! | `lanebus_dead_letters_replayed_total` | counter | | dead letters put back by a replay |
-//! | `lanebus_handlers_enabled_total` | counter | | handlers enabled by `POST /v1/handlers/{id}/enable` (a `410 Gone` disables one: `lanebus_handlers_disabled_total`, from the node) |
+//! | `lanebus_handlers_enabled_total` | counter | | disabled handlers enabled by `POST /v1/handlers/{id}/enable` (an enable of an enabled handler counts nothing; a `410 Gone` disables one: `lanebus_handlers_disabled_total`, from the node) |
 //!
 //! The node installs the recorder; it may call [`describe_metrics`] once
 //! after that to give these metrics their help text.

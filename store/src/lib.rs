@@ -279,6 +279,23 @@ impl HandlerState {
     }
 }
 
+/// What [`Store::change_handler_state`] did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StateChange {
+    /// The handler as stored after the call.
+    pub handler: Handler,
+    /// Its state before the call, read atomically with the write.
+    pub was: HandlerState,
+}
+
+impl StateChange {
+    /// The call changed the handler's state (it was not already the state
+    /// asked for).
+    pub fn changed(&self) -> bool {
+        self.was != self.handler.state
+    }
+}
+
 /// Defaults of a handler's delivery policy.
 pub mod handler_defaults {
     /// Attempts before a delivery becomes a dead letter.
@@ -788,13 +805,17 @@ pub trait Store: Send + Sync + 'static {
     /// [`StoreError::NotFound`] if absent. The default implementation (for
     /// test doubles) answers [`StoreError::Invalid`].
     async fn set_handler_state(&self, id: &str, state: HandlerState) -> Result<Handler> {
-        self.change_handler_state(id, state, "api").await
+        Ok(self.change_handler_state(id, state, "api").await?.handler)
     }
     /// As [`set_handler_state`](Self::set_handler_state), recording `reason`
     /// and the time in [`Handler::state_reason`] and
     /// [`Handler::state_changed_at`] when the state changes (setting the
     /// state it has already changes nothing). Enabling clears
-    /// [`Handler::failing_since`].
+    /// [`Handler::failing_since`]. Answers the handler after the call and
+    /// the state it had before, read in the same atomic step as the write
+    /// (a row lock, the write transaction, or one `findOneAndUpdate`): of
+    /// concurrent calls setting the same state, on any node, exactly one
+    /// sees [`StateChange::changed`].
     ///
     /// # Errors
     /// [`StoreError::NotFound`] if absent. The default implementation (for
@@ -804,7 +825,7 @@ pub trait Store: Send + Sync + 'static {
         id: &str,
         state: HandlerState,
         reason: &str,
-    ) -> Result<Handler> {
+    ) -> Result<StateChange> {
         let _ = (id, state, reason);
         Err(StoreError::Invalid(format!(
             "{} store cannot change handler state",

@@ -356,6 +356,7 @@ conformance!(
     handler_patch_changes_settings_and_checks_them,
     secret_rotation_keeps_the_previous_secret_until_its_end,
     handler_state_changes_record_time_and_reason,
+    concurrent_state_changes_are_seen_changed_once,
     failing_since_is_set_once_and_cleared,
     duplicates_are_counted_and_not_delivered,
     key_sequences_are_gapless_and_in_publish_order,
@@ -1849,6 +1850,9 @@ async fn handler_state_changes_record_time_and_reason(h: &dyn Harness) {
         .change_handler_state(&a.id, HandlerState::Disabled, "gone")
         .await
         .expect("disable");
+    assert_eq!(off.was, HandlerState::Enabled);
+    assert!(off.changed());
+    let off = off.handler;
     assert_eq!(off.state, HandlerState::Disabled);
     assert_eq!(off.state_reason.as_deref(), Some("gone"));
     let at = off.state_changed_at.expect("changed at");
@@ -1858,7 +1862,8 @@ async fn handler_state_changes_record_time_and_reason(h: &dyn Harness) {
         .change_handler_state(&a.id, HandlerState::Disabled, "failing")
         .await
         .expect("disable again");
-    assert_eq!(same, off);
+    assert!(!same.changed(), "{same:?}");
+    assert_eq!(same.handler, off);
     assert_eq!(s.get_handler(&a.id).await.expect("get"), off);
     s.mark_handler_failing(&a.id, true, Utc::now())
         .await
@@ -1879,6 +1884,37 @@ async fn handler_state_changes_record_time_and_reason(h: &dyn Harness) {
             .await,
         Err(StoreError::NotFound(_))
     ));
+}
+
+/// Of concurrent calls setting the same state, through two connections
+/// (two nodes), exactly one answers that it changed the state: the one
+/// the API counts and logs (`lanebus_handlers_disabled_total`), so four keys
+/// answered `410` at once on two nodes count one disable.
+async fn concurrent_state_changes_are_seen_changed_once(h: &dyn Harness) {
+    let stores = [h.store(), h.reopen().await];
+    let a = handler(&*stores[0], "a", &["*"]).await;
+    for round in 0..4 {
+        for (to, was) in [
+            (HandlerState::Disabled, HandlerState::Enabled),
+            (HandlerState::Enabled, HandlerState::Disabled),
+        ] {
+            let calls = (0..8).map(|i| {
+                let s = stores[i % 2].clone();
+                let id = a.id.clone();
+                async move { s.change_handler_state(&id, to, "gone").await }
+            });
+            let changes: Vec<StateChange> = futures::future::join_all(calls)
+                .await
+                .into_iter()
+                .collect::<Result<_, _>>()
+                .expect("change");
+            let changed: Vec<&StateChange> = changes.iter().filter(|c| c.changed()).collect();
+            assert_eq!(changed.len(), 1, "round {round}, to {to:?}: {changes:#?}");
+            assert_eq!(changed[0].was, was);
+            assert!(changes.iter().all(|c| c.handler.state == to));
+            assert!(changes.iter().filter(|c| !c.changed()).all(|c| c.was == to));
+        }
+    }
 }
 
 async fn failing_since_is_set_once_and_cleared(h: &dyn Harness) {

@@ -132,13 +132,15 @@ pub(super) async fn get_handler(s: &MongoStore, id: &str) -> Result<Handler> {
 }
 
 /// Sets the state, and time and reason when it changes (enabling clears
-/// `failing_since`); [`StoreError::NotFound`] if absent.
+/// `failing_since`), and answers the state before: one `findOneAndUpdate`
+/// whose filter matches only a handler in another state, so of concurrent
+/// calls exactly one matches. [`StoreError::NotFound`] if absent.
 pub(super) async fn change_handler_state(
     s: &MongoStore,
     id: &str,
     state: HandlerState,
     reason: &str,
-) -> Result<()> {
+) -> Result<HandlerState> {
     let mut set = doc! {
         "state": state.as_str(),
         "state_changed_at": to_micros(Utc::now()),
@@ -147,19 +149,23 @@ pub(super) async fn change_handler_state(
     if state == HandlerState::Enabled {
         set.insert("failing_since", ::mongodb::bson::Bson::Null);
     }
-    let r = s
+    let before = s
         .coll(names::HANDLERS)
-        .update_one(
+        .find_one_and_update(
             doc! { "_id": id, "state": { "$ne": state.as_str() } },
             doc! { "$set": set },
         )
+        .return_document(ReturnDocument::Before)
         .await
         .map_err(map_err)?;
-    if r.matched_count == 0 {
-        // Already in that state, or absent.
-        get_handler(s, id).await?;
+    match before {
+        Some(d) => Ok(HandlerState::parse(&get_string(&d, "state")?)),
+        None => {
+            // Already in that state, or absent.
+            get_handler(s, id).await?;
+            Ok(state)
+        }
     }
-    Ok(())
 }
 
 /// One number of a rate limit as stored: `null` when there is no limit.

@@ -807,9 +807,10 @@ impl Store for MongoStore {
         id: &str,
         state: HandlerState,
         reason: &str,
-    ) -> Result<Handler> {
-        catalog::change_handler_state(self, id, state, reason).await?;
-        catalog::get_handler(self, id).await
+    ) -> Result<StateChange> {
+        let was = catalog::change_handler_state(self, id, state, reason).await?;
+        let handler = catalog::get_handler(self, id).await?;
+        Ok(StateChange { handler, was })
     }
 
     async fn update_handler(&self, id: &str, patch: &HandlerPatch) -> Result<Handler> {

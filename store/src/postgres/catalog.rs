@@ -109,7 +109,16 @@ pub(super) async fn change_handler_state(
     id: &str,
     state: HandlerState,
     reason: &str,
-) -> Result<Handler> {
+) -> Result<StateChange> {
+    // The row lock orders concurrent changes: each reads the state the one
+    // before it left, so exactly one of two disables sees `enabled`.
+    let mut tx = pool.begin().await.map_err(map_err)?;
+    let was: String = sqlx::query_scalar("SELECT state FROM handlers WHERE id = $1 FOR UPDATE")
+        .bind(id)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(map_err)?
+        .ok_or_else(|| StoreError::NotFound(format!("handler {id}")))?;
     let row = sqlx::query(&format!(
         "UPDATE handlers SET state = $2, \
                 state_changed_at = CASE WHEN state = $2 THEN state_changed_at ELSE $4 END, \
@@ -121,11 +130,15 @@ pub(super) async fn change_handler_state(
     .bind(state.as_str())
     .bind(reason)
     .bind(from_micros(to_micros(Utc::now())))
-    .fetch_optional(pool)
+    .fetch_one(&mut *tx)
     .await
-    .map_err(map_err)?
-    .ok_or_else(|| StoreError::NotFound(format!("handler {id}")))?;
-    handler_from_row(&row)
+    .map_err(map_err)?;
+    let handler = handler_from_row(&row)?;
+    tx.commit().await.map_err(map_err)?;
+    Ok(StateChange {
+        handler,
+        was: HandlerState::parse(&was),
+    })
 }
 
 /// Read, merge, check, write: one transaction holding the row lock.

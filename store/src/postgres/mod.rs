@@ -539,7 +539,7 @@ impl Store for PgStore {
         id: &str,
         state: HandlerState,
         reason: &str,
-    ) -> Result<Handler> {
+    ) -> Result<StateChange> {
         catalog::change_handler_state(&self.pool, id, state, reason).await
     }
 

@@ -425,12 +425,14 @@ impl Store for SqliteStore {
         id: &str,
         state: HandlerState,
         reason: &str,
-    ) -> Result<Handler> {
+    ) -> Result<StateChange> {
+        // One writer at a time: the state read here is the one replaced.
         let (_guard, mut tx) = self.begin_write().await?;
+        let was = catalog::get_handler(&mut *tx, id).await?.state;
         catalog::change_handler_state(&mut tx, id, state, reason).await?;
-        let h = catalog::get_handler(&mut *tx, id).await?;
+        let handler = catalog::get_handler(&mut *tx, id).await?;
         tx.commit().await.map_err(map_err)?;
-        Ok(h)
+        Ok(StateChange { handler, was })
     }
 
     async fn update_handler(&self, id: &str, patch: &HandlerPatch) -> Result<Handler> {
