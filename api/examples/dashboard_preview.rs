@@ -146,7 +146,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .claim(&[LaneClaim {
             lane,
             epoch: 1,
-            after: 0,
+            after: Default::default(),
             limit: 10,
         }])
         .await?;

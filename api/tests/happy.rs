@@ -89,7 +89,7 @@ async fn payload_is_stored_byte_for_byte(app: TestApp) {
         .claim(&[LaneClaim {
             lane,
             epoch: 1,
-            after: 0,
+            after: Default::default(),
             limit: 10,
         }])
         .await

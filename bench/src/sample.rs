@@ -991,7 +991,8 @@ async fn run_count(
         }
         _ => {
             let lanes = store.lanes();
-            let mut cursors: Vec<i64> = vec![0; usize::from(lanes)];
+            let mut cursors: Vec<lanebus_store::ClaimCursor> =
+                vec![Default::default(); usize::from(lanes)];
             let total = published * cell.handlers as u64;
             let limit = u32::try_from(cell.settings.lane_buffer()).unwrap_or(200);
             while (handled.len() as u64) < total {
@@ -999,14 +1000,14 @@ async fn run_count(
                     .map(|lane| LaneClaim {
                         lane,
                         epoch: 0,
-                        after: cursors[usize::from(lane)],
+                        after: cursors[usize::from(lane)].clone(),
                         limit,
                     })
                     .collect();
                 let batches = store.claim(&claims).await?;
                 let mut refs = Vec::new();
                 for b in &batches {
-                    cursors[usize::from(b.lane)] = b.next_after;
+                    cursors[usize::from(b.lane)] = b.next_after.clone();
                     for d in &b.deliveries {
                         handled.push(Handled {
                             handler: handler_idx

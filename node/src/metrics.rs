@@ -100,6 +100,18 @@ fn describe() {
         metrics::Unit::Bytes,
         "payload bytes of the deliveries held in memory by this node's lanes"
     );
+    metrics::describe_gauge!(
+        "lanebus_claim_horizon_age_seconds",
+        metrics::Unit::Seconds,
+        "how long the oldest database transaction still open below a claim cursor of this \
+         node's lanes has held it (PostgreSQL; 0 when none): a session left idle in a \
+         transaction shows here"
+    );
+}
+
+/// The claim horizon's age (see `lanebus_store::ClaimCursor::open`).
+pub fn claim_horizon_age(age: Option<std::time::Duration>) {
+    metrics::gauge!("lanebus_claim_horizon_age_seconds").set(age.map_or(0.0, |a| a.as_secs_f64()));
 }
 
 /// An attempt finished: `outcome` is `completed`, `failed` or `dead_lettered`.

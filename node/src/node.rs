@@ -550,6 +550,7 @@ impl NodeView for NodeState {
     }
 
     fn render_metrics(&self) -> String {
+        crate::metrics::claim_horizon_age(self.board.horizon_age(std::time::Instant::now()));
         self.metrics.render()
     }
 }

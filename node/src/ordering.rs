@@ -86,7 +86,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use chrono::{DateTime, Utc};
-use lanebus_store::Delivery;
+use lanebus_store::{ClaimCursor, Delivery};
 
 /// Ordering unit: deliveries of one handler and one key are handed out one
 /// at a time in sequence order; unkeyed ones of a handler concurrently.
@@ -110,16 +110,16 @@ impl SlotKey {
 
 /// A claim request, from [`LaneQueue::begin_claim`]: its number and the
 /// cursor to claim from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClaimTicket {
     n: u64,
-    after: i64,
+    after: ClaimCursor,
 }
 
 impl ClaimTicket {
     /// The cursor this claim reads from ([`lanebus_store::LaneClaim::after`]).
-    pub fn after(&self) -> i64 {
-        self.after
+    pub fn after(&self) -> &ClaimCursor {
+        &self.after
     }
 }
 
@@ -144,7 +144,7 @@ struct Held {
     /// Ordering position in its slot.
     pos: Pos,
     /// Cursor of the claim that returned it (a claim from there re-reads it).
-    from: i64,
+    from: ClaimCursor,
     /// Its payload's length, in bytes ([`LaneQueue::bytes`]).
     size: usize,
 }
@@ -166,10 +166,10 @@ enum TrimState {
     Since(u64),
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Trim {
     /// Cursor from which a claim returns every dropped row.
-    resume: i64,
+    resume: ClaimCursor,
     state: TrimState,
     /// A keyed slot dropped whole because its head is not due before this
     /// time (delayed delivery, a retry from before a restart): not released
@@ -206,7 +206,7 @@ pub struct LaneQueue {
     /// Payload bytes of the held deliveries (queued and in flight).
     bytes: usize,
     /// Claim cursor of the lane.
-    cursor: i64,
+    cursor: ClaimCursor,
     /// Highest cursor reached.
     high_water: i64,
     /// In-flight ids whose key handler reported a failed attempt.
@@ -214,10 +214,10 @@ pub struct LaneQueue {
     /// Slots and handlers whose rows are (partly) left in the store.
     trims: HashMap<TrimKey, Trim>,
     /// A release asked the next claim to read from here.
-    rescan_from: Option<i64>,
+    rescan_from: Option<ClaimCursor>,
     /// Unkeyed deliveries not due yet, dropped from a full buffer: the
     /// earliest due time among them and the cursor to re-read them from.
-    deferred: Option<(DateTime<Utc>, i64)>,
+    deferred: Option<(DateTime<Utc>, ClaimCursor)>,
 }
 
 impl LaneQueue {
@@ -231,7 +231,7 @@ impl LaneQueue {
     pub fn begin_claim(&mut self) -> ClaimTicket {
         self.tickets += 1;
         if let Some(from) = self.rescan_from.take() {
-            self.cursor = self.cursor.min(from);
+            self.cursor = self.cursor.earliest(&from);
             for t in self.trims.values_mut() {
                 if t.state == TrimState::Released {
                     t.state = TrimState::Since(self.tickets);
@@ -240,7 +240,7 @@ impl LaneQueue {
         }
         ClaimTicket {
             n: self.tickets,
-            after: self.cursor,
+            after: self.cursor.clone(),
         }
     }
 
@@ -250,13 +250,15 @@ impl LaneQueue {
         &mut self,
         ticket: ClaimTicket,
         deliveries: Vec<Delivery>,
-        next_after: i64,
+        next_after: impl Into<ClaimCursor>,
     ) -> usize {
+        let next_after = next_after.into();
+        let n = ticket.n;
         let new = self.accept(ticket, deliveries);
-        if ticket.n == self.tickets {
+        self.high_water = self.high_water.max(next_after.pos);
+        if n == self.tickets {
             self.cursor = next_after;
         }
-        self.high_water = self.high_water.max(next_after);
         new
     }
 
@@ -271,7 +273,7 @@ impl LaneQueue {
                 continue;
             }
             let slot_key = SlotKey::of(&d);
-            if !self.trims.is_empty() && self.rejects(&slot_key, ticket) {
+            if !self.trims.is_empty() && self.rejects(&slot_key, &ticket) {
                 continue;
             }
             // Keyed slots order by sequence; unkeyed (or a keyed delivery
@@ -285,7 +287,7 @@ impl LaneQueue {
                 Held {
                     slot: slot_key.clone(),
                     pos,
-                    from: ticket.after,
+                    from: ticket.after.clone(),
                     size: d.payload.len(),
                 },
             );
@@ -309,7 +311,7 @@ impl LaneQueue {
         new
     }
 
-    fn rejects(&self, slot: &SlotKey, ticket: ClaimTicket) -> bool {
+    fn rejects(&self, slot: &SlotKey, ticket: &ClaimTicket) -> bool {
         let blocks = |k: TrimKey| {
             self.trims.get(&k).is_some_and(|t| match t.state {
                 TrimState::Since(s) => ticket.n < s,
@@ -400,7 +402,7 @@ impl LaneQueue {
                 }
             })
             .chain(self.trims.values().filter_map(|t| t.until))
-            .chain(self.deferred.map(|(at, _)| at))
+            .chain(self.deferred.as_ref().map(|(at, _)| *at))
             .min()
     }
 
@@ -501,19 +503,19 @@ impl LaneQueue {
                 self.slots.remove(&k);
             }
         }
-        let mut resume = None::<i64>;
+        let mut resume = None::<ClaimCursor>;
         self.trims.retain(|k, t| {
             let of_handler = match k {
                 TrimKey::Slot(s) => s.handler_id == handler_id,
                 TrimKey::Handler(h) => h == handler_id,
             };
             if of_handler {
-                resume = Some(resume.map_or(t.resume, |r| r.min(t.resume)));
+                resume = Some(earliest(resume.take(), &t.resume));
             }
             !of_handler
         });
         if let Some(from) = resume {
-            self.rescan_from = Some(self.rescan_from.map_or(from, |r| r.min(from)));
+            self.rescan_from = Some(earliest(self.rescan_from.take(), &from));
         }
         dropped
     }
@@ -593,10 +595,10 @@ impl LaneQueue {
                     slot.pending.insert(pos, head);
                 }
             }
-            let mut resume = i64::MAX;
+            let mut resume = ClaimCursor::at(i64::MAX);
             for (_, d) in pending {
                 if let Some(h) = self.held.remove(&d.id) {
-                    resume = resume.min(h.from);
+                    resume = resume.earliest(&h.from);
                     self.bytes -= h.size;
                 }
                 self.queued -= 1;
@@ -613,7 +615,7 @@ impl LaneQueue {
             self.trims
                 .entry(key)
                 .and_modify(|t| {
-                    t.resume = t.resume.min(resume);
+                    t.resume = t.resume.earliest(&resume);
                     t.state = TrimState::Stalled;
                 })
                 .or_insert(Trim {
@@ -629,10 +631,10 @@ impl LaneQueue {
             let Some(slot) = self.slots.get_mut(&k) else {
                 continue;
             };
-            let mut resume = i64::MAX;
+            let mut resume = ClaimCursor::at(i64::MAX);
             for (_, d) in std::mem::take(&mut slot.pending) {
                 if let Some(h) = self.held.remove(&d.id) {
-                    resume = resume.min(h.from);
+                    resume = resume.earliest(&h.from);
                     self.bytes -= h.size;
                 }
                 self.queued -= 1;
@@ -644,7 +646,7 @@ impl LaneQueue {
             self.trims
                 .entry(TrimKey::Slot(k))
                 .and_modify(|t| {
-                    t.resume = t.resume.min(resume);
+                    t.resume = t.resume.earliest(&resume);
                     t.state = TrimState::Stalled;
                     t.until = Some(t.until.map_or(until, |u| u.max(until)));
                 })
@@ -675,9 +677,11 @@ impl LaneQueue {
                 self.bytes -= h.size;
                 self.queued -= 1;
                 // No tombstone: the rescan at its time must take it again.
-                let (at, from) = self.deferred.get_or_insert((d.due_at, h.from));
+                let (at, from) = self
+                    .deferred
+                    .get_or_insert_with(|| (d.due_at, h.from.clone()));
                 *at = (*at).min(d.due_at);
-                *from = (*from).min(h.from);
+                *from = from.earliest(&h.from);
                 dropped.push(d.id);
             }
             if slot.pending.is_empty() && slot.in_flight.is_empty() {
@@ -699,12 +703,10 @@ impl LaneQueue {
                 woke = true;
             }
         }
-        if let Some((at, from)) = self.deferred {
-            if at <= now {
-                self.deferred = None;
-                self.rescan_from = Some(self.rescan_from.map_or(from, |r| r.min(from)));
-                woke = true;
-            }
+        if self.deferred.as_ref().is_some_and(|(at, _)| *at <= now) {
+            let (_, from) = self.deferred.take().expect("checked");
+            self.rescan_from = Some(earliest(self.rescan_from.take(), &from));
+            woke = true;
         }
         woke
     }
@@ -742,7 +744,7 @@ impl LaneQueue {
         for k in released {
             let t = self.trims.get_mut(&k).expect("present");
             t.state = TrimState::Released;
-            self.rescan_from = Some(self.rescan_from.map_or(t.resume, |r| r.min(t.resume)));
+            self.rescan_from = Some(earliest(self.rescan_from.take(), &t.resume));
         }
         self.rescan_from.is_some()
     }
@@ -750,7 +752,7 @@ impl LaneQueue {
     /// Whether the cursor is behind the highest cursor reached (a rescan is
     /// under way): a full batch should be followed by another claim at once.
     pub fn rescanning(&self) -> bool {
-        self.cursor < self.high_water || self.rescan_from.is_some()
+        self.cursor.pos < self.high_water || self.rescan_from.is_some()
     }
 
     /// Whether some rows of the lane are left in the store by a trim.
@@ -797,6 +799,14 @@ impl LaneQueue {
     /// Whether the slot has nothing queued or in flight (its key handler can go).
     pub fn slot_idle(&self, slot: &SlotKey) -> bool {
         !self.slots.contains_key(slot)
+    }
+}
+
+/// The earlier of an optional cursor and `c` ([`ClaimCursor::earliest`]).
+fn earliest(a: Option<ClaimCursor>, c: &ClaimCursor) -> ClaimCursor {
+    match a {
+        Some(a) => a.earliest(c),
+        None => c.clone(),
     }
 }
 
@@ -975,7 +985,7 @@ mod tests {
         let mut q = LaneQueue::new();
         let t = q.begin_claim();
         q.accept(
-            t,
+            t.clone(),
             vec![
                 d(1, "gone", Some("a"), 1),
                 d(2, "gone", None, 0),
@@ -1045,7 +1055,7 @@ mod tests {
         let mut q = LaneQueue::new();
         let cap = 4;
         let t1 = q.begin_claim();
-        assert_eq!(t1.after(), 0);
+        assert_eq!(t1.after().pos, 0);
         q.accept_batch(t1, run_of("a", 100, 1, 6), 106);
         assert_eq!(ids(&q.next_ready(t0(), open)), vec![101]);
         // Full, but the head is healthy: nothing is trimmed.
@@ -1058,7 +1068,7 @@ mod tests {
         assert!(!q.release(open), "the head still fails");
         // The cursor goes on: later rows of `a` stay in the store, `b` flows.
         let t2 = q.begin_claim();
-        assert_eq!(t2.after(), 106);
+        assert_eq!(t2.after().pos, 106);
         let mut batch = run_of("a", 100, 7, 8);
         batch.push(d(201, "h", Some("b"), 1));
         assert_eq!(q.accept_batch(t2, batch, 201), 1);
@@ -1070,7 +1080,7 @@ mod tests {
         assert!(q.release(open));
         assert!(q.rescanning());
         let t3 = q.begin_claim();
-        assert_eq!(t3.after(), 0, "rescan from the resume cursor");
+        assert_eq!(t3.after().pos, 0, "rescan from the resume cursor");
         // A re-read row of `b` (settled before this claim was issued) and
         // the head of `a` would be duplicates; the store no longer returns
         // the completed head.
@@ -1110,7 +1120,7 @@ mod tests {
         // be accepted before 2 and 3.
         assert_eq!(q.accept(stale, run_of("a", 100, 4, 4)), 0);
         let t = q.begin_claim();
-        assert_eq!(t.after(), 0);
+        assert_eq!(t.after().pos, 0);
         assert_eq!(q.accept_batch(t, run_of("a", 100, 2, 4), 104), 3);
         assert_eq!(q.next_ready(t0(), open)[0].seq, Some(2));
     }
@@ -1154,7 +1164,7 @@ mod tests {
         assert!(!q.release(gate));
         assert!(q.release(open), "enabled again");
         let t3 = q.begin_claim();
-        assert_eq!(t3.after(), 0);
+        assert_eq!(t3.after().pos, 0);
         let all = vec![
             d(1, "off", Some("a"), 1),
             d(2, "off", Some("a"), 2),
@@ -1204,7 +1214,7 @@ mod tests {
         assert!(q.wake(later));
         assert!(q.release(open));
         let t = q.begin_claim();
-        assert_eq!(t.after(), 0, "rescan from the dropped head");
+        assert_eq!(t.after().pos, 0, "rescan from the dropped head");
         let all = vec![
             late,
             d(2, "h", Some("a"), 2),
@@ -1251,7 +1261,7 @@ mod tests {
         let at = t0() + Duration::seconds(30);
         assert!(q.wake(at));
         let t3 = q.begin_claim();
-        assert_eq!(t3.after(), 0, "rescan from the earliest dropped row");
+        assert_eq!(t3.after().pos, 0, "rescan from the earliest dropped row");
         let mut a = d(1, "h", None, 0);
         a.due_at = t0() + Duration::seconds(60);
         let mut b = d(2, "h", None, 0);
@@ -1349,7 +1359,7 @@ mod tests {
         // one rescan from where the trim left rows.
         assert!(q.release(hold));
         let t2 = q.begin_claim();
-        assert_eq!(t2.after(), 0);
+        assert_eq!(t2.after().pos, 0);
         // Read again, they are queued (and dropped once the catalog
         // confirms the handler is gone); no rescan after that one.
         assert_eq!(

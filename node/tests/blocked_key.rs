@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::{ensure, Context as _};
@@ -143,26 +143,9 @@ async fn failing_key_does_not_hold_up_its_lane(backend: Backend) -> anyhow::Resu
     let v = rx.verdict(&expected);
     ensure!(v.exact(), "{v:?}");
 
-    // No repeat without a failed attempt: per event, every request but the
-    // last failed, and the attempt numbers are 1, 2, 3, ...
+    // No repeat without a failed attempt.
     let reqs = rx.requests();
-    let mut per_event: HashMap<&str, Vec<(u32, bool)>> = HashMap::new();
-    for r in &reqs {
-        per_event
-            .entry(r.event_id.as_str())
-            .or_default()
-            .push((r.attempt, r.accepted()));
-    }
-    for (id, tries) in &per_event {
-        let n = tries.len();
-        for (i, &(attempt, ok)) in tries.iter().enumerate() {
-            ensure!(attempt as usize == i + 1, "{id}: attempt numbers {tries:?}");
-            ensure!(
-                ok == (i + 1 == n),
-                "{id}: repeat without a failure {tries:?}"
-            );
-        }
-    }
+    common::ensure_no_repeat_without_failure(&reqs)?;
     // Per key, requests in sequence order (a repeat only of the same head).
     let mut last: BTreeMap<String, i64> = BTreeMap::new();
     for r in &reqs {

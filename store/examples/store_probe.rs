@@ -135,21 +135,21 @@ async fn run(
     let deliveries = (events * fan_out) as f64;
 
     let t1 = Instant::now();
-    let mut cursors: Vec<i64> = vec![0; usize::from(store.lanes())];
+    let mut cursors: Vec<ClaimCursor> = vec![ClaimCursor::default(); usize::from(store.lanes())];
     let mut done = 0usize;
     while done < events * fan_out {
         let claims: Vec<LaneClaim> = (0..store.lanes())
             .map(|lane| LaneClaim {
                 lane,
                 epoch: 0,
-                after: cursors[usize::from(lane)],
+                after: cursors[usize::from(lane)].clone(),
                 limit: 50,
             })
             .collect();
         let batches = store.claim(&claims).await?;
         let mut refs = Vec::new();
         for b in &batches {
-            cursors[usize::from(b.lane)] = b.next_after;
+            cursors[usize::from(b.lane)] = b.next_after.clone();
             refs.extend(b.deliveries.iter().map(|d| DeliveryRef {
                 id: d.id,
                 lane: d.lane,

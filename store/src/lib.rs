@@ -23,19 +23,23 @@
 //!
 //! ## Claim cursor
 //!
-//! A lane owner keeps a per-lane cursor ([`LaneClaim::after`]) so a claim does
+//! A lane owner keeps a per-lane cursor ([`ClaimCursor`]) so a claim does
 //! not re-read what the owner already holds. A cursor on an id sequence would
 //! skip a row whose transaction commits late, so the cursor is
 //! commit-ordered and backend-specific:
 //! - PostgreSQL: each delivery row records the inserting transaction's id
 //!   (`pg_current_xact_id()`; for a keyed row, at least the key's previous
-//!   value, so a key's rows are read in sequence order); a claim reads rows
-//!   with `xid >= after` and returns `pg_snapshot_xmin` of its own snapshot
-//!   as the next cursor, so a transaction still open at the claim is read
-//!   again next time. Rows read twice are de-duplicated by the owner by
-//!   [`Delivery::id`]. A claim cut by its limit returns the rest of the last
-//!   transaction's rows too, so the cursor can move past that transaction
-//!   (see the `postgres` module docs).
+//!   value, so a key's rows are read in sequence order). The cursor is a
+//!   position and the transactions that were still in progress below it
+//!   when the previous claim took its snapshot ([`ClaimCursor::open`]): a
+//!   claim reads rows with `xid >= pos` and every row of an open
+//!   transaction, and moves the position past everything its snapshot saw.
+//!   So a transaction left open elsewhere on the server costs one index
+//!   probe per claim, not a re-read of all rows published since it began.
+//!   Rows read twice are de-duplicated by the owner by [`Delivery::id`]. A
+//!   claim cut by its limit returns the rest of the last transaction's rows
+//!   too, so the cursor can move past that transaction (see the `postgres`
+//!   module docs).
 //! - SQLite: one writer at a time, so `AUTOINCREMENT` ids are commit-ordered
 //!   and the cursor is the last id read.
 //! - MongoDB: a per-lane position taken from a counter document inside the
@@ -50,6 +54,7 @@
 #![warn(missing_docs)]
 
 use std::fmt;
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
@@ -546,20 +551,87 @@ impl fmt::Debug for Delivery {
     }
 }
 
+/// Where a lane's next claim reads from: commit-ordered and
+/// backend-specific (module docs). [`ClaimCursor::default`] reads the lane
+/// from its start.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ClaimCursor {
+    /// Commit-ordered position. PostgreSQL: the first `xid` not read;
+    /// SQLite: the last delivery id read; MongoDB: the last lane position
+    /// read.
+    pub pos: i64,
+    /// PostgreSQL only (empty elsewhere): ids of the transactions that were
+    /// in progress below [`pos`](Self::pos) when the claim that set this
+    /// cursor took its snapshot, ascending; the next claim reads their rows
+    /// again, wherever their `xid`.
+    pub open: Arc<[i64]>,
+}
+
+impl Default for ClaimCursor {
+    fn default() -> Self {
+        ClaimCursor::at(0)
+    }
+}
+
+impl From<i64> for ClaimCursor {
+    fn from(pos: i64) -> Self {
+        ClaimCursor::at(pos)
+    }
+}
+
+impl ClaimCursor {
+    /// A cursor at `pos` with no open transaction.
+    pub fn at(pos: i64) -> Self {
+        ClaimCursor {
+            pos,
+            open: Arc::from(Vec::new()),
+        }
+    }
+
+    /// A cursor from which a claim reads everything that a claim from
+    /// `self` or from `other` would read (a rescan from the earlier of two
+    /// cursors).
+    pub fn earliest(&self, other: &ClaimCursor) -> ClaimCursor {
+        let pos = self.pos.min(other.pos);
+        // Open transactions at or past `pos` are read by position anyway
+        // (a row's xid is at least its transaction's id).
+        let mut open: Vec<i64> = self
+            .open
+            .iter()
+            .chain(other.open.iter())
+            .copied()
+            .filter(|&x| x < pos)
+            .collect();
+        open.sort_unstable();
+        open.dedup();
+        ClaimCursor {
+            pos,
+            open: open.into(),
+        }
+    }
+
+    /// Whether a claim from `self` reads less than one from `earlier`: the
+    /// position moved on, or an open transaction was passed.
+    pub fn passed(&self, earlier: &ClaimCursor) -> bool {
+        self.pos > earlier.pos || (self.pos == earlier.pos && self.open.len() < earlier.open.len())
+    }
+}
+
 /// One lane's part of a batched claim.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LaneClaim {
     /// The lane.
     pub lane: Lane,
     /// The epoch the caller owns the lane at; a claim at any other epoch
     /// returns nothing.
     pub epoch: Epoch,
-    /// Commit-ordered cursor from the previous [`LaneBatch::next_after`]; `0`
-    /// reads the lane from its start.
-    pub after: i64,
+    /// Cursor from the previous [`LaneBatch::next_after`];
+    /// [`ClaimCursor::default`] reads the lane from its start.
+    pub after: ClaimCursor,
     /// Most deliveries to return for this lane. PostgreSQL may return more:
     /// the rest of the last publishing transaction's rows in the lane (so a
-    /// transaction larger than the limit cannot stall the cursor).
+    /// transaction larger than the limit cannot stall the cursor), and every
+    /// row of the cursor's open transactions that committed since.
     pub limit: u32,
 }
 
@@ -575,7 +647,7 @@ pub struct LaneBatch {
     /// returned before (see the module docs); callers de-duplicate by id.
     pub deliveries: Vec<Delivery>,
     /// Cursor for the next claim of this lane.
-    pub next_after: i64,
+    pub next_after: ClaimCursor,
 }
 
 /// Fenced reference to a delivery, for completion.

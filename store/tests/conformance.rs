@@ -428,7 +428,7 @@ async fn claim_all(s: &dyn Store) -> Vec<Delivery> {
         .map(|r| LaneClaim {
             lane: r.lane,
             epoch: r.epoch,
-            after: 0,
+            after: Default::default(),
             limit: 100_000,
         })
         .collect();
@@ -448,11 +448,16 @@ fn seqs_of_key(ds: &[Delivery], key: &str) -> Vec<i64> {
         .collect()
 }
 
-fn one_lane_claim(lane: Lane, epoch: Epoch, after: i64, limit: u32) -> [LaneClaim; 1] {
+fn one_lane_claim(
+    lane: Lane,
+    epoch: Epoch,
+    after: impl Into<ClaimCursor>,
+    limit: u32,
+) -> [LaneClaim; 1] {
     [LaneClaim {
         lane,
         epoch,
-        after,
+        after: after.into(),
         limit,
     }]
 }
@@ -1090,7 +1095,7 @@ async fn dead_letters_are_listed_and_replayed(h: &dyn Harness) {
         .map(|r| LaneClaim {
             lane: r.lane,
             epoch: r.epoch,
-            after: 0,
+            after: Default::default(),
             limit: 1000,
         })
         .collect();
@@ -1161,8 +1166,8 @@ async fn dead_letters_are_listed_and_replayed(h: &dyn Harness) {
         .iter()
         .zip(&lanes_before)
         .map(|(b, c)| LaneClaim {
-            after: b.next_after,
-            ..*c
+            after: b.next_after.clone(),
+            ..c.clone()
         })
         .collect();
     let seen: Vec<Delivery> = s
@@ -1456,19 +1461,22 @@ async fn claim_cursor_and_limit_read_everything_once_in_order(h: &dyn Harness) {
     assert!(b[0].owned && b[0].deliveries.is_empty());
 
     // Claim 3 at a time, completing what was read (as an owner does).
-    let mut after = 0;
+    let mut after = ClaimCursor::default();
     let mut seen: Vec<i64> = Vec::new();
     let mut rounds = 0;
     loop {
         rounds += 1;
         assert!(rounds <= 20, "the cursor must make progress");
         let b = s
-            .claim(&one_lane_claim(lane, 0, after, 3))
+            .claim(&one_lane_claim(lane, 0, after.clone(), 3))
             .await
             .expect("claim");
         assert!(b[0].owned);
-        assert!(b[0].next_after >= after, "the cursor never goes back");
-        after = b[0].next_after;
+        assert!(
+            b[0].next_after.pos >= after.pos,
+            "the cursor never goes back"
+        );
+        after = b[0].next_after.clone();
         let fresh: Vec<&Delivery> = b[0]
             .deliveries
             .iter()
@@ -1511,26 +1519,26 @@ async fn claim_cursor_and_limit_read_everything_once_in_order(h: &dyn Harness) {
             LaneClaim {
                 lane: other,
                 epoch: 0,
-                after: 0,
+                after: Default::default(),
                 limit: 10,
             },
             LaneClaim {
                 lane,
                 epoch: 0,
-                after: 0,
+                after: Default::default(),
                 limit: 10,
             },
             LaneClaim {
                 lane: other,
                 epoch: 9,
-                after: 0,
+                after: Default::default(),
                 limit: 10,
             },
             // The same lane twice is answered twice.
             LaneClaim {
                 lane,
                 epoch: 0,
-                after: 0,
+                after: Default::default(),
                 limit: 10,
             },
         ])
@@ -1952,7 +1960,7 @@ mod postgres_only {
     use super::*;
     use sqlx::Connection as _;
 
-    fn lane_cursor(lane: Lane, after: i64, limit: u32) -> [LaneClaim; 1] {
+    fn lane_cursor(lane: Lane, after: impl Into<ClaimCursor>, limit: u32) -> [LaneClaim; 1] {
         one_lane_claim(lane, 0, after, limit)
     }
 
@@ -1995,7 +2003,7 @@ mod postgres_only {
 
         held.commit().await.expect("commit the late publish");
         let second = s
-            .claim(&lane_cursor(lane, first[0].next_after, 100))
+            .claim(&lane_cursor(lane, first[0].next_after.clone(), 100))
             .await
             .expect("claim");
         assert!(
@@ -2003,6 +2011,116 @@ mod postgres_only {
             "the claim cursor skipped a late-committing publish: {:?}",
             second[0].deliveries
         );
+        h.cleanup().await;
+    }
+
+    /// A transaction left open elsewhere on the server (an idle session that
+    /// took an id) does not hold the cursor back: rows committed after it
+    /// began are read once, not re-read by every claim, so a lane's rows
+    /// past the limit come through (issue 18, item 3: on main every claim
+    /// re-read from the open transaction's id, so a lane whose first `limit`
+    /// rows the owner already held never got further).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn an_open_transaction_does_not_hold_the_cursor_back() {
+        let h = PgHarness::new().await;
+        let s = h.store();
+        handler(&*s, "all", &["*"]).await;
+        let key = "held-back";
+        let lane = lane_of_key(key, s.lanes());
+        let mut idle = h.store.pool().begin().await.expect("begin");
+        let idle_xid: i64 = sqlx::query_scalar("SELECT pg_current_xact_id()::text::bigint")
+            .fetch_one(&mut *idle)
+            .await
+            .expect("take an id");
+        for i in 0..6 {
+            s.publish(vec![ev(Some(&format!("h{i}")), "t.x", Some(key))])
+                .await
+                .expect("publish");
+        }
+        let mut after = ClaimCursor::default();
+        let mut seen = Vec::new();
+        for _ in 0..3 {
+            let b = s
+                .claim(&one_lane_claim(lane, 0, after.clone(), 2))
+                .await
+                .expect("claim");
+            seen.extend(b[0].deliveries.iter().map(|d| d.event_id.clone()));
+            after = b[0].next_after.clone();
+        }
+        assert_eq!(
+            seen,
+            ["h0", "h1", "h2", "h3", "h4", "h5"],
+            "three claims of 2 read the six rows once each, in order"
+        );
+        let b = s
+            .claim(&one_lane_claim(lane, 0, after.clone(), 2))
+            .await
+            .expect("claim");
+        assert!(
+            b[0].deliveries.is_empty(),
+            "rows read before were returned again: {:?}",
+            b[0].deliveries
+        );
+        assert!(
+            b[0].next_after.open.contains(&idle_xid),
+            "the idle transaction stays open in the cursor: {:?}",
+            b[0].next_after
+        );
+        idle.rollback().await.expect("rollback");
+        h.cleanup().await;
+    }
+
+    /// A keyed delivery whose xid the key raised above its transaction's id
+    /// (the transaction got its id before another publisher of the key
+    /// committed) is still read when that transaction commits after a claim
+    /// passed the raised xid: it is found by its transaction id.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_raised_row_of_a_late_commit_is_read() {
+        let h = PgHarness::new().await;
+        let s = h.store();
+        handler(&*s, "all", &["*"]).await;
+        let key = "raised";
+        let lane = lane_of_key(key, s.lanes());
+        // The late transaction takes its id first.
+        let mut late = h.store.pool().begin().await.expect("begin");
+        let late_xid: i64 = sqlx::query_scalar("SELECT pg_current_xact_id()::text::bigint")
+            .fetch_one(&mut *late)
+            .await
+            .expect("take an id");
+        s.publish(vec![ev(Some("k1"), "t.x", Some(key))])
+            .await
+            .expect("publish");
+        // Its publish of the key comes after k1 committed: xid raised to k1's.
+        h.store
+            .publish_in(&mut late, vec![ev(Some("k2"), "t.x", Some(key))])
+            .await
+            .expect("publish_in");
+        let first = s
+            .claim(&one_lane_claim(lane, 0, 0, 100))
+            .await
+            .expect("claim");
+        let ids: Vec<&str> = first[0]
+            .deliveries
+            .iter()
+            .map(|d| d.event_id.as_str())
+            .collect();
+        assert_eq!(ids, ["k1"]);
+        assert!(
+            first[0].next_after.open.contains(&late_xid),
+            "the late transaction is open: {:?}",
+            first[0].next_after
+        );
+        late.commit().await.expect("commit");
+        let second = s
+            .claim(&one_lane_claim(lane, 0, first[0].next_after.clone(), 100))
+            .await
+            .expect("claim");
+        let ids: Vec<&str> = second[0]
+            .deliveries
+            .iter()
+            .map(|d| d.event_id.as_str())
+            .collect();
+        assert_eq!(ids, ["k2"], "the raised row of the late commit was skipped");
         h.cleanup().await;
     }
 
@@ -2217,7 +2335,7 @@ mod postgres_only {
         let refs: Vec<DeliveryRef> = b[0].deliveries.iter().map(|d| dref(d, 0, 1)).collect();
         assert_eq!(s.complete(&refs).await.expect("complete").len(), 10);
         let next = s
-            .claim(&lane_cursor(lane, b[0].next_after, 3))
+            .claim(&lane_cursor(lane, b[0].next_after.clone(), 3))
             .await
             .expect("claim");
         let ids: Vec<&str> = next[0]
@@ -2598,7 +2716,8 @@ mod mongodb_only {
             .collect::<HashSet<_>>()
             .into_iter()
             .collect();
-        let mut after: HashMap<Lane, i64> = lanes.iter().map(|l| (*l, 0)).collect();
+        let mut after: HashMap<Lane, ClaimCursor> =
+            lanes.iter().map(|l| (*l, ClaimCursor::default())).collect();
         let mut seen_events: HashSet<String> = HashSet::new();
         let mut per_key: HashMap<String, Vec<i64>> = HashMap::new();
         loop {
@@ -2607,14 +2726,14 @@ mod mongodb_only {
                 .map(|l| LaneClaim {
                     lane: *l,
                     epoch: 0,
-                    after: after[l],
+                    after: after[l].clone(),
                     limit: 200,
                 })
                 .collect();
             let batches = s.claim(&claims).await.expect("claim");
             let mut refs = Vec::new();
             for b in &batches {
-                after.insert(b.lane, b.next_after);
+                after.insert(b.lane, b.next_after.clone());
                 for d in &b.deliveries {
                     assert!(
                         seen_events.insert(d.event_id.clone()),
@@ -2780,7 +2899,7 @@ mod mongodb_only {
             .expect("join")
             .expect("the waiting publish succeeds after the held one");
         let second = s
-            .claim(&one_lane_claim(lane, 0, first[0].next_after, 100))
+            .claim(&one_lane_claim(lane, 0, first[0].next_after.clone(), 100))
             .await
             .expect("claim");
         assert_eq!(
@@ -2932,7 +3051,7 @@ mod mongodb_only {
             .map(|l| LaneClaim {
                 lane: *l,
                 epoch: 0,
-                after: 0,
+                after: Default::default(),
                 limit: 1000,
             })
             .collect();
@@ -3096,7 +3215,7 @@ async fn dead_letters_are_replayed_by_time_range_in_key_order(h: &dyn Harness) {
         .map(|r| LaneClaim {
             lane: r.lane,
             epoch: r.epoch,
-            after: 0,
+            after: Default::default(),
             limit: 100,
         })
         .collect();

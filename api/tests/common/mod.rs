@@ -223,7 +223,7 @@ impl TestApp {
             .claim(&[LaneClaim {
                 lane,
                 epoch: 1,
-                after: 0,
+                after: Default::default(),
                 limit: 1000,
             }])
             .await

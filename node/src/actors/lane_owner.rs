@@ -38,11 +38,11 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use chrono::Utc;
-use lanebus_store::{DeliveryRef, Epoch, HandlerState, Lane, LaneClaim};
+use lanebus_store::{ClaimCursor, DeliveryRef, Epoch, HandlerState, Lane, LaneClaim};
 
 use super::budget::BufferBudget;
 use super::key_handler::{Attempt, KeyHandler, KeyHandlerDeps};
@@ -126,6 +126,10 @@ pub struct LaneStatus {
     pub queued: usize,
     /// Deliveries being attempted.
     pub in_flight: usize,
+    /// Since when the lane's claim cursor has been held open by the same
+    /// oldest transaction (PostgreSQL; `None` when no transaction is open
+    /// below the cursor).
+    pub horizon_since: Option<Instant>,
 }
 
 /// Observable state of every lane owner of the node (admin API, tests).
@@ -151,6 +155,20 @@ impl LaneBoard {
             .write()
             .expect("not poisoned")
             .insert(lane, status);
+    }
+
+    /// How long the oldest transaction holding a claim cursor of an active
+    /// lane open has done so (`None`: none is), for
+    /// `lanebus_claim_horizon_age_seconds`.
+    pub fn horizon_age(&self, now: Instant) -> Option<Duration> {
+        self.lanes
+            .read()
+            .expect("not poisoned")
+            .values()
+            .filter(|s| s.state == LaneState::Active)
+            .filter_map(|s| s.horizon_since)
+            .min()
+            .map(|since| now.saturating_duration_since(since))
     }
 
     /// Sum of queued and in-flight deliveries over the active lanes.
@@ -280,6 +298,8 @@ pub struct LaneOwner {
     counted_bytes: std::cell::Cell<usize>,
     /// The store refused a claim: the lane stopped for that reason.
     fenced_out: bool,
+    /// The oldest transaction holding the claim cursor open, and since when.
+    horizon: Option<(i64, Instant)>,
     /// No claim yet: the first waits until no attempt of this lane is under
     /// way on this node. An owner stopped at once (its holder lease lapsed)
     /// leaves its attempts running; started again at the same epoch, a new
@@ -311,6 +331,7 @@ impl LaneOwner {
             draining: false,
             counted_bytes: std::cell::Cell::new(0),
             fenced_out: false,
+            horizon: None,
         }
     }
 
@@ -378,7 +399,7 @@ impl LaneOwner {
         let claim = LaneClaim {
             lane: self.lane,
             epoch: self.epoch,
-            after: ticket.after(),
+            after: ticket.after().clone(),
             limit,
         };
         let fut = self.deps.store_actor.send(ClaimLane(claim));
@@ -413,7 +434,8 @@ impl LaneOwner {
                     act.suspect = false;
                     let returned = batch.deliveries.len();
                     act.more_waiting = returned >= limit as usize;
-                    let moved = batch.next_after > ticket.after();
+                    let moved = batch.next_after.passed(ticket.after());
+                    act.note_horizon(&batch.next_after);
                     let new = act.accepted(ticket, batch.deliveries, batch.next_after, ctx);
                     act.deps.board.budget().claimed(
                         reservation,
@@ -453,11 +475,21 @@ impl LaneOwner {
         }));
     }
 
+    /// Remembers since when the oldest open transaction of the cursor holds
+    /// it (a new oldest one restarts the clock).
+    fn note_horizon(&mut self, cursor: &ClaimCursor) {
+        self.horizon = match (cursor.open.first(), self.horizon) {
+            (None, _) => None,
+            (Some(&x), Some((y, since))) if x == y => Some((y, since)),
+            (Some(&x), _) => Some((x, Instant::now())),
+        };
+    }
+
     fn accepted(
         &mut self,
         ticket: ClaimTicket,
         deliveries: Vec<lanebus_store::Delivery>,
-        next_after: i64,
+        next_after: ClaimCursor,
         ctx: &mut Context<Self>,
     ) -> usize {
         let new = self.queue.accept_batch(ticket, deliveries, next_after);
@@ -682,6 +714,7 @@ impl LaneOwner {
                 state: LaneState::Active,
                 queued,
                 in_flight,
+                horizon_since: self.horizon.map(|(_, since)| since),
             },
         );
         metrics::lane_depth(self.lane, queued, in_flight);
@@ -736,6 +769,7 @@ impl Actor for LaneOwner {
                 },
                 queued: 0,
                 in_flight: 0,
+                horizon_since: None,
             },
         );
         metrics::lane_depth(self.lane, 0, 0);

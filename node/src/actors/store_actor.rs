@@ -214,7 +214,7 @@ async fn run_tick(store: Arc<dyn Store>, batch: Pending) {
         let mut lanes = Vec::with_capacity(claims.len());
         for (c, _) in &claims {
             if seen.insert(c.lane) {
-                lanes.push(*c);
+                lanes.push(c.clone());
             }
         }
         match store.claim(&lanes).await {
@@ -228,7 +228,7 @@ async fn run_tick(store: Arc<dyn Store>, batch: Pending) {
                         lane: c.lane,
                         owned: true,
                         deliveries: Vec::new(),
-                        next_after: c.after,
+                        next_after: c.after.clone(),
                     });
                     let _ = reply.send(Ok(part));
                 }

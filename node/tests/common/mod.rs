@@ -416,3 +416,29 @@ pub fn verify_with_python(python: &str, entries: &[Value]) -> anyhow::Result<Str
     );
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
 }
+
+/// No repeat without a cause: per event, every request but the last failed,
+/// and the attempt numbers are 1, 2, 3, ... (one node, no owner change).
+#[allow(dead_code)]
+pub fn ensure_no_repeat_without_failure(
+    reqs: &[lanebus_node::receiver::Received],
+) -> anyhow::Result<()> {
+    let mut per_event: std::collections::HashMap<&str, Vec<(u32, bool)>> = Default::default();
+    for r in reqs {
+        per_event
+            .entry(r.event_id.as_str())
+            .or_default()
+            .push((r.attempt, r.accepted()));
+    }
+    for (id, tries) in &per_event {
+        let n = tries.len();
+        for (i, &(attempt, ok)) in tries.iter().enumerate() {
+            anyhow::ensure!(attempt as usize == i + 1, "{id}: attempt numbers {tries:?}");
+            anyhow::ensure!(
+                ok == (i + 1 == n),
+                "{id}: repeat without a failure {tries:?}"
+            );
+        }
+    }
+    Ok(())
+}

@@ -66,7 +66,7 @@ pub(super) async fn claim(
             lane: c.lane,
             owned: epochs.get(&c.lane) == Some(&c.epoch),
             deliveries: Vec::new(),
-            next_after: c.after,
+            next_after: c.after.clone(),
         })
         .collect();
     let owned: Vec<(usize, &LaneClaim)> = claims
@@ -78,7 +78,7 @@ pub(super) async fn claim(
         let mut pipeline: Vec<Document> = Vec::with_capacity(chunk.len() + 4);
         for (n, (slot, c)) in chunk.iter().enumerate() {
             let sub = vec![
-                doc! { "$match": { "lane": i32::from(c.lane), "pos": { "$gt": c.after } } },
+                doc! { "$match": { "lane": i32::from(c.lane), "pos": { "$gt": c.after.pos } } },
                 doc! { "$sort": { "pos": 1 } },
                 doc! { "$limit": i64::from(c.limit) },
                 doc! { "$addFields": { "slot": *slot as i64 } },
@@ -109,7 +109,7 @@ pub(super) async fn claim(
                 .and_then(|i| batches.get_mut(i))
                 .ok_or_else(|| StoreError::Database(format!("claim row for slot {slot}")))?;
             let pos = get_int(&row, "pos")?;
-            b.next_after = b.next_after.max(pos);
+            b.next_after.pos = b.next_after.pos.max(pos);
             b.deliveries.push(delivery_from_doc(&row)?);
         }
     }

@@ -29,18 +29,29 @@ pub(super) async fn fence(pool: &PgPool, lane: Lane, owner: &str, epoch: Epoch) 
 }
 
 pub(super) async fn claim(pool: &PgPool, claims: &[LaneClaim]) -> Result<Vec<LaneBatch>> {
+    if claims.is_empty() {
+        return Ok(Vec::new());
+    }
     let lanes: Vec<i32> = claims.iter().map(|c| i32::from(c.lane)).collect();
     let epochs: Vec<i64> = claims.iter().map(|c| c.epoch).collect();
-    let afters: Vec<i64> = claims.iter().map(|c| c.after).collect();
+    let positions: Vec<i64> = claims.iter().map(|c| c.after.pos).collect();
     let limits: Vec<i32> = claims
         .iter()
         .map(|c| i32::try_from(c.limit).unwrap_or(i32::MAX))
         .collect();
+    // The cursors' open transactions as (claim ordinal, xid) pairs.
+    let (open_ords, open_xids): (Vec<i32>, Vec<i64>) = claims
+        .iter()
+        .zip(1..)
+        .flat_map(|(c, ord)| c.after.open.iter().map(move |&x| (ord, x)))
+        .unzip();
     let rows = sqlx::query(include_str!("sql/claim.sql"))
         .bind(&lanes)
         .bind(&epochs)
-        .bind(&afters)
+        .bind(&positions)
         .bind(&limits)
+        .bind(&open_ords)
+        .bind(&open_xids)
         .fetch_all(pool)
         .await
         .map_err(map_err)?;
@@ -51,12 +62,15 @@ pub(super) async fn claim(pool: &PgPool, claims: &[LaneClaim]) -> Result<Vec<Lan
             lane: c.lane,
             owned: false,
             deliveries: Vec::new(),
-            next_after: c.after,
+            next_after: c.after.clone(),
         })
         .collect();
-    // Per lane: the snapshot's xmin and the largest xid returned.
-    let mut xmin = 0i64;
-    let mut max_xid: Vec<Option<i64>> = vec![None; claims.len()];
+    let mut snapshot: Option<Snapshot> = None;
+    // Per lane: rows of the ranged part, and the largest xid among them.
+    let mut ranged = vec![0usize; claims.len()];
+    let mut top: Vec<Option<i64>> = vec![None; claims.len()];
+    // A row may come in both parts of its lane's claim.
+    let mut seen = HashSet::new();
     for row in &rows {
         let ord: i64 = row.try_get("ord").map_err(map_err)?;
         let i = usize::try_from(ord - 1)
@@ -64,32 +78,79 @@ pub(super) async fn claim(pool: &PgPool, claims: &[LaneClaim]) -> Result<Vec<Lan
             .filter(|&i| i < batches.len())
             .ok_or_else(|| StoreError::Database(format!("claim returned lane position {ord}")))?;
         batches[i].owned = row.try_get("owned").map_err(map_err)?;
-        xmin = row.try_get("xmin").map_err(map_err)?;
+        if snapshot.is_none() {
+            let xmax: Option<i64> = row.try_get("xmax").map_err(map_err)?;
+            let xip: Option<Vec<i64>> = row.try_get("xip").map_err(map_err)?;
+            if let (Some(xmax), Some(xip)) = (xmax, xip) {
+                snapshot = Some(Snapshot { xmax, xip });
+            }
+        }
         let xid: Option<i64> = row.try_get("xid").map_err(map_err)?;
-        if let Some(xid) = xid {
-            max_xid[i] = Some(max_xid[i].map_or(xid, |m| m.max(xid)));
-            batches[i]
-                .deliveries
-                .push(delivery_from_row(row, claims[i].lane)?);
+        let Some(xid) = xid else { continue };
+        if row.try_get::<Option<bool>, _>("ranged").map_err(map_err)? == Some(true) {
+            ranged[i] += 1;
+            top[i] = Some(top[i].map_or(xid, |m| m.max(xid)));
+        }
+        let d = delivery_from_row(row, claims[i].lane)?;
+        if seen.insert((i, d.id)) {
+            batches[i].deliveries.push(d);
         }
     }
-    for ((b, c), top) in batches.iter_mut().zip(claims).zip(max_xid) {
-        if !b.owned {
-            continue;
+    let snapshot =
+        snapshot.ok_or_else(|| StoreError::Database("claim returned no snapshot".into()))?;
+    for (i, (b, c)) in batches.iter_mut().zip(claims).enumerate() {
+        if b.owned {
+            b.next_after = next_cursor(&c.after, c.limit, ranged[i], top[i], &snapshot);
         }
-        // Everything below xmin was visible to this claim and has been read,
-        // except past a limit cut: then only up to the last xid read (whose
-        // rows all came back, WITH TIES).
-        let cut = b.deliveries.len() >= c.limit as usize;
-        let next = match top {
-            Some(top) if cut => xmin.min(top.saturating_add(1)),
-            // A zero limit read nothing: keep the cursor.
-            None if cut => c.after,
-            _ => xmin,
-        };
-        b.next_after = next.max(c.after);
     }
     Ok(batches)
+}
+
+/// What a claim's snapshot says about transactions: every xid below `xmax`
+/// that is not in `xip` had ended when it was taken.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Snapshot {
+    xmax: i64,
+    /// Xids in progress, ascending.
+    xip: Vec<i64>,
+}
+
+/// The cursor after a claim from `after` that returned `ranged` rows of its
+/// `xid >= pos` part (`top` the largest of their xids) and every row of the
+/// cursor's open transactions visible to `snap`.
+///
+/// Not cut by the limit: every row visible to the snapshot was read, so the
+/// position moves to `xmax`, and the transactions still in progress that may
+/// hold unread rows stay open (those past the old position, and those open
+/// before). Cut at xid `top`: the position moves just past `top` (its rows
+/// all came back, WITH TIES), and the open set keeps the transactions in
+/// progress up to `top`; those past it are read by position.
+fn next_cursor(
+    after: &ClaimCursor,
+    limit: u32,
+    ranged: usize,
+    top: Option<i64>,
+    snap: &Snapshot,
+) -> ClaimCursor {
+    if limit == 0 {
+        // A zero limit read nothing: keep the cursor.
+        return after.clone();
+    }
+    let was_open = |x: i64| after.open.binary_search(&x).is_ok();
+    let (pos, upto) = match top {
+        Some(top) if ranged >= limit as usize => (after.pos.max(top.saturating_add(1)), top),
+        _ => (after.pos.max(snap.xmax), i64::MAX),
+    };
+    let open: Vec<i64> = snap
+        .xip
+        .iter()
+        .copied()
+        .filter(|&x| was_open(x) || (x >= after.pos && x <= upto))
+        .collect();
+    ClaimCursor {
+        pos,
+        open: open.into(),
+    }
 }
 
 fn delivery_from_row(row: &PgRow, lane: Lane) -> Result<Delivery> {
@@ -280,4 +341,74 @@ pub(super) async fn prune(pool: &PgPool, before: DateTime<Utc>, limit: u32) -> R
         completions: u64::try_from(completions).unwrap_or_default(),
         events: u64::try_from(events).unwrap_or_default(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cursor(pos: i64, open: &[i64]) -> ClaimCursor {
+        ClaimCursor {
+            pos,
+            open: open.into(),
+        }
+    }
+
+    fn snap(xmax: i64, xip: &[i64]) -> Snapshot {
+        Snapshot {
+            xmax,
+            xip: xip.to_vec(),
+        }
+    }
+
+    #[test]
+    fn an_open_transaction_does_not_hold_the_position_back() {
+        // Transaction 100 stays open (an idle session): the position moves
+        // past everything the snapshot saw, and only 100 is read again.
+        let c = next_cursor(
+            &cursor(90, &[]),
+            256,
+            10,
+            Some(140),
+            &snap(150, &[100, 145]),
+        );
+        assert_eq!(c, cursor(150, &[100, 145]));
+        let c = next_cursor(&c, 256, 3, Some(170), &snap(180, &[100]));
+        assert_eq!(c, cursor(180, &[100]), "145 ended: its rows were read");
+    }
+
+    #[test]
+    fn transactions_below_the_old_position_stay_open_only_if_they_were() {
+        // 95 is in progress but below the position and not open: it ended
+        // before the cursor passed it... unless it was open; a snapshot
+        // cannot show a transaction below an earlier xmax that was not
+        // then in progress, so only the open ones are kept.
+        let c = next_cursor(&cursor(100, &[95]), 10, 0, None, &snap(120, &[95, 110]));
+        assert_eq!(c, cursor(120, &[95, 110]));
+        let c = next_cursor(&cursor(100, &[]), 10, 0, None, &snap(120, &[95, 110]));
+        assert_eq!(c, cursor(120, &[110]));
+    }
+
+    #[test]
+    fn a_limit_cut_moves_just_past_the_last_xid_read() {
+        // Cut at xid 130: in-progress transactions up to it stay open, those
+        // past it are read by position.
+        let c = next_cursor(
+            &cursor(100, &[90]),
+            5,
+            5,
+            Some(130),
+            &snap(200, &[90, 120, 150]),
+        );
+        assert_eq!(c, cursor(131, &[90, 120]));
+        // A zero limit reads nothing and keeps the cursor.
+        let before = cursor(100, &[90]);
+        assert_eq!(next_cursor(&before, 0, 0, None, &snap(200, &[])), before);
+    }
+
+    #[test]
+    fn the_cursor_never_goes_back() {
+        let c = next_cursor(&cursor(300, &[]), 10, 0, None, &snap(250, &[]));
+        assert_eq!(c.pos, 300);
+    }
 }

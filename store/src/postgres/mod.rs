@@ -50,29 +50,41 @@
 //! An id-sequence cursor skips a row whose transaction commits after a later
 //! id was read (the late-commit pitfall). Instead each delivery row carries
 //! `xid`, a value at least its inserting transaction's id
-//! (`pg_current_xact_id()`), and a claim reads `xid >= after` and returns the
-//! `pg_snapshot_xmin` of its own snapshot as the next cursor: every
-//! transaction below xmin had finished when the claim read, so nothing below
-//! it can still appear, while a transaction still open is read again next
-//! time. Rows read twice are de-duplicated by the owner by id.
+//! (`pg_current_xact_id()`), and the cursor ([`ClaimCursor`]) is a position
+//! plus the transactions that were in progress below it. A claim reads the
+//! rows with `xid >= pos` and every row of the cursor's open transactions,
+//! and returns its snapshot (`pg_snapshot_xmax`, `pg_snapshot_xip`): every
+//! transaction below xmax and not in xip had finished when the claim read,
+//! so the next position is xmax and the next open set the transactions of
+//! xip that may still write rows the claim has not read (those at or past
+//! the old position, and those open before). Rows read twice are
+//! de-duplicated by the owner by id.
 //!
-//! Two refinements:
-//! - **Limit cuts.** A lane's rows are read in `(xid, id)` order, up to its
-//!   limit *plus the rest of the last xid's rows* (`FETCH FIRST n ROWS WITH
-//!   TIES`). The next cursor is then `min(xmin, last xid + 1)`: nothing is
-//!   skipped, and a transaction with more rows in a lane than the limit
-//!   cannot stall the cursor. So a lane may return more than `limit` rows,
-//!   by at most one transaction's rows in that lane.
+//! Three refinements:
+//! - **Limit cuts.** The `xid >= pos` part is read in `(xid, id)` order, up
+//!   to the limit *plus the rest of the last xid's rows* (`FETCH FIRST n
+//!   ROWS WITH TIES`); the next position is then just past that xid, and
+//!   the in-progress transactions below it stay open. Nothing is skipped,
+//!   and a transaction with more rows in a lane than the limit cannot stall
+//!   the cursor. So a lane may return more than `limit` rows: one
+//!   transaction's rows in that lane, and the rows of open transactions that
+//!   committed since the last claim.
 //! - **Per-key order.** Transaction ids are assigned at a transaction's first
 //!   write, which need not follow the order in which publishers took a key's
 //!   row lock (and so their sequence numbers). A keyed delivery therefore
 //!   takes as `xid` the larger of its transaction's id and the key's previous
 //!   value, kept in `key_seqs.xid` under the same row lock; so a key's
 //!   deliveries are claimed in sequence order, also across limit cuts.
+//! - **Raised rows.** Such a row records its transaction's id in `txid`
+//!   (NULL otherwise, so the partial index `deliveries_reopen` costs nothing
+//!   on the common path), and an open transaction's rows are found by `xid`
+//!   or by `txid`.
 //!
-//! A long-running transaction anywhere in the cluster holds xmin back, so
-//! claims re-read (and the owner de-duplicates) the rows published since it
-//! began until it ends; the owner's limit should allow for what it holds.
+//! A transaction left open anywhere on the server (an idle session, a long
+//! report) therefore costs each claim an index probe for its id, not a
+//! re-read of everything published since it began; the node exports how
+//! long the oldest open transaction has held a cursor
+//! (`lanebus_claim_horizon_age_seconds`).
 //!
 //! # Fencing
 //!
@@ -171,6 +183,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../migrations/postgres/0003_retention.sql"),
     include_str!("../../migrations/postgres/0004_late_completions.sql"),
     include_str!("../../migrations/postgres/0005_held_backfill.sql"),
+    include_str!("../../migrations/postgres/0006_claim_txid.sql"),
 ];
 
 /// The PostgreSQL store. Cheap to clone: clones share the pool.

@@ -63,7 +63,7 @@ pub(super) async fn claim(
             lane: c.lane,
             owned: epochs.get(&i64::from(c.lane)) == Some(&c.epoch),
             deliveries: Vec::new(),
-            next_after: c.after,
+            next_after: c.after.clone(),
         })
         .collect();
     let owned: Vec<(usize, &LaneClaim)> = claims
@@ -85,7 +85,7 @@ pub(super) async fn claim(
             q = q
                 .bind(*i as i64)
                 .bind(i64::from(c.lane))
-                .bind(c.after)
+                .bind(c.after.pos)
                 .bind(i64::from(c.limit));
         }
         for row in q.fetch_all(&mut *conn).await.map_err(map_err)? {
@@ -95,7 +95,7 @@ pub(super) async fn claim(
                 .and_then(|i| batches.get_mut(i))
                 .ok_or_else(|| StoreError::Database(format!("claim row for slot {slot}")))?;
             let d = delivery_from_row(&row)?;
-            b.next_after = b.next_after.max(d.id);
+            b.next_after.pos = b.next_after.pos.max(d.id);
             b.deliveries.push(d);
         }
     }

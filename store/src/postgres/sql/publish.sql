@@ -49,8 +49,12 @@ dl AS (
     -- sequence numbers. A delayed event's deliveries are due at its
     -- deliver_at (and held: see complete.sql); the lane owner keeps a keyed
     -- one at the head of its key until then.
-    INSERT INTO deliveries (xid, lane, handler_id, event_id, key, seq, due_at, held)
-    SELECT coalesce(ks.xid, pg_current_xact_id()::text::bigint), ev.lane, h.id, ev.id, ev.key, ev.seq,
+    -- txid: this transaction's id where the key raised xid above it (the
+    -- claim reads a transaction that was in progress by either; 0006).
+    INSERT INTO deliveries (xid, txid, lane, handler_id, event_id, key, seq, due_at, held)
+    SELECT coalesce(ks.xid, pg_current_xact_id()::text::bigint),
+           CASE WHEN ks.xid > pg_current_xact_id()::text::bigint THEN pg_current_xact_id()::text::bigint END,
+           ev.lane, h.id, ev.id, ev.key, ev.seq,
            coalesce(i.deliver_at, now()), CASE WHEN i.deliver_at IS NOT NULL THEN true END
     FROM ev
     JOIN input i ON i.id = ev.id
