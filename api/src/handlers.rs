@@ -631,22 +631,23 @@ pub struct Deleted {
     pub discarded_dead_letters: u64,
 }
 
-/// Refuses a `timeout_ms` that is not shorter than the cluster's lane lease
-/// (see [`crate::NodeView::lease`]); a node would also refuse to start with
-/// such a handler stored.
+/// Refuses a `timeout_ms` longer than the cluster's lane lease leaves room
+/// for (see [`crate::NodeView::longest_timeout`]); a node would also refuse
+/// to start with such a handler stored.
 ///
 /// # Errors
 /// `422 invalid_handler` naming both numbers.
-fn check_timeout_below_lease(
+fn check_timeout_fits_lease(
     timeout_ms: u64,
-    lease: Option<std::time::Duration>,
+    bound: Option<std::time::Duration>,
 ) -> Result<(), ApiError> {
-    match lease {
-        Some(lease) if u128::from(timeout_ms) >= lease.as_millis() => Err(invalid(format!(
-            "timeout_ms {timeout_ms} must be shorter than the cluster's lane lease ({} ms): an \
-             attempt still in flight when a lease ends could reach the receiver after the next \
-             owner's delivery of the same key",
-            lease.as_millis()
+    match bound {
+        Some(bound) if u128::from(timeout_ms) > bound.as_millis() => Err(invalid(format!(
+            "timeout_ms {timeout_ms} must be at most {} ms, what the cluster's lane lease leaves \
+             room for (the lease less one renewal interval less 100 ms): an attempt starts only \
+             while the remaining lease covers its timeout plus 100 ms, so that it ends before the \
+             lease does and cannot overlap the next owner's delivery of the same key",
+            bound.as_millis()
         ))),
         _ => Ok(()),
     }
@@ -657,13 +658,13 @@ pub(crate) async fn create(
     State(state): State<ApiState>,
     Json(mut req): Json<CreateHandler>,
 ) -> Result<(StatusCode, axum::Json<HandlerView>), ApiError> {
-    let lease = state.node.lease();
-    if let (None, Some(lease)) = (req.timeout_ms, lease) {
-        let below = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX) - 1;
-        req.timeout_ms = Some(handler_defaults::TIMEOUT_MS.min(below));
+    let bound = state.node.longest_timeout();
+    if let (None, Some(bound)) = (req.timeout_ms, bound) {
+        let bound = u64::try_from(bound.as_millis()).unwrap_or(u64::MAX);
+        req.timeout_ms = Some(handler_defaults::TIMEOUT_MS.min(bound));
     }
     let new = validate_handler(req)?;
-    check_timeout_below_lease(new.timeout_ms, lease)?;
+    check_timeout_fits_lease(new.timeout_ms, bound)?;
     // The SSRF guard (`crate::egress`): refused targets are `422 invalid_handler`.
     state
         .egress
@@ -805,7 +806,7 @@ pub(crate) async fn update(
     check_handler_id(&id)?;
     let patch = validate_patch(req)?;
     if let Some(t) = patch.timeout_ms {
-        check_timeout_below_lease(t, state.node.lease())?;
+        check_timeout_fits_lease(t, state.node.longest_timeout())?;
     }
     // The SSRF guard (`crate::egress`) on a new URL, as at registration.
     if let Some(url) = &patch.url {

@@ -198,13 +198,16 @@ pub trait NodeView: Send + Sync + 'static {
         None
     }
 
-    /// The lane lease of a cluster member: a handler's `timeout_ms` must be
-    /// shorter (an attempt still in flight when a lease ends could reach the
-    /// receiver after the next owner's delivery of the same key), so the API
-    /// refuses a longer one, and a registration without `timeout_ms` gets
-    /// the default or, when the lease is shorter, the lease minus one
-    /// millisecond. `None` (the default): no lease, no bound.
-    fn lease(&self) -> Option<std::time::Duration> {
+    /// The longest handler `timeout_ms` a cluster member's lane lease
+    /// leaves room for: the lease less one renewal interval less the
+    /// attempt slack (`lanebus_cluster::LeaseConfig::longest_timeout_ms`).
+    /// An attempt starts only while the remaining lease covers its timeout
+    /// plus the slack, so that it ends before the lease does and cannot
+    /// overlap the next owner's delivery of the same key; a longer timeout
+    /// would hold attempts back. The API refuses a longer one, and a
+    /// registration without `timeout_ms` gets the default or this bound,
+    /// whichever is shorter. `None` (the default): no lease, no bound.
+    fn longest_timeout(&self) -> Option<std::time::Duration> {
         None
     }
 

@@ -320,12 +320,13 @@ async fn a_rate_limit_can_be_given_at_registration(app: TestApp) {
     assert_eq!(app.snapshot().await, before, "refusals store nothing");
 }
 
-/// A handler timeout must be shorter than the lane lease (a node refuses to
-/// start otherwise): refused at registration and in a patch; without
-/// `timeout_ms`, a lease shorter than the default lowers the default.
+/// A handler timeout must fit in what the lane lease leaves room for (a
+/// node refuses to start otherwise): refused at registration and in a
+/// patch; without `timeout_ms`, a bound below the default lowers the
+/// default.
 async fn timeouts_must_be_shorter_than_the_lease(backend: common::Backend) {
     let node = common::StubNode {
-        lease: Some(std::time::Duration::from_millis(3_000)),
+        longest_timeout: Some(std::time::Duration::from_millis(2_900)),
         ..common::StubNode::default()
     };
     common::run_with(backend, common::TEST_LIMITS, node, |app| async move {
@@ -343,7 +344,7 @@ async fn timeouts_must_be_shorter_than_the_lease(backend: common::Backend) {
         assert_eq!(res.json["error"]["code"], "invalid_handler");
         let message = res.json["error"]["message"].as_str().unwrap_or_default();
         assert!(
-            message.contains("timeout_ms 3000") && message.contains("lease (3000 ms)"),
+            message.contains("timeout_ms 3000") && message.contains("at most 2900 ms"),
             "{message}"
         );
         assert_eq!(app.snapshot().await, before, "nothing stored");
@@ -351,8 +352,8 @@ async fn timeouts_must_be_shorter_than_the_lease(backend: common::Backend) {
         let res = app.post("/v1/handlers", register(None)).await;
         assert_eq!(res.status, StatusCode::CREATED, "{res:?}");
         assert_eq!(
-            res.json["timeout_ms"], 2_999,
-            "the default, lowered below the lease"
+            res.json["timeout_ms"], 2_900,
+            "the default, lowered to the bound"
         );
         let id = res.json["id"].as_str().expect("id").to_owned();
         let res = app.post("/v1/handlers", register(Some(2_000))).await;

@@ -525,6 +525,21 @@ impl Inner {
             .may_work(&self.cfg.lease, self.now_ms(), applied_index)
     }
 
+    /// Until when this node may work lanes: the end of its holder lease,
+    /// `None` when it may not work now ([`Inner::may_work`]).
+    fn work_until(&self, applied: &Applied) -> Option<Instant> {
+        let applied_index = applied.data.last_applied.map_or(0, |l| l.index);
+        let h = self
+            .holder
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !h.may_work(&self.cfg.lease, self.now_ms(), applied_index) {
+            return None;
+        }
+        h.ends_at_ms(&self.cfg.lease)
+            .map(|ms| self.base + Duration::from_millis(ms))
+    }
+
     fn publish(&self, applied: &Applied, was_valid: &mut bool) {
         let valid = self.may_work(applied);
         if valid != *was_valid {
@@ -918,6 +933,15 @@ impl Cluster {
     /// their timers may fire before [`Cluster::owned_lanes`] is emptied.
     pub fn may_work(&self) -> bool {
         self.inner.may_work(&self.inner.sm.current())
+    }
+
+    /// Until when this node may hand work over: the end of its holder
+    /// lease by its own clock, or `None` when it may not work now (see
+    /// [`Cluster::may_work`]). An attempt starts only if it can end by then
+    /// (its handler's timeout plus [`crate::lease::ATTEMPT_SLACK_MS`]).
+    /// Cheap, like [`Cluster::may_work`].
+    pub fn work_until(&self) -> Option<Instant> {
+        self.inner.work_until(&self.inner.sm.current())
     }
 
     /// The leader's id and HTTP address, as far as this node knows.

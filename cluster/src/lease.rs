@@ -11,8 +11,21 @@
 //! rate differences between the two machines. So the holder has stopped its
 //! lanes before the leader gives them away, even without any message between
 //! them (DESIGN.md section 3, "Leases").
+//!
+//! An attempt must end before its holder's lease does: it starts only when
+//! the remaining lease covers its handler's timeout plus
+//! [`ATTEMPT_SLACK_MS`] (the node's `attempt_may_start`), so an attempt
+//! never runs past the holder's lease end, let alone past the leader's
+//! reassignment at `applied + lease + margin`. Renewals keep room for that
+//! only if the lease is at least the longest handler timeout plus one
+//! renewal interval plus the slack ([`LeaseConfig::validate`]).
 
 use std::fmt;
+
+/// Milliseconds an attempt's start leaves on top of its handler's timeout
+/// before the end of its owner's lease (or of a drain): for the time
+/// between the check and the send, and the timer's own lateness.
+pub const ATTEMPT_SLACK_MS: u64 = 100;
 
 /// Lease settings, all in milliseconds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,8 +39,9 @@ pub struct LeaseConfig {
 }
 
 impl Default for LeaseConfig {
-    /// 15 s lease renewed every 2 s, 3 s margin: above the default handler
-    /// timeout of 10 s (see [`LeaseConfig::validate`]).
+    /// 15 s lease renewed every 2 s, 3 s margin: room for handler timeouts
+    /// up to 12.9 s, above the default of 10 s (see
+    /// [`LeaseConfig::validate`]).
     fn default() -> Self {
         LeaseConfig {
             lease_ms: 15_000,
@@ -40,10 +54,13 @@ impl Default for LeaseConfig {
 /// Why a lease configuration was refused.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LeaseConfigError {
-    /// The lease is not longer than the longest handler timeout.
-    LeaseNotLongerThanTimeout {
+    /// The lease is shorter than the longest handler timeout plus one
+    /// renewal interval plus [`ATTEMPT_SLACK_MS`].
+    TimeoutNotCovered {
         /// Configured lease.
         lease_ms: u64,
+        /// Configured renewal interval.
+        renew_interval_ms: u64,
         /// Longest handler timeout.
         timeout_ms: u64,
     },
@@ -61,11 +78,24 @@ pub enum LeaseConfigError {
 impl fmt::Display for LeaseConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            LeaseConfigError::LeaseNotLongerThanTimeout { lease_ms, timeout_ms } => write!(
+            LeaseConfigError::TimeoutNotCovered {
+                lease_ms,
+                renew_interval_ms,
+                timeout_ms,
+            } => write!(
                 f,
-                "lease_ms {lease_ms} must be longer than the longest handler timeout ({timeout_ms} ms): \
-                 an attempt still in flight when the lease ends could reach the receiver after the \
-                 new owner's next delivery of the same key, breaking per-key order"
+                "lease_ms {lease_ms} must be at least the longest handler timeout ({timeout_ms} ms) \
+                 plus renew_interval_ms ({renew_interval_ms}) plus {ATTEMPT_SLACK_MS} ms: an attempt \
+                 starts only while the remaining lease covers its timeout plus {ATTEMPT_SLACK_MS} ms \
+                 (so that it ends before the lease does and cannot overlap the new owner's next \
+                 delivery of the same key), and the lease left just before a renewal is the lease \
+                 less one renewal interval; handler timeouts up to {} ms fit",
+                LeaseConfig {
+                    lease_ms: *lease_ms,
+                    renew_interval_ms: *renew_interval_ms,
+                    margin_ms: 0
+                }
+                .longest_timeout_ms()
             ),
             LeaseConfigError::RenewTooSlow { lease_ms, renew_interval_ms } => write!(
                 f,
@@ -80,7 +110,22 @@ impl fmt::Display for LeaseConfigError {
 impl std::error::Error for LeaseConfigError {}
 
 impl LeaseConfig {
-    /// Checks the settings against the longest handler timeout.
+    /// The longest handler timeout these settings leave room for, in
+    /// milliseconds: `lease_ms - renew_interval_ms - ATTEMPT_SLACK_MS`
+    /// (0 when that is negative). Just before a renewal is committed the
+    /// holder has about `lease_ms - renew_interval_ms` left, and an attempt
+    /// starts only when the remaining lease covers its timeout plus
+    /// [`ATTEMPT_SLACK_MS`].
+    pub fn longest_timeout_ms(&self) -> u64 {
+        self.lease_ms
+            .saturating_sub(self.renew_interval_ms)
+            .saturating_sub(ATTEMPT_SLACK_MS)
+    }
+
+    /// Checks the settings against the longest handler timeout: the lease
+    /// must be at least that timeout plus one renewal interval plus
+    /// [`ATTEMPT_SLACK_MS`] ([`longest_timeout_ms`](Self::longest_timeout_ms)),
+    /// and a renewal interval at most a third of the lease.
     ///
     /// # Errors
     /// [`LeaseConfigError`] saying which rule is broken and why it matters.
@@ -91,9 +136,10 @@ impl LeaseConfig {
         if self.renew_interval_ms == 0 {
             return Err(LeaseConfigError::Zero("renew_interval_ms"));
         }
-        if self.lease_ms <= longest_handler_timeout_ms {
-            return Err(LeaseConfigError::LeaseNotLongerThanTimeout {
+        if longest_handler_timeout_ms > self.longest_timeout_ms() {
+            return Err(LeaseConfigError::TimeoutNotCovered {
                 lease_ms: self.lease_ms,
+                renew_interval_ms: self.renew_interval_ms,
                 timeout_ms: longest_handler_timeout_ms,
             });
         }
@@ -163,6 +209,13 @@ impl HolderLease {
             .map_or(0, |s| s.saturating_add(cfg.lease_ms).saturating_sub(now_ms))
     }
 
+    /// When the lease ends, in the caller's milliseconds (`None`: never
+    /// held). A node may work its lanes until then; an attempt started at
+    /// `now_ms` must end by then.
+    pub fn ends_at_ms(&self, cfg: &LeaseConfig) -> Option<u64> {
+        self.sent_at_ms.map(|s| s.saturating_add(cfg.lease_ms))
+    }
+
     /// Whether the node may keep working its lanes at `now_ms`.
     pub fn valid(&self, cfg: &LeaseConfig, now_ms: u64) -> bool {
         self.remaining_ms(cfg, now_ms) > 0
@@ -182,8 +235,20 @@ mod tests {
     #[test]
     fn lease_shorter_than_handler_timeout_is_refused_with_the_reason() {
         let err = CFG.validate(5_000).unwrap_err();
-        assert!(err.to_string().contains("per-key order"), "{err}");
-        assert!(CFG.validate(2_999).is_ok());
+        assert!(
+            err.to_string().contains("next delivery of the same key"),
+            "{err}"
+        );
+        // 3,000 ms lease, 500 ms renewals: up to 2,400 ms.
+        assert_eq!(CFG.longest_timeout_ms(), 2_400);
+        assert!(CFG.validate(2_400).is_ok());
+        let err = CFG.validate(2_401).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("handler timeouts up to 2400 ms fit"),
+            "{err}"
+        );
+        assert_eq!(LeaseConfig::default().longest_timeout_ms(), 12_900);
         assert!(matches!(
             LeaseConfig {
                 renew_interval_ms: 1_500,
@@ -201,6 +266,7 @@ mod tests {
         assert!(!h.valid(&CFG, 0), "no lease before the first renewal");
         h.committed(&CFG, 1_000, None); // sent at 1,000; the leader applies it later, at 1,200.
         assert_eq!(h.remaining_ms(&CFG, 2_000), 2_000);
+        assert_eq!(h.ends_at_ms(&CFG), Some(4_000));
         assert!(h.valid(&CFG, 3_999));
         assert!(!h.valid(&CFG, 4_000));
         assert!(!CFG.expired_for_leader(1_200, 4_000));

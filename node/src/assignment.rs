@@ -61,25 +61,45 @@ use tokio::sync::{mpsc, watch};
 /// Lanes owned by this node and the epoch of each.
 pub type OwnedLanes = BTreeMap<Lane, Epoch>;
 
-/// Whether this node may hand work over right now: checked by lane owners
-/// before dispatching and by key handlers before every attempt. In a cluster
-/// it is [`Cluster::may_work`] (lease valid by this node's clock, and after a
-/// lapse the Raft log applied up to the renewal that ended it): after a pause
-/// (SIGSTOP) the actors' timers may fire before the lanes are taken away, and
-/// an attempt sent then could overtake the new owner's deliveries of the same
-/// key. Always open without a cluster.
+/// How long this node may have work under way, as its [`WorkGate`] says
+/// now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Room {
+    /// No work may be handed over (the lease lapsed, or was never held).
+    Closed,
+    /// Work may be handed over; every attempt must end by this instant (the
+    /// end of the node's holder lease, by its own clock).
+    Until(Instant),
+    /// No lease bounds the work (a single node).
+    Unbounded,
+}
+
+/// Whether this node may hand work over right now, and until when: checked
+/// by lane owners before dispatching and by key handlers before every
+/// attempt. In a cluster it is [`Cluster::work_until`] (lease valid by this
+/// node's clock, and after a lapse the Raft log applied up to the renewal
+/// that ended it): after a pause (SIGSTOP) the actors' timers may fire
+/// before the lanes are taken away, and an attempt sent then could overtake
+/// the new owner's deliveries of the same key. An attempt starts only if it
+/// can end within the room ([`attempt_may_start`]). Always open, without
+/// bound, without a cluster.
 #[derive(Clone, Default)]
-pub struct WorkGate(Option<Arc<dyn Fn() -> bool + Send + Sync>>);
+pub struct WorkGate(Option<Arc<dyn Fn() -> Room + Send + Sync>>);
 
 impl WorkGate {
-    /// A gate that asks `open` each time.
-    pub fn new(open: impl Fn() -> bool + Send + Sync + 'static) -> Self {
-        WorkGate(Some(Arc::new(open)))
+    /// A gate that asks `room` each time.
+    pub fn new(room: impl Fn() -> Room + Send + Sync + 'static) -> Self {
+        WorkGate(Some(Arc::new(room)))
     }
 
-    /// Whether work may be handed over now.
+    /// The room for work now.
+    pub fn room(&self) -> Room {
+        self.0.as_ref().map_or(Room::Unbounded, |f| f())
+    }
+
+    /// Whether work may be handed over now (at all).
     pub fn open(&self) -> bool {
-        self.0.as_ref().is_none_or(|f| f())
+        self.room() != Room::Closed
     }
 }
 
@@ -93,9 +113,93 @@ impl std::fmt::Debug for WorkGate {
     }
 }
 
-/// How long a closed [`WorkGate`] defers a dispatch or an attempt before
-/// asking again.
+/// How long a closed [`WorkGate`] (or a lease or drain with too little room
+/// left for an attempt) defers a dispatch or an attempt before asking
+/// again.
 pub const GATE_RECHECK: Duration = Duration::from_millis(50);
+
+/// What an attempt's start leaves on top of its handler's timeout before
+/// the end of the lease or drain
+/// ([`lanebus_cluster::lease::ATTEMPT_SLACK_MS`]).
+pub const ATTEMPT_SLACK: Duration = Duration::from_millis(lanebus_cluster::lease::ATTEMPT_SLACK_MS);
+
+/// Whether an attempt whose handler times out after `timeout` may start at
+/// `now`: the gate's `room` is open, and the attempt (its timeout plus
+/// [`ATTEMPT_SLACK`]) ends by the room's end and by `drain_until`, the
+/// bound of a drain under way (a planned handover or a graceful stop).
+/// Otherwise it waits: a renewal normally makes room again, and a drain
+/// ends at its bound.
+pub fn attempt_may_start(
+    now: Instant,
+    room: Room,
+    drain_until: Option<Instant>,
+    timeout: Duration,
+) -> bool {
+    let lease_end = match room {
+        Room::Closed => return false,
+        Room::Until(end) => Some(end),
+        Room::Unbounded => None,
+    };
+    let end = match (lease_end, drain_until) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
+    end.is_none_or(|end| now + timeout + ATTEMPT_SLACK <= end)
+}
+
+/// What binds the attempts of one lane owner to it: shared by the owner,
+/// its key handlers and their attempts. An attempt asks
+/// [`OwnerTie::may_start`] right before it is sent.
+#[derive(Debug)]
+pub struct OwnerTie {
+    lane: Lane,
+    epoch: Epoch,
+    gate: WorkGate,
+    /// Set by a drain: attempts must end by then.
+    drain_until: Mutex<Option<Instant>>,
+}
+
+impl OwnerTie {
+    /// The tie of the owner of `lane` at `epoch`, on a node whose work gate
+    /// is `gate`.
+    pub fn new(lane: Lane, epoch: Epoch, gate: WorkGate) -> Self {
+        OwnerTie {
+            lane,
+            epoch,
+            gate,
+            drain_until: Mutex::new(None),
+        }
+    }
+
+    /// The lane.
+    pub fn lane(&self) -> Lane {
+        self.lane
+    }
+
+    /// The epoch the owner works at.
+    pub fn epoch(&self) -> Epoch {
+        self.epoch
+    }
+
+    /// The node's work gate.
+    pub fn gate(&self) -> &WorkGate {
+        &self.gate
+    }
+
+    /// A drain started: attempts must end by `until` (an earlier bound set
+    /// before is kept).
+    pub fn drain(&self, until: Instant) {
+        let mut d = self.drain_until.lock().expect("not poisoned");
+        *d = Some(d.map_or(until, |d| d.min(until)));
+    }
+
+    /// Whether an attempt whose handler times out after `timeout` may start
+    /// now ([`attempt_may_start`]).
+    pub fn may_start(&self, timeout: Duration) -> bool {
+        let drain_until = *self.drain_until.lock().expect("not poisoned");
+        attempt_may_start(Instant::now(), self.gate.room(), drain_until, timeout)
+    }
+}
 
 /// What the node must do with its lanes now.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -747,6 +851,50 @@ mod tests {
         }
         warn_refused(&mut refused, &shared);
         assert_eq!(shared.lock().unwrap().len(), 2);
+    }
+
+    #[test]
+    fn an_attempt_starts_only_if_it_ends_within_the_lease_and_the_drain() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let timeout = ms(10_000);
+        // Lease ends at t0 + 15 s: room for 10 s plus the 100 ms slack until
+        // t0 + 4.9 s.
+        let lease = Room::Until(t0 + ms(15_000));
+        assert!(attempt_may_start(t0, lease, None, timeout));
+        assert!(attempt_may_start(t0 + ms(4_900), lease, None, timeout));
+        assert!(!attempt_may_start(t0 + ms(4_901), lease, None, timeout));
+        assert!(!attempt_may_start(t0 + ms(14_999), lease, None, timeout));
+        // A drain bound of t0 + 10.5 s comes first.
+        let drain = Some(t0 + ms(10_500));
+        assert!(attempt_may_start(t0 + ms(400), lease, drain, timeout));
+        assert!(!attempt_may_start(t0 + ms(401), lease, drain, timeout));
+        // Without a lease, only the drain bounds it; closed, nothing starts.
+        assert!(attempt_may_start(
+            t0 + ms(99_999),
+            Room::Unbounded,
+            None,
+            timeout
+        ));
+        assert!(!attempt_may_start(
+            t0 + ms(401),
+            Room::Unbounded,
+            drain,
+            timeout
+        ));
+        assert!(!attempt_may_start(t0, Room::Closed, None, ms(1)));
+    }
+
+    #[test]
+    fn a_drain_bound_only_ever_moves_earlier() {
+        let t0 = Instant::now();
+        let tie = OwnerTie::new(3, 7, WorkGate::default());
+        assert!(tie.may_start(Duration::from_secs(3_600)));
+        tie.drain(t0 + Duration::from_secs(60));
+        tie.drain(t0 + Duration::from_secs(600));
+        assert!(!tie.may_start(Duration::from_secs(60)));
+        assert!(tie.may_start(Duration::from_secs(30)));
+        assert_eq!((tie.lane(), tie.epoch()), (3, 7));
     }
 
     #[test]

@@ -104,8 +104,9 @@ pub struct NodeArgs {
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub single: bool,
     /// How long a committed lease renewal keeps this node's lanes, in
-    /// milliseconds; must be longer than the longest handler timeout
-    /// [default: 15000].
+    /// milliseconds; must be at least the longest handler timeout plus
+    /// the renewal interval plus 100 ms (an attempt starts only while the
+    /// remaining lease covers its timeout plus 100 ms) [default: 15000].
     #[arg(long, env = "LANEBUS_LEASE_MS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lease_ms: Option<u64>,

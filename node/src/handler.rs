@@ -18,6 +18,7 @@ use async_trait::async_trait;
 use lanebus_store::{Delivery, Handler as HandlerConfig, HandlerState};
 use tokio::sync::Semaphore;
 
+use crate::assignment::OwnerTie;
 use crate::catalog::HandlerCatalog;
 use crate::retry::AttemptOutcome;
 use crate::webhook::WebhookSender;
@@ -74,9 +75,11 @@ pub enum NotAttempted {
     HandlerDeleted,
     /// The handler was disabled while the attempt waited for its permit.
     HandlerDisabled,
-    /// This node's work gate closed while the attempt waited for its permit
-    /// (its lease lapsed, e.g. the process was paused): nothing was sent;
-    /// ask again later (see [`crate::assignment::WorkGate`]).
+    /// Once the attempt held its permit, its owner's lease or drain no
+    /// longer left room for it (the gate closed, e.g. the process was
+    /// paused, or less remains than the handler's timeout plus the slack,
+    /// see [`crate::assignment::attempt_may_start`]): nothing was sent; ask
+    /// again later.
     Paused,
 }
 
@@ -90,14 +93,14 @@ pub enum NotAttempted {
 /// one token bucket per handler on this node ([`Dispatcher::rate_wait`]).
 /// [`attempt_checked`](Self::attempt_checked) looks the handler up again
 /// once it holds the permit, so attempts queued behind a slow handler are
-/// not sent after it was deleted or disabled.
+/// not sent after it was deleted or disabled, and asks its owner's
+/// [`OwnerTie`] whether it may still start.
 #[derive(Clone)]
 pub struct Dispatcher {
     webhook: WebhookSender,
     in_process: Arc<HashMap<String, Arc<dyn Handler>>>,
     permits: Arc<Mutex<Permits>>,
     rates: Arc<crate::rate::RateLimiter>,
-    gate: crate::assignment::WorkGate,
     /// Hand-overs under way on this node, whatever their lane's owner does
     /// meanwhile (see [`Dispatcher::attempts_in_flight`]).
     in_flight: Arc<AttemptCounter>,
@@ -158,7 +161,6 @@ impl Dispatcher {
             in_process: Arc::new(in_process),
             permits: Arc::default(),
             rates: Arc::default(),
-            gate: crate::assignment::WorkGate::default(),
             in_flight: Arc::new(AttemptCounter::new(lanes)),
         }
     }
@@ -182,14 +184,6 @@ impl Dispatcher {
     /// or it would send the same rows again next to them.
     pub fn lane_attempts_in_flight(&self, lane: lanebus_store::Lane) -> usize {
         self.in_flight.lane(lane)
-    }
-
-    /// The same dispatcher, checking `gate` once an attempt has its permit,
-    /// right before it is sent: an attempt that waited for a permit through
-    /// a pause of the process must not be sent after the lane moved.
-    pub fn with_gate(mut self, gate: crate::assignment::WorkGate) -> Self {
-        self.gate = gate;
-        self
     }
 
     /// The handler's semaphore, re-created when its limit changed (attempts
@@ -246,13 +240,17 @@ impl Dispatcher {
     /// waiting for one of the handler's permits; then looks the handler up
     /// in `catalog` ([`HandlerCatalog::current`]: after a change made through
     /// this node's API, a fresh read) and sends with its current settings,
-    /// or sends nothing if it was deleted or disabled meanwhile.
+    /// or sends nothing if it was deleted or disabled meanwhile, or if its
+    /// owner's `tie` leaves no room for its timeout (an attempt that waited
+    /// for a permit through a pause of the process, or until close to the
+    /// end of the lease or of a drain, must not outlive its owner).
     ///
     /// # Errors
     /// [`NotAttempted`] when nothing was sent; the delivery is untouched.
     pub async fn attempt_checked(
         &self,
         catalog: &HandlerCatalog,
+        tie: &OwnerTie,
         handler: &HandlerConfig,
         delivery: &Delivery,
         attempt: u32,
@@ -264,9 +262,6 @@ impl Dispatcher {
                 retry_after: None,
             });
         };
-        if !self.gate.open() {
-            return Err(NotAttempted::Paused);
-        }
         match catalog.current(&handler.id).await {
             None => {
                 drop(permit);
@@ -274,6 +269,9 @@ impl Dispatcher {
                 Err(NotAttempted::HandlerDeleted)
             }
             Some(h) if h.state != HandlerState::Enabled => Err(NotAttempted::HandlerDisabled),
+            Some(h) if !tie.may_start(Duration::from_millis(h.timeout_ms)) => {
+                Err(NotAttempted::Paused)
+            }
             Some(h) => Ok(self.hand_over(&h, delivery, attempt).await),
         }
     }
@@ -451,20 +449,26 @@ mod tests {
         );
         let config = catalog.get(&h.id).expect("cached");
 
-        let (d1, c1, h1) = (dispatcher.clone(), catalog.clone(), config.clone());
-        let first =
-            tokio::spawn(
-                async move { d1.attempt_checked(&c1, &h1, &delivery(1, &h1.id), 1).await },
-            );
+        let tie = Arc::new(OwnerTie::new(0, 1, crate::assignment::WorkGate::default()));
+        let (d1, c1, h1, t1) = (
+            dispatcher.clone(),
+            catalog.clone(),
+            config.clone(),
+            tie.clone(),
+        );
+        let first = tokio::spawn(async move {
+            d1.attempt_checked(&c1, &t1, &h1, &delivery(1, &h1.id), 1)
+                .await
+        });
         while gate.calls.load(Ordering::SeqCst) == 0 {
             tokio::task::yield_now().await;
         }
         // The second waits for the only slot.
-        let (d2, c2, h2) = (dispatcher.clone(), catalog.clone(), config.clone());
-        let second =
-            tokio::spawn(
-                async move { d2.attempt_checked(&c2, &h2, &delivery(2, &h2.id), 1).await },
-            );
+        let (d2, c2, h2, t2) = (dispatcher.clone(), catalog.clone(), config.clone(), tie);
+        let second = tokio::spawn(async move {
+            d2.attempt_checked(&c2, &t2, &h2, &delivery(2, &h2.id), 1)
+                .await
+        });
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert_eq!(dispatcher.semaphores(), 1);
         assert_eq!(

@@ -51,7 +51,7 @@ use crate::actors::lane_owner::{Drain, LaneDeps, StopLane, Wake};
 use crate::actors::{LaneBoard, LaneConfig, LaneOwner, LaneState, StoreActor, StoreActorConfig};
 use crate::assignment::{
     owner_node, plan_lanes, AssignmentError, FencedOutLanes, LaneAssignment, LaneWork,
-    LocalAssignment, RaftAssignment, Running, WorkGate,
+    LocalAssignment, RaftAssignment, Room, Running, WorkGate,
 };
 use crate::catalog::HandlerCatalog;
 use crate::handler::{AttemptCounter, Dispatcher, Handler};
@@ -314,7 +314,7 @@ pub struct NodeState {
     ready: watch::Sender<bool>,
     retention: Duration,
     /// The lane lease of a cluster member (`None` with `--single`).
-    lease: Option<Duration>,
+    lease: Option<LeaseConfig>,
     /// Lanes Raft gives this node that someone outside the cluster holds
     /// in the store (see [`crate::assignment`]): `/readyz` answers 503
     /// while any is listed.
@@ -476,8 +476,9 @@ impl NodeView for NodeState {
         Some(self.retention)
     }
 
-    fn lease(&self) -> Option<Duration> {
+    fn longest_timeout(&self) -> Option<Duration> {
         self.lease
+            .map(|l| Duration::from_millis(l.longest_timeout_ms()))
     }
 
     /// Started, joined (in a cluster), and no lane of this node fenced out
@@ -712,10 +713,12 @@ async fn run(
             .map(|o| o.addr)
             .collect()
     };
-    for a in &owners {
-        a.do_send(Drain);
-    }
     let deadline = tokio::time::Instant::now() + drain_timeout;
+    for a in &owners {
+        a.do_send(Drain {
+            until: deadline.into_std(),
+        });
+    }
     while owners.iter().any(|a| a.connected()) && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
@@ -749,7 +752,9 @@ async fn run(
         // that timed out: an attempt still in flight must not overtake the
         // next owner's, which is what waiting for the lease prevents.
         if abandoned == 0 {
-            let lease = state.lease.unwrap_or(Duration::from_secs(2));
+            let lease = state.lease.map_or(Duration::from_secs(2), |l| {
+                Duration::from_millis(l.lease_ms)
+            });
             match c.release_lease(lease.min(Duration::from_secs(2))).await {
                 Ok(()) => tracing::info!("lease given up: the lanes move now"),
                 Err(e) => {
@@ -847,7 +852,7 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
     let gate = match &cluster {
         Some(c) => {
             let c = c.clone();
-            WorkGate::new(move || c.may_work())
+            WorkGate::new(move || c.work_until().map_or(Room::Closed, Room::Until))
         }
         None => WorkGate::default(),
     };
@@ -855,8 +860,7 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
         WebhookSender::with_source_ip(opts.egress.clone(), opts.webhook_source_ip)?,
         opts.in_process.clone(),
         store.lanes(),
-    )
-    .with_gate(gate.clone());
+    );
     let board = Arc::new(LaneBoard::default());
     let owners: Owners = Arc::default();
     let stopping = Arc::new(AtomicBool::new(false));
@@ -871,10 +875,7 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
         metrics: metrics_handle,
         ready: watch::channel(false).0,
         retention: opts.retention.retention,
-        lease: opts
-            .cluster
-            .as_ref()
-            .map(|c| Duration::from_millis(c.lease.lease_ms)),
+        lease: opts.cluster.as_ref().map(|c| c.lease),
         fenced_out: FencedOutLanes::default(),
         attempts: dispatcher.attempt_counter(),
     });
@@ -1113,18 +1114,24 @@ impl LaneControl {
                 continue;
             };
             o.draining = true;
-            o.addr.do_send(Drain);
+            let bound = self.drain_bound();
+            let deadline = tokio::time::Instant::now() + bound;
+            o.addr.do_send(Drain {
+                until: deadline.into_std(),
+            });
             sent.insert(lane);
             tracing::info!(
                 lane,
                 epoch = o.epoch,
-                bound_ms = self.drain_bound().as_millis() as u64,
+                bound_ms = bound.as_millis() as u64,
                 "handing the lane over: draining"
             );
-            actix_rt::spawn(
-                self.clone()
-                    .drain_then_release(lane, o.epoch, o.addr.clone()),
-            );
+            actix_rt::spawn(self.clone().drain_then_release(
+                lane,
+                o.epoch,
+                o.addr.clone(),
+                deadline,
+            ));
         }
         for &(lane, epoch) in &plan.start {
             let addr = LaneOwner::new(lane, epoch, self.deps.clone()).start();
@@ -1152,8 +1159,13 @@ impl LaneControl {
         }
     }
 
-    async fn drain_then_release(self: Arc<Self>, lane: Lane, epoch: Epoch, addr: Addr<LaneOwner>) {
-        let deadline = tokio::time::Instant::now() + self.drain_bound();
+    async fn drain_then_release(
+        self: Arc<Self>,
+        lane: Lane,
+        epoch: Epoch,
+        addr: Addr<LaneOwner>,
+        deadline: tokio::time::Instant,
+    ) {
         while addr.connected() && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }

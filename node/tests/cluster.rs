@@ -866,8 +866,8 @@ mod handler_added_after_start_drains_its_attempts {
     }
 }
 
-/// A lease not longer than the longest handler timeout is refused at start,
-/// with the reason.
+/// A lease shorter than the longest handler timeout plus a renewal interval
+/// plus the attempt slack is refused at start, with the reason.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lease_shorter_than_a_handler_timeout_is_refused() {
     let db = TestDb::new(Backend::Sqlite, "leasecheck").await.unwrap();
@@ -919,7 +919,10 @@ async fn lease_shorter_than_a_handler_timeout_is_refused() {
         "started with a lease below a handler timeout"
     );
     assert!(
-        stderr.contains("lease_ms 3000 must be longer than the longest handler timeout (5000 ms)"),
+        stderr.contains(
+            "lease_ms 3000 must be at least the longest handler timeout (5000 ms) plus \
+             renew_interval_ms (500) plus 100 ms"
+        ),
         "{stderr}"
     );
     let _ = std::fs::remove_dir_all(&dir);

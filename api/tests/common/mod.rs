@@ -42,8 +42,9 @@ pub struct StubNode {
     /// [`NodeView::lanes`] answers `StoreError::Unavailable` with this
     /// message instead of `lanes`.
     pub lanes_error: Option<String>,
-    /// The lane lease answered by [`NodeView::lease`] (`None`: no bound).
-    pub lease: Option<std::time::Duration>,
+    /// The bound answered by [`NodeView::longest_timeout`] (`None`: no
+    /// bound).
+    pub longest_timeout: Option<std::time::Duration>,
 }
 
 #[async_trait]
@@ -63,8 +64,8 @@ impl NodeView for StubNode {
     fn handlers_changed(&self) {
         self.handlers_changed.fetch_add(1, Ordering::SeqCst);
     }
-    fn lease(&self) -> Option<std::time::Duration> {
-        self.lease
+    fn longest_timeout(&self) -> Option<std::time::Duration> {
+        self.longest_timeout
     }
     async fn ready(&self) -> bool {
         !self.not_ready.load(Ordering::SeqCst)

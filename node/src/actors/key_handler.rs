@@ -56,7 +56,7 @@ use super::store_actor::{
     CompleteDelivery, DeadLetterDelivery, DiscardDelivery, RescheduleDelivery, StoreActor,
     StoreCallError,
 };
-use crate::assignment::{WorkGate, GATE_RECHECK};
+use crate::assignment::{OwnerTie, GATE_RECHECK};
 use crate::catalog::HandlerCatalog;
 use crate::handler::{Dispatcher, NotAttempted};
 use crate::metrics;
@@ -87,8 +87,9 @@ pub struct KeyHandlerDeps {
     pub catalog: Arc<HandlerCatalog>,
     /// Backoff parameters.
     pub retry: RetryPolicy,
-    /// Closed while this node must not hand work over (lease lapsed).
-    pub gate: WorkGate,
+    /// Binds its attempts to the lane owner: an attempt starts only while
+    /// the owner's lease (and drain, if any) leaves room for its timeout.
+    pub tie: Arc<OwnerTie>,
 }
 
 /// The key handler actor. See the module docs.
@@ -113,11 +114,17 @@ impl KeyHandler {
     }
 
     fn run(&mut self, delivery: Delivery, handler: Arc<HandlerConfig>, ctx: &mut Context<Self>) {
-        if !self.deps.gate.open() {
-            // The node's lease lapsed (a pause, a cut): send nothing. Ask
-            // again while the lane owner lives; once it is stopped (the lane
-            // moved) this key handler goes too, and the delivery stays in
-            // the store for the next owner.
+        if !self
+            .deps
+            .tie
+            .may_start(Duration::from_millis(handler.timeout_ms))
+        {
+            // The node's lease lapsed (a pause, a cut), or what is left of
+            // it (or of a drain) would not cover the handler's timeout: send
+            // nothing. Ask again while the lane owner lives (a renewal makes
+            // room again); once it is stopped (the lane moved) this key
+            // handler goes too, and the delivery stays in the store for the
+            // next owner.
             if self.deps.owner.connected() {
                 ctx.run_later(GATE_RECHECK, move |act, ctx| {
                     act.run(delivery, handler, ctx)
@@ -150,20 +157,22 @@ impl KeyHandler {
         let attempt = delivery.attempts + 1;
         let dispatcher = self.deps.dispatcher.clone();
         let catalog = self.deps.catalog.clone();
+        let tie = self.deps.tie.clone();
         let (d, h) = (delivery.clone(), handler.clone());
         // The hand-over (body, signature, HTTP) runs on the tokio workers.
-        let send =
-            tokio::spawn(
-                async move { dispatcher.attempt_checked(&catalog, &h, &d, attempt).await },
-            );
+        let send = tokio::spawn(async move {
+            dispatcher
+                .attempt_checked(&catalog, &tie, &h, &d, attempt)
+                .await
+        });
         ctx.spawn(send.into_actor(self).map(move |joined, act, ctx| {
             let outcome = match joined {
                 Ok(Ok(outcome)) => outcome,
                 Ok(Err(NotAttempted::HandlerDeleted)) => return act.gone(delivery, ctx),
                 Ok(Err(NotAttempted::HandlerDisabled)) => return act.park(delivery),
                 Ok(Err(NotAttempted::Paused)) => {
-                    // The gate closed while waiting for a permit: try again
-                    // (run() waits while it stays closed).
+                    // No room left for it once it had its permit: try again
+                    // (run() waits while there is none).
                     ctx.run_later(GATE_RECHECK, move |act, ctx| {
                         act.run(delivery, handler, ctx)
                     });

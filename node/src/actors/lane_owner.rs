@@ -47,7 +47,7 @@ use lanebus_store::{ClaimCursor, DeliveryRef, Epoch, HandlerState, Lane, LaneCla
 use super::budget::BufferBudget;
 use super::key_handler::{Attempt, KeyHandler, KeyHandlerDeps};
 use super::store_actor::{ClaimLane, DiscardDelivery, StoreActor, StoreCallError};
-use crate::assignment::{WorkGate, GATE_RECHECK};
+use crate::assignment::{OwnerTie, WorkGate, GATE_RECHECK};
 use crate::catalog::HandlerCatalog;
 use crate::handler::Dispatcher;
 use crate::metrics;
@@ -194,12 +194,17 @@ pub struct Wake;
 pub struct CatalogChanged;
 
 /// Command: stop claiming and handing out; the lane owner stops once
-/// nothing of the lane is in flight (graceful shutdown). Deliveries waiting
-/// for a retry count as in flight: the caller bounds the wait and then sends
-/// [`StopLane`]; their failed attempts are already recorded in the store.
+/// nothing of the lane is in flight (graceful shutdown, planned handover).
+/// Deliveries waiting for a retry count as in flight: the caller bounds the
+/// wait at `until` and then sends [`StopLane`]; their failed attempts are
+/// already recorded in the store. No attempt, retries included, starts that
+/// could not end by `until` ([`OwnerTie::drain`]).
 #[derive(Debug, Clone, Copy, Message)]
 #[rtype(result = "()")]
-pub struct Drain;
+pub struct Drain {
+    /// The drain's bound.
+    pub until: std::time::Instant,
+}
 
 /// Command: stop the lane now (ownership moved, or a drain took too long).
 #[derive(Debug, Clone, Copy, Message)]
@@ -275,6 +280,8 @@ pub struct LaneOwner {
     lane: Lane,
     epoch: Epoch,
     deps: LaneDeps,
+    /// Shared with the key handlers and their attempts.
+    tie: Arc<OwnerTie>,
     queue: LaneQueue,
     claiming: bool,
     claim_again: bool,
@@ -314,6 +321,7 @@ impl LaneOwner {
         LaneOwner {
             lane,
             epoch,
+            tie: Arc::new(OwnerTie::new(lane, epoch, deps.gate.clone())),
             deps,
             queue: LaneQueue::new(),
             claiming: false,
@@ -648,12 +656,12 @@ impl LaneOwner {
             let attempt = Attempt { delivery, handler };
             if slot.key.is_some() {
                 let addr = self.key_handlers.entry(slot).or_insert_with(|| {
-                    KeyHandler::new(key_handler_deps(&self.deps, self.epoch, ctx.address())).start()
+                    KeyHandler::new(key_handler_deps(&self.deps, &self.tie, ctx.address())).start()
                 });
                 addr.do_send(attempt);
             } else {
                 // Unkeyed: a key handler per delivery, gone when it settles.
-                KeyHandler::new(key_handler_deps(&self.deps, self.epoch, ctx.address()))
+                KeyHandler::new(key_handler_deps(&self.deps, &self.tie, ctx.address()))
                     .start()
                     .do_send(attempt);
             }
@@ -721,15 +729,19 @@ impl LaneOwner {
     }
 }
 
-fn key_handler_deps(deps: &LaneDeps, epoch: Epoch, owner: Addr<LaneOwner>) -> KeyHandlerDeps {
+fn key_handler_deps(
+    deps: &LaneDeps,
+    tie: &Arc<OwnerTie>,
+    owner: Addr<LaneOwner>,
+) -> KeyHandlerDeps {
     KeyHandlerDeps {
-        epoch,
+        epoch: tie.epoch(),
         owner,
         store_actor: deps.store_actor.clone(),
         dispatcher: deps.dispatcher.clone(),
         catalog: deps.catalog.clone(),
         retry: deps.config.retry,
-        gate: deps.gate.clone(),
+        tie: tie.clone(),
     }
 }
 
@@ -798,7 +810,8 @@ impl Handler<CatalogChanged> for LaneOwner {
 impl Handler<Drain> for LaneOwner {
     type Result = ();
 
-    fn handle(&mut self, _: Drain, ctx: &mut Self::Context) {
+    fn handle(&mut self, msg: Drain, ctx: &mut Self::Context) {
+        self.tie.drain(msg.until);
         self.draining = true;
         self.dispatch(ctx);
     }
