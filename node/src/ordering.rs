@@ -355,11 +355,11 @@ impl LaneQueue {
                 // blocks its key). Unkeyed: any due one, in id order.
                 let pos = if slot_key.key.is_some() {
                     match slot.pending.iter().next() {
-                        Some((p, d)) if d.due_at <= now => *p,
+                        Some((p, d)) if due(d) <= now => *p,
                         _ => break,
                     }
                 } else {
-                    match slot.pending.iter().find(|(_, d)| d.due_at <= now) {
+                    match slot.pending.iter().find(|(_, d)| due(d) <= now) {
                         Some((p, _)) => *p,
                         None => break,
                     }
@@ -388,17 +388,9 @@ impl LaneQueue {
                     if !s.in_flight.is_empty() {
                         return None;
                     }
-                    s.pending
-                        .values()
-                        .next()
-                        .map(|d| d.due_at)
-                        .filter(|&at| at > now)
+                    s.pending.values().next().map(due).filter(|&at| at > now)
                 } else {
-                    s.pending
-                        .values()
-                        .map(|d| d.due_at)
-                        .filter(|&at| at > now)
-                        .min()
+                    s.pending.values().map(due).filter(|&at| at > now).min()
                 }
             })
             .chain(self.trims.values().filter_map(|t| t.until))
@@ -576,13 +568,13 @@ impl LaneQueue {
                     Some(_) => {}
                     None => {
                         if let Some(head) = slot.pending.values().next() {
-                            if head.due_at > now {
-                                waiting_heads.push((k.clone(), head.due_at));
+                            if due(head) > now {
+                                waiting_heads.push((k.clone(), due(head)));
                             }
                         }
                     }
                 }
-            } else if slot.pending.values().any(|d| d.due_at > now) {
+            } else if slot.pending.values().any(|d| due(d) > now) {
                 not_due_unkeyed.push(k.clone());
             }
         }
@@ -666,7 +658,7 @@ impl LaneQueue {
             let later: Vec<Pos> = slot
                 .pending
                 .iter()
-                .filter(|(_, d)| d.due_at > now)
+                .filter(|(_, d)| due(d) > now)
                 .map(|(p, _)| *p)
                 .collect();
             for pos in later {
@@ -679,8 +671,8 @@ impl LaneQueue {
                 // No tombstone: the rescan at its time must take it again.
                 let (at, from) = self
                     .deferred
-                    .get_or_insert_with(|| (d.due_at, h.from.clone()));
-                *at = (*at).min(d.due_at);
+                    .get_or_insert_with(|| (due(&d), h.from.clone()));
+                *at = (*at).min(due(&d));
                 *from = from.earliest(&h.from);
                 dropped.push(d.id);
             }
@@ -807,6 +799,20 @@ fn earliest(a: Option<ClaimCursor>, c: &ClaimCursor) -> ClaimCursor {
     match a {
         Some(a) => a.earliest(c),
         None => c.clone(),
+    }
+}
+
+/// When `d` may be attempted, on this node's clock. A delivery due at its
+/// event's publish (neither delayed nor retried: its due time was written
+/// by the store's clock, like `published_at`) is due at once, so a node
+/// whose clock is behind the store's does not hold fresh deliveries back.
+/// A retry's due time was written by an owner's clock (a node's), a delayed
+/// one's by the publisher (`deliver_at`): those are compared with `now`.
+fn due(d: &Delivery) -> DateTime<Utc> {
+    if d.due_at <= d.published_at {
+        DateTime::<Utc>::MIN_UTC
+    } else {
+        d.due_at
     }
 }
 
@@ -1034,6 +1040,27 @@ mod tests {
             handler_id: "h".into(),
             key: Some("a".into())
         }));
+    }
+
+    #[test]
+    fn a_fresh_delivery_is_due_at_once_whatever_the_clocks() {
+        // The store's clock is 2 s ahead of this node's: a fresh delivery's
+        // due time (its publish time) lies in the node's future.
+        let mut q = LaneQueue::new();
+        let mut fresh = d(1, "h", Some("a"), 1);
+        fresh.published_at = t0() + Duration::seconds(2);
+        fresh.due_at = fresh.published_at;
+        let mut retried = d(2, "h", Some("b"), 1);
+        retried.attempts = 1;
+        retried.due_at = t0() + Duration::seconds(2);
+        let t = q.begin_claim();
+        q.accept(t, vec![fresh, retried]);
+        assert_eq!(
+            ids(&q.next_ready(t0(), open)),
+            vec![1],
+            "fresh: at once; retry: at its time"
+        );
+        assert_eq!(q.next_due(t0()), Some(t0() + Duration::seconds(2)));
     }
 
     fn slot(h: &str, k: Option<&str>) -> SlotKey {
