@@ -81,7 +81,9 @@ pub(crate) async fn recover(
     let since = parse_time("since", &req.since)?;
     if let Some(retention) = state.node.retention() {
         let kept = chrono::TimeDelta::from_std(retention).unwrap_or(chrono::TimeDelta::MAX);
-        if let Some(earliest) = Utc::now().checked_sub_signed(kept) {
+        // On the store's clock, which wrote the completion times.
+        let now = state.store.now().await.map_err(ApiError::from)?;
+        if let Some(earliest) = now.checked_sub_signed(kept) {
             if since < earliest {
                 return Err(ApiError::new(
                     ErrorCode::InvalidInput,

@@ -492,6 +492,9 @@ mod stalled {
         async fn ping(&self) -> Result<()> {
             pending().await
         }
+        async fn now(&self) -> Result<chrono::DateTime<chrono::Utc>> {
+            pending().await
+        }
         async fn wakeups(&self) -> Result<Wakeups> {
             pending().await
         }

@@ -4,7 +4,7 @@
 //!
 //! ```text
 //!  every prune interval, on the node that owns lane 0 (one node at a time):
-//!    loop { Store::prune(now - retention, size)         one short statement
+//!    loop { Store::prune(store now - retention, size)   one short statement
 //!           pause max(MIN_PAUSE, PAUSE_FACTOR x its time) leaves the store
 //!                                                       to dispatch
 //!           size = next_batch(size, its time)           1x to 16x the batch
@@ -94,7 +94,10 @@ pub async fn prune_pass(
     let mut total = Pruned::default();
     let mut size = config.batch.max(1);
     while go_on() {
-        let before = chrono::Utc::now()
+        // The cutoff on the store's clock, which wrote the completion times.
+        let before = store
+            .now()
+            .await?
             .checked_sub_signed(retention)
             .unwrap_or(chrono::DateTime::<chrono::Utc>::MIN_UTC);
         let started = Instant::now();

@@ -81,6 +81,9 @@ impl Store for Counting {
     async fn ping(&self) -> Result<()> {
         self.inner.ping().await
     }
+    async fn now(&self) -> Result<chrono::DateTime<chrono::Utc>> {
+        self.inner.now().await
+    }
     async fn wakeups(&self) -> Result<Wakeups> {
         self.inner.wakeups().await
     }

@@ -1039,6 +1039,17 @@ pub trait Store: Send + Sync + 'static {
     /// Checks that the store answers (for `/readyz`).
     async fn ping(&self) -> Result<()>;
 
+    /// The time on the clock the store's timestamps are written by (publish
+    /// times, fresh deliveries' due times, completion times), so that
+    /// cutoffs compared with them (retention, the recover window) do not mix
+    /// in a node's clock: PostgreSQL's `now()`; SQLite's is the host's (the
+    /// store is a file of this process); MongoDB's documents carry their
+    /// writers' clocks, so there it is this node's.
+    ///
+    /// # Errors
+    /// [`StoreError::Unavailable`]/[`StoreError::Database`].
+    async fn now(&self) -> Result<DateTime<Utc>>;
+
     /// Subscribes to publish wake-ups.
     async fn wakeups(&self) -> Result<Wakeups>;
 }

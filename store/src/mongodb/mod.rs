@@ -909,6 +909,10 @@ impl Store for MongoStore {
         catalog::counts(self).await
     }
 
+    async fn now(&self) -> Result<chrono::DateTime<chrono::Utc>> {
+        Ok(chrono::Utc::now())
+    }
+
     async fn ping(&self) -> Result<()> {
         self.db
             .run_command(doc! { "ping": 1 })

@@ -625,6 +625,13 @@ impl Store for PgStore {
         catalog::counts(&self.pool).await
     }
 
+    async fn now(&self) -> Result<chrono::DateTime<chrono::Utc>> {
+        sqlx::query_scalar("SELECT now()")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(map_err)
+    }
+
     async fn ping(&self) -> Result<()> {
         sqlx::query("SELECT 1")
             .execute(&self.pool)

@@ -538,6 +538,10 @@ impl Store for SqliteStore {
         catalog::counts(&self.pool).await
     }
 
+    async fn now(&self) -> Result<chrono::DateTime<chrono::Utc>> {
+        Ok(chrono::Utc::now())
+    }
+
     async fn ping(&self) -> Result<()> {
         sqlx::query("SELECT 1")
             .execute(&self.pool)
