@@ -953,9 +953,15 @@ pub trait Store: Send + Sync + 'static {
         let _ = (id, failing, at);
         Ok(())
     }
-    /// Removes a handler and, in the same transaction, discards its pending
-    /// deliveries and its dead letters, returning how many of each were
-    /// discarded; [`StoreError::NotFound`] if absent (nothing removed).
+    /// Removes a handler and discards its pending deliveries and its dead
+    /// letters, returning how many of each were discarded;
+    /// [`StoreError::NotFound`] if absent. Nothing is routed to the handler
+    /// once the call has started removing it. SQLite and MongoDB do it in
+    /// one transaction; PostgreSQL removes the handler first and then its
+    /// rows in short batches, so the delete of a large backlog holds up no
+    /// other handler's dispatch (an interrupted one leaves the rest to the
+    /// lane owners, which discard deliveries of an unknown handler, and a
+    /// repeated call sweeps it before answering `NotFound`).
     async fn delete_handler(&self, id: &str) -> Result<DeletedHandler>;
 
     /// Lists dead letters, oldest first.

@@ -1,30 +1,47 @@
-//! Session settings of the store's own PostgreSQL connections. JIT is off
-//! (`PgStore::connect`: compiling the claim at every execution once its
-//! estimated cost passes `jit_above_cost` cost 200-600 ms per claim), unless
-//! the URL sets it. Needs `LANEBUS_TEST_POSTGRES_URL` (a superuser URL; a
+//! Session settings of the store's own PostgreSQL connections
+//! (`postgres::SESSION_DEFAULTS`), each unless the URL sets it: JIT is off
+//! (compiling the claim at every execution once its estimated cost passes
+//! `jit_above_cost` cost 200-600 ms per claim); statements, lock waits and
+//! idle transactions are bounded, and TCP keepalives find a vanished node
+//! (issue 18 item 4). Needs `LANEBUS_TEST_POSTGRES_URL` (a superuser URL; a
 //! database is created and dropped).
 
 mod common;
 
 use lanebus_store::postgres::PgStore;
 
-#[tokio::test]
-async fn the_store_turns_jit_off_unless_the_url_sets_it() {
+/// A fresh database `name` on the test server: (admin pool, its URL).
+async fn fresh_database(name: &str) -> (sqlx::PgPool, String) {
     let admin_url = std::env::var("LANEBUS_TEST_POSTGRES_URL").expect(
         "LANEBUS_TEST_POSTGRES_URL is not set: run the tests with scripts/test, which starts a \
          throwaway PostgreSQL",
     );
-    let db = format!("lanebus_jit_{}", std::process::id());
+    let db = format!("{name}_{}", std::process::id());
     let admin = sqlx::PgPool::connect(&admin_url).await.unwrap();
-    sqlx::query(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
-        .execute(&admin)
-        .await
-        .unwrap();
+    drop_database(&admin, &db).await;
     sqlx::query(&format!("CREATE DATABASE {db}"))
         .execute(&admin)
         .await
         .unwrap();
-    let url = common::with_database(&admin_url, &db);
+    (admin, common::with_database(&admin_url, &db))
+}
+
+async fn drop_database(admin: &sqlx::PgPool, db: &str) {
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+        .execute(admin)
+        .await
+        .unwrap();
+}
+
+/// `url` with the session `options` (URL-encoded) appended.
+fn with_options(url: &str, options: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}options={options}")
+}
+
+#[tokio::test]
+async fn the_store_turns_jit_off_unless_the_url_sets_it() {
+    let (admin, url) = fresh_database("lanebus_jit").await;
     let jit = |store: &PgStore| {
         let pool = store.pool().clone();
         async move {
@@ -36,14 +53,51 @@ async fn the_store_turns_jit_off_unless_the_url_sets_it() {
     };
     let store = PgStore::connect(&url).await.unwrap();
     assert_eq!(jit(&store).await, "off");
-    let sep = if url.contains('?') { '&' } else { '?' };
-    let store = PgStore::connect(&format!("{url}{sep}options=-c%20jit%3Don"))
+    let store = PgStore::connect(&with_options(&url, "-c%20jit%3Don"))
         .await
         .unwrap();
     assert_eq!(jit(&store).await, "on");
     drop(store);
-    sqlx::query(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
-        .execute(&admin)
-        .await
-        .unwrap();
+    drop_database(&admin, &format!("lanebus_jit_{}", std::process::id())).await;
+}
+
+#[tokio::test]
+async fn the_store_bounds_statements_unless_the_url_sets_it() {
+    let (admin, url) = fresh_database("lanebus_bounds").await;
+    let settings = |store: PgStore| async move {
+        let mut out = Vec::new();
+        for name in [
+            "statement_timeout",
+            "lock_timeout",
+            "idle_in_transaction_session_timeout",
+            "tcp_keepalives_idle",
+            "tcp_keepalives_interval",
+            "tcp_keepalives_count",
+        ] {
+            let v: String = sqlx::query_scalar(&format!("SHOW {name}"))
+                .fetch_one(store.pool())
+                .await
+                .unwrap();
+            out.push(v);
+        }
+        out
+    };
+    let store = PgStore::connect(&url).await.unwrap();
+    assert_eq!(
+        settings(store).await,
+        ["30s", "10s", "1min", "30", "10", "3"],
+        "statement, lock, idle-in-transaction timeouts; keepalive idle, interval, count"
+    );
+    let store = PgStore::connect(&with_options(
+        &url,
+        "-c%20statement_timeout%3D5s%20-c%20lock_timeout%3D0",
+    ))
+    .await
+    .unwrap();
+    assert_eq!(
+        settings(store).await[..2],
+        ["5s", "0"],
+        "the URL's statement and lock timeouts win"
+    );
+    drop_database(&admin, &format!("lanebus_bounds_{}", std::process::id())).await;
 }

@@ -224,39 +224,62 @@ pub(super) async fn mark_handler_failing(
     crate::common::handler_found(n, id)
 }
 
-/// Deletes the handler, its pending deliveries and its dead letters in one
-/// transaction; returns how many deliveries and dead letters were
-/// discarded.
+/// Rows one batch of a handler delete removes (its own short transaction).
+pub(crate) const DELETE_BATCH: i64 = 2_000;
+
+/// Deletes the handler, then its pending deliveries, then its dead letters;
+/// returns how many deliveries and dead letters were discarded.
 ///
-/// Three statements, in this order, not one: under READ COMMITTED each
-/// statement reads a new snapshot. A dead-letter write (delete the delivery,
-/// insert the dead letter, one statement) that holds a delivery row when
-/// the deliveries are deleted makes that statement wait for its commit, so
-/// the dead-letter statement after it sees the new dead letter; in one
-/// statement the snapshot was taken before the wait and the dead letter
-/// was left behind, orphaned (test `postgres_only::
+/// The handler row goes first, in its own transaction: from its commit on,
+/// publishes route nothing more to it (routes are matched in the publish
+/// statement), no dead letter is written for it (`sql/dead_letter.sql`) and
+/// nodes discard what is left of it. Its rows then go in batches of
+/// [`DELETE_BATCH`], each its own statement found through the
+/// `deliveries_handler` index, so a completion that meets one of the rows
+/// waits for one batch, not for the whole backlog (before, one transaction
+/// held every row locked while it scanned the table, and the completions of
+/// every node waited for it).
+///
+/// Deliveries before dead letters: a dead-letter statement that holds a
+/// delivery row when a batch meets it makes the batch wait for its commit,
+/// so the dead-letter batches, which start after the last delivery batch,
+/// see the dead letter it wrote (test `postgres_only::
 /// a_dead_letter_written_during_a_handler_delete_is_discarded_too`).
+///
+/// A delete interrupted after the handler row went (an error, a crash)
+/// leaves the rest to the lane owners, which discard deliveries of an unknown
+/// handler; a repeated delete of the same id answers `NotFound` and sweeps
+/// what is left of it first.
 pub(super) async fn delete_handler(pool: &PgPool, id: &str) -> Result<DeletedHandler> {
-    let mut tx = pool.begin().await.map_err(map_err)?;
     let removed = sqlx::query("DELETE FROM handlers WHERE id = $1")
         .bind(id)
-        .execute(&mut *tx)
+        .execute(pool)
         .await
         .map_err(map_err)?
         .rows_affected();
+    let mut counts = [0u64; 2];
+    for (n, table) in counts.iter_mut().zip(["deliveries", "dead_letters"]) {
+        let batch = format!(
+            "DELETE FROM {table} WHERE id IN \
+             (SELECT id FROM {table} WHERE handler_id = $1 LIMIT $2)"
+        );
+        loop {
+            let done = sqlx::query(&batch)
+                .bind(id)
+                .bind(DELETE_BATCH)
+                .execute(pool)
+                .await
+                .map_err(map_err)?
+                .rows_affected();
+            *n += done;
+            if done == 0 {
+                break;
+            }
+        }
+    }
     if removed == 0 {
         return Err(StoreError::NotFound(format!("handler {id}")));
     }
-    let mut counts = [0u64; 2];
-    for (n, table) in counts.iter_mut().zip(["deliveries", "dead_letters"]) {
-        *n = sqlx::query(&format!("DELETE FROM {table} WHERE handler_id = $1"))
-            .bind(id)
-            .execute(&mut *tx)
-            .await
-            .map_err(map_err)?
-            .rows_affected();
-    }
-    tx.commit().await.map_err(map_err)?;
     Ok(DeletedHandler {
         deliveries: counts[0],
         dead_letters: counts[1],

@@ -295,9 +295,17 @@ pub(super) async fn replay_dead_letters(
 /// putting back.
 const RETENTION_LOCK: i64 = 0x6c61_6e65_6275_732f;
 
-/// A transaction holding [`RETENTION_LOCK`].
-async fn retention_tx(pool: &PgPool) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
+/// A transaction holding [`RETENTION_LOCK`]; without the session's
+/// statement and lock timeouts if `unbounded` (a recovery may insert a
+/// handler's whole history and wait for a prune batch).
+async fn retention_tx(
+    pool: &PgPool,
+    unbounded: bool,
+) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
     let mut tx = pool.begin().await.map_err(map_err)?;
+    if unbounded {
+        super::lift_timeouts(&mut tx).await?;
+    }
     sqlx::query("SELECT pg_advisory_xact_lock($1)")
         .bind(RETENTION_LOCK)
         .execute(&mut *tx)
@@ -311,7 +319,7 @@ pub(super) async fn recover(
     handler_id: &str,
     since: DateTime<Utc>,
 ) -> Result<RecoverOutcome> {
-    let mut tx = retention_tx(pool).await?;
+    let mut tx = retention_tx(pool, true).await?;
     let (completed, found, recovered, _notified): (i64, i64, i64, i64) =
         sqlx::query_as(include_str!("sql/recover.sql"))
             .bind(handler_id)
@@ -329,7 +337,7 @@ pub(super) async fn recover(
 }
 
 pub(super) async fn prune(pool: &PgPool, before: DateTime<Utc>, limit: u32) -> Result<Pruned> {
-    let mut tx = retention_tx(pool).await?;
+    let mut tx = retention_tx(pool, false).await?;
     let (completions, events): (i64, i64) = sqlx::query_as(include_str!("sql/prune.sql"))
         .bind(before)
         .bind(i64::from(limit))

@@ -10,8 +10,10 @@
 //!   nothing (one fenced owner reads a lane), so there are no lock columns,
 //!   no dead index entries from claim updates and no per-claim WAL. A retry is
 //!   an in-place update of `attempts`, `due_at` and `last_error`, none of
-//!   them indexed, so it is a HOT update. `deliveries` has two indexes only:
-//!   the primary key (bulk complete by id) and `(lane, xid)` for the claim.
+//!   them indexed, so it is a HOT update. `deliveries` is indexed by the
+//!   primary key (bulk complete by id), `(lane, xid)` for the claim and
+//!   `handler_id` (migration 7: a handler delete finds its rows in short
+//!   batches; one more index entry per delivery at publish).
 //!   `autovacuum_vacuum_scale_factor = 0.02` (and the insert variant) on this
 //!   churning table, and on `key_seqs`.
 //! - **Plain inserts.** `INSERT ... ON CONFLICT` costs WAL on every row even
@@ -139,10 +141,22 @@
 //!
 //! # Handler deletion
 //!
-//! Deleting a handler removes it and its pending deliveries in one
-//! statement. A publish that read the handler before the delete and commits
-//! after it may still create deliveries for it: the node discards deliveries
-//! whose handler no longer exists.
+//! Deleting a handler removes its row first (nothing is routed to it from
+//! then on), then its pending deliveries and dead letters in batches of a
+//! few thousand rows, each its own statement found through the
+//! `deliveries_handler` index, so completions that meet its rows wait for a
+//! batch at most (`catalog.rs`, `delete_handler`). A publish that read the
+//! handler before the delete and commits after it may still create
+//! deliveries for it: the node discards deliveries whose handler no longer
+//! exists.
+//!
+//! # Bounded statements
+//!
+//! [`PgStore::connect`] sets [`SESSION_DEFAULTS`] on its connections
+//! (statement and lock timeouts, an idle-in-transaction timeout, TCP
+//! keepalives), each unless the URL sets it, so no statement waits without
+//! bound; the node's store actor also runs its claims apart from its writes,
+//! so a write that waits does not hold claims behind it.
 
 mod catalog;
 mod dispatch;
@@ -164,6 +178,41 @@ const POOL_SIZE: u32 = 16;
 /// How long to wait for a connection from the pool (or a new one).
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Session settings of the store's connections, each applied unless the
+/// URL's `options` set it (`?options=-c%20statement_timeout%3D5s`).
+///
+/// - `jit = off`: the claim statement's estimated cost grows with the
+///   backlog the statistics show, and once it passes `jit_above_cost`
+///   PostgreSQL compiles it at every execution. Measured
+///   (pg-dispatch-1n-tuned-hot10, 100,000 events on 10 keys, PostgreSQL 15
+///   with LLVM): 200-600 ms of JIT per claim, 15 ms of database CPU per
+///   delivery and 32-50 deliveries/s in 2 of 4 samples; with JIT off
+///   833-1,876/s and 0.07-0.10 ms in 6 of 6.
+/// - `statement_timeout = 30s`: no statement stalls a node without bound;
+///   dispatch statements take milliseconds, so 30 s only ends one that waits
+///   or runs far too long (it fails with [`StoreError::Unavailable`] or
+///   [`StoreError::Database`], and the node retries). Migrations and
+///   recoveries, which may rightly run longer, lift it for their
+///   transaction.
+/// - `lock_timeout = 10s`: a statement waiting for a row or table lock that
+///   long gives up instead of holding the node's other writes behind it.
+/// - `idle_in_transaction_session_timeout = 60s`: a transaction left open
+///   by a stuck client (it holds row locks and the claim horizon) is ended.
+/// - `tcp_keepalives_idle = 30`, `tcp_keepalives_interval = 10`,
+///   `tcp_keepalives_count = 3` (seconds, probes): the server finds a node
+///   that vanished without closing its connections within about a minute
+///   and releases what its sessions held (the default follows the
+///   operating system's, two hours on Linux).
+pub const SESSION_DEFAULTS: &[(&str, &str)] = &[
+    ("jit", "off"),
+    ("statement_timeout", "30s"),
+    ("lock_timeout", "10s"),
+    ("idle_in_transaction_session_timeout", "60s"),
+    ("tcp_keepalives_idle", "30"),
+    ("tcp_keepalives_interval", "10"),
+    ("tcp_keepalives_count", "3"),
+];
+
 /// The NOTIFY channel publishes wake lane owners on.
 pub const CHANNEL: &str = "lanebus";
 
@@ -184,6 +233,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../migrations/postgres/0004_late_completions.sql"),
     include_str!("../../migrations/postgres/0005_held_backfill.sql"),
     include_str!("../../migrations/postgres/0006_claim_txid.sql"),
+    include_str!("../../migrations/postgres/0007_deliveries_by_handler.sql"),
 ];
 
 /// The PostgreSQL store. Cheap to clone: clones share the pool.
@@ -224,16 +274,17 @@ impl PgStore {
         let mut options = PgConnectOptions::from_str(url)
             .map_err(|e| StoreError::Invalid(format!("postgres url: {e}")))?
             .application_name("lanebus");
-        // JIT off unless the URL's `options` set it: the claim statement's
-        // estimated cost grows with the backlog the statistics show, and
-        // once it passes `jit_above_cost` PostgreSQL compiles it at every
-        // execution. Measured (pg-dispatch-1n-tuned-hot10, 100,000 events on
-        // 10 keys, PostgreSQL 15 with LLVM): 200-600 ms of JIT per claim,
-        // 15 ms of database CPU per delivery and 32-50 deliveries/s in 2 of
-        // 4 samples; with JIT off 833-1,876/s and 0.07-0.10 ms in 6 of 6.
         let lower = url.to_ascii_lowercase();
-        if !lower.contains("jit=") && !lower.contains("jit%3d") {
-            options = options.options([("jit", "off")]);
+        let set_by_url = |name: &str| {
+            lower.contains(&format!("{name}=")) || lower.contains(&format!("{name}%3d"))
+        };
+        let defaults: Vec<(&str, &str)> = SESSION_DEFAULTS
+            .iter()
+            .copied()
+            .filter(|(name, _)| !set_by_url(name))
+            .collect();
+        if !defaults.is_empty() {
+            options = options.options(defaults);
         }
         let pool = PgPoolOptions::new()
             .max_connections(POOL_SIZE)
@@ -246,9 +297,10 @@ impl PgStore {
 
     /// Uses an existing pool (for applications that share theirs), applying
     /// migrations; `lanes` as in [`PgStore::connect_with_lanes`]. The pool's
-    /// connections keep their settings: turn JIT off on them (`options` of
-    /// `PgConnectOptions`, `jit=off`) as [`PgStore::connect`] does, or claims
-    /// may spend hundreds of milliseconds compiling on a large backlog.
+    /// connections keep their settings: give them [`SESSION_DEFAULTS`]
+    /// (`options` of `PgConnectOptions`) as [`PgStore::connect`] does, or
+    /// claims may spend hundreds of milliseconds compiling on a large backlog
+    /// and a statement may wait without bound.
     ///
     /// # Errors
     /// As [`PgStore::connect`].
@@ -269,6 +321,8 @@ impl PgStore {
 
     async fn migrate_with_lanes(&self, lanes: u16) -> Result<u16> {
         let mut tx = self.pool.begin().await.map_err(map_err)?;
+        // A migration may wait for another node's and rewrite large tables.
+        lift_timeouts(&mut tx).await?;
         sqlx::query("SELECT pg_advisory_xact_lock($1)")
             .bind(MIGRATION_LOCK)
             .execute(&mut *tx)
@@ -379,6 +433,18 @@ impl PgStore {
             }
         }
     }
+}
+
+/// Lifts [`SESSION_DEFAULTS`]' statement and lock timeouts for the rest of
+/// the transaction (`SET LOCAL`), for work that may rightly take long.
+pub(crate) async fn lift_timeouts(conn: &mut PgConnection) -> Result<()> {
+    sqlx::Executor::execute(
+        conn,
+        "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0",
+    )
+    .await
+    .map_err(map_err)?;
+    Ok(())
 }
 
 async fn meta_get(conn: &mut PgConnection, key: &str) -> Result<Option<String>> {

@@ -1,0 +1,11 @@
+-- lanebus PostgreSQL schema: deliveries by handler, for a handler delete.
+--
+-- Deleting a handler removes its pending deliveries in short batches
+-- (postgres/catalog.rs delete_handler); each batch finds its rows through
+-- this index instead of scanning every delivery of every handler. Without
+-- it the delete read the whole table while it held the handler's rows
+-- locked, and the completions of every node waited for it (issue 18).
+-- Costs one index entry per delivery at publish and a b-tree page now and
+-- then; not CONCURRENTLY (migrations run in one transaction), so a node
+-- upgrading a store with a large backlog holds publishes for the build.
+CREATE INDEX IF NOT EXISTS deliveries_handler ON deliveries (handler_id);
