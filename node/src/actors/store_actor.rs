@@ -8,13 +8,26 @@
 //!  LaneOwner ──Discard────┘                      └─ claim([lanes...])   one call
 //! ```
 //!
-//! A tick starts when the first request arrives and fires after
-//! [`StoreActorConfig::flush_interval`], or at once when
-//! [`StoreActorConfig::max_batch`] requests are waiting. One tick runs its
-//! calls one after another, completions before claims, and the next tick
-//! starts only when the previous one finished. That order matters for the
-//! lane owners' de-duplication (see [`crate::ordering`]): a claim issued
-//! after a completion was acknowledged runs after that completion committed.
+//! Two tracks, each in ticks: *writes* (completions, reschedules, dead
+//! letters, discards) and *claims*. A tick starts when the first request of
+//! its track arrives and fires after [`StoreActorConfig::flush_interval`], or
+//! at once when [`StoreActorConfig::max_batch`] requests are waiting. A
+//! writes tick runs its calls one after another; the claims tick runs
+//! beside it, so a write that waits (a row lock, a slow statement) does not
+//! hold claims behind it. A track's next tick starts when its previous one
+//! finished. The lane owners' de-duplication (see [`crate::ordering`]) needs
+//! only this: a claim issued after a completion was acknowledged runs after
+//! that completion committed, which holds because the acknowledgement is
+//! sent after the commit.
+//!
+//! A claims tick asks for each lane once: a second claim of a lane in the
+//! same tick (an old owner stopping while a new one starts, at a higher
+//! epoch) waits for the next tick, so each gets its own answer from the
+//! store.
+//!
+//! Every store call is bounded by [`StoreActorConfig::call_timeout`] (the
+//! backends bound their statements too: PostgreSQL's statement and lock
+//! timeouts); a call past it is answered as failed.
 //!
 //! Every requester gets its own part of the answer. Items refused by fencing
 //! (the store did not act on them) are counted in
@@ -57,6 +70,10 @@ pub struct StoreActorConfig {
     pub flush_interval: Duration,
     /// Requests that trigger a flush at once (default 512).
     pub max_batch: usize,
+    /// Longest wait for one store call before its requesters are answered
+    /// with an error (default 60 s; the call's outcome is then unknown, as
+    /// after a lost connection).
+    pub call_timeout: Duration,
 }
 
 impl Default for StoreActorConfig {
@@ -64,6 +81,7 @@ impl Default for StoreActorConfig {
         StoreActorConfig {
             flush_interval: Duration::from_millis(2),
             max_batch: 512,
+            call_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -100,30 +118,32 @@ pub struct DeadLetterDelivery(pub DeadLetterRequest);
 type Reply<T> = oneshot::Sender<Result<T, StoreCallError>>;
 
 #[derive(Default)]
-struct Pending {
-    claims: Vec<(LaneClaim, Reply<LaneBatch>)>,
+struct Writes {
     completes: Vec<(DeliveryRef, Reply<bool>)>,
     reschedules: Vec<(Reschedule, Reply<bool>)>,
     dead_letters: Vec<(DeadLetterRequest, Reply<bool>)>,
     discards: Vec<(DeliveryRef, Reply<bool>)>,
 }
 
-impl Pending {
+impl Writes {
     fn len(&self) -> usize {
-        self.claims.len()
-            + self.completes.len()
+        self.completes.len()
             + self.reschedules.len()
             + self.dead_letters.len()
             + self.discards.len()
     }
 }
 
+type Claims = Vec<(LaneClaim, Reply<LaneBatch>)>;
+
 /// The store actor. See the module docs.
 pub struct StoreActor {
     store: Arc<dyn Store>,
     config: StoreActorConfig,
-    pending: Pending,
-    busy: bool,
+    claims: Claims,
+    writes: Writes,
+    claims_busy: bool,
+    writes_busy: bool,
     timer: Option<SpawnHandle>,
 }
 
@@ -133,17 +153,35 @@ impl StoreActor {
         StoreActor {
             store,
             config,
-            pending: Pending::default(),
-            busy: false,
+            claims: Vec::new(),
+            writes: Writes::default(),
+            claims_busy: false,
+            writes_busy: false,
             timer: None,
         }
     }
 
+    /// Requests waiting for a track that could start now.
+    fn startable(&self) -> usize {
+        let claims = if self.claims_busy {
+            0
+        } else {
+            self.claims.len()
+        };
+        let writes = if self.writes_busy {
+            0
+        } else {
+            self.writes.len()
+        };
+        claims + writes
+    }
+
     fn enqueued(&mut self, ctx: &mut Context<Self>) {
-        if self.busy {
+        let waiting = self.startable();
+        if waiting == 0 {
             return;
         }
-        if self.pending.len() >= self.config.max_batch {
+        if waiting >= self.config.max_batch {
             if let Some(t) = self.timer.take() {
                 ctx.cancel_future(t);
             }
@@ -157,25 +195,68 @@ impl StoreActor {
     }
 
     fn flush(&mut self, ctx: &mut Context<Self>) {
-        if self.busy || self.pending.len() == 0 {
+        self.flush_writes(ctx);
+        self.flush_claims(ctx);
+    }
+
+    fn flush_writes(&mut self, ctx: &mut Context<Self>) {
+        if self.writes_busy || self.writes.len() == 0 {
             return;
         }
-        self.busy = true;
-        let batch = std::mem::take(&mut self.pending);
-        let store = self.store.clone();
-        ctx.spawn(run_tick(store, batch).into_actor(self).map(|(), act, ctx| {
-            act.busy = false;
-            if act.pending.len() > 0 {
-                // These waited for a whole tick already: go at once.
-                act.flush(ctx);
-            }
-        }));
+        self.writes_busy = true;
+        let batch = std::mem::take(&mut self.writes);
+        let (store, limit) = (self.store.clone(), self.config.call_timeout);
+        ctx.spawn(
+            run_writes(store, limit, batch)
+                .into_actor(self)
+                .map(|(), act, ctx| {
+                    act.writes_busy = false;
+                    // These waited for a whole tick already: go at once.
+                    act.flush_writes(ctx);
+                }),
+        );
+    }
+
+    fn flush_claims(&mut self, ctx: &mut Context<Self>) {
+        if self.claims_busy || self.claims.is_empty() {
+            return;
+        }
+        self.claims_busy = true;
+        let (batch, repeated) = one_per_lane(std::mem::take(&mut self.claims));
+        self.claims = repeated;
+        let (store, limit) = (self.store.clone(), self.config.call_timeout);
+        ctx.spawn(
+            run_claims(store, limit, batch)
+                .into_actor(self)
+                .map(|(), act, ctx| {
+                    act.claims_busy = false;
+                    act.flush_claims(ctx);
+                }),
+        );
     }
 }
 
-async fn run_tick(store: Arc<dyn Store>, batch: Pending) {
-    let Pending {
-        claims,
+/// Splits `claims` into the first claim of each lane, in arrival order, and
+/// the repeats, which wait for the next tick.
+fn one_per_lane(claims: Claims) -> (Claims, Claims) {
+    let mut seen = HashSet::new();
+    claims.into_iter().partition(|(c, _)| seen.insert(c.lane))
+}
+
+/// `call`, or [`StoreError::Unavailable`] once `limit` has passed.
+async fn bounded<T>(
+    limit: Duration,
+    call: impl std::future::Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    tokio::time::timeout(limit, call).await.unwrap_or_else(|_| {
+        Err(StoreError::Unavailable(format!(
+            "no answer from the store within {limit:?}"
+        )))
+    })
+}
+
+async fn run_writes(store: Arc<dyn Store>, limit: Duration, batch: Writes) {
+    let Writes {
         completes,
         reschedules,
         dead_letters,
@@ -183,63 +264,48 @@ async fn run_tick(store: Arc<dyn Store>, batch: Pending) {
     } = batch;
     if !completes.is_empty() {
         let refs: Vec<DeliveryRef> = completes.iter().map(|(r, _)| *r).collect();
-        answer_items(store.complete(&refs).await, completes, |r| r.id, "complete");
+        let done = bounded(limit, store.complete(&refs)).await;
+        answer_items(done, completes, |r| r.id, "complete");
     }
     if !reschedules.is_empty() {
         let items: Vec<Reschedule> = reschedules.iter().map(|(r, _)| r.clone()).collect();
-        answer_items(
-            store.reschedule(&items).await,
-            reschedules,
-            |r| r.id,
-            "reschedule",
-        );
+        let done = bounded(limit, store.reschedule(&items)).await;
+        answer_items(done, reschedules, |r| r.id, "reschedule");
     }
     if !dead_letters.is_empty() {
         let items: Vec<DeadLetterRequest> = dead_letters.iter().map(|(r, _)| r.clone()).collect();
-        answer_items(
-            store.dead_letter(&items).await,
-            dead_letters,
-            |r| r.id,
-            "dead_letter",
-        );
+        let done = bounded(limit, store.dead_letter(&items)).await;
+        answer_items(done, dead_letters, |r| r.id, "dead_letter");
     }
     if !discards.is_empty() {
         let refs: Vec<DeliveryRef> = discards.iter().map(|(r, _)| *r).collect();
-        answer_items(store.discard(&refs).await, discards, |r| r.id, "discard");
+        let done = bounded(limit, store.discard(&refs)).await;
+        answer_items(done, discards, |r| r.id, "discard");
     }
-    if !claims.is_empty() {
-        // One lane once per call; a repeated lane (not expected) gets an
-        // empty answer that keeps its cursor.
-        let mut seen = HashSet::new();
-        let mut lanes = Vec::with_capacity(claims.len());
-        for (c, _) in &claims {
-            if seen.insert(c.lane) {
-                lanes.push(c.clone());
+}
+
+/// Claims of distinct lanes ([`one_per_lane`]), one store call.
+async fn run_claims(store: Arc<dyn Store>, limit: Duration, claims: Claims) {
+    let lanes: Vec<LaneClaim> = claims.iter().map(|(c, _)| c.clone()).collect();
+    match bounded(limit, store.claim(&lanes)).await {
+        Ok(batches) => {
+            let mut by_lane: std::collections::HashMap<_, _> =
+                batches.into_iter().map(|b| (b.lane, b)).collect();
+            let fenced = by_lane.values().filter(|b| !b.owned).count() as u64;
+            metrics::fenced_out("claim", fenced);
+            for (c, reply) in claims {
+                let part = by_lane.remove(&c.lane).ok_or_else(|| {
+                    StoreCallError::Store(format!("the store did not answer lane {}", c.lane))
+                });
+                let _ = reply.send(part);
             }
         }
-        match store.claim(&lanes).await {
-            Ok(batches) => {
-                let mut by_lane: std::collections::HashMap<_, _> =
-                    batches.into_iter().map(|b| (b.lane, b)).collect();
-                let fenced = by_lane.values().filter(|b| !b.owned).count() as u64;
-                metrics::fenced_out("claim", fenced);
-                for (c, reply) in claims {
-                    let part = by_lane.remove(&c.lane).unwrap_or(LaneBatch {
-                        lane: c.lane,
-                        owned: true,
-                        deliveries: Vec::new(),
-                        next_after: c.after.clone(),
-                    });
-                    let _ = reply.send(Ok(part));
-                }
-            }
-            Err(e) => {
-                metrics::store_error("claim");
-                tracing::warn!(error = %e, lanes = lanes.len(), "claim failed");
-                let err = StoreCallError::from(&e);
-                for (_, reply) in claims {
-                    let _ = reply.send(Err(err.clone()));
-                }
+        Err(e) => {
+            metrics::store_error("claim");
+            tracing::warn!(error = %e, lanes = lanes.len(), "claim failed");
+            let err = StoreCallError::from(&e);
+            for (_, reply) in claims {
+                let _ = reply.send(Err(err.clone()));
             }
         }
     }
@@ -294,7 +360,7 @@ impl Handler<ClaimLane> for StoreActor {
 
     fn handle(&mut self, msg: ClaimLane, ctx: &mut Self::Context) -> Self::Result {
         let (tx, rx) = oneshot::channel();
-        self.pending.claims.push((msg.0, tx));
+        self.claims.push((msg.0, tx));
         self.enqueued(ctx);
         waiter(rx)
     }
@@ -305,7 +371,7 @@ impl Handler<CompleteDelivery> for StoreActor {
 
     fn handle(&mut self, msg: CompleteDelivery, ctx: &mut Self::Context) -> Self::Result {
         let (tx, rx) = oneshot::channel();
-        self.pending.completes.push((msg.0, tx));
+        self.writes.completes.push((msg.0, tx));
         self.enqueued(ctx);
         waiter(rx)
     }
@@ -316,7 +382,7 @@ impl Handler<RescheduleDelivery> for StoreActor {
 
     fn handle(&mut self, msg: RescheduleDelivery, ctx: &mut Self::Context) -> Self::Result {
         let (tx, rx) = oneshot::channel();
-        self.pending.reschedules.push((msg.0, tx));
+        self.writes.reschedules.push((msg.0, tx));
         self.enqueued(ctx);
         waiter(rx)
     }
@@ -327,7 +393,7 @@ impl Handler<DeadLetterDelivery> for StoreActor {
 
     fn handle(&mut self, msg: DeadLetterDelivery, ctx: &mut Self::Context) -> Self::Result {
         let (tx, rx) = oneshot::channel();
-        self.pending.dead_letters.push((msg.0, tx));
+        self.writes.dead_letters.push((msg.0, tx));
         self.enqueued(ctx);
         waiter(rx)
     }
@@ -338,8 +404,156 @@ impl Handler<DiscardDelivery> for StoreActor {
 
     fn handle(&mut self, msg: DiscardDelivery, ctx: &mut Self::Context) -> Self::Result {
         let (tx, rx) = oneshot::channel();
-        self.pending.discards.push((msg.0, tx));
+        self.writes.discards.push((msg.0, tx));
         self.enqueued(ctx);
         waiter(rx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lanebus_store::{lane_of_key, Lane, NewEvent, NewHandler};
+
+    async fn sqlite_store(url: &str) -> Arc<dyn Store> {
+        Arc::new(
+            lanebus_store::sqlite::SqliteStore::connect(url)
+                .await
+                .expect("store"),
+        )
+    }
+
+    async fn one_handler_one_event(store: &dyn Store) -> Lane {
+        store
+            .create_handler(NewHandler {
+                name: "h".into(),
+                url: "http://127.0.0.1:9/h".into(),
+                event_types: vec!["*".into()],
+                max_attempts: 3,
+                timeout_ms: 1_000,
+                max_in_flight: 8,
+                secret: lanebus_store::generate_secret(),
+                rate_limit: None,
+            })
+            .await
+            .expect("handler");
+        store
+            .publish(vec![NewEvent {
+                id: Some("e1".into()),
+                event_type: "t.x".into(),
+                key: Some("k".into()),
+                payload: b"{}".to_vec(),
+                deliver_at: None,
+            }])
+            .await
+            .expect("publish");
+        lane_of_key("k", store.lanes())
+    }
+
+    /// Issue 18 item 4: a completion that waits (here for SQLite's write
+    /// lock, held by another connection) does not hold a claim behind it:
+    /// the claim sent after it is answered while the completion still
+    /// waits, and the completion is answered once the lock is released.
+    /// Before, one tick ran the completion and then the claim.
+    #[actix_rt::test]
+    async fn a_claim_is_answered_while_a_completion_waits() {
+        use sqlx::Connection as _;
+        let dir = std::env::temp_dir().join(format!(
+            "lanebus-store-actor-{}-{}",
+            std::process::id(),
+            line!()
+        ));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let url = format!("sqlite://{}", dir.join("lanebus.db").display());
+        let store = sqlite_store(&url).await;
+        let lane = one_handler_one_event(&*store).await;
+        assert!(store.fence(lane, "n1", 1).await.expect("fence"));
+        let claim = LaneClaim {
+            lane,
+            epoch: 1,
+            after: Default::default(),
+            limit: 10,
+        };
+        let delivery = store.claim(&[claim.clone()]).await.expect("claim")[0].deliveries[0].clone();
+        let mut other = sqlx::SqliteConnection::connect(&url)
+            .await
+            .expect("connect");
+        sqlx::query("BEGIN IMMEDIATE")
+            .execute(&mut other)
+            .await
+            .expect("take the write lock");
+        let actor = StoreActor::new(store.clone(), StoreActorConfig::default()).start();
+        let complete = actor.send(CompleteDelivery(DeliveryRef {
+            id: delivery.id,
+            lane,
+            epoch: 1,
+            attempts: 1,
+        }));
+        tokio::pin!(complete);
+        // Let the completion's tick start and meet the lock.
+        tokio::select! {
+            r = &mut complete => panic!("completed under another writer's lock: {r:?}"),
+            () = tokio::time::sleep(Duration::from_millis(200)) => {}
+        }
+        let claimed = tokio::select! {
+            r = actor.send(ClaimLane(claim)) => r.expect("mailbox").expect("claim"),
+            r = &mut complete => panic!("the completion ended first: {r:?}"),
+        };
+        assert!(claimed.owned, "{claimed:?}");
+        assert_eq!(
+            claimed.deliveries.len(),
+            1,
+            "not completed yet: {claimed:?}"
+        );
+        sqlx::query("ROLLBACK")
+            .execute(&mut other)
+            .await
+            .expect("release the lock");
+        assert!(complete.await.expect("mailbox").expect("complete"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Two claims of one lane in one tick: an old owner's (epoch 1) and the
+    /// new owner's (epoch 2, fenced in the store). Each gets the store's
+    /// answer for its own epoch: the old one is fenced out, the new one owns
+    /// the lane and gets its delivery. Before, the second of the two got an
+    /// empty answer marked owned, whichever it was.
+    #[actix_rt::test]
+    async fn two_claims_of_one_lane_in_a_tick_each_get_their_own_answer() {
+        let store = sqlite_store("sqlite::memory:").await;
+        let lane = one_handler_one_event(&*store).await;
+        assert!(store.fence(lane, "old", 1).await.expect("fence 1"));
+        assert!(store.fence(lane, "new", 2).await.expect("fence 2"));
+        // A long interval: both claims land in the same tick.
+        let actor = StoreActor::new(
+            store.clone(),
+            StoreActorConfig {
+                flush_interval: Duration::from_millis(50),
+                ..StoreActorConfig::default()
+            },
+        )
+        .start();
+        let claim = |epoch| LaneClaim {
+            lane,
+            epoch,
+            after: Default::default(),
+            limit: 10,
+        };
+        for order in [[2, 1], [1, 2]] {
+            let (a, b) = futures::join!(
+                actor.send(ClaimLane(claim(order[0]))),
+                actor.send(ClaimLane(claim(order[1])))
+            );
+            for (epoch, answer) in [(order[0], a), (order[1], b)] {
+                let batch = answer.expect("mailbox").expect("claim");
+                if epoch == 2 {
+                    assert!(batch.owned, "epoch 2 (order {order:?}): {batch:?}");
+                    assert_eq!(batch.deliveries.len(), 1, "epoch 2 (order {order:?})");
+                } else {
+                    assert!(!batch.owned, "epoch 1 (order {order:?}): {batch:?}");
+                    assert!(batch.deliveries.is_empty(), "epoch 1 (order {order:?})");
+                }
+            }
+        }
     }
 }
