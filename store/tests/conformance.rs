@@ -2665,6 +2665,69 @@ mod mongodb_only {
 
     use ::mongodb::bson::doc;
 
+    /// Issue 18 item 5: `publish_in` on a session without a transaction in
+    /// progress (never started; already committed; already aborted) is
+    /// refused and writes nothing. Before, it wrote the events and their
+    /// deliveries as separate, non-atomic writes: a failure between them
+    /// left events that are never delivered.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn publish_in_refuses_a_session_without_a_transaction() {
+        let h = MongoHarness::new().await;
+        let s: Arc<dyn Store> = h.store.clone();
+        handler(&*s, "all", &["*"]).await;
+        let refused = |r: Result<PublishOutcome, StoreError>, case: &str| match r {
+            Err(StoreError::Invalid(m)) => assert!(m.contains("transaction"), "{case}: {m}"),
+            other => panic!("{case}: publish_in answered {other:?}"),
+        };
+        let mut session = h.store.client().start_session().await.expect("session");
+        refused(
+            h.store
+                .publish_in(&mut session, vec![ev(Some("no-tx"), "t.x", Some("k"))])
+                .await,
+            "never started",
+        );
+        session.start_transaction().await.expect("start");
+        h.store
+            .publish_in(&mut session, vec![ev(Some("in-tx"), "t.x", Some("k"))])
+            .await
+            .expect("publish_in inside a transaction");
+        session.commit_transaction().await.expect("commit");
+        refused(
+            h.store
+                .publish_in(
+                    &mut session,
+                    vec![ev(Some("after-commit"), "t.x", Some("k"))],
+                )
+                .await,
+            "after commit",
+        );
+        session.start_transaction().await.expect("start again");
+        session.abort_transaction().await.expect("abort");
+        refused(
+            h.store
+                .publish_in(
+                    &mut session,
+                    vec![ev(Some("after-abort"), "t.x", Some("k"))],
+                )
+                .await,
+            "after abort",
+        );
+        let c = counts(&*s).await;
+        assert_eq!(
+            (c.events, c.deliveries),
+            (1, 1),
+            "only the transaction's event: {c:?}"
+        );
+        // The session is still usable for a proper transaction.
+        session.start_transaction().await.expect("start once more");
+        h.store
+            .publish_in(&mut session, vec![ev(Some("in-tx-2"), "t.x", Some("k"))])
+            .await
+            .expect("publish_in inside the next transaction");
+        session.commit_transaction().await.expect("commit");
+        assert_eq!(counts(&*s).await.events, 2);
+    }
+
     /// 8 publishers, each 2,000 events over the same 10 keys in batches of
     /// 50, on two independent clients: no duplicate sequence number, every
     /// key gapless, every event delivered once (claimed through the cursor

@@ -649,10 +649,13 @@ impl MongoStore {
     /// same writes as [`Store::publish`], which exist if and only if the
     /// caller commits. The session must come from the store's client
     /// ([`MongoStore::client`], or open the store on the application's own
-    /// client with [`MongoStore::with_client`]); start the transaction
-    /// first (`session.start_transaction()`; read concern `snapshot` and
-    /// write concern `majority` are recommended): without one the writes
-    /// are not atomic.
+    /// client with [`MongoStore::with_client`]), in a transaction the
+    /// caller started (`session.start_transaction()`; read concern
+    /// `snapshot` and write concern `majority` are recommended). A session
+    /// without a transaction in progress (never started, or already
+    /// committed or aborted) is refused before anything is written: its
+    /// writes would not be atomic, and events could be stored without their
+    /// deliveries and never be delivered.
     ///
     /// While the transaction is open it holds the counters of the keys and
     /// lanes it published into, so other publishers into those lanes retry
@@ -661,7 +664,8 @@ impl MongoStore {
     ///
     /// # Errors
     /// [`StoreError::Invalid`] for an event breaking [`NewEvent::validate`]
-    /// (nothing is written and the transaction stays usable);
+    /// (nothing is written and the transaction stays usable), or for a
+    /// session without a transaction in progress (nothing is written);
     /// [`StoreError::Conflict`] for a write conflict with another publisher
     /// (the transaction is aborted: run the whole transaction again, as
     /// MongoDB's `TransientTransactionError` label asks);
@@ -672,7 +676,29 @@ impl MongoStore {
         events: Vec<NewEvent>,
     ) -> Result<PublishOutcome> {
         let plan = PublishPlan::new(events, self.lanes)?;
+        require_transaction(session).await?;
         Ok(publish::write(self, session, plan).await?)
+    }
+}
+
+/// `Ok` if a transaction is in progress on `session`. The driver does not
+/// say so publicly, but starting one tells: it fails with "transaction
+/// already in progress" exactly then. A transaction this starts (the session
+/// had none) is aborted at once; neither step sends a command.
+async fn require_transaction(session: &mut ClientSession) -> Result<()> {
+    const REFUSED: &str = "publish_in needs a session with a transaction in progress \
+                           (session.start_transaction() first); nothing was written";
+    match session.start_transaction().await {
+        Ok(()) => {
+            let _ = session.abort_transaction().await;
+            Err(StoreError::Invalid(REFUSED.into()))
+        }
+        Err(e) => match e.kind.as_ref() {
+            ErrorKind::Transaction { message, .. } if message.contains("already in progress") => {
+                Ok(())
+            }
+            _ => Err(StoreError::Invalid(format!("{REFUSED}: {e}"))),
+        },
     }
 }
 
