@@ -2663,7 +2663,7 @@ mod mongodb_only {
     use super::*;
     use std::time::Duration;
 
-    use ::mongodb::bson::doc;
+    use ::mongodb::bson::{doc, Document};
 
     /// Issue 18 item 5: `publish_in` on a session without a transaction in
     /// progress (never started; already committed; already aborted) is
@@ -3058,33 +3058,92 @@ mod mongodb_only {
         h.cleanup().await;
     }
 
-    /// Round trips per operation, counted from the driver's command events
-    /// (what the `mongodb` module docs quote): a publish of 100 keyed events
-    /// to 2 handlers, a claim of 10 lanes, a completion of 200 deliveries.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    async fn round_trips_per_publish_claim_and_complete() {
+    /// A store on a new database whose client records every command it
+    /// sends (driver command events), and the record.
+    async fn monitored_store(
+        lanes: u16,
+    ) -> (
+        lanebus_store::mongodb::MongoStore,
+        Arc<std::sync::Mutex<Vec<Document>>>,
+    ) {
         use ::mongodb::event::{command::CommandEvent, EventHandler};
-        use std::sync::Mutex;
 
         let db = format!("lanebus_t_{}", uuid::Uuid::new_v4().simple());
         let url = with_database(&mongo_base_url(), &db);
-        let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+        let seen: Arc<std::sync::Mutex<Vec<Document>>> = Arc::default();
         let mut options = ::mongodb::options::ClientOptions::parse(&url)
             .await
             .expect("url");
         let log = seen.clone();
         options.command_event_handler = Some(EventHandler::callback(move |e| {
             if let CommandEvent::Started(c) = e {
-                log.lock().expect("lock").push(c.command_name);
+                log.lock().expect("lock").push(c.command);
             }
         }));
         let client = ::mongodb::Client::with_options(options).expect("client");
-        let store = lanebus_store::mongodb::MongoStore::with_client(client, &db, DEFAULT_LANES)
+        let store = lanebus_store::mongodb::MongoStore::with_client(client, &db, lanes)
             .await
             .expect("open");
+        (store, seen)
+    }
+
+    /// Issue 18 item 6: a fence is confirmed with a majority read. The
+    /// test server has one member, so no rollback can be staged; what it
+    /// checks is what the driver sends: the lane `update` at write concern
+    /// majority, then the `find` of the lane at read concern majority, in
+    /// the same session and after the update's cluster time (so the read
+    /// sees the write). Before, the `find` read at the default (local)
+    /// level, which can return a lane document a rollback takes back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn fence_is_confirmed_with_a_majority_read() {
+        let (store, seen) = monitored_store(8).await;
+        seen.lock().expect("lock").clear();
+        assert!(store.fence(3, "n1", 1).await.expect("fence"));
+        assert!(!store.fence(3, "n2", 1).await.expect("fence, same epoch"));
+        let commands: Vec<Document> = std::mem::take(&mut *seen.lock().expect("lock"))
+            .into_iter()
+            .filter(|c| c.get_str("update") == Ok("lanes") || c.get_str("find") == Ok("lanes"))
+            .collect();
+        assert_eq!(commands.len(), 4, "{commands:?}");
+        for pair in commands.chunks(2) {
+            let (update, find) = (&pair[0], &pair[1]);
+            assert!(update.contains_key("update"), "{update}");
+            let w = update
+                .get_document("writeConcern")
+                .unwrap_or_else(|_| panic!("update without a write concern: {update}"));
+            assert_eq!(w.get_str("w"), Ok("majority"), "{update}");
+            assert!(find.contains_key("find"), "{find}");
+            let r = find
+                .get_document("readConcern")
+                .unwrap_or_else(|_| panic!("find without a read concern: {find}"));
+            assert_eq!(r.get_str("level"), Ok("majority"), "{find}");
+            assert!(
+                r.contains_key("afterClusterTime"),
+                "not causally after the update: {find}"
+            );
+            assert_eq!(
+                update.get("lsid"),
+                find.get("lsid"),
+                "one session: {update} {find}"
+            );
+        }
+        store.database().drop().await.expect("drop");
+    }
+
+    /// Round trips per operation, counted from the driver's command events
+    /// (what the `mongodb` module docs quote): a publish of 100 keyed events
+    /// to 2 handlers, a claim of 10 lanes, a completion of 200 deliveries.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn round_trips_per_publish_claim_and_complete() {
+        let (store, seen) = monitored_store(DEFAULT_LANES).await;
         handler(&store, "a", &["*"]).await;
         handler(&store, "b", &["t.*"]).await;
-        let take = || std::mem::take(&mut *seen.lock().expect("lock"));
+        let take = || -> Vec<String> {
+            std::mem::take(&mut *seen.lock().expect("lock"))
+                .iter()
+                .filter_map(|c| c.keys().next().cloned())
+                .collect()
+        };
         take();
 
         let events: Vec<NewEvent> = (0..100)

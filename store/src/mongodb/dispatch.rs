@@ -32,18 +32,32 @@ pub(crate) type PruneResume = (i64, String);
 /// a pipeline to 1,000 stages).
 const CLAIM_CHUNK: usize = 64;
 
+/// Raises the lane's epoch to `epoch` for `owner` (write concern majority)
+/// and confirms it with a read at read concern majority in the same causally
+/// consistent session, so it reads its own write and nothing a rollback
+/// could take back: a fence is reported held only once it is durable on a
+/// majority, and a competing fence another node wrote is seen only then.
 pub(super) async fn fence(s: &MongoStore, lane: Lane, owner: &str, epoch: Epoch) -> Result<bool> {
     let lanes = s.coll(names::LANES);
+    let mut session = s
+        .client()
+        .start_session()
+        .causal_consistency(true)
+        .await
+        .map_err(map_err)?;
     lanes
         .update_one(
             doc! { "_id": i32::from(lane), "epoch": { "$lt": epoch } },
             doc! { "$set": { "epoch": epoch, "owner": owner } },
         )
         .write_concern(::mongodb::options::WriteConcern::majority())
+        .session(&mut session)
         .await
         .map_err(map_err)?;
     let row = lanes
         .find_one(doc! { "_id": i32::from(lane) })
+        .read_concern(::mongodb::options::ReadConcern::majority())
+        .session(&mut session)
         .await
         .map_err(map_err)?;
     Ok(match row {

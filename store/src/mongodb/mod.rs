@@ -90,7 +90,10 @@
 //! # Fencing
 //!
 //! `fence` raises `lanes.epoch` with a conditional `updateOne` (write concern
-//! majority). Claims compare the epoch they read (in the claim's snapshot).
+//! majority) and confirms it with a `find` at read concern majority in the
+//! same causally consistent session: it reads its own write, and never a
+//! lane document a rollback could take back. Claims compare the epoch they
+//! read (in the claim's snapshot).
 //! Completions, reschedules and dead letters are transactions that read the
 //! epochs of their lanes and then **write the lane documents they rely on**
 //! (`$inc: {writes: 1}` on the lanes whose epoch matched), before acting
@@ -122,7 +125,8 @@
 //!   `find`, deliveries `delete`, completions `insert`, `commitTransaction`:
 //!   6 for 200 deliveries. Reschedules replace the documents (`delete` +
 //!   `insert`, 6); dead letters also take ids from a counter (8).
-//! - fence: one `update` (write concern majority) and one `find`.
+//! - fence: one `update` (write concern majority) and one `find` (read
+//!   concern majority, same causally consistent session).
 //!
 //! # Wake-ups
 //!
