@@ -49,6 +49,7 @@
 //! outsider is thus fought at most once per `refence_after` per lane.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -147,14 +148,36 @@ pub fn attempt_may_start(
     end.is_none_or(|end| now + timeout + ATTEMPT_SLACK <= end)
 }
 
-/// What binds the attempts of one lane owner to it: shared by the owner,
-/// its key handlers and their attempts. An attempt asks
-/// [`OwnerTie::may_start`] right before it is sent.
+/// Whether an attempt may be sent now ([`OwnerTie::start`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Start {
+    /// Send it.
+    Go,
+    /// Not now: the gate is closed, or the lease or drain leaves too little
+    /// room; ask again later.
+    Wait,
+    /// Never: its lane owner stopped (the lane moved, or its lease lapsed);
+    /// the delivery stays in the store for the lane's next owner.
+    Lost,
+}
+
+/// What binds the attempts of one lane owner to it, from the owner's claim
+/// until their outcomes are stored: shared by the owner, its key handlers
+/// and their attempts. An attempt asks [`OwnerTie::start`] right before it
+/// is sent (once it holds its handler's permit), after it was counted in
+/// the dispatcher's per-lane count
+/// ([`crate::handler::Dispatcher::lane_attempts_in_flight`]); it stays
+/// counted until its outcome is stored. Whoever stops the owner ends its
+/// tie first ([`OwnerTie::end`]), so an attempt either was counted before
+/// the end (a next owner of the lane on this node waits for it before its
+/// first claim) or is never sent.
 #[derive(Debug)]
 pub struct OwnerTie {
     lane: Lane,
     epoch: Epoch,
     gate: WorkGate,
+    /// The owner is still the lane's live owner.
+    live: AtomicBool,
     /// Set by a drain: attempts must end by then.
     drain_until: Mutex<Option<Instant>>,
 }
@@ -167,8 +190,19 @@ impl OwnerTie {
             lane,
             epoch,
             gate,
+            live: AtomicBool::new(true),
             drain_until: Mutex::new(None),
         }
+    }
+
+    /// The owner stops: no attempt of it is sent any more.
+    pub fn end(&self) {
+        self.live.store(false, Ordering::SeqCst);
+    }
+
+    /// Whether the owner is still the lane's live owner.
+    pub fn live(&self) -> bool {
+        self.live.load(Ordering::SeqCst)
     }
 
     /// The lane.
@@ -193,11 +227,19 @@ impl OwnerTie {
         *d = Some(d.map_or(until, |d| d.min(until)));
     }
 
-    /// Whether an attempt whose handler times out after `timeout` may start
-    /// now ([`attempt_may_start`]).
-    pub fn may_start(&self, timeout: Duration) -> bool {
+    /// Whether an attempt whose handler times out after `timeout` may be
+    /// sent now: its owner is live and the room covers it
+    /// ([`attempt_may_start`]).
+    pub fn start(&self, timeout: Duration) -> Start {
+        if !self.live() {
+            return Start::Lost;
+        }
         let drain_until = *self.drain_until.lock().expect("not poisoned");
-        attempt_may_start(Instant::now(), self.gate.room(), drain_until, timeout)
+        if attempt_may_start(Instant::now(), self.gate.room(), drain_until, timeout) {
+            Start::Go
+        } else {
+            Start::Wait
+        }
     }
 }
 
@@ -886,15 +928,17 @@ mod tests {
     }
 
     #[test]
-    fn a_drain_bound_only_ever_moves_earlier() {
+    fn a_drain_bound_only_moves_earlier_and_an_ended_tie_sends_nothing() {
         let t0 = Instant::now();
         let tie = OwnerTie::new(3, 7, WorkGate::default());
-        assert!(tie.may_start(Duration::from_secs(3_600)));
+        assert_eq!(tie.start(Duration::from_secs(3_600)), Start::Go);
         tie.drain(t0 + Duration::from_secs(60));
         tie.drain(t0 + Duration::from_secs(600));
-        assert!(!tie.may_start(Duration::from_secs(60)));
-        assert!(tie.may_start(Duration::from_secs(30)));
+        assert_eq!(tie.start(Duration::from_secs(60)), Start::Wait);
+        assert_eq!(tie.start(Duration::from_secs(30)), Start::Go);
         assert_eq!((tie.lane(), tie.epoch()), (3, 7));
+        tie.end();
+        assert_eq!(tie.start(Duration::from_secs(30)), Start::Lost);
     }
 
     #[test]

@@ -18,7 +18,7 @@ use async_trait::async_trait;
 use lanebus_store::{Delivery, Handler as HandlerConfig, HandlerState};
 use tokio::sync::Semaphore;
 
-use crate::assignment::OwnerTie;
+use crate::assignment::{OwnerTie, Start};
 use crate::catalog::HandlerCatalog;
 use crate::retry::AttemptOutcome;
 use crate::webhook::WebhookSender;
@@ -81,6 +81,22 @@ pub enum NotAttempted {
     /// see [`crate::assignment::attempt_may_start`]): nothing was sent; ask
     /// again later.
     Paused,
+    /// Once the attempt held its permit, its lane owner had stopped (the
+    /// lane moved, its lease lapsed, or it was fenced out): nothing was
+    /// sent, and nothing is to be sent by this owner; the delivery stays in
+    /// the store for the lane's next owner.
+    OwnerGone,
+}
+
+/// An attempt made by [`Dispatcher::attempt_checked`].
+#[derive(Debug)]
+pub struct Sent {
+    /// What the handler answered.
+    pub outcome: AttemptOutcome,
+    /// Keeps the attempt counted in the per-lane count
+    /// ([`Dispatcher::lane_attempts_in_flight`]): hold it until the
+    /// outcome is stored, then drop it.
+    pub counted: AttemptGuard,
 }
 
 /// Hands a delivery over to its handler: webhook or in-process.
@@ -106,10 +122,12 @@ pub struct Dispatcher {
     in_flight: Arc<AttemptCounter>,
 }
 
-/// Hand-overs under way on a node: in all, and per lane.
+/// Attempts under way on a node, in all and per lane: each from the moment
+/// it is cleared to be sent (its permit held, about to ask its owner's
+/// [`OwnerTie`]) until its outcome is stored (see [`Sent::counted`]).
 ///
-/// One atomic per lane of the store (`0..lanes`, allocated once), so a
-/// hand-over takes no lock to be counted. Shared by all clones of a
+/// One atomic per lane of the store (`0..lanes`, allocated once), so an
+/// attempt takes no lock to be counted. Shared by all clones of a
 /// [`Dispatcher`] ([`Dispatcher::attempt_counter`]); the node's graceful
 /// stop reads it without the dispatcher.
 #[derive(Debug)]
@@ -165,8 +183,8 @@ impl Dispatcher {
         }
     }
 
-    /// Attempts being sent (or run, in process) by this node right now,
-    /// counted around each hand-over. A lane owner stopped at once (its
+    /// Attempts being sent (or run, in process) by this node right now, or
+    /// whose outcome is being stored. A lane owner stopped at once (its
     /// lease lapsed) leaves its attempts running: this count still has them.
     pub fn attempts_in_flight(&self) -> usize {
         self.in_flight.total()
@@ -181,7 +199,9 @@ impl Dispatcher {
     /// As [`attempts_in_flight`](Self::attempts_in_flight), for one lane: a
     /// lane owner started again on this node (its lease came back at the
     /// same epoch) waits for its predecessor's attempts before it claims,
-    /// or it would send the same rows again next to them.
+    /// or it would send the same rows again next to them. Attempts of the
+    /// predecessor not counted yet (waiting for a permit, or for a retry)
+    /// are never sent: its [`OwnerTie`] ended before the new owner started.
     pub fn lane_attempts_in_flight(&self, lane: lanebus_store::Lane) -> usize {
         self.in_flight.lane(lane)
     }
@@ -241,9 +261,11 @@ impl Dispatcher {
     /// in `catalog` ([`HandlerCatalog::current`]: after a change made through
     /// this node's API, a fresh read) and sends with its current settings,
     /// or sends nothing if it was deleted or disabled meanwhile, or if its
-    /// owner's `tie` leaves no room for its timeout (an attempt that waited
-    /// for a permit through a pause of the process, or until close to the
-    /// end of the lease or of a drain, must not outlive its owner).
+    /// owner's `tie` ended or leaves no room for its timeout (an attempt
+    /// that waited for a permit through a pause of the process, a change of
+    /// owner, or until close to the end of the lease or of a drain, must not
+    /// outlive its owner). The attempt is counted for its lane from before
+    /// that check; the count goes with [`Sent::counted`].
     ///
     /// # Errors
     /// [`NotAttempted`] when nothing was sent; the delivery is untouched.
@@ -254,12 +276,15 @@ impl Dispatcher {
         handler: &HandlerConfig,
         delivery: &Delivery,
         attempt: u32,
-    ) -> Result<AttemptOutcome, NotAttempted> {
+    ) -> Result<Sent, NotAttempted> {
         let semaphore = self.semaphore(handler);
         let Ok(permit) = semaphore.acquire_owned().await else {
-            return Ok(AttemptOutcome::Failed {
-                error: "node shutting down".into(),
-                retry_after: None,
+            return Ok(Sent {
+                outcome: AttemptOutcome::Failed {
+                    error: "node shutting down".into(),
+                    retry_after: None,
+                },
+                counted: AttemptGuard::enter(&self.in_flight, delivery.lane),
             });
         };
         match catalog.current(&handler.id).await {
@@ -269,10 +294,19 @@ impl Dispatcher {
                 Err(NotAttempted::HandlerDeleted)
             }
             Some(h) if h.state != HandlerState::Enabled => Err(NotAttempted::HandlerDisabled),
-            Some(h) if !tie.may_start(Duration::from_millis(h.timeout_ms)) => {
-                Err(NotAttempted::Paused)
+            Some(h) => {
+                // Counted before the owner is asked: an owner ended after
+                // this check finds the attempt counted.
+                let counted = AttemptGuard::enter(&self.in_flight, delivery.lane);
+                match tie.start(Duration::from_millis(h.timeout_ms)) {
+                    Start::Go => Ok(Sent {
+                        outcome: self.hand_over(&h, delivery, attempt).await,
+                        counted,
+                    }),
+                    Start::Wait => Err(NotAttempted::Paused),
+                    Start::Lost => Err(NotAttempted::OwnerGone),
+                }
             }
-            Some(h) => Ok(self.hand_over(&h, delivery, attempt).await),
         }
     }
 
@@ -291,6 +325,7 @@ impl Dispatcher {
                 retry_after: None,
             };
         };
+        let _counted = AttemptGuard::enter(&self.in_flight, delivery.lane);
         self.hand_over(handler, delivery, attempt).await
     }
 
@@ -301,7 +336,6 @@ impl Dispatcher {
         delivery: &Delivery,
         attempt: u32,
     ) -> AttemptOutcome {
-        let _counted = InFlight::enter(&self.in_flight, delivery.lane);
         if let Some(name) = in_process_name(&handler.url) {
             let Some(h) = self.in_process.get(name) else {
                 return AttemptOutcome::Failed {
@@ -326,29 +360,35 @@ impl Dispatcher {
     }
 }
 
-/// One hand-over counted in [`Dispatcher::attempts_in_flight`] while it
-/// lives (dropped also when the attempt's future is dropped).
-struct InFlight<'a> {
-    counter: &'a AttemptCounter,
-    /// The lane's slot; `None` for a lane outside the store's (not counted
+/// One attempt counted in [`Dispatcher::attempts_in_flight`] (and its
+/// lane's count) while it lives; dropped also when the attempt's future,
+/// or whoever holds it until the outcome is stored, is dropped.
+#[derive(Debug)]
+pub struct AttemptGuard {
+    counter: Arc<AttemptCounter>,
+    /// The lane's index; `None` for a lane outside the store's (not counted
     /// per lane).
-    lane: Option<&'a AtomicUsize>,
+    lane: Option<usize>,
 }
 
-impl<'a> InFlight<'a> {
-    fn enter(counter: &'a AttemptCounter, lane: lanebus_store::Lane) -> Self {
+impl AttemptGuard {
+    fn enter(counter: &Arc<AttemptCounter>, lane: lanebus_store::Lane) -> Self {
         counter.total.fetch_add(1, Ordering::SeqCst);
-        let lane = counter.lanes.get(usize::from(lane));
-        if let Some(n) = lane {
+        let lane = usize::from(lane);
+        let lane = counter.lanes.get(lane).map(|n| {
             n.fetch_add(1, Ordering::SeqCst);
+            lane
+        });
+        AttemptGuard {
+            counter: counter.clone(),
+            lane,
         }
-        InFlight { counter, lane }
     }
 }
 
-impl Drop for InFlight<'_> {
+impl Drop for AttemptGuard {
     fn drop(&mut self) {
-        if let Some(n) = self.lane {
+        if let Some(n) = self.lane.and_then(|l| self.counter.lanes.get(l)) {
             n.fetch_sub(1, Ordering::SeqCst);
         }
         self.counter.total.fetch_sub(1, Ordering::SeqCst);
@@ -427,8 +467,17 @@ mod tests {
         }
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn an_attempt_waiting_for_a_slot_is_not_sent_after_its_handler_is_deleted() {
+    /// A store with the in-process handler "gate" (`max_in_flight` 1), its
+    /// catalog, and a dispatcher serving it with a [`Gate`].
+    struct Gated {
+        store: Arc<dyn lanebus_store::Store>,
+        catalog: Arc<HandlerCatalog>,
+        gate: Arc<Gate>,
+        dispatcher: Dispatcher,
+        config: Arc<HandlerConfig>,
+    }
+
+    async fn gated() -> Gated {
         let store = lanebus_store::open("sqlite::memory:").await.expect("store");
         let h = store
             .create_handler(in_process_handler("gate", 1))
@@ -448,6 +497,24 @@ mod tests {
             store.lanes(),
         );
         let config = catalog.get(&h.id).expect("cached");
+        Gated {
+            store,
+            catalog,
+            gate,
+            dispatcher,
+            config,
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_attempt_waiting_for_a_slot_is_not_sent_after_its_handler_is_deleted() {
+        let Gated {
+            store,
+            catalog,
+            gate,
+            dispatcher,
+            config,
+        } = gated().await;
 
         let tie = Arc::new(OwnerTie::new(0, 1, crate::assignment::WorkGate::default()));
         let (d1, c1, h1, t1) = (
@@ -480,18 +547,25 @@ mod tests {
         assert_eq!(dispatcher.lane_attempts_in_flight(1), 0);
 
         // Deleted (through the API: store, then a reload asked for).
-        store.delete_handler(&h.id).await.expect("delete");
+        store.delete_handler(&config.id).await.expect("delete");
         catalog.request_reload();
         gate.release.notify_one();
+        let sent = first.await.expect("first").expect("sent");
         assert_eq!(
-            first.await.expect("first"),
-            Ok(AttemptOutcome::Delivered),
+            sent.outcome,
+            AttemptOutcome::Delivered,
             "the attempt in flight finishes"
         );
         assert_eq!(
-            second.await.expect("second"),
+            second.await.expect("second").map(|s| s.outcome),
             Err(NotAttempted::HandlerDeleted)
         );
+        assert_eq!(
+            dispatcher.lane_attempts_in_flight(0),
+            1,
+            "counted until its outcome is stored"
+        );
+        drop(sent);
         assert_eq!(
             gate.calls.load(Ordering::SeqCst),
             1,
@@ -504,6 +578,60 @@ mod tests {
         );
         assert_eq!(dispatcher.attempts_in_flight(), 0);
         assert_eq!(dispatcher.lane_attempts_in_flight(0), 0);
+    }
+
+    /// An attempt waiting for its handler's permit when its lane owner
+    /// stops is never sent, and is not counted once it gave up.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_attempt_waiting_for_a_slot_is_not_sent_after_its_owner_stopped() {
+        let Gated {
+            catalog,
+            gate,
+            dispatcher,
+            config,
+            ..
+        } = gated().await;
+        // Two owners of two lanes share the handler's one permit.
+        let ties = [0, 1].map(|lane| {
+            Arc::new(OwnerTie::new(
+                lane,
+                1,
+                crate::assignment::WorkGate::default(),
+            ))
+        });
+        let spawn = |id: i64, lane| {
+            let (d, c, h, t) = (
+                dispatcher.clone(),
+                catalog.clone(),
+                config.clone(),
+                ties[usize::from(lane)].clone(),
+            );
+            tokio::spawn(async move {
+                d.attempt_checked(&c, &t, &h, &delivery_on(id, lane, &h.id), 1)
+                    .await
+            })
+        };
+        let first = spawn(1, 0);
+        while gate.calls.load(Ordering::SeqCst) == 0 {
+            tokio::task::yield_now().await;
+        }
+        let second = spawn(2, 1);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(dispatcher.lane_attempts_in_flight(1), 0, "waiting");
+        // Lane 1's owner stops while its attempt waits for the permit.
+        ties[1].end();
+        gate.release.notify_one();
+        let sent = first.await.expect("first").expect("sent");
+        assert_eq!(sent.outcome, AttemptOutcome::Delivered);
+        assert_eq!(
+            second.await.expect("second").map(|s| s.outcome),
+            Err(NotAttempted::OwnerGone)
+        );
+        assert_eq!(gate.calls.load(Ordering::SeqCst), 1, "sent without owner");
+        assert_eq!(dispatcher.lane_attempts_in_flight(1), 0);
+        assert_eq!(dispatcher.lane_attempts_in_flight(0), 1);
+        drop(sent);
+        assert_eq!(dispatcher.attempts_in_flight(), 0);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -51,7 +51,7 @@ use crate::actors::lane_owner::{Drain, LaneDeps, StopLane, Wake};
 use crate::actors::{LaneBoard, LaneConfig, LaneOwner, LaneState, StoreActor, StoreActorConfig};
 use crate::assignment::{
     owner_node, plan_lanes, AssignmentError, FencedOutLanes, LaneAssignment, LaneWork,
-    LocalAssignment, RaftAssignment, Room, Running, WorkGate,
+    LocalAssignment, OwnerTie, RaftAssignment, Room, Running, WorkGate,
 };
 use crate::catalog::HandlerCatalog;
 use crate::handler::{AttemptCounter, Dispatcher, Handler};
@@ -294,6 +294,8 @@ impl NodeOptions {
 struct OwnerEntry {
     epoch: Epoch,
     addr: Addr<LaneOwner>,
+    /// Ended before the owner is told to stop (see [`OwnerTie`]).
+    tie: Arc<OwnerTie>,
     draining: bool,
 }
 
@@ -705,13 +707,13 @@ async fn run(
     // assignment every second, cannot see the emptied map and start a second
     // owner of a lane at the same epoch next to the one draining (that owner
     // would claim the rows still in flight and hand them over again).
-    let owners: Vec<Addr<LaneOwner>> = {
+    let (owners, ties): (Vec<Addr<LaneOwner>>, Vec<Arc<OwnerTie>>) = {
         let mut owners = state.owners.lock().expect("not poisoned");
         state.stopping.store(true, AtomicOrdering::SeqCst);
         std::mem::take(&mut *owners)
             .into_values()
-            .map(|o| o.addr)
-            .collect()
+            .map(|o| (o.addr, o.tie))
+            .unzip()
     };
     let deadline = tokio::time::Instant::now() + drain_timeout;
     for a in &owners {
@@ -742,7 +744,8 @@ async fn run(
             "drain timed out: in-flight deliveries left to the next owner"
         );
     }
-    for a in owners {
+    for (a, tie) in owners.into_iter().zip(ties) {
+        tie.end();
         a.do_send(StopLane);
     }
     if let Some(c) = &state.cluster {
@@ -1106,6 +1109,7 @@ impl LaneControl {
         let plan = plan_lanes(&running, &work, &sent);
         for lane in &plan.stop {
             if let Some(o) = owners.remove(lane) {
+                o.tie.end();
                 o.addr.do_send(StopLane);
             }
         }
@@ -1130,16 +1134,19 @@ impl LaneControl {
                 lane,
                 o.epoch,
                 o.addr.clone(),
+                o.tie.clone(),
                 deadline,
             ));
         }
         for &(lane, epoch) in &plan.start {
-            let addr = LaneOwner::new(lane, epoch, self.deps.clone()).start();
+            let owner = LaneOwner::new(lane, epoch, self.deps.clone());
+            let tie = owner.tie();
             owners.insert(
                 lane,
                 OwnerEntry {
                     epoch,
-                    addr,
+                    addr: owner.start(),
+                    tie,
                     draining: false,
                 },
             );
@@ -1164,6 +1171,7 @@ impl LaneControl {
         lane: Lane,
         epoch: Epoch,
         addr: Addr<LaneOwner>,
+        tie: Arc<OwnerTie>,
         deadline: tokio::time::Instant,
     ) {
         while addr.connected() && tokio::time::Instant::now() < deadline {
@@ -1176,6 +1184,8 @@ impl LaneControl {
                 "drain bound reached: in-flight deliveries left to the next owner"
             );
         }
+        // Ended before the release: the next owner may start at once.
+        tie.end();
         addr.do_send(StopLane);
         {
             let mut owners = self.owners.lock().expect("not poisoned");

@@ -20,6 +20,14 @@
 //! continues the count (and the `lanebus-attempt` header) where it was.
 //! Unkeyed deliveries get a short-lived key handler each.
 //!
+//! Every attempt is bound to the lane owner that handed it out
+//! ([`OwnerTie`]): it is sent only while that owner is live and its lease
+//! (or drain) leaves room for the handler's timeout, checked again once it
+//! holds its handler's permit; once cleared it counts in its lane's attempt
+//! count until its outcome is stored. An attempt whose owner stopped is not
+//! sent, and its key handler stops: the delivery stays in the store for the
+//! lane's next owner.
+//!
 //! A store call that fails (database unreachable) is repeated with a capped
 //! backoff until it succeeds or the lane owner is gone: the attempt's outcome
 //! is known and must not be lost, and attempting again would repeat a
@@ -56,9 +64,9 @@ use super::store_actor::{
     CompleteDelivery, DeadLetterDelivery, DiscardDelivery, RescheduleDelivery, StoreActor,
     StoreCallError,
 };
-use crate::assignment::{OwnerTie, GATE_RECHECK};
+use crate::assignment::{OwnerTie, Start, GATE_RECHECK};
 use crate::catalog::HandlerCatalog;
-use crate::handler::{Dispatcher, NotAttempted};
+use crate::handler::{AttemptGuard, Dispatcher, NotAttempted};
 use crate::metrics;
 use crate::retry::{decide, AttemptOutcome, Decision, RetryPolicy, MAX_DELAY};
 
@@ -114,11 +122,17 @@ impl KeyHandler {
     }
 
     fn run(&mut self, delivery: Delivery, handler: Arc<HandlerConfig>, ctx: &mut Context<Self>) {
-        if !self
+        let start = self
             .deps
             .tie
-            .may_start(Duration::from_millis(handler.timeout_ms))
-        {
+            .start(Duration::from_millis(handler.timeout_ms));
+        if start == Start::Lost {
+            // The lane owner stopped: the delivery stays in the store for
+            // the lane's next owner.
+            ctx.stop();
+            return;
+        }
+        if start == Start::Wait {
             // The node's lease lapsed (a pause, a cut), or what is left of
             // it (or of a drain) would not cover the handler's timeout: send
             // nothing. Ask again while the lane owner lives (a renewal makes
@@ -166,8 +180,9 @@ impl KeyHandler {
                 .await
         });
         ctx.spawn(send.into_actor(self).map(move |joined, act, ctx| {
-            let outcome = match joined {
-                Ok(Ok(outcome)) => outcome,
+            let (outcome, counted) = match joined {
+                Ok(Ok(sent)) => (sent.outcome, Some(sent.counted)),
+                Ok(Err(NotAttempted::OwnerGone)) => return ctx.stop(),
                 Ok(Err(NotAttempted::HandlerDeleted)) => return act.gone(delivery, ctx),
                 Ok(Err(NotAttempted::HandlerDisabled)) => return act.park(delivery),
                 Ok(Err(NotAttempted::Paused)) => {
@@ -178,21 +193,27 @@ impl KeyHandler {
                     });
                     return;
                 }
-                Err(e) => AttemptOutcome::Failed {
-                    error: format!("attempt task failed: {e}"),
-                    retry_after: None,
-                },
+                Err(e) => (
+                    AttemptOutcome::Failed {
+                        error: format!("attempt task failed: {e}"),
+                        retry_after: None,
+                    },
+                    None,
+                ),
             };
-            act.decided(delivery, handler, attempt, outcome, ctx);
+            act.decided(delivery, handler, attempt, outcome, counted, ctx);
         }));
     }
 
+    /// Records the outcome of an attempt; `counted` keeps the attempt in
+    /// its lane's count until the store answered.
     fn decided(
         &mut self,
         delivery: Delivery,
         handler: Arc<HandlerConfig>,
         attempt: u32,
         outcome: AttemptOutcome,
+        counted: Option<AttemptGuard>,
         ctx: &mut Context<Self>,
     ) {
         let lane = delivery.lane;
@@ -259,13 +280,14 @@ impl KeyHandler {
                 })
             }
         };
-        self.record(delivery, record, Duration::from_millis(50), ctx);
+        self.record(delivery, record, counted, Duration::from_millis(50), ctx);
     }
 
     fn record(
         &mut self,
         mut delivery: Delivery,
         record: Record,
+        counted: Option<AttemptGuard>,
         store_backoff: Duration,
         ctx: &mut Context<Self>,
     ) {
@@ -278,9 +300,10 @@ impl KeyHandler {
                 }
                 Record::DeadLetter(r) => sa.send(DeadLetterDelivery(r.clone())).await,
             };
-            (record, res.unwrap_or(Err(StoreCallError::Stopped)))
+            (record, res.unwrap_or(Err(StoreCallError::Stopped)), counted)
         };
-        ctx.spawn(fut.into_actor(self).map(move |(record, res), act, ctx| {
+        ctx.spawn(fut.into_actor(self).map(move |(record, res, counted), act, ctx| {
+            // `counted` goes when this ends, unless the write is repeated.
             let id = delivery.id;
             match res {
                 Ok(true) => match record {
@@ -313,7 +336,9 @@ impl KeyHandler {
                     }
                     tracing::warn!(delivery = id, error = %e, retry_in_ms = store_backoff.as_millis() as u64, "store write failed, will repeat it");
                     let next = (store_backoff * 2).min(Duration::from_secs(5));
-                    ctx.run_later(store_backoff, move |act, ctx| act.record(delivery, record, next, ctx));
+                    ctx.run_later(store_backoff, move |act, ctx| {
+                        act.record(delivery, record, counted, next, ctx)
+                    });
                 }
             }
         }));

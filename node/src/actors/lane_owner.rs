@@ -343,6 +343,13 @@ impl LaneOwner {
         }
     }
 
+    /// What binds this owner's attempts to it. Whoever stops the owner ends
+    /// it first ([`OwnerTie::end`]), before another owner of the lane may
+    /// start on this node; the owner ends it itself when it stops.
+    pub fn tie(&self) -> Arc<OwnerTie> {
+        self.tie.clone()
+    }
+
     /// Brings the node's budget up to date with the queue's payload bytes.
     fn count_bytes(&self) {
         let now = self.queue.bytes();
@@ -767,7 +774,9 @@ impl Actor for LaneOwner {
     }
 
     fn stopped(&mut self, _ctx: &mut Self::Context) {
-        // Its deliveries are dropped with it.
+        // Its attempts not sent yet are never sent; its deliveries are
+        // dropped with it.
+        self.tie.end();
         let counted = self.counted_bytes.replace(0);
         self.deps.board.budget().moved(counted, 0);
         self.deps.board.set(
@@ -821,6 +830,7 @@ impl Handler<StopLane> for LaneOwner {
     type Result = ();
 
     fn handle(&mut self, _: StopLane, ctx: &mut Self::Context) {
+        self.tie.end();
         ctx.stop();
     }
 }
