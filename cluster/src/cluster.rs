@@ -1265,9 +1265,19 @@ async fn leader_tick(inner: &Inner) -> Result<()> {
             "proposing lane changes"
         );
         let timeout = Duration::from_millis(inner.cfg.lease.lease_ms);
+        // The plan's premise (which owners were dead) is the state applied
+        // up to here: an owner renewing before the command is applied keeps
+        // its lanes.
+        let planned_at = applied.data.last_applied.map_or(0, |l| l.index);
         let r = tokio::time::timeout(
             timeout,
-            local_write(&inner.raft, Command::Apply { changes }),
+            local_write(
+                &inner.raft,
+                Command::ApplyPlanned {
+                    changes,
+                    planned_at,
+                },
+            ),
         )
         .await
         .map_err(|_| ClusterError::Unavailable {

@@ -79,7 +79,9 @@ pub enum Command {
     },
     /// Lane changes planned by the leader with [`assignment::plan_draining`]
     /// over its live set; applied with [`assignment::apply`], which ignores a
-    /// handover whose premise no longer holds.
+    /// handover whose premise no longer holds. Written by older versions;
+    /// the leader now proposes [`Command::ApplyPlanned`], whose assignments
+    /// carry their premise too.
     Apply {
         /// The planned changes, applied in order.
         changes: Vec<Change>,
@@ -136,6 +138,24 @@ pub enum Command {
     ReleaseLease {
         /// The stopping node.
         node: NodeId,
+    },
+    /// [`Command::Apply`] with its premise: the leader planned `changes`
+    /// over the state applied up to log index `planned_at`. An
+    /// [`Change::Assign`] (a lane without a live owner) is applied only if
+    /// the premise still holds ([`ClusterState::assign_premise_holds`]):
+    /// the lane is still at the epoch it was planned from, and its owner has
+    /// not renewed its lease since `planned_at` (a renewal applied between
+    /// the plan and this command means the owner is alive and working the
+    /// lane: moving it would bump the epoch under a live owner). Refused
+    /// assignments are skipped; the leader's next tick plans again. The
+    /// other changes check their own premise, as in [`Command::Apply`].
+    /// What the leader proposes; [`Command::Apply`] stays for the log
+    /// entries older versions wrote.
+    ApplyPlanned {
+        /// The planned changes, applied in order.
+        changes: Vec<Change>,
+        /// Log index of the state the plan was made over.
+        planned_at: u64,
     },
 }
 
@@ -329,6 +349,26 @@ impl ClusterState {
                 }
                 CommandResult::ok()
             }
+            Command::ApplyPlanned {
+                changes,
+                planned_at,
+            } => {
+                for &change in changes {
+                    let (Change::Assign { lane, .. }
+                    | Change::Handover { lane, .. }
+                    | Change::CancelHandover { lane }) = change;
+                    if usize::from(lane) >= self.lanes.len() {
+                        continue;
+                    }
+                    if let Change::Assign { lane, epoch, .. } = change {
+                        if !self.assign_premise_holds(lane, epoch, *planned_at) {
+                            continue;
+                        }
+                    }
+                    assignment::apply(&mut self.lanes, change);
+                }
+                CommandResult::ok()
+            }
             Command::Release { lane, from } => {
                 if usize::from(*lane) >= self.lanes.len() {
                     return CommandResult::refused(format!("lane {lane} does not exist"));
@@ -342,6 +382,21 @@ impl ClusterState {
                 }
             }
         }
+    }
+
+    /// Whether an assignment of `lane` at `epoch`, planned over the state
+    /// applied up to log index `planned_at`, still has its premise: the
+    /// lane is at `epoch - 1` (nothing moved it since), and its owner, if
+    /// any, has applied no lease renewal after `planned_at` (it was judged
+    /// dead on renewals up to then). `lane` must exist.
+    pub fn assign_premise_holds(&self, lane: u16, epoch: u64, planned_at: u64) -> bool {
+        let e = &self.lanes[usize::from(lane)];
+        e.epoch.checked_add(1) == Some(epoch)
+            && e.owner.is_none_or(|owner| {
+                self.leases
+                    .get(&owner)
+                    .is_none_or(|r| r.last_index <= planned_at)
+            })
     }
 
     /// Lanes `node` owns in state [`LaneState::Active`], with their epochs.
@@ -382,6 +437,7 @@ pub struct Releasing {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeSet;
 
     #[test]
     fn refence_moves_only_lanes_still_owned_at_the_reported_epoch() {
@@ -594,8 +650,73 @@ mod tests {
             7
         );
         assert_eq!(number(&Command::ReleaseLease { node: 1 }), 8);
+        assert_eq!(
+            number(&Command::ApplyPlanned {
+                changes: vec![],
+                planned_at: 0
+            }),
+            9
+        );
         let back: Command = crate::storage::decode(&[6, 1, 2]).expect("decode");
         assert_eq!(back, Command::Release { lane: 1, from: 2 });
+    }
+
+    /// The leader judged node 1 dead on the renewals applied up to index 5
+    /// and planned its lane away; node 1's renewal (sent before its lease
+    /// ran out) was applied at index 6, before the plan: lane 0 stays with
+    /// node 1 at its epoch. An unowned lane of the same plan is assigned,
+    /// and a plan whose lane moved meanwhile (epoch) changes nothing.
+    #[test]
+    fn an_assign_planned_before_the_owner_renewed_moves_nothing() {
+        let mut s = ClusterState::new(3);
+        add(&mut s, 1);
+        add(&mut s, 2);
+        assert!(s.apply(3, &Command::RenewLease { node: 1 }).ok);
+        let first = Command::Apply {
+            changes: vec![Change::Assign {
+                lane: 0,
+                to: 1,
+                epoch: 1,
+            }],
+        };
+        assert!(s.apply(4, &first).ok);
+        assert!(s.apply(5, &Command::RenewLease { node: 2 }).ok);
+        let plan = assignment::plan(&s.lanes, &BTreeSet::from([2]));
+        assert!(
+            plan.contains(&Change::Assign {
+                lane: 0,
+                to: 2,
+                epoch: 2
+            }),
+            "{plan:?}"
+        );
+        assert!(s.apply(6, &Command::RenewLease { node: 1 }).ok);
+        let planned = Command::ApplyPlanned {
+            changes: plan.clone(),
+            planned_at: 5,
+        };
+        assert!(s.apply(7, &planned).ok);
+        assert_eq!(
+            s.lanes[0],
+            LaneEntry {
+                owner: Some(1),
+                epoch: 1,
+                state: LaneState::Active
+            },
+            "the renewed owner keeps its lane and epoch"
+        );
+        assert_eq!(s.active_lanes(2), BTreeMap::from([(1, 1), (2, 1)]));
+
+        // Planned at or after the renewal: node 1 is dead, the lane moves.
+        let moved = Command::ApplyPlanned {
+            changes: plan.clone(),
+            planned_at: 7,
+        };
+        assert!(s.apply(8, &moved).ok);
+        assert_eq!(s.active_lanes(2), BTreeMap::from([(0, 2), (1, 1), (2, 1)]));
+        // The same plan again: the lanes are past the planned epochs.
+        assert!(s.apply(9, &moved).ok);
+        assert_eq!(s.active_lanes(2), BTreeMap::from([(0, 2), (1, 1), (2, 1)]));
     }
 
     #[test]
