@@ -309,7 +309,7 @@ struct Row {
     outcome: Outcome,
 }
 
-const HEADER: &str = "| scenario | seed | events | deliveries | lost | dead-lettered | repeats: failed / node timeout / owner change / unattributed | out of order | other violations | recover s | drain s | time s | result |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+const HEADER: &str = "| scenario | seed | events | deliveries | lost | dead-lettered | repeats: failed / node timeout / owner change / unattributed | out of order | overlaps | other violations | recover s | drain s | time s | result |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
 
 fn secs(ms: Option<u64>) -> String {
     ms.map_or("-".into(), |m| format!("{:.1}", m as f64 / 1e3))
@@ -329,7 +329,7 @@ fn row_line(r: &Row) -> String {
                 + x.deposed_sends
                 + x.completed_and_dead;
             format!(
-                "| {} | {} | {}{} | {} | {} | {} | {} / {} / {} / {} | {} | {} | {} | {} | {:.0} | {} |",
+                "| {} | {} | {}{} | {} | {} | {} | {} / {} / {} / {} | {} | {} | {} | {} | {} | {:.0} | {} |",
                 r.name,
                 r.seed,
                 x.events,
@@ -346,6 +346,7 @@ fn row_line(r: &Row) -> String {
                 x.repeats.owner_change,
                 x.repeats.unattributed,
                 x.out_of_order,
+                x.overlaps,
                 other,
                 secs(x.recovered_ms),
                 secs(*drained_ms),
@@ -354,11 +355,11 @@ fn row_line(r: &Row) -> String {
             )
         }
         Outcome::Skipped(why) => format!(
-            "| {} | {} | | | | | | | | | | {:.0} | skipped: {why} |",
+            "| {} | {} | | | | | | | | | | | {:.0} | skipped: {why} |",
             r.name, r.seed, r.secs
         ),
         Outcome::Error(e) => format!(
-            "| {} | {} | | | | | | | | | | {:.0} | ERROR: {} |",
+            "| {} | {} | | | | | | | | | | | {:.0} | ERROR: {} |",
             r.name,
             r.seed,
             r.secs,

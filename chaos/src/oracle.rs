@@ -15,7 +15,11 @@
 //! 1. **No loss**: every (acked event, matching handler) was answered 2xx or
 //!    is a dead letter (dead letters count as lost where the scenario does
 //!    not expect them).
-//! 2. **Order**: per (handler, key), the first arrival of the event at
+//! 2. **One at a time, in order**: per (handler, key) (or unkeyed
+//!    delivery), no request arrives while an earlier one is in flight at
+//!    the receiver (from its arrival until the receiver ended it, at the
+//!    latest until the handler's timeout; [`OVERLAP_TOLERANCE_MS`] of
+//!    slack): an *overlap*. The first arrival of the event at
 //!    publish position i comes after every earlier position was answered 2xx
 //!    (or dead-lettered); a repeat of an earlier event after a later one
 //!    arrived is a rewind, allowed only after an owner change; the
@@ -102,6 +106,11 @@ pub struct Request {
     pub answered_ms: Option<f64>,
     /// Status answered (`None`: reset or dropped without an answer).
     pub status: Option<u16>,
+    /// When the receiver ended the exchange, milliseconds since the run
+    /// started: the answer about to be written, the connection reset, or
+    /// closed after a hold; `None`: not known (the request then counts as
+    /// in flight until its timeout).
+    pub ended_ms: Option<f64>,
     /// The `data` member of the body as bytes (`None`: body unreadable).
     pub data: Option<String>,
     /// Whether the signature verified.
@@ -113,6 +122,15 @@ pub struct Request {
 impl Request {
     fn accepted(&self) -> bool {
         matches!(self.status, Some(s) if (200..300).contains(&s))
+    }
+
+    /// The end of the request's time in flight at the receiver: when the
+    /// receiver ended the exchange, at the latest when the sender's timeout
+    /// ran out (it has given up then), in milliseconds since the run
+    /// started.
+    fn in_flight_until(&self, timeout_ms: u64) -> f64 {
+        let end = self.ended_ms.or(self.answered_ms).unwrap_or(f64::INFINITY);
+        end.min(self.arrived_ms + timeout_ms as f64)
     }
 
     /// Whether the node could have seen this attempt succeed.
@@ -220,6 +238,12 @@ pub struct Report {
     /// the change; invariant 4: a deposed owner's completions touch
     /// nothing, so it cannot go on to the key's next delivery).
     pub deposed_sends: usize,
+    /// Requests that arrived while an earlier request of the same
+    /// (handler, key), or of the same unkeyed delivery, was still in flight
+    /// at the receiver (see [`OVERLAP_TOLERANCE_MS`]): two attempts of one
+    /// key processed at once, e.g. a deposed owner's attempt outliving its
+    /// lease while the new owner sends the key's next delivery.
+    pub overlaps: usize,
     /// Milliseconds to recover (see [`Record::recovered_ms`]).
     pub recovered_ms: Option<u64>,
     /// The first problems found, for the log.
@@ -239,6 +263,7 @@ impl Report {
             && self.two_owners == 0
             && self.deposed_sends == 0
             && self.completed_and_dead == 0
+            && self.overlaps == 0
             && self.recovered_ms.is_some()
     }
 
@@ -248,6 +273,17 @@ impl Report {
         }
     }
 }
+
+/// How much earlier than the end of the previous request's time in flight
+/// a request of the same (handler, key) may arrive before it counts as an
+/// overlap, in milliseconds. Both ends are the receiver's clock, but the
+/// sender sees them later than they are stamped: the arrival is stamped
+/// once the head was read (late when the receiver's task is slow to run),
+/// and the sender's timeout starts when it sends, before the arrival. On a
+/// loaded 2-core machine tasks wait tens of milliseconds; 250 ms covers
+/// that, and is far below the overlaps that matter (seconds: an attempt
+/// outliving its owner's lease by up to the handler timeout).
+pub const OVERLAP_TOLERANCE_MS: f64 = 250.0;
 
 /// One sample of a lane: (at_ms, epoch, owner).
 type Seen<'a> = (u64, i64, Option<&'a str>);
@@ -553,6 +589,45 @@ pub fn judge(rec: &Record) -> Report {
         }
     }
 
+    // 2. one request of a (handler, key) in flight at a time: a request
+    // (the key's next delivery, or a repeat) must not arrive while an
+    // earlier one of the same (handler, key), or of the same unkeyed
+    // delivery, is still in flight at the receiver: from its arrival until
+    // the receiver ended it, at the latest until the handler's timeout (a
+    // retry after a timeout is no overlap: the sender has given up).
+    // Per stream: the earlier request in flight the longest, and its end.
+    let mut in_flight: HashMap<(&str, &str), (&Request, f64)> = HashMap::new();
+    for q in &requests {
+        let Some(h) = handlers.get(q.handler.as_str()) else {
+            continue;
+        };
+        let stream = q.key.as_deref().unwrap_or(q.event_id.as_str());
+        let until = q.in_flight_until(h.timeout_ms);
+        let k = (q.handler.as_str(), stream);
+        let Some(&(prev, prev_until)) = in_flight.get(&k) else {
+            in_flight.insert(k, (q, until));
+            continue;
+        };
+        if q.arrived_ms + OVERLAP_TOLERANCE_MS < prev_until {
+            r.overlaps += 1;
+            r.problem(format!(
+                "overlap: {} {stream}: {} (attempt {}, node {}) arrived at {:.0} ms while {} (attempt {}, node {}, arrived at {:.0} ms) was in flight until {prev_until:.0} ms",
+                q.handler,
+                q.event_id,
+                q.attempt,
+                q.sender.as_deref().unwrap_or("?"),
+                q.arrived_ms,
+                prev.event_id,
+                prev.attempt,
+                prev.sender.as_deref().unwrap_or("?"),
+                prev.arrived_ms,
+            ));
+        }
+        if until > prev_until {
+            in_flight.insert(k, (q, until));
+        }
+    }
+
     // 2. order per (handler, key).
     let mut position: HashMap<(&str, &str), usize> = HashMap::new(); // (key, id) -> position
     let mut by_key: HashMap<&str, Vec<&Published>> = HashMap::new();
@@ -749,6 +824,7 @@ mod tests {
             arrived_ms: at,
             answered_ms: status.map(|_| at + 1.0),
             status,
+            ended_ms: None,
             data: Some(format!("{{\"id\":\"{id}\"}}")),
             signature_ok: true,
             sender: Some("1".into()),
@@ -1062,6 +1138,116 @@ mod tests {
         let r = judge(&rec);
         assert!(r.passed(), "{r:#?}");
         assert_eq!(r.in_doubt, 2);
+    }
+
+    /// `base()` with a 10 s timeout; b's first attempt, from node 1, held
+    /// 8 s by the receiver and answered 200 (in time).
+    fn held_b() -> Record {
+        let mut rec = base();
+        rec.handlers[0].timeout_ms = 10_000;
+        rec.requests = vec![
+            req("a", "k", 1, 1, 10.0, Some(200)),
+            req("b", "k", 2, 1, 1_000.0, Some(200)),
+        ];
+        rec.requests[1].answered_ms = Some(9_000.0);
+        rec
+    }
+
+    #[test]
+    fn a_request_while_the_keys_previous_one_is_in_flight_is_an_overlap() {
+        // The lane moved to node 2 (epoch 2) while node 1's attempt of b
+        // was held: node 2 sends b again, answered at once, then c, both
+        // while node 1's b is still in flight.
+        let mut rec = held_b();
+        rec.samples = vec![sample(0, "k", "1", 1), sample(4_000, "k", "2", 2)];
+        let mut b2 = req("b", "k", 2, 1, 5_000.0, Some(200));
+        b2.sender = Some("2".into());
+        let mut c = req("c", "k", 3, 1, 5_100.0, Some(200));
+        c.sender = Some("2".into());
+        rec.requests.extend([b2, c]);
+        let r = judge(&rec);
+        assert_eq!(r.overlaps, 2, "{r:#?}");
+        assert!(r.problems[0].starts_with("overlap: h k: b (attempt 1, node 2)"));
+        assert!(!r.passed());
+        // Everything else holds: a repeat from another node is an owner
+        // change, c came after b was accepted.
+        assert_eq!((r.repeats.owner_change, r.repeats.unattributed), (1, 0));
+        assert_eq!((r.out_of_order, r.lost), (0, 0));
+        // Sent after node 1's b was answered, both pass.
+        rec.requests[2].arrived_ms = 9_001.0;
+        rec.requests[2].answered_ms = Some(9_002.0);
+        rec.requests[3].arrived_ms = 9_005.0;
+        rec.requests[3].answered_ms = Some(9_006.0);
+        let r = judge(&rec);
+        assert!(r.passed(), "{r:#?}");
+    }
+
+    #[test]
+    fn the_next_delivery_right_after_the_answer_is_no_overlap() {
+        let mut rec = held_b();
+        // c 2 ms after b's answer; an unrelated key in between.
+        rec.requests.push(req("c", "k", 3, 1, 9_002.0, Some(200)));
+        rec.published.push(ev("z", "other"));
+        rec.requests.push(req("z", "other", 1, 1, 2_000.0, Some(200)));
+        let r = judge(&rec);
+        assert!(r.passed(), "{r:#?}");
+        assert_eq!(r.overlaps, 0);
+        // c a second before b's answer: b was still in flight.
+        rec.requests[2].arrived_ms = 8_000.0;
+        rec.requests[2].answered_ms = Some(8_001.0);
+        assert_eq!(judge(&rec).overlaps, 1);
+        // Within the tolerance: a stamping delay, not an overlap.
+        rec.requests[2].arrived_ms = 9_000.0 - OVERLAP_TOLERANCE_MS + 10.0;
+        rec.requests[2].answered_ms = Some(9_000.0);
+        assert_eq!(judge(&rec).overlaps, 0);
+    }
+
+    #[test]
+    fn a_retry_after_a_timeout_or_a_reset_is_no_overlap() {
+        let mut rec = held_b();
+        // b held without an answer past the 10 s timeout, retried 50 ms
+        // after the timeout, then c.
+        rec.requests[1].status = None;
+        rec.requests[1].answered_ms = None;
+        rec.requests[1].ended_ms = Some(12_000.0);
+        rec.requests.push(req("b", "k", 2, 2, 11_050.0, Some(200)));
+        rec.requests.push(req("c", "k", 3, 1, 11_100.0, Some(200)));
+        let r = judge(&rec);
+        assert!(r.passed(), "{r:#?}");
+        assert_eq!((r.overlaps, r.repeats.failed), (0, 1));
+        // The same retry 2 s before the timeout ran out overlaps.
+        rec.requests[2].arrived_ms = 9_000.0;
+        rec.requests[2].answered_ms = Some(9_001.0);
+        assert_eq!(judge(&rec).overlaps, 1);
+        // b reset by the receiver at once: the retry 50 ms later is fine;
+        // without the end of the exchange known, it counts as in flight.
+        rec.requests[1].ended_ms = Some(1_001.0);
+        rec.requests[2].arrived_ms = 1_050.0;
+        rec.requests[2].answered_ms = Some(1_051.0);
+        assert_eq!(judge(&rec).overlaps, 0);
+        rec.requests[1].ended_ms = None;
+        assert_eq!(judge(&rec).overlaps, 1, "the retry");
+    }
+
+    #[test]
+    fn two_attempts_of_an_unkeyed_delivery_at_once_overlap() {
+        let mut rec = base();
+        rec.handlers[0].timeout_ms = 10_000;
+        let mut u = ev("u", "x");
+        u.key = None;
+        rec.published.push(u);
+        let mut u1 = req("u", "x", 1, 1, 100.0, Some(200));
+        u1.key = None;
+        u1.sequence = None;
+        u1.answered_ms = Some(6_000.0);
+        let mut u2 = u1.clone();
+        u2.arrived_ms = 3_000.0;
+        u2.answered_ms = Some(3_001.0);
+        u2.sender = Some("2".into());
+        rec.requests.extend([u1, u2]);
+        let r = judge(&rec);
+        assert_eq!(r.overlaps, 1, "{r:#?}");
+        assert!(r.problems[0].starts_with("overlap: h u: u"), "{r:#?}");
     }
 
     #[test]

@@ -65,6 +65,15 @@ pub enum Mode {
         /// Share of deliveries whose first attempt fails.
         percent: u32,
     },
+    /// The first attempt (as counted here) of `percent` % of deliveries is
+    /// answered 200 after `ms` (within the handler timeout: a slow
+    /// success); repeats are answered at once.
+    SlowFirst {
+        /// Share of deliveries whose first attempt is slow.
+        percent: u32,
+        /// Delay before the answer, in milliseconds.
+        ms: u64,
+    },
 }
 
 /// What one request gets.
@@ -151,6 +160,9 @@ pub fn decide(mode: Mode, seed: u64, handler: &str, event_id: &str, n: u32) -> A
         Mode::Stall { percent, ms } if hit(percent) => Answer::Late(Duration::from_millis(ms)),
         Mode::Down => Answer::Status(500),
         Mode::FailFirst { percent } if n == 1 && hit(percent) => Answer::Status(500),
+        Mode::SlowFirst { percent, ms } if n == 1 && hit(percent) => {
+            Answer::Late(Duration::from_millis(ms))
+        }
         _ => Answer::Status(200),
     }
 }
@@ -340,6 +352,7 @@ impl Receiver {
                 arrived_ms: arrived,
                 answered_ms: None,
                 status: None,
+                ended_ms: None,
                 data: data_member(&body),
                 signature_ok,
                 sender: sender.clone(),
@@ -374,11 +387,13 @@ impl Receiver {
                     // with a non-zero linger time.
                     #[allow(deprecated)]
                     let _ = sock.set_linger(Some(Duration::ZERO));
+                    rec.ended_ms = Some(self.ms());
                     self.lock().log.push(rec);
                     return Ok(());
                 }
                 Answer::Hold(d) => {
                     tokio::time::sleep(d).await;
+                    rec.ended_ms = Some(self.ms());
                     self.lock().log.push(rec);
                     return Ok(());
                 }
@@ -396,6 +411,7 @@ impl Receiver {
             // earlier, so order checks against it raise no false alarm when
             // this process is slow to get back to the task after the write.
             rec.answered_ms = Some(self.ms());
+            rec.ended_ms = rec.answered_ms;
             let written = sock.write_all(reply.as_bytes()).await;
             rec.status = status;
             if written.is_err() {
@@ -461,6 +477,20 @@ mod tests {
             .filter(|i| decide(mode, 3, "h", &format!("e{i}"), 1) == Answer::Status(500))
             .count();
         assert!((50..150).contains(&first), "{first}");
+        assert!((0..1000).all(|i| decide(mode, 3, "h", &format!("e{i}"), 2) == Answer::Status(200)));
+    }
+
+    #[test]
+    fn slow_first_delays_a_share_of_first_attempts_and_answers_repeats_at_once() {
+        let mode = Mode::SlowFirst {
+            percent: 20,
+            ms: 8_000,
+        };
+        let late = Answer::Late(Duration::from_millis(8_000));
+        let slow = (0..1000)
+            .filter(|i| decide(mode, 3, "h", &format!("e{i}"), 1) == late)
+            .count();
+        assert!((130..270).contains(&slow), "{slow}");
         assert!((0..1000).all(|i| decide(mode, 3, "h", &format!("e{i}"), 2) == Answer::Status(200)));
     }
 
