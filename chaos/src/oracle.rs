@@ -1188,7 +1188,8 @@ mod tests {
         // c 2 ms after b's answer; an unrelated key in between.
         rec.requests.push(req("c", "k", 3, 1, 9_002.0, Some(200)));
         rec.published.push(ev("z", "other"));
-        rec.requests.push(req("z", "other", 1, 1, 2_000.0, Some(200)));
+        rec.requests
+            .push(req("z", "other", 1, 1, 2_000.0, Some(200)));
         let r = judge(&rec);
         assert!(r.passed(), "{r:#?}");
         assert_eq!(r.overlaps, 0);

@@ -87,6 +87,14 @@ pub enum Fault {
     },
     /// SIGKILL the child publisher process (it is publishing all along).
     KillPublisher,
+    /// A planned removal (`POST /admin/cluster/remove`, what `lanebus
+    /// admin remove` sends): the node hands its lanes over (draining what
+    /// it has in flight), the leader removes it; then it is stopped
+    /// (SIGTERM) and stays out of the run.
+    Remove {
+        /// Whom.
+        target: Target,
+    },
     /// A deposed owner's last attempt fails after its lane moved, while
     /// the new owner delivers the same delivery: the endpoint answers 500
     /// to the first attempt of `fail_percent` % of deliveries; the first
@@ -130,6 +138,43 @@ pub enum Scale {
     Full,
 }
 
+/// The lease settings nodes are started with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lease {
+    /// The suite's short lease ([`crate::LEASE_MS`], renewal
+    /// [`crate::RENEW_MS`], margin [`crate::LEASE_MARGIN_MS`]), passed as
+    /// flags when the node has them.
+    Suite,
+    /// No lease flags: the node's defaults ([`DEFAULT_LEASE_MS`],
+    /// [`DEFAULT_LEASE_MARGIN_MS`]).
+    NodeDefault,
+}
+
+/// `lanebus node`'s default lease, in milliseconds (`--lease-ms`).
+pub const DEFAULT_LEASE_MS: u64 = 15_000;
+/// `lanebus node`'s default lease margin, in milliseconds
+/// (`--lease-margin-ms`).
+pub const DEFAULT_LEASE_MARGIN_MS: u64 = 3_000;
+
+impl Lease {
+    /// The lease, in milliseconds.
+    pub fn lease_ms(self) -> u64 {
+        match self {
+            Lease::Suite => crate::LEASE_MS,
+            Lease::NodeDefault => DEFAULT_LEASE_MS,
+        }
+    }
+
+    /// The leader's margin past a lease before it gives lanes away, in
+    /// milliseconds.
+    pub fn margin_ms(self) -> u64 {
+        match self {
+            Lease::Suite => crate::LEASE_MARGIN_MS,
+            Lease::NodeDefault => DEFAULT_LEASE_MARGIN_MS,
+        }
+    }
+}
+
 /// Everything the runner needs for one scenario.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plan {
@@ -155,6 +200,14 @@ pub struct Plan {
     pub max_attempts: u32,
     /// Whether dead letters are expected.
     pub dead_letters_expected: bool,
+    /// Lease settings of the nodes.
+    pub lease: Lease,
+    /// How the endpoint behaves during the whole publish window (faults of
+    /// kind [`Fault::Endpoint`] change it for their duration).
+    pub endpoint: Mode,
+    /// A handler (by name) registered with this `max_in_flight` instead of
+    /// the default.
+    pub max_in_flight: Option<(&'static str, u32)>,
 }
 
 /// Scenario names with a line each, in run order.
@@ -203,6 +256,14 @@ pub const SCENARIOS: &[(&str, &str)] = &[
         "stale-final-attempt",
         "a deposed owner's last attempt fails while the new owner delivers",
     ),
+    (
+        "lease-edge-partition",
+        "default lease, 10 s handlers, slow first attempts; a node's Raft cut past its lease",
+    ),
+    (
+        "lease-edge-handover",
+        "default lease, 10 s handlers, slow first attempts; a planned removal under max_in_flight",
+    ),
 ];
 
 /// Handler timeout of every scenario, in milliseconds.
@@ -210,6 +271,21 @@ pub const TIMEOUT_MS: u64 = 1_000;
 
 /// Handler timeout of `stale-final-attempt`, in milliseconds.
 pub const STALE_TIMEOUT_MS: u64 = 4_000;
+
+/// Handler timeout of the `lease-edge-*` scenarios, in milliseconds (the
+/// issue's example next to the default lease: 10 s of 15 s).
+pub const LEASE_EDGE_TIMEOUT_MS: u64 = 10_000;
+
+/// How long the endpoint holds a slow first attempt in the `lease-edge-*`
+/// scenarios, in milliseconds: within the timeout, long enough that an
+/// attempt started in the last seconds of a lease is still in flight when
+/// the lanes move (lease + margin).
+pub const LEASE_EDGE_SLOW_MS: u64 = 8_000;
+
+/// `max_in_flight` of the `all` handler in `lease-edge-handover`: far below
+/// the work of its lanes (every event, 60 keys), so attempts queue for
+/// permits when the lanes are handed over.
+pub const LEASE_EDGE_MAX_IN_FLIGHT: u32 = 2;
 
 /// The plan of `name` for `seed` at `scale`; `None` for an unknown name.
 pub fn build(name: &str, seed: u64, scale: Scale) -> Option<Plan> {
@@ -231,12 +307,44 @@ pub fn build(name: &str, seed: u64, scale: Scale) -> Option<Plan> {
         timeout_ms: TIMEOUT_MS,
         max_attempts: 25,
         dead_letters_expected: false,
+        lease: Lease::Suite,
+        endpoint: Mode::Healthy,
+        max_in_flight: None,
     };
+    // The lease-edge scenarios run at the node's default lease: a fault
+    // lasts lease + margin + 2 s, so each round gets a longer slice, with
+    // the fault early in it.
+    let lease_edge = name.starts_with("lease-edge-");
+    let (publish_ms, slice) = if lease_edge {
+        plan.lease = Lease::NodeDefault;
+        plan.timeout_ms = LEASE_EDGE_TIMEOUT_MS;
+        plan.endpoint = Mode::SlowFirst {
+            percent: 20,
+            ms: LEASE_EDGE_SLOW_MS,
+        };
+        // After the fault's start (2 to 4 s into the slice): the partition
+        // (lease + margin + 2 s), or the handover's drain (bounded by the
+        // handler timeout + 0.5 s), then 2 to 4 s more.
+        let slice = if name == "lease-edge-partition" {
+            DEFAULT_LEASE_MS + DEFAULT_LEASE_MARGIN_MS + 2_000 + 6_000
+        } else {
+            LEASE_EDGE_TIMEOUT_MS + 500 + 8_000
+        };
+        (slice * rounds, slice)
+    } else {
+        (publish_ms, publish_ms / rounds)
+    };
+    plan.publish_ms = publish_ms;
     // Fault starts spread over the window: round i in its own slice, at a
     // random point of the slice's first half (so the fault ends before the
     // window does).
-    let slice = publish_ms / rounds;
-    let at = |rng: &mut Rng, i: u64| i * slice + rng.range(slice / 5, slice / 2);
+    let at = |rng: &mut Rng, i: u64| {
+        if lease_edge {
+            i * slice + rng.range(2_000, 4_000)
+        } else {
+            i * slice + rng.range(slice / 5, slice / 2)
+        }
+    };
     let lease_wait = crate::LEASE_MS + crate::LEASE_MARGIN_MS + 1_000;
     for i in 0..rounds {
         let t = at(&mut rng, i);
@@ -366,11 +474,27 @@ pub fn build(name: &str, seed: u64, scale: Scale) -> Option<Plan> {
                     hold_ms: STALE_TIMEOUT_MS - 1_500,
                 }
             }
+            "lease-edge-partition" => {
+                plan.nodes = 3;
+                plan.needs_cluster = true;
+                Fault::Partition {
+                    target: Target::Follower(rng.next_u64()),
+                    ms: DEFAULT_LEASE_MS + DEFAULT_LEASE_MARGIN_MS + 2_000,
+                }
+            }
+            "lease-edge-handover" => {
+                plan.nodes = 3;
+                plan.needs_cluster = true;
+                plan.max_in_flight = Some(("all", LEASE_EDGE_MAX_IN_FLIGHT));
+                Fault::Remove {
+                    target: Target::Follower(rng.next_u64()),
+                }
+            }
             _ => unreachable!("names come from SCENARIOS"),
         };
         plan.steps.push(Step { at_ms: t, fault });
-        if plan.child_publisher {
-            break; // one child publisher to kill
+        if plan.child_publisher || matches!(plan.steps[0].fault, Fault::Remove { .. }) {
+            break; // one child publisher to kill, one node to remove
         }
     }
     Some(plan)
@@ -413,7 +537,8 @@ mod tests {
                         assert!(s.at_ms >= last && s.at_ms < p.publish_ms, "{name} {s:?}");
                         last = s.at_ms;
                     }
-                    if scale == Scale::Full && !p.child_publisher {
+                    if scale == Scale::Full && !p.child_publisher && *name != "lease-edge-handover"
+                    {
                         assert_eq!(p.steps.len(), 5, "{name}");
                     }
                 }
@@ -442,6 +567,40 @@ mod tests {
                 assert!((1..=50).contains(&fail_percent));
             }
         }
+    }
+
+    #[test]
+    fn lease_edge_plans_use_the_default_lease_and_partition_past_it() {
+        for seed in 0..20 {
+            for scale in [Scale::Quick, Scale::Full] {
+                let p = build("lease-edge-partition", seed, scale).unwrap();
+                assert_eq!(p.lease, Lease::NodeDefault);
+                assert!(p.timeout_ms < p.lease.lease_ms());
+                assert!(
+                    matches!(p.endpoint, Mode::SlowFirst { percent: 20, ms } if ms < p.timeout_ms)
+                );
+                for s in &p.steps {
+                    let Fault::Partition { ms, .. } = s.fault else {
+                        panic!("{s:?}");
+                    };
+                    assert_eq!(ms, p.lease.lease_ms() + p.lease.margin_ms() + 2_000);
+                    assert!(s.at_ms + ms < p.publish_ms, "{s:?} {}", p.publish_ms);
+                }
+                let h = build("lease-edge-handover", seed, scale).unwrap();
+                assert_eq!((h.lease, h.timeout_ms), (Lease::NodeDefault, p.timeout_ms));
+                assert_eq!(h.max_in_flight, Some(("all", LEASE_EDGE_MAX_IN_FLIGHT)));
+                assert!(matches!(
+                    h.steps[..],
+                    [Step {
+                        fault: Fault::Remove { .. },
+                        ..
+                    }]
+                ));
+            }
+        }
+        // The others keep the suite's lease and a healthy endpoint.
+        let k = build("kill-node", 1, Scale::Quick).unwrap();
+        assert_eq!((k.lease, k.endpoint), (Lease::Suite, Mode::Healthy));
     }
 
     #[test]

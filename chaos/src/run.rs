@@ -65,6 +65,11 @@ const HANDLERS: &[(&str, &[&str])] = &[
 /// table reports each scenario's actual time).
 const RECOVERY_SLACK_MS: u64 = 40_000;
 
+/// How long health may take after a fault's end: lease + margin + slack.
+fn recovery_bound(plan: &Plan) -> Duration {
+    Duration::from_millis(plan.lease.lease_ms() + plan.lease.margin_ms() + RECOVERY_SLACK_MS)
+}
+
 /// How often the lane table is sampled, in milliseconds.
 const SAMPLE_MS: u64 = 250;
 
@@ -93,6 +98,7 @@ pub async fn run(ctx: &mut Ctx, plan: &Plan, index: usize) -> Outcome {
     let mut sb = match Sandbox::start(
         &ctx.bin,
         ctx.flags,
+        plan.lease,
         &store,
         plan.nodes,
         plan.seed,
@@ -128,16 +134,20 @@ async fn drive(sb: &mut Sandbox, plan: &Plan, ctx: &Ctx) -> Outcome {
 async fn register(sb: &Sandbox, plan: &Plan) -> anyhow::Result<HashMap<String, String>> {
     let mut ids = HashMap::new();
     for (name, patterns) in HANDLERS {
+        let mut body = serde_json::json!({
+            "name": name,
+            "url": sb.receiver.url(name),
+            "event_types": patterns,
+            "timeout_ms": plan.timeout_ms,
+            "max_attempts": plan.max_attempts,
+        });
+        if let Some((_, n)) = plan.max_in_flight.filter(|(h, _)| h == name) {
+            body["max_in_flight"] = n.into();
+        }
         let r = sb
             .http
             .post(format!("{}/v1/handlers", sb.nodes[0].url()))
-            .json(&serde_json::json!({
-                "name": name,
-                "url": sb.receiver.url(name),
-                "event_types": patterns,
-                "timeout_ms": plan.timeout_ms,
-                "max_attempts": plan.max_attempts,
-            }))
+            .json(&body)
             .send()
             .await?;
         let status = r.status();
@@ -318,6 +328,7 @@ async fn drive_inner(sb: &mut Sandbox, plan: &Plan, ctx: &Ctx) -> anyhow::Result
         stop.clone(),
         samples.clone(),
     );
+    sb.receiver.set_mode(plan.endpoint);
     let payloads = Arc::new(publisher::payloads());
     let urls = Arc::new(Mutex::new(sb.live_urls()));
     let published: Arc<Mutex<Vec<Published>>> = Arc::default();
@@ -365,11 +376,19 @@ async fn drive_inner(sb: &mut Sandbox, plan: &Plan, ctx: &Ctx) -> anyhow::Result
     for step in &plan.steps {
         tokio::time::sleep_until((t0 + Duration::from_millis(step.at_ms)).into()).await;
         let at = sb.now_ms();
-        let what = inject(sb, &step.fault, &urls, &mut child, ctx.pg.as_ref(), &ids).await?;
+        let what = inject(
+            sb,
+            plan,
+            &step.fault,
+            &urls,
+            &mut child,
+            ctx.pg.as_ref(),
+            &ids,
+        )
+        .await?;
         println!("  {at:>6} ms  {what}");
         let started = Instant::now();
-        let bound =
-            Duration::from_millis(crate::LEASE_MS + crate::LEASE_MARGIN_MS + RECOVERY_SLACK_MS);
+        let bound = recovery_bound(plan);
         let mut rec = None;
         while started.elapsed() < bound {
             if healthy(sb).await {
@@ -410,7 +429,7 @@ async fn drive_inner(sb: &mut Sandbox, plan: &Plan, ctx: &Ctx) -> anyhow::Result
     );
 
     // Recovery: every node ready, every lane owned.
-    let bound = Duration::from_millis(crate::LEASE_MS + crate::LEASE_MARGIN_MS + RECOVERY_SLACK_MS);
+    let bound = recovery_bound(plan);
     let mut healthy_at_end = false;
     while healed.elapsed() < bound {
         if healthy(sb).await {
@@ -523,6 +542,7 @@ async fn drive_inner(sb: &mut Sandbox, plan: &Plan, ctx: &Ctx) -> anyhow::Result
 /// Carries out one fault (including its end); returns a description.
 async fn inject(
     sb: &mut Sandbox,
+    plan: &Plan,
     fault: &Fault,
     urls: &Arc<Mutex<Vec<String>>>,
     child: &mut Option<tokio::process::Child>,
@@ -624,8 +644,14 @@ async fn inject(
         Fault::Endpoint { mode, ms } => {
             sb.receiver.set_mode(*mode);
             tokio::time::sleep(Duration::from_millis(*ms)).await;
-            sb.receiver.set_mode(Mode::Healthy);
+            sb.receiver.set_mode(plan.endpoint);
             format!("endpoint {mode:?} for {ms} ms")
+        }
+        Fault::Remove { target } => {
+            let i = resolve(sb, *target, 1).await[0];
+            let r = remove(sb, i, recovery_bound(plan)).await;
+            set_urls(sb);
+            r?
         }
         Fault::KillPublisher => {
             let mut c = child.take().context("no child publisher")?;
@@ -657,6 +683,72 @@ async fn inject(
             r?
         }
     })
+}
+
+/// The planned removal of node `i` (see [`Fault::Remove`]): asked of
+/// another node (`POST /admin/cluster/remove`), awaited until that node's
+/// `GET /admin/cluster` no longer lists `i` (its lanes handed over, at
+/// most `bound`), then node `i` is stopped and retired.
+async fn remove(sb: &mut Sandbox, i: usize, bound: Duration) -> anyhow::Result<String> {
+    let id = sb.nodes[i].id.to_string();
+    let via = match sb.leader().await {
+        Some(l) if l != i => l,
+        _ => (0..sb.nodes.len())
+            .find(|j| *j != i && sb.nodes[*j].running() && !sb.nodes[*j].paused)
+            .context("no other node to ask for the removal")?,
+    };
+    let url = sb.nodes[via].url();
+    let asked = Instant::now();
+    let r = sb
+        .http
+        .post(format!("{url}/admin/cluster/remove"))
+        .json(&serde_json::json!({ "id": sb.nodes[i].id }))
+        .timeout(Duration::from_secs(15))
+        .send()
+        .await?;
+    let status = r.status();
+    if !status.is_success() {
+        bail!(
+            "removal of node {id}: {status} {}",
+            r.text().await.unwrap_or_default()
+        );
+    }
+    let gone = loop {
+        let listed = async {
+            let v: serde_json::Value = sb
+                .http
+                .get(format!("{url}/admin/cluster"))
+                .send()
+                .await
+                .ok()?
+                .json()
+                .await
+                .ok()?;
+            Some(
+                v["nodes"]
+                    .as_array()?
+                    .iter()
+                    .any(|n| n["id"].as_str() == Some(id.as_str())),
+            )
+        }
+        .await;
+        if listed == Some(false) {
+            break true;
+        }
+        if asked.elapsed() > bound {
+            break false;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let ms = asked.elapsed().as_millis();
+    sb.retire(i).await;
+    if !gone {
+        bail!("node {id} still a member {ms} ms after its removal was asked (stopped anyway)");
+    }
+    Ok(format!(
+        "planned removal of node {id} (asked node {}): lanes handed over and removed after {ms} ms, then SIGTERM",
+        sb.nodes[via].id
+    ))
 }
 
 /// How long to wait for the victim's final attempt once the first attempts

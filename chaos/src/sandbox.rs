@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context as _};
 use tokio::process::{Child, Command};
 
+use crate::plan::Lease;
 use crate::proxy::{LinkMode, Proxy, Sources};
 use crate::receiver::Receiver;
 
@@ -197,6 +198,9 @@ pub struct NodeProc {
     child: Option<Child>,
     /// Whether it is frozen (SIGSTOP).
     pub paused: bool,
+    /// Whether it left the cluster on purpose (a planned removal) and was
+    /// stopped: not started again, not counted for health.
+    pub retired: bool,
     starts: u32,
 }
 
@@ -222,6 +226,9 @@ pub struct Sandbox {
     pub dir: PathBuf,
     bin: PathBuf,
     flags: NodeFlags,
+    /// Whether nodes get the suite's lease flags (else the node's
+    /// defaults).
+    suite_lease: bool,
     store_url: String,
     /// The database proxy (PostgreSQL only).
     pub db_proxy: Option<Proxy>,
@@ -243,10 +250,14 @@ pub struct Sandbox {
 impl Sandbox {
     /// Builds a sandbox: database, receiver, `n` nodes (the first with
     /// `--bootstrap`, the others `--join`ing it); if the first node turns
-    /// out to be single-node, the others are not started.
+    /// out to be single-node, the others are not started. `lease`: the
+    /// suite's short lease (as flags, when the node has them) or the node's
+    /// defaults.
+    #[allow(clippy::too_many_arguments)]
     pub async fn start(
         bin: &Path,
         flags: NodeFlags,
+        lease: Lease,
         store: &Store,
         n: usize,
         seed: u64,
@@ -276,6 +287,7 @@ impl Sandbox {
             dir,
             bin: bin.to_path_buf(),
             flags,
+            suite_lease: lease == Lease::Suite,
             store_url,
             db_proxy,
             nodes: Vec::new(),
@@ -297,6 +309,7 @@ impl Sandbox {
                 log: sb.dir.join(format!("node-{id}.log")),
                 child: None,
                 paused: false,
+                retired: false,
                 starts: 0,
             };
             if proxied && flags.advertise_flag {
@@ -444,7 +457,7 @@ impl Sandbox {
         if self.flags.source_ip_flag {
             cmd.args(["--webhook-source-ip", &source_ip(node.id).to_string()]);
         }
-        if self.flags.lease_flags {
+        if self.flags.lease_flags && self.suite_lease {
             cmd.args(["--lease-ms", &crate::LEASE_MS.to_string()])
                 .args(["--renew-interval-ms", &crate::RENEW_MS.to_string()])
                 .args(["--lease-margin-ms", &crate::LEASE_MARGIN_MS.to_string()]);
@@ -567,6 +580,13 @@ impl Sandbox {
         }
     }
 
+    /// Stops node `i` (SIGTERM) after it left the cluster on purpose; it
+    /// stays out of the run.
+    pub async fn retire(&mut self, i: usize) {
+        self.stop(i).await;
+        self.nodes[i].retired = true;
+    }
+
     /// SIGSTOP (`true`) or SIGCONT (`false`) node `i`.
     pub async fn pause(&mut self, i: usize, stop: bool) {
         if let Some(pid) = self.nodes[i].pid() {
@@ -612,7 +632,7 @@ impl Sandbox {
             if self.nodes[i].paused {
                 self.pause(i, false).await;
             }
-            if !self.nodes[i].running() {
+            if !self.nodes[i].running() && !self.nodes[i].retired {
                 self.spawn(i).await?;
             }
         }
@@ -628,9 +648,13 @@ impl Sandbox {
             .collect()
     }
 
-    /// Every node's base URL.
+    /// Every node's base URL, but those retired.
     pub fn all_urls(&self) -> Vec<String> {
-        self.nodes.iter().map(NodeProc::url).collect()
+        self.nodes
+            .iter()
+            .filter(|n| !n.retired)
+            .map(NodeProc::url)
+            .collect()
     }
 
     /// Stops everything; the directory is kept when `keep`.
