@@ -2217,6 +2217,56 @@ mod postgres_only {
         h.cleanup().await;
     }
 
+    /// A handler delete walks each lane in chunks of the claim index
+    /// `(lane, xid)`: every row of the handler goes, across chunk bounds,
+    /// in a transaction with more rows in a lane than a chunk holds, among
+    /// another handler's rows, and in the last lane; the other handler's
+    /// rows stay.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_handler_delete_walks_every_chunk_of_every_lane() {
+        let h = PgHarness::new().await;
+        let s = h.store();
+        let doomed = handler(&*s, "doomed", &["*"]).await.id;
+        let kept = handler(&*s, "kept", &["*"]).await.id;
+        let last = i32::from(s.lanes()) - 1;
+        // (lane, rows of doomed, rows of kept), one transaction each.
+        let mut txs = vec![(0, 3_000, 2_500), (last, 1, 0)];
+        txs.extend((0..12).map(|i| (i % 3, 700 * (i % 2), 300 + i)));
+        txs.push((0, 2_001, 0));
+        let pool = h.store.pool();
+        for &(lane, d, k) in &txs {
+            sqlx::query(
+                "INSERT INTO deliveries (lane, handler_id, event_id) \
+                 SELECT $1, CASE WHEN g <= $3 THEN $2 ELSE $4 END, 'e' || g \
+                 FROM generate_series(1, $3 + $5) g",
+            )
+            .bind(lane)
+            .bind(&doomed)
+            .bind(d)
+            .bind(&kept)
+            .bind(k)
+            .execute(pool)
+            .await
+            .expect("insert deliveries");
+        }
+        let of = |id: &str| {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM deliveries WHERE handler_id = $1")
+                .bind(id.to_owned())
+                .fetch_one(pool)
+        };
+        let (d, k) = (of(&doomed).await.expect("count"), of(&kept).await.expect("count"));
+        assert_eq!(
+            d,
+            txs.iter().map(|t| i64::from(t.1)).sum::<i64>(),
+            "seeded"
+        );
+        let deleted = s.delete_handler(&doomed).await.expect("delete");
+        assert_eq!(deleted.deliveries, d as u64, "{deleted:?}");
+        assert_eq!(of(&doomed).await.expect("count"), 0, "left behind");
+        assert_eq!(of(&kept).await.expect("count"), k, "another handler's rows");
+        h.cleanup().await;
+    }
+
     /// A publish that read a handler before its DELETE and commits after it
     /// leaves the deleted handler a delivery; when that delivery fails for
     /// good, it goes without a dead letter (nobody could replay one, and it

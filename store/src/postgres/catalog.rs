@@ -224,7 +224,8 @@ pub(super) async fn mark_handler_failing(
     crate::common::handler_found(n, id)
 }
 
-/// Rows one batch of a handler delete removes (its own short transaction).
+/// Rows one chunk of a handler delete reads in a lane, and one batch of its
+/// dead letters removes (each its own short statement).
 pub(crate) const DELETE_BATCH: i64 = 2_000;
 
 /// Deletes the handler, then its pending deliveries, then its dead letters;
@@ -233,17 +234,21 @@ pub(crate) const DELETE_BATCH: i64 = 2_000;
 /// The handler row goes first, in its own transaction: from its commit on,
 /// publishes route nothing more to it (routes are matched in the publish
 /// statement), no dead letter is written for it (`sql/dead_letter.sql`) and
-/// nodes discard what is left of it. Its rows then go in batches of
-/// [`DELETE_BATCH`], each its own statement found through the
-/// `deliveries_handler` index, so a completion that meets one of the rows
-/// waits for one batch, not for the whole backlog (before, one transaction
+/// nodes discard what is left of it. Its deliveries then go lane by lane,
+/// each lane walked in `deliveries_claim (lane, xid)` order in chunks of
+/// about [`DELETE_BATCH`] rows of any handler (`sql/delete_chunk.sql`), each
+/// chunk its own statement. So a completion that meets one of the rows
+/// waits for one chunk, not for the whole backlog (before, one transaction
 /// held every row locked while it scanned the table, and the completions of
-/// every node waited for it).
+/// every node waited for it), and the whole delete reads `deliveries` once,
+/// with no index on `handler_id` (which would cost WAL at every publish).
+/// Its dead letters go in batches of [`DELETE_BATCH`] through
+/// `dead_letters_handler (handler_id, id)`.
 ///
 /// Deliveries before dead letters: a dead-letter statement that holds a
-/// delivery row when a batch meets it makes the batch wait for its commit,
-/// so the dead-letter batches, which start after the last delivery batch,
-/// see the dead letter it wrote (test `postgres_only::
+/// delivery row when a chunk meets it makes the chunk wait for its commit,
+/// so the dead-letter batches, which start after the last chunk, see the
+/// dead letter it wrote (test `postgres_only::
 /// a_dead_letter_written_during_a_handler_delete_is_discarded_too`).
 ///
 /// A delete interrupted after the handler row went (an error, a crash)
@@ -257,32 +262,52 @@ pub(super) async fn delete_handler(pool: &PgPool, id: &str) -> Result<DeletedHan
         .await
         .map_err(map_err)?
         .rows_affected();
-    let mut counts = [0u64; 2];
-    for (n, table) in counts.iter_mut().zip(["deliveries", "dead_letters"]) {
-        let batch = format!(
-            "DELETE FROM {table} WHERE id IN \
-             (SELECT id FROM {table} WHERE handler_id = $1 LIMIT $2)"
-        );
+    let lanes: Vec<i32> = sqlx::query_scalar("SELECT lane FROM lanes ORDER BY lane")
+        .fetch_all(pool)
+        .await
+        .map_err(map_err)?;
+    let mut deliveries = 0u64;
+    for lane in lanes {
+        let mut lo = i64::MIN;
         loop {
-            let done = sqlx::query(&batch)
+            let (hi, n): (Option<i64>, i64) = sqlx::query_as(include_str!("sql/delete_chunk.sql"))
+                .bind(lane)
+                .bind(lo)
                 .bind(id)
                 .bind(DELETE_BATCH)
-                .execute(pool)
+                .fetch_one(pool)
                 .await
-                .map_err(map_err)?
-                .rows_affected();
-            *n += done;
-            if done == 0 {
-                break;
+                .map_err(map_err)?;
+            deliveries += n as u64;
+            match hi {
+                Some(hi) => lo = hi,
+                None => break,
             }
+        }
+    }
+    let mut dead_letters = 0u64;
+    loop {
+        let done = sqlx::query(
+            "DELETE FROM dead_letters WHERE id IN \
+             (SELECT id FROM dead_letters WHERE handler_id = $1 LIMIT $2)",
+        )
+        .bind(id)
+        .bind(DELETE_BATCH)
+        .execute(pool)
+        .await
+        .map_err(map_err)?
+        .rows_affected();
+        dead_letters += done;
+        if done == 0 {
+            break;
         }
     }
     if removed == 0 {
         return Err(StoreError::NotFound(format!("handler {id}")));
     }
     Ok(DeletedHandler {
-        deliveries: counts[0],
-        dead_letters: counts[1],
+        deliveries,
+        dead_letters,
     })
 }
 
