@@ -255,6 +255,40 @@ pub(crate) const DELETE_BATCH: i64 = 2_000;
 /// leaves the rest to the lane owners, which discard deliveries of an unknown
 /// handler; a repeated delete of the same id answers `NotFound` and sweeps
 /// what is left of it first.
+/// Runs one statement of a handler delete, again when PostgreSQL aborted it
+/// for a deadlock (`40P01`: the lane owners discard a deleted handler's rows
+/// they hold, in another order), a serialization failure (`40001`) or its
+/// lock timeout (`55P03`): the statement changed nothing then, and the
+/// handler row is already gone, so only the sweep is left to finish. At most
+/// [`DELETE_RETRIES`] more times, 20 ms apart, then the error.
+async fn retry_conflicts<T, F, Fut>(mut statement: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = std::result::Result<T, sqlx::Error>>,
+{
+    let mut tries = 0;
+    loop {
+        match statement().await {
+            Ok(v) => return Ok(v),
+            Err(e) => {
+                let code = e
+                    .as_database_error()
+                    .and_then(|d| d.code())
+                    .map(|c| c.into_owned());
+                let conflict = matches!(code.as_deref(), Some("40P01" | "40001" | "55P03"));
+                if !conflict || tries >= DELETE_RETRIES {
+                    return Err(map_err(e));
+                }
+                tries += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        }
+    }
+}
+
+/// Repeats of one statement of a handler delete after a conflict.
+const DELETE_RETRIES: u32 = 10;
+
 pub(super) async fn delete_handler(pool: &PgPool, id: &str) -> Result<DeletedHandler> {
     let removed = sqlx::query("DELETE FROM handlers WHERE id = $1")
         .bind(id)
@@ -270,14 +304,15 @@ pub(super) async fn delete_handler(pool: &PgPool, id: &str) -> Result<DeletedHan
     for lane in lanes {
         let mut lo = i64::MIN;
         loop {
-            let (hi, n): (Option<i64>, i64) = sqlx::query_as(include_str!("sql/delete_chunk.sql"))
-                .bind(lane)
-                .bind(lo)
-                .bind(id)
-                .bind(DELETE_BATCH)
-                .fetch_one(pool)
-                .await
-                .map_err(map_err)?;
+            let (hi, n): (Option<i64>, i64) = retry_conflicts(|| {
+                sqlx::query_as(include_str!("sql/delete_chunk.sql"))
+                    .bind(lane)
+                    .bind(lo)
+                    .bind(id)
+                    .bind(DELETE_BATCH)
+                    .fetch_one(pool)
+            })
+            .await?;
             deliveries += n as u64;
             match hi {
                 Some(hi) => lo = hi,
@@ -287,15 +322,16 @@ pub(super) async fn delete_handler(pool: &PgPool, id: &str) -> Result<DeletedHan
     }
     let mut dead_letters = 0u64;
     loop {
-        let done = sqlx::query(
-            "DELETE FROM dead_letters WHERE id IN \
-             (SELECT id FROM dead_letters WHERE handler_id = $1 LIMIT $2)",
-        )
-        .bind(id)
-        .bind(DELETE_BATCH)
-        .execute(pool)
-        .await
-        .map_err(map_err)?
+        let done = retry_conflicts(|| {
+            sqlx::query(
+                "DELETE FROM dead_letters WHERE id IN \
+                 (SELECT id FROM dead_letters WHERE handler_id = $1 LIMIT $2)",
+            )
+            .bind(id)
+            .bind(DELETE_BATCH)
+            .execute(pool)
+        })
+        .await?
         .rows_affected();
         dead_letters += done;
         if done == 0 {
