@@ -290,12 +290,20 @@ where
 const DELETE_RETRIES: u32 = 10;
 
 pub(super) async fn delete_handler(pool: &PgPool, id: &str) -> Result<DeletedHandler> {
-    let removed = sqlx::query("DELETE FROM handlers WHERE id = $1")
-        .bind(id)
-        .execute(pool)
-        .await
-        .map_err(map_err)?
-        .rows_affected();
+    // The counts are taken with the handler's removal, in one snapshot: the
+    // lane owners that notice the delete first discard some rows themselves
+    // while the walk below runs, and those were discarded by this delete too.
+    // (The deliveries count reads the table once; a delete is rare.)
+    let (removed, pending, dead): (i64, i64, i64) = sqlx::query_as(
+        "WITH h AS (DELETE FROM handlers WHERE id = $1 RETURNING id) \
+         SELECT (SELECT count(*) FROM h), \
+                (SELECT count(*) FROM deliveries WHERE handler_id = $1), \
+                (SELECT count(*) FROM dead_letters WHERE handler_id = $1)",
+    )
+    .bind(id)
+    .fetch_one(pool)
+    .await
+    .map_err(map_err)?;
     let lanes: Vec<i32> = sqlx::query_scalar("SELECT lane FROM lanes ORDER BY lane")
         .fetch_all(pool)
         .await
@@ -341,9 +349,10 @@ pub(super) async fn delete_handler(pool: &PgPool, id: &str) -> Result<DeletedHan
     if removed == 0 {
         return Err(StoreError::NotFound(format!("handler {id}")));
     }
+    // What the walk found beyond the counts committed after their snapshot.
     Ok(DeletedHandler {
-        deliveries,
-        dead_letters,
+        deliveries: deliveries.max(u64::try_from(pending).unwrap_or_default()),
+        dead_letters: dead_letters.max(u64::try_from(dead).unwrap_or_default()),
     })
 }
 
