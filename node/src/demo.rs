@@ -54,7 +54,7 @@ pub struct DemoFlags {
     #[arg(long, env = "LANEBUS_DEMO_KEYS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     keys: Option<usize>,
-    /// Path of github-webhook-examples.json [default: looked up in shared/data].
+    /// Path of github-webhook-examples.json [default: the repository's data/].
     #[arg(long, env = "LANEBUS_DATA")]
     #[serde(skip_serializing_if = "Option::is_none")]
     data: Option<PathBuf>,

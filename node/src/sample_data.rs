@@ -1,4 +1,5 @@
-//! Real input: the GitHub webhook examples of `shared/data` (see its README).
+//! Real input: the GitHub webhook examples shipped in the repository's
+//! `data/` (`@octokit/webhooks-examples` 7.6.1, MIT; see `data/README.md`).
 //!
 //! Each example becomes a [`Sample`]: its event type (`name`, plus `.` and
 //! the payload's `action` when it has one) and its payload as compact JSON
@@ -45,8 +46,8 @@ pub enum DataError {
 }
 
 /// Finds the examples file: `explicit` (a `--data` flag), `LANEBUS_DATA`,
-/// `../shared/data/` and `shared/data/` relative to the current directory,
-/// and `shared/data/` next to this crate's workspace.
+/// `data/` relative to the current directory, and the repository's `data/`
+/// (next to this crate's workspace).
 ///
 /// # Errors
 /// [`DataError::NotFound`] listing the places looked at.
@@ -58,11 +59,10 @@ pub fn find(explicit: Option<&Path>) -> Result<PathBuf, DataError> {
         if let Some(p) = std::env::var_os("LANEBUS_DATA") {
             candidates.push(PathBuf::from(p));
         }
-        candidates.push(PathBuf::from("../shared/data").join(FILE_NAME));
-        candidates.push(PathBuf::from("shared/data").join(FILE_NAME));
+        candidates.push(PathBuf::from("data").join(FILE_NAME));
         candidates.push(
             Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../../shared/data")
+                .join("../data")
                 .join(FILE_NAME),
         );
     }
@@ -135,9 +135,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_shared_examples_load_with_types_from_name_and_action() {
+    fn the_examples_load_with_types_from_name_and_action() {
         let Ok(path) = find(None) else {
-            panic!("shared/data/{FILE_NAME} must be reachable from the crate");
+            panic!("data/{FILE_NAME} must be reachable from the crate");
         };
         let samples = load(&path).unwrap();
         assert_eq!(samples.len(), 329);

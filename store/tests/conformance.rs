@@ -1372,7 +1372,7 @@ async fn lane_rows_report_owner_epoch_and_backlog(h: &dyn Harness) {
 fn github_payloads() -> Vec<(String, Option<String>, Vec<u8>)> {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/data/github-webhook-examples.json"
+        "/../data/github-webhook-examples.json"
     );
     let raw = std::fs::read(path).unwrap_or_else(|e| panic!("read {path}: {e}"));
     let all: Vec<serde_json::Value> =

@@ -326,9 +326,9 @@ impl Api {
     }
 }
 
-/// The real payloads of `shared/data`.
+/// The real payloads of the repository's `data/`.
 pub fn samples() -> Vec<Sample> {
-    let path = sample_data::find(None).expect("shared/data/github-webhook-examples.json");
+    let path = sample_data::find(None).expect("data/github-webhook-examples.json");
     sample_data::load(&path).expect("examples load")
 }
 
