@@ -69,8 +69,6 @@ pub(super) async fn claim(pool: &PgPool, claims: &[LaneClaim]) -> Result<Vec<Lan
     // Per lane: rows of the ranged part, and the largest xid among them.
     let mut ranged = vec![0usize; claims.len()];
     let mut top: Vec<Option<i64>> = vec![None; claims.len()];
-    // A row may come in both parts of its lane's claim.
-    let mut seen = HashSet::new();
     for row in &rows {
         let ord: i64 = row.try_get("ord").map_err(map_err)?;
         let i = usize::try_from(ord - 1)
@@ -91,10 +89,15 @@ pub(super) async fn claim(pool: &PgPool, claims: &[LaneClaim]) -> Result<Vec<Lan
             ranged[i] += 1;
             top[i] = Some(top[i].map_or(xid, |m| m.max(xid)));
         }
-        let d = delivery_from_row(row, claims[i].lane)?;
-        if seen.insert((i, d.id)) {
-            batches[i].deliveries.push(d);
+        // A row may come in both parts of its lane's claim; the rows are
+        // ordered by (lane position, xid, id), so the copies are adjacent.
+        let id: Option<i64> = row.try_get("id").map_err(map_err)?;
+        if batches[i].deliveries.last().map(|d| Some(d.id)) == Some(id) {
+            continue;
         }
+        batches[i]
+            .deliveries
+            .push(delivery_from_row(row, claims[i].lane)?);
     }
     let snapshot =
         snapshot.ok_or_else(|| StoreError::Database("claim returned no snapshot".into()))?;
