@@ -103,7 +103,7 @@ async fn killed_and_restarted(backend: Backend) -> anyhow::Result<()> {
 
     let mut child = spawn_node(&db.url, &dir, 1)?;
     let third = exp.len() / 3;
-    let cut = rx.wait_accepted(third, Duration::from_secs(60)).await;
+    let cut = rx.wait_accepted(third, Duration::from_secs(240)).await;
     child.kill()?; // SIGKILL
     let kill_ms = rx.now_ms();
     child.wait()?;
@@ -128,7 +128,7 @@ async fn killed_and_restarted(backend: Backend) -> anyhow::Result<()> {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let restart_ms = rx.now_ms();
     let mut child = spawn_node(&db.url, &dir, 2)?;
-    let done = rx.wait_accepted(exp.len(), Duration::from_secs(120)).await;
+    let done = rx.wait_accepted(exp.len(), Duration::from_secs(480)).await;
     // The last completions are written a tick after the last answers.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let mut pending = store.counts().await?.deliveries;
