@@ -1,4 +1,4 @@
-//! lanebus HTTP API (axum): the contract of `shared/DESIGN.md` section 4.
+//! lanebus HTTP API (axum): the contract of `docs/design.md` section 4.
 //!
 //! The API talks to the store directly for publishing, the handler catalog
 //! and dead letters, and reaches the running node only through [`NodeView`],

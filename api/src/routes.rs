@@ -298,7 +298,7 @@ const fn spec(method: Method, path: &'static str, operation: Operation) -> Route
     }
 }
 
-/// Every path the API serves (DESIGN.md section 4), in one place.
+/// Every path the API serves (docs/design.md section 4), in one place.
 pub const ROUTES: &[RouteSpec] = &[
     spec(Method::POST, "/v1/events", Operation::PublishEvents),
     spec(Method::POST, "/v1/handlers", Operation::CreateHandler),

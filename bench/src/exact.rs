@@ -1,4 +1,4 @@
-//! The exactness check after every sample (DESIGN.md section 2): lost,
+//! The exactness check after every sample (docs/design.md section 2): lost,
 //! duplicated, out of order per (handler, key), dead; and for publish
 //! samples, exactly events × matching handlers deliveries.
 
@@ -142,7 +142,7 @@ pub struct Origin {
 /// (`owners`: each lane's owners in the order they were seen, one entry per
 /// change) show the earlier hand-over's node before the repeat's node. Each
 /// repeat needs its own change of owner. Every other repeat is unexplained:
-/// DESIGN.md invariant 3 allows a repeat only across a lease loss or a
+/// docs/design.md invariant 3 allows a repeat only across a lease loss or a
 /// handover, and neither happens without a change of owner.
 pub fn moved_repeats(
     handled: &[Handled],

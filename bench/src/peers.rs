@@ -1,4 +1,4 @@
-//! Peers side by side on the harness's PostgreSQL (DESIGN.md section 10):
+//! Peers side by side on the harness's PostgreSQL (docs/design.md section 10):
 //! graphile-worker 0.17 (batched completion and local queue, and its
 //! defaults) and pg-boss 10, installed with `npm install` into
 //! `bench/peers/node_modules` and driven by `bench/peers/driver.mjs`; and

@@ -1,7 +1,7 @@
 //! `lanebus-chaos`: the chaos suite. Starts real `lanebus node` processes,
 //! a throwaway database and a webhook receiver ([`sandbox`]), publishes
 //! while it injects named faults ([`plan`]), heals, and judges what the
-//! receiver got against DESIGN.md section 2 ([`oracle`]). Every random
+//! receiver got against docs/design.md section 2 ([`oracle`]). Every random
 //! choice comes from one seed ([`rng`]), printed first.
 //!
 //! ```text

@@ -1,4 +1,4 @@
-//! The oracle: judges one scenario's record against DESIGN.md section 2,
+//! The oracle: judges one scenario's record against docs/design.md section 2,
 //! once its faults have stopped. Pure: it reads plain logs (what publishers
 //! had acknowledged, what the receiver got, what the admin API showed) and
 //! returns a [`Report`]; the unit tests feed it synthetic logs that break

@@ -430,7 +430,7 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
 }
 
 /// The `data` member of a webhook body, as the bytes it was spliced in with:
-/// the body is `{"type":T,"timestamp":"...","data":<payload>}` (DESIGN.md
+/// the body is `{"type":T,"timestamp":"...","data":<payload>}` (docs/design.md
 /// section 5; the node writes the payload bytes unchanged).
 pub fn data_member(body: &[u8]) -> Option<String> {
     let text = std::str::from_utf8(body).ok()?;

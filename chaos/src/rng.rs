@@ -55,7 +55,7 @@ pub fn mix(mut z: u64) -> u64 {
 }
 
 /// FNV-1a, 64-bit: also the lane hash of the contract (`fnv1a_64(key) mod
-/// lanes`, DESIGN.md glossary and `store/src/lane.rs`).
+/// lanes`, docs/design.md glossary and `store/src/lane.rs`).
 pub fn fnv1a(bytes: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for b in bytes {

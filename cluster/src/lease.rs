@@ -10,7 +10,7 @@
 //! leader from when it *applied* it, which is later; the margin absorbs clock
 //! rate differences between the two machines. So the holder has stopped its
 //! lanes before the leader gives them away, even without any message between
-//! them (DESIGN.md section 3, "Leases").
+//! them (docs/design.md section 3, "Leases").
 //!
 //! An attempt must end before its holder's lease does: it starts only when
 //! the remaining lease covers its handler's timeout plus

@@ -119,7 +119,7 @@ pub enum Command {
     /// Each listed lane still owned by `node` in state
     /// [`LaneState::Active`] at `epoch` gets
     /// `max(epoch, store_epoch) + 1` ([`refence_lanes`]), which the owner
-    /// then fences; the outsider is deposed like any older owner (DESIGN.md
+    /// then fences; the outsider is deposed like any older owner (docs/design.md
     /// invariant 4). A lane whose owner or epoch changed meanwhile is left
     /// alone (a retried or stale report bumps nothing). Sent by the owner
     /// after the lease plus the margin, so a still-running outsider is not

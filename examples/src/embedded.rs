@@ -1,5 +1,5 @@
 //! A node inside the application: in-process handlers on the same lanes,
-//! key handlers, retries and dead letters as webhooks (DESIGN.md section
+//! key handlers, retries and dead letters as webhooks (docs/design.md section
 //! 7), without an HTTP hop.
 //!
 //! A handler whose URL is `http://inproc.invalid/NAME` is served by the
@@ -41,7 +41,7 @@ impl Handler for Ledger {
             return Err(HandlerError::new("ledger busy, try again"));
         }
         // Idempotent: a delivery can come again after a failed attempt or a
-        // change of lane owner (DESIGN.md invariant 3), with the same event
+        // change of lane owner (docs/design.md invariant 3), with the same event
         // id; a real ledger books once per id (here: a look at what is
         // booked; in a database, a unique key on the event id).
         let mut booked = self.booked.lock().expect("not poisoned");

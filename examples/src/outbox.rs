@@ -1,6 +1,6 @@
 //! The transactional outbox: the application writes its own row and
 //! publishes the event in one database transaction, so the event exists if
-//! and only if the row does (DESIGN.md invariant 5). No second write, no
+//! and only if the row does (docs/design.md invariant 5). No second write, no
 //! dual-write gap, no polling table of the application's own.
 //!
 //! ```text

@@ -1,12 +1,12 @@
 //! A webhook receiver as an application would write one: it verifies the
-//! Standard Webhooks signature (DESIGN.md section 5: `webhook-id`,
+//! Standard Webhooks signature (docs/design.md section 5: `webhook-id`,
 //! `webhook-timestamp`, `webhook-signature` = `v1,` + base64 HMAC-SHA256
 //! over `id.timestamp.body` with the decoded `whsec_` secret; several
 //! space-separated signatures during a secret rotation, any one verifies),
 //! refuses a timestamp more than five minutes from its clock (the
 //! specification's replay window), and de-duplicates by `webhook-id`: a
 //! delivery is handed over again after a failed attempt or a change of
-//! lane owner (DESIGN.md invariant 3), with the same id.
+//! lane owner (docs/design.md invariant 3), with the same id.
 //!
 //! | answer | when |
 //! | --- | --- |

@@ -4,7 +4,7 @@
 //! A [`LaneAssignment`] yields [`LaneWork`] as a [`tokio::sync::watch`]
 //! channel: the lanes the node owns (`lane -> epoch`, each already fenced in
 //! the store with [`Store::fence`], so a deposed owner of an older epoch
-//! changes nothing any more, DESIGN.md invariant 4) and the lanes it must
+//! changes nothing any more, docs/design.md invariant 4) and the lanes it must
 //! hand over. The node carries out what [`plan_lanes`] decides: start a
 //! [`LaneOwner`](crate::actors::LaneOwner) for every owned lane without one,
 //! stop the owners whose lane disappeared or changed epoch, drain the ones

@@ -19,7 +19,7 @@
 //!
 //! Exits non-zero if an invariant broke (lost, out of order, bad signature,
 //! a repeat that the kill does not explain: only deliveries in flight on the
-//! killed node may arrive twice, DESIGN.md invariant 3) or if deliveries did
+//! killed node may arrive twice, docs/design.md invariant 3) or if deliveries did
 //! not all arrive in time.
 
 use std::path::PathBuf;

@@ -3,7 +3,7 @@
 //! A registered handler (the store's [`HandlerConfig`]) whose URL is
 //! `http://inproc.invalid/NAME` (or `inproc://NAME`, where the store accepts
 //! it) is served by the in-process [`Handler`] registered under `NAME` when
-//! the node starts (DESIGN.md section 7); every other URL is a webhook. The
+//! the node starts (docs/design.md section 7); every other URL is a webhook. The
 //! `.invalid` top-level domain is reserved (RFC 2606) and never resolves, so
 //! such a handler cannot be sent over the network by a node that lacks it:
 //! those attempts fail and end as dead letters, with the reason kept. Both go through the same key handlers, ordering, retries and
@@ -57,7 +57,7 @@ impl HandlerError {
 /// An in-process handler. `handle` returning `Ok` completes the delivery;
 /// `Err` is a failed attempt, retried with backoff like a webhook's.
 /// A delivery may be handed over again after a failure or a change of lane
-/// owner (DESIGN.md invariant 3): de-duplicate by `delivery.event_id`.
+/// owner (docs/design.md invariant 3): de-duplicate by `delivery.event_id`.
 #[async_trait]
 pub trait Handler: Send + Sync + 'static {
     /// Takes one delivery.

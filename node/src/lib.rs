@@ -5,8 +5,8 @@
 //!
 //! Pure decisions live in [`retry`], [`ordering`] and [`assignment`] (with
 //! unit tests, no IO); [`actors`] carry them out; [`node`] wires a running
-//! node (see `shared/DESIGN.md` section 3). [`webhook`] is the request
-//! contract of DESIGN.md section 5; [`handler`] puts in-process handlers on
+//! node (see `docs/design.md` section 3). [`webhook`] is the request
+//! contract of docs/design.md section 5; [`handler`] puts in-process handlers on
 //! the same path; [`receiver`] is the test webhook target with the
 //! exactness verdict; [`sample_data`] loads the real GitHub payloads.
 //!

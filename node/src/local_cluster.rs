@@ -12,7 +12,7 @@
 //! Pure checks: [`balance`] (every lane active with a live owner, counts
 //! within one) and [`repeats`] (every delivery accepted more than once is
 //! explained by an event: first accepted before it, again after it, at most
-//! one such repeat per (handler, key), as DESIGN.md invariant 3 allows).
+//! one such repeat per (handler, key), as docs/design.md invariant 3 allows).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;

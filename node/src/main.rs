@@ -1,4 +1,4 @@
-//! The `lanebus` binary (DESIGN.md section 6, contract).
+//! The `lanebus` binary (docs/design.md section 6, contract).
 //!
 //! ```text
 //! lanebus node --id N --http-addr IP:PORT --raft-addr IP:PORT --data-dir DIR \

@@ -18,7 +18,7 @@
 //!   trim / release ── bounded memory without holding up other keys (below)
 //! ```
 //!
-//! # Invariants kept here (DESIGN.md section 2)
+//! # Invariants kept here (docs/design.md section 2)
 //! - **Per-key order**: in a keyed slot at most one delivery is in flight, and
 //!   it is the lowest sequence number held. Delivery n+1 is handed out only
 //!   after [`LaneQueue::settled`] for n, which the owner calls only once the

@@ -1,7 +1,7 @@
 //! A webhook receiver for tests, the demo and chaos runs (modelled on Svix's
 //! `TestReceiver`): an HTTP server on `127.0.0.1:0` that records every
 //! request, verifies its signature, answers as the test tells it, and checks
-//! the invariants of DESIGN.md section 2 over what it received.
+//! the invariants of docs/design.md section 2 over what it received.
 //!
 //! Webhook URLs are `{base}/hook/{name}`; `name` identifies the handler.
 //!
@@ -142,7 +142,7 @@ pub struct Verdict {
     /// sequence of its key sent by another node (a stale attempt of a
     /// deposed owner, written after the new owner went on; from the same
     /// node it is disorder): not disorder of the first deliveries,
-    /// which is what DESIGN.md invariant 2 orders; they are repeats
+    /// which is what docs/design.md invariant 2 orders; they are repeats
     /// (counted in `duplicated` too), which invariant 3 requires a cause
     /// for (callers check that, e.g. `local_cluster::repeats`).
     pub rewinds: usize,

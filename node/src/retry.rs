@@ -109,7 +109,7 @@ pub enum AttemptOutcome {
         retry_after: Option<Duration>,
     },
     /// The endpoint answered `410 Gone`: a failed attempt that also disables
-    /// the handler (DESIGN.md section 5). `error` is kept as `last_error`.
+    /// the handler (docs/design.md section 5). `error` is kept as `last_error`.
     Gone {
         /// Human-readable reason (`http 410`).
         error: String,

@@ -1,4 +1,4 @@
-//! Webhook requests as DESIGN.md section 5 (contract) defines them.
+//! Webhook requests as docs/design.md section 5 (contract) defines them.
 //!
 //! ```text
 //! POST <handler url>
@@ -619,7 +619,7 @@ mod tests {
                 retry_after: None
             }
         );
-        // 410 Gone disables the handler (DESIGN.md section 5), Retry-After or not.
+        // 410 Gone disables the handler (docs/design.md section 5), Retry-After or not.
         assert_eq!(
             classify(410, None, now),
             AttemptOutcome::Gone {

@@ -64,7 +64,7 @@ async fn real_input_ten_fold(backend: Backend) -> anyhow::Result<()> {
         ensure!(metrics.contains(name), "/metrics lacks {name}");
     }
 
-    // Contract of DESIGN.md section 5, request by request.
+    // Contract of docs/design.md section 5, request by request.
     let by_id: HashMap<&str, &common::Published> =
         events.iter().map(|e| (e.id.as_str(), e)).collect();
     let reqs = rx.requests();

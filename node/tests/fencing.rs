@@ -1,4 +1,4 @@
-//! Fencing (DESIGN.md invariant 4): once another owner raised a lane's
+//! Fencing (docs/design.md invariant 4): once another owner raised a lane's
 //! epoch, this node's claims return nothing and its completions touch no
 //! row; its lane owners stop by themselves.
 

@@ -1,4 +1,4 @@
-//! In-process handlers (DESIGN.md section 7) go through the same path as
+//! In-process handlers (docs/design.md section 7) go through the same path as
 //! webhooks: per-key order, retries with the attempt count, completion.
 
 mod common;

@@ -1,4 +1,4 @@
-//! The transactional outbox (DESIGN.md section 7, invariant 5): events
+//! The transactional outbox (docs/design.md section 7, invariant 5): events
 //! published inside the caller's transaction are delivered if and only if
 //! the caller commits, and a transaction that commits late is not skipped by
 //! the lane owners' claim cursor.

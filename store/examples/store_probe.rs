@@ -1,6 +1,6 @@
 //! Measures a store's publish and drain (claim + bulk complete) rates and,
 //! on PostgreSQL, WAL bytes and full-page images per delivery, the way
-//! DESIGN.md section 3 counts them. Not the benchmark harness (see bench/):
+//! docs/design.md section 3 counts them. Not the benchmark harness (see bench/):
 //! a quick probe for store changes.
 //!
 //! ```text

@@ -2,7 +2,7 @@
 //! backend (`postgres`, `mongodb` behind the default cargo feature `mongodb`,
 //! `sqlite`).
 //!
-//! # Design (see `shared/DESIGN.md` section 3)
+//! # Design (see `docs/design.md` section 3)
 //!
 //! ```text
 //!  publish (one transaction)            dispatch (one fenced owner per lane)
@@ -71,7 +71,7 @@ pub mod sqlite;
 
 pub use lane::{lane_of_event, lane_of_key, DEFAULT_LANES};
 
-/// Largest accepted event id, in bytes (printable ASCII, DESIGN.md glossary).
+/// Largest accepted event id, in bytes (printable ASCII, docs/design.md glossary).
 pub const MAX_EVENT_ID_LEN: usize = 128;
 /// Largest accepted event key, in bytes.
 pub const MAX_KEY_LEN: usize = 256;

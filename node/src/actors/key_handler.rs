@@ -15,7 +15,7 @@
 //! The key handler reports a delivery settled only after the store
 //! acknowledged its completion or dead letter, so the lane owner never hands
 //! out the key's next delivery before the previous one is durably done
-//! (DESIGN.md invariant 2). While it waits for a retry only its own key
+//! (docs/design.md invariant 2). While it waits for a retry only its own key
 //! waits. The attempt count is persisted with every reschedule, so a restart
 //! continues the count (and the `lanebus-attempt` header) where it was.
 //! Unkeyed deliveries get a short-lived key handler each.

@@ -69,7 +69,7 @@ CREATE TABLE IF NOT EXISTS deliveries (
 CREATE INDEX IF NOT EXISTS deliveries_claim ON deliveries (lane, xid);
 
 -- Append-only completion log: no primary key, no foreign key (each would
--- cost WAL per delivery, DESIGN.md section 3); BRIN for retention by time.
+-- cost WAL per delivery, docs/design.md section 3); BRIN for retention by time.
 CREATE TABLE IF NOT EXISTS completions (
     event_id     text NOT NULL,
     handler_id   text NOT NULL,

@@ -2,7 +2,7 @@
 //!
 //! # What we chose and why
 //!
-//! DESIGN.md section 3 ("What the reference design measured") gives the WAL
+//! docs/design.md section 3 ("What the reference design measured") gives the WAL
 //! cost of each row; section 10 asks for at most half of graphile-worker's
 //! WAL per delivery. The baseline is delete-on-complete in its lean form:
 //!

@@ -1,4 +1,4 @@
--- One publish, one statement (DESIGN.md section 3: one statement per
+-- One publish, one statement (docs/design.md section 3: one statement per
 -- publish). Parameters, one array element per event not repeated within the
 -- batch, in batch order:
 --   $1 ids text[], $2 types text[], $3 keys text[] (NULL = unkeyed),
