@@ -46,11 +46,16 @@
 //! - a keyed slot whose in-flight head is being retried (the key handler
 //!   reported a failed attempt, [`LaneQueue::retrying`]): all of its queued
 //!   deliveries;
-//! - a keyed slot whose queued head is not due yet (a retry scheduled before
-//!   a restart or failover): its queued deliveries but the head;
+//! - a keyed slot whose queued head is not due yet (a delayed delivery, or a
+//!   retry scheduled before a restart or failover): all of its queued
+//!   deliveries, the head included; its trim is not released before the
+//!   head's due time ([`LaneQueue::wake`]);
 //! - a handler that cannot attempt anything: held (disabled, or unknown until
 //!   the catalog reloads), or whose in-flight limit in the lane is all taken
-//!   by deliveries being retried: all of its queued deliveries.
+//!   by deliveries being retried: all of its queued deliveries;
+//! - unkeyed deliveries that are not due yet: those, re-read from the
+//!   earliest one's cursor once the earliest is due (unkeyed deliveries have
+//!   no order, so no trim holds the slot's later rows back).
 //!
 //! A healthy slot (its head in flight and not failing) is never trimmed, so a
 //! plain backlog costs no re-reads. Each trim is remembered, per slot or per
@@ -546,8 +551,8 @@ impl LaneQueue {
             return Vec::new();
         }
         let retrying = self.retrying_per_handler();
-        // (slot, whole handler stalled, keep the head)
-        let mut plan: Vec<(SlotKey, bool, bool)> = Vec::new();
+        // (slot, whole handler stalled)
+        let mut plan: Vec<(SlotKey, bool)> = Vec::new();
         // Keyed slots whose head is not due, with its due time.
         let mut waiting_heads: Vec<(SlotKey, DateTime<Utc>)> = Vec::new();
         // Unkeyed slots holding deliveries that are not due.
@@ -561,10 +566,10 @@ impl LaneQueue {
                 .entry(k.handler_id.as_str())
                 .or_insert_with(|| gate(&k.handler_id));
             if Self::handler_stalled(&k.handler_id, g, &retrying) {
-                plan.push((k.clone(), true, false));
+                plan.push((k.clone(), true));
             } else if k.key.is_some() {
                 match slot.in_flight.iter().next() {
-                    Some(id) if self.retrying.contains(id) => plan.push((k.clone(), false, false)),
+                    Some(id) if self.retrying.contains(id) => plan.push((k.clone(), false)),
                     Some(_) => {}
                     None => {
                         if let Some(head) = slot.pending.values().next() {
@@ -579,16 +584,10 @@ impl LaneQueue {
             }
         }
         let mut dropped = Vec::new();
-        for (k, whole_handler, keep_head) in plan {
+        for (k, whole_handler) in plan {
             let slot = self.slots.get_mut(&k).expect("planned");
-            let mut pending = std::mem::take(&mut slot.pending);
-            if keep_head {
-                if let Some((pos, head)) = pending.pop_first() {
-                    slot.pending.insert(pos, head);
-                }
-            }
             let mut resume = ClaimCursor::at(i64::MAX);
-            for (_, d) in pending {
+            for (_, d) in std::mem::take(&mut slot.pending) {
                 if let Some(h) = self.held.remove(&d.id) {
                     resume = resume.earliest(&h.from);
                     self.bytes -= h.size;
@@ -596,7 +595,7 @@ impl LaneQueue {
                 self.queued -= 1;
                 dropped.push(d.id);
             }
-            if slot.pending.is_empty() && slot.in_flight.is_empty() {
+            if slot.in_flight.is_empty() {
                 self.slots.remove(&k);
             }
             let key = if whole_handler {
