@@ -93,7 +93,10 @@ pub struct LaneView {
     pub state: String,
     /// Milliseconds until the owner's lease expires; `None` without leases.
     pub lease_expires_in_ms: Option<i64>,
-    /// Deliveries waiting in the lane (store count).
+    /// Deliveries of the lane stored and not yet completed or dead-lettered
+    /// (the store's count: due, waiting for a retry or `deliver_at`, held
+    /// for a disabled handler, claimed or in flight alike). Not the metric
+    /// `lanebus_lane_queued`, which counts what the owner holds in memory.
     pub backlog: i64,
     /// Deliveries of the lane being attempted on its owner now.
     pub in_flight: i64,

@@ -10,8 +10,9 @@
 //! | --- | --- | --- |
 //! | `lanebus_deliveries_total` | counter | `handler`, `outcome` = `completed`, `failed`, `dead_lettered` |
 //! | `lanebus_commit_to_handler_seconds` | histogram | `handler` (published_at to the 2xx) |
-//! | `lanebus_lane_backlog` | gauge | `lane` (queued on this node) |
-//! | `lanebus_lane_in_flight` | gauge | `lane` |
+//! | `lanebus_lane_queued` | gauge | `lane` (deliveries this node claimed into memory for the lane and has not handed out yet; at most `--lane-buffer`) |
+//! | `lanebus_lane_backlog` | gauge | `lane`: the same value as `lanebus_lane_queued`, kept under its old name for existing dashboards; it is *not* the lane's backlog in the store, which `GET /admin/lanes` reports as `backlog` |
+//! | `lanebus_lane_in_flight` | gauge | `lane` (deliveries of the lane being attempted on this node) |
 //! | `lanebus_store_fenced_out_total` | counter | `op` = `claim`, `complete`, `reschedule`, `dead_letter`, `discard` (items the store did not act on: fenced out, or the row was gone) |
 //! | `lanebus_store_errors_total` | counter | `op` |
 //! | `lanebus_handlers_disabled_total` | counter | `handler`, `reason` = `gone` (a `410` answer disabled it here), `failing` (no success for `--auto-disable-after-s`), `api` (`POST /v1/handlers/{id}/disable` on this node); counted only by the call that changed the state (two `410`s at once, on one node or two, count one), by `lanebus_api::handlers::change_state` |
@@ -19,6 +20,8 @@
 //! | `lanebus_orphan_deliveries_discarded_total` | counter | `handler` (deliveries of a deleted handler found after the delete, discarded) |
 //! | `lanebus_retention_pruned_total` | counter | `kind` = `events`, `completions` (rows removed by retention, [`crate::retention`]) |
 //! | `lanebus_buffered_payload_bytes` | gauge | payload bytes of the deliveries held in memory (queued + in flight), see `--buffer-bytes` |
+//! | `lanebus_rate_limited_total` | counter | `handler` (deliveries that waited for a rate-limit token) |
+//! | `lanebus_claim_horizon_age_seconds` | gauge | how long the oldest database transaction left open below a claim cursor of this node's lanes has held it (PostgreSQL; 0 when none) |
 //!
 //! The API's own metrics (`lanebus_events_published_total`, ...) are listed
 //! in `lanebus_api::telemetry`; they go to the same recorder.
@@ -68,8 +71,14 @@ fn describe() {
         "time from publish commit to the handler's acceptance"
     );
     metrics::describe_gauge!(
+        "lanebus_lane_queued",
+        "deliveries claimed into this node's memory per lane, not yet handed out"
+    );
+    metrics::describe_gauge!(
         "lanebus_lane_backlog",
-        "deliveries queued on this node per lane"
+        "old name of lanebus_lane_queued (deliveries claimed into this node's memory per \
+         lane, not yet handed out); not the store's backlog of the lane, which GET \
+         /admin/lanes reports"
     );
     metrics::describe_gauge!(
         "lanebus_lane_in_flight",
@@ -126,8 +135,10 @@ pub fn commit_to_handler(handler_id: &str, seconds: f64) {
         .record(seconds.max(0.0));
 }
 
-/// A lane's queued and in-flight counts on this node.
+/// A lane's queued (claimed into memory, not handed out) and in-flight
+/// counts on this node.
 pub fn lane_depth(lane: u16, queued: usize, in_flight: usize) {
+    metrics::gauge!("lanebus_lane_queued", "lane" => lane.to_string()).set(queued as f64);
     metrics::gauge!("lanebus_lane_backlog", "lane" => lane.to_string()).set(queued as f64);
     metrics::gauge!("lanebus_lane_in_flight", "lane" => lane.to_string()).set(in_flight as f64);
 }

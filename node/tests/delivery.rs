@@ -59,6 +59,7 @@ async fn real_input_ten_fold(backend: Backend) -> anyhow::Result<()> {
     for name in [
         "lanebus_deliveries_total",
         "lanebus_commit_to_handler_seconds",
+        "lanebus_lane_queued",
         "lanebus_lane_backlog",
     ] {
         ensure!(metrics.contains(name), "/metrics lacks {name}");

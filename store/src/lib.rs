@@ -738,7 +738,8 @@ pub struct LaneRow {
     pub owner: Option<String>,
     /// Current epoch.
     pub epoch: Epoch,
-    /// Deliveries waiting in the lane.
+    /// Delivery rows of the lane: every delivery stored and not yet
+    /// completed or dead-lettered, whether due, waiting or in flight.
     pub backlog: i64,
 }
 
