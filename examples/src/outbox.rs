@@ -13,7 +13,7 @@
 //! PostgreSQL ([`PgStore::publish_in`]) and SQLite
 //! ([`SqliteStore::publish_in`]) take the caller's sqlx transaction;
 //! MongoDB takes a session with a started transaction
-//! (`MongoStore::publish_in`, see the README) and refuses one without a
+//! (`MongoStore::publish_in`, see `docs/operations.md`) and refuses one without a
 //! transaction in progress, writing nothing.
 
 use anyhow::Context;
