@@ -51,8 +51,8 @@ use axum::http::StatusCode;
 use base64::Engine as _;
 use chrono::{DateTime, Utc};
 use lanebus_store::{
-    generate_secret, handler_defaults, route, Handler, HandlerPatch, HandlerState, NewHandler,
-    RateLimit,
+    change_state, generate_secret, handler_defaults, route, Handler, HandlerPatch, HandlerState,
+    NewHandler, RateLimit,
 };
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -665,7 +665,7 @@ pub(crate) async fn create(
     }
     let new = validate_handler(req)?;
     check_timeout_fits_lease(new.timeout_ms, bound)?;
-    // The SSRF guard (`crate::egress`): refused targets are `422 invalid_handler`.
+    // The SSRF guard (`lanebus_store::egress`): refused targets are `422 invalid_handler`.
     state
         .egress
         .check_url(&new.url)
@@ -748,7 +748,8 @@ pub(crate) async fn disable(
     set_state(&state, &id, HandlerState::Disabled).await
 }
 
-/// Enable or disable by hand (reason `api`): [`change_state`], then the
+/// Enable or disable by hand (reason `api`): [`change_state`] (counted
+/// and logged there), then the
 /// node reloads its catalog.
 async fn set_state(
     state: &ApiState,
@@ -765,36 +766,6 @@ async fn set_state(
 
 pub use lanebus_store::StateChange;
 
-/// Sets handler `id` to `to`, recording `reason` in its `state_reason`
-/// (`api`: an operator; `gone`: a `410` answer; `failing`: the node's
-/// auto-disable), the one step of every enable and disable. The store reads
-/// the state before and writes the new one atomically
-/// ([`Store::change_handler_state`](lanebus_store::Store::change_handler_state)),
-/// so of concurrent calls setting the same state, on this node or any
-/// other, exactly one changed it: that one is counted, in
-/// `lanebus_handlers_disabled_total{handler, reason}` or
-/// `lanebus_handlers_enabled_total`, and logged. Setting the state a
-/// handler already has counts and logs nothing.
-///
-/// # Errors
-/// The store's: [`StoreError::NotFound`](lanebus_store::StoreError::NotFound)
-/// if there is no such handler.
-pub async fn change_state(
-    store: &dyn lanebus_store::Store,
-    id: &str,
-    to: HandlerState,
-    reason: &'static str,
-) -> Result<StateChange, lanebus_store::StoreError> {
-    let change = store.change_handler_state(id, to, reason).await?;
-    if change.changed() {
-        match to {
-            HandlerState::Enabled => crate::telemetry::handler_enabled(id, change.was),
-            HandlerState::Disabled => crate::telemetry::handler_disabled(id, reason),
-        }
-    }
-    Ok(change)
-}
-
 /// Handler of `PATCH /v1/handlers/{id}`: changes the settings given (see
 /// [`UpdateHandler`]) and tells the node, whose lanes use them from the
 /// next attempt; other nodes follow at their next catalog reload.
@@ -808,7 +779,7 @@ pub(crate) async fn update(
     if let Some(t) = patch.timeout_ms {
         check_timeout_fits_lease(t, state.node.longest_timeout())?;
     }
-    // The SSRF guard (`crate::egress`) on a new URL, as at registration.
+    // The SSRF guard (`lanebus_store::egress`) on a new URL, as at registration.
     if let Some(url) = &patch.url {
         state
             .egress

@@ -56,7 +56,9 @@ use utoipa::ToSchema;
 
 mod admin;
 pub mod auth;
-pub mod egress;
+/// The SSRF guard, kept with the handler rules in the store crate (the
+/// delivery path checks it at each send).
+pub use lanebus_store::egress;
 pub mod error;
 pub mod events;
 pub mod extract;

@@ -7,7 +7,7 @@
 //! | `lanebus_events_duplicates_total` | counter | | events of `POST /v1/events` whose id was already stored |
 //! | `lanebus_api_errors_total` | counter | `code` ([`crate::ErrorCode`]) | every error answer |
 //! | `lanebus_deliveries_discarded_total` | counter | | pending deliveries discarded by `DELETE /v1/handlers/{id}` |
-//! | `lanebus_handlers_disabled_total` | counter | `handler`, `reason` = `api` (`POST /v1/handlers/{id}/disable`), `gone` (a `410` answer), `failing` (the node's auto-disable) | enabled handlers disabled ([`crate::handlers::change_state`]: the store reads and writes the state in one step, so a disable of a disabled handler counts nothing and two `410`s at once, on one node or two, count one) |
+//! | `lanebus_handlers_disabled_total` | counter | `handler`, `reason` = `api` (`POST /v1/handlers/{id}/disable`), `gone` (a `410` answer), `failing` (the node's auto-disable) | enabled handlers disabled ([`lanebus_store::change_state`]: the store reads and writes the state in one step, so a disable of a disabled handler counts nothing and two `410`s at once, on one node or two, count one) |
 //! | `lanebus_dead_letters_replayed_total` | counter | | dead letters put back by a replay |
 //! | `lanebus_handlers_enabled_total` | counter | | disabled handlers enabled by `POST /v1/handlers/{id}/enable` (an enable of an enabled handler counts nothing; a `410 Gone` disables one: `lanebus_handlers_disabled_total`, from the node) |
 //!
@@ -63,27 +63,6 @@ pub(crate) fn handler_deleted(handler_id: &str, discarded: lanebus_store::Delete
         discarded_dead_letters = discarded.dead_letters,
         "handler deleted"
     );
-}
-
-/// A handler was enabled (`was` is its state before).
-pub(crate) fn handler_enabled(handler_id: &str, was: lanebus_store::HandlerState) {
-    metrics::counter!("lanebus_handlers_enabled_total").increment(1);
-    tracing::info!(handler_id, was = was.as_str(), "handler enabled");
-}
-
-/// A handler was disabled, for `reason`: `api` (through the API), `gone`
-/// (a `410` answer) or `failing` (the node's auto-disable).
-pub(crate) fn handler_disabled(handler_id: &str, reason: &'static str) {
-    metrics::counter!("lanebus_handlers_disabled_total", "handler" => handler_id.to_owned(), "reason" => reason)
-        .increment(1);
-    match reason {
-        "api" => tracing::info!(handler_id, reason, "handler disabled through the API"),
-        _ => tracing::warn!(
-            handler_id,
-            reason,
-            "handler disabled; its deliveries are kept, not attempted, until it is enabled"
-        ),
-    }
 }
 
 /// Dead letters were replayed (`replayed` of them), asked for by handler

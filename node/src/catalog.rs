@@ -2,7 +2,7 @@
 //!
 //! Lane owners look handlers up here for every delivery, so the cache is a
 //! snapshot behind a read lock. It is reloaded from the store when the API
-//! reports a change ([`NodeView::handlers_changed`](lanebus_api::NodeView)),
+//! reports a change (the node's `NodeView::handlers_changed`),
 //! periodically (other nodes' APIs change it too), and when a lane meets a
 //! handler id it does not know ([`HandlerCatalog::reload_fresh`]).
 //!
@@ -41,7 +41,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use lanebus_api::handlers::{change_state, StateChange};
+use lanebus_store::{change_state, StateChange};
 use lanebus_store::{Handler as HandlerConfig, HandlerState, Store, StoreError};
 use tokio::sync::{watch, Mutex, Notify};
 
@@ -150,7 +150,7 @@ impl HandlerCatalog {
 
     /// As [`set_state`](Self::set_state), recording `reason` (`gone`,
     /// `failing`, ...) in the handler's `state_reason`, through
-    /// [`lanebus_api::handlers::change_state`]: a disable is counted
+    /// [`lanebus_store::change_state`]: a disable is counted
     /// (`lanebus_handlers_disabled_total{reason}`) and logged only by the
     /// call that changed the state ([`StateChange::changed`]).
     ///

@@ -492,7 +492,7 @@ mod tests {
         let mut in_process: HashMap<String, Arc<dyn Handler>> = HashMap::new();
         in_process.insert("gate".into(), gate.clone());
         let dispatcher = Dispatcher::new(
-            WebhookSender::new(lanebus_api::egress::EgressPolicy::default()).expect("sender"),
+            WebhookSender::new(lanebus_store::egress::EgressPolicy::default()).expect("sender"),
             in_process,
             store.lanes(),
         );
@@ -643,7 +643,7 @@ mod tests {
         let mut in_process: HashMap<String, Arc<dyn Handler>> = HashMap::new();
         in_process.insert("held".into(), held.clone());
         let dispatcher = Dispatcher::new(
-            WebhookSender::new(lanebus_api::egress::EgressPolicy::default()).expect("sender"),
+            WebhookSender::new(lanebus_store::egress::EgressPolicy::default()).expect("sender"),
             in_process,
             256,
         );

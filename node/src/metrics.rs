@@ -15,7 +15,7 @@
 //! | `lanebus_lane_in_flight` | gauge | `lane` (deliveries of the lane being attempted on this node) |
 //! | `lanebus_store_fenced_out_total` | counter | `op` = `claim`, `complete`, `reschedule`, `dead_letter`, `discard` (items the store did not act on: fenced out, or the row was gone) |
 //! | `lanebus_store_errors_total` | counter | `op` |
-//! | `lanebus_handlers_disabled_total` | counter | `handler`, `reason` = `gone` (a `410` answer disabled it here), `failing` (no success for `--auto-disable-after-s`), `api` (`POST /v1/handlers/{id}/disable` on this node); counted only by the call that changed the state (two `410`s at once, on one node or two, count one), by `lanebus_api::handlers::change_state` |
+//! | `lanebus_handlers_disabled_total` | counter | `handler`, `reason` = `gone` (a `410` answer disabled it here), `failing` (no success for `--auto-disable-after-s`), `api` (`POST /v1/handlers/{id}/disable` on this node); counted only by the call that changed the state (two `410`s at once, on one node or two, count one), by `lanebus_store::change_state` |
 //! | `lanebus_handlers_disabled` | gauge | disabled handlers in the catalog as this node last read it |
 //! | `lanebus_orphan_deliveries_discarded_total` | counter | `handler` (deliveries of a deleted handler found after the delete, discarded) |
 //! | `lanebus_retention_pruned_total` | counter | `kind` = `events`, `completions` (rows removed by retention, [`crate::retention`]) |

@@ -33,7 +33,7 @@
 //! until `POST /v1/handlers/{id}/enable`. Redirects are not followed: a 3xx
 //! is a failure.
 //!
-//! The SSRF guard ([`lanebus_api::egress`]) is checked again at each send: a
+//! The SSRF guard ([`lanebus_store::egress`]) is checked again at each send: a
 //! literal address in the URL before the request, a name by the client's
 //! resolver, whose checked addresses are the ones connected to. A refused
 //! target is a failed attempt whose error starts `refused by the ssrf
@@ -46,7 +46,7 @@ use std::time::{Duration, SystemTime};
 use base64::Engine as _;
 use chrono::{DateTime, SecondsFormat, Utc};
 use hmac::{Hmac, Mac};
-use lanebus_api::egress::{EgressPolicy, Refused};
+use lanebus_store::egress::{EgressPolicy, Refused};
 use lanebus_store::{Delivery, Handler as HandlerConfig};
 use sha2::Sha256;
 

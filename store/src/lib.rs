@@ -62,6 +62,9 @@ use serde::{Deserialize, Serialize};
 
 mod common;
 pub use common::MAX_BATCH;
+pub mod egress;
+mod state;
+pub use state::change_state;
 pub mod lane;
 #[cfg(feature = "mongodb")]
 pub mod mongodb;
