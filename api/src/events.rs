@@ -14,6 +14,7 @@
 
 use axum::extract::State;
 use axum::http::StatusCode;
+use lanebus_store::rules::{self, Rule};
 use lanebus_store::{lane_of_event, Lane, NewEvent, PublishOutcome};
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
@@ -112,8 +113,9 @@ impl From<PublishOutcome> for PublishAnswer {
 /// `400 invalid_parameter` (a `deliver_at` that is no RFC 3339 date-time) or
 /// `422 invalid_event` (also a `deliver_at` more than 7 days ahead, a
 /// payload nested deeper than
-/// [`lanebus_store::MAX_PAYLOAD_DEPTH`], checked by the store), naming the event's
-/// index (`events[3]`).
+/// [`lanebus_store::MAX_PAYLOAD_DEPTH`]), naming the event's index
+/// (`events[3]`). The rules are the store's ([`rules::event`]); `limits`
+/// may only tighten the batch and payload bounds.
 pub fn validate_batch(req: PublishRequest, limits: &Limits) -> Result<Vec<NewEvent>, ApiError> {
     if req.events.is_empty() {
         return Err(ApiError::new(
@@ -121,6 +123,8 @@ pub fn validate_batch(req: PublishRequest, limits: &Limits) -> Result<Vec<NewEve
             "events must hold at least one event, got 0",
         ));
     }
+    rules::event::batch_len(req.events.len())
+        .map_err(|b| ApiError::new(ErrorCode::BatchTooLarge, b.message))?;
     if req.events.len() > limits.max_batch {
         return Err(ApiError::new(
             ErrorCode::BatchTooLarge,
@@ -131,6 +135,7 @@ pub fn validate_batch(req: PublishRequest, limits: &Limits) -> Result<Vec<NewEve
             ),
         ));
     }
+    let now = chrono::Utc::now();
     req.events
         .into_iter()
         .enumerate()
@@ -158,23 +163,16 @@ pub fn validate_batch(req: PublishRequest, limits: &Limits) -> Result<Vec<NewEve
                 payload: payload.as_bytes().to_vec(),
                 deliver_at,
             };
-            event.validate().map_err(|err| {
-                ApiError::new(
-                    ErrorCode::InvalidEvent,
-                    format!("events[{i}]: {}", store_message(&err)),
-                )
+            rules::event::check(&event, now).map_err(|b| {
+                let code = match b.rule {
+                    Rule::Size => ErrorCode::PayloadTooLarge,
+                    _ => ErrorCode::InvalidEvent,
+                };
+                ApiError::new(code, b.within(&format!("events[{i}]")).message)
             })?;
             Ok(event)
         })
         .collect()
-}
-
-/// The rule text of a store validation error without its kind prefix.
-pub(crate) fn store_message(e: &lanebus_store::StoreError) -> String {
-    match e {
-        lanebus_store::StoreError::Invalid(m) => m.clone(),
-        other => other.to_string(),
-    }
 }
 
 /// Handler of `POST /v1/events`.

@@ -287,7 +287,9 @@ pub struct ApiState {
     pub auth: auth::Auth,
 }
 
-/// Request limits; each breach is a 4xx with a JSON error body.
+/// Request limits; each breach is a 4xx with a JSON error body. The batch
+/// and payload limits may only tighten the store's rules
+/// ([`lanebus_store::rules::event`]), which hold whatever they say.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
     /// Largest request body, in bytes (default 8 MiB); larger is
@@ -305,8 +307,8 @@ impl Default for Limits {
     fn default() -> Self {
         Limits {
             max_body_bytes: 8 << 20,
-            max_payload_bytes: 1 << 20,
-            max_batch: 1_000,
+            max_payload_bytes: lanebus_store::rules::event::MAX_PAYLOAD_BYTES,
+            max_batch: lanebus_store::rules::event::MAX_BATCH,
         }
     }
 }

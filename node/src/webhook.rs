@@ -52,8 +52,8 @@ use sha2::Sha256;
 
 use crate::retry::{parse_retry_after, AttemptOutcome};
 
-/// Prefix of a signing secret.
-pub const SECRET_PREFIX: &str = "whsec_";
+/// Prefix of a signing secret ([`lanebus_store::rules::secret::PREFIX`]).
+pub const SECRET_PREFIX: &str = lanebus_store::rules::secret::PREFIX;
 
 /// Errors of signing and of building the HTTP client.
 #[derive(Debug, thiserror::Error)]

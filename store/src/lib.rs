@@ -70,14 +70,14 @@ pub mod lane;
 pub mod mongodb;
 pub mod postgres;
 pub mod route;
+pub mod rules;
 pub mod sqlite;
 
 pub use lane::{lane_of_event, lane_of_key, DEFAULT_LANES};
 
-/// Largest accepted event id, in bytes (printable ASCII, docs/design.md glossary).
-pub const MAX_EVENT_ID_LEN: usize = 128;
-/// Largest accepted event key, in bytes.
-pub const MAX_KEY_LEN: usize = 256;
+pub use rules::event::{
+    MAX_DELIVER_AHEAD, MAX_ID_LEN as MAX_EVENT_ID_LEN, MAX_KEY_LEN, MAX_PAYLOAD_DEPTH,
+};
 
 /// Lane number, `0..lanes`.
 pub type Lane = u16;
@@ -135,11 +135,6 @@ impl From<sqlx::Error> for StoreError {
 /// Result alias for store operations.
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 
-/// Farthest ahead a [`NewEvent::deliver_at`] may lie: 7 days. A delayed
-/// keyed event holds up its key's later events until it is delivered, so the
-/// bound keeps a typo (a year instead of a day) from blocking a key for good.
-pub const MAX_DELIVER_AHEAD: chrono::TimeDelta = chrono::TimeDelta::days(7);
-
 /// An event as a publisher hands it over.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NewEvent {
@@ -156,95 +151,6 @@ pub struct NewEvent {
     /// past time: at once. At most [`MAX_DELIVER_AHEAD`] from now. A keyed
     /// event's later events wait behind it (per-key order holds).
     pub deliver_at: Option<DateTime<Utc>>,
-}
-
-/// Deepest nesting of arrays and objects a payload may have: the default
-/// recursion limit of serde_json (128), which receivers parsing with it, or
-/// with parsers of similar limits, would otherwise fail on every attempt.
-pub const MAX_PAYLOAD_DEPTH: usize = 128;
-
-/// `Some(max + 1)` when well-formed JSON `raw` nests arrays and objects
-/// deeper than `max`, else `None` (brackets inside strings do not count).
-fn nesting_beyond(raw: &[u8], max: usize) -> Option<usize> {
-    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
-    for &b in raw {
-        if in_string {
-            match (escaped, b) {
-                (true, _) => escaped = false,
-                (false, b'\\') => escaped = true,
-                (false, b'"') => in_string = false,
-                _ => {}
-            }
-            continue;
-        }
-        match b {
-            b'"' => in_string = true,
-            b'[' | b'{' => {
-                depth += 1;
-                if depth > max {
-                    return Some(depth);
-                }
-            }
-            b']' | b'}' => depth = depth.saturating_sub(1),
-            _ => {}
-        }
-    }
-    None
-}
-
-impl NewEvent {
-    /// Checks the glossary's rules for id, type and key, the `deliver_at`
-    /// horizon and the payload's nesting ([`MAX_PAYLOAD_DEPTH`]): for every
-    /// way in (the API and `publish_in`).
-    ///
-    /// # Errors
-    /// [`StoreError::Invalid`] naming the field and the rule it breaks.
-    pub fn validate(&self) -> Result<()> {
-        if let Some(id) = &self.id {
-            if id.is_empty()
-                || id.len() > MAX_EVENT_ID_LEN
-                || !id.bytes().all(|b| (0x21..=0x7e).contains(&b))
-            {
-                return Err(StoreError::Invalid(format!(
-                    "event id {id:?} must be 1 to {MAX_EVENT_ID_LEN} printable ASCII characters without spaces"
-                )));
-            }
-        }
-        route::validate_event_type(&self.event_type)?;
-        if let Some(key) = &self.key {
-            if key.is_empty() || key.len() > MAX_KEY_LEN {
-                return Err(StoreError::Invalid(format!(
-                    "event key must be 1 to {MAX_KEY_LEN} bytes, got {} bytes",
-                    key.len()
-                )));
-            }
-            // The key travels in the `lanebus-key` header, where control
-            // characters cannot go (RFC 9110 section 5.5).
-            if key.chars().any(char::is_control) {
-                return Err(StoreError::Invalid(format!(
-                    "event key {key:?} must not contain control characters"
-                )));
-            }
-        }
-        if let Some(depth) = nesting_beyond(&self.payload, MAX_PAYLOAD_DEPTH) {
-            return Err(StoreError::Invalid(format!(
-                "payload nests {depth} or more arrays/objects deep; at most \
-                 {MAX_PAYLOAD_DEPTH} are allowed (receivers' JSON parsers refuse deeper)"
-            )));
-        }
-        if let Some(at) = self.deliver_at {
-            let latest = Utc::now() + MAX_DELIVER_AHEAD;
-            if at > latest {
-                return Err(StoreError::Invalid(format!(
-                    "deliver_at {} is more than {} days ahead (latest {})",
-                    at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
-                    MAX_DELIVER_AHEAD.num_days(),
-                    latest.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
-                )));
-            }
-        }
-        Ok(())
-    }
 }
 
 /// What a publish did, in the order of the input batch.
@@ -414,48 +320,6 @@ impl Handler {
         }
         secrets
     }
-
-    /// Applies `patch` to a copy of this handler and checks the result with
-    /// the rules of [`NewHandler::validate`] (and [`RateLimit::validate`]).
-    ///
-    /// # Errors
-    /// [`StoreError::Invalid`] naming the field and the rule it breaks.
-    pub fn patched(&self, patch: &HandlerPatch) -> Result<Handler> {
-        let mut h = self.clone();
-        if let Some(v) = &patch.name {
-            h.name = v.clone();
-        }
-        if let Some(v) = &patch.url {
-            h.url = v.clone();
-        }
-        if let Some(v) = &patch.event_types {
-            h.event_types = v.clone();
-        }
-        if let Some(v) = patch.max_attempts {
-            h.max_attempts = v;
-        }
-        if let Some(v) = patch.timeout_ms {
-            h.timeout_ms = v;
-        }
-        if let Some(v) = patch.max_in_flight {
-            h.max_in_flight = v;
-        }
-        if let Some(v) = patch.rate_limit {
-            h.rate_limit = v;
-        }
-        NewHandler {
-            name: h.name.clone(),
-            url: h.url.clone(),
-            event_types: h.event_types.clone(),
-            max_attempts: h.max_attempts,
-            timeout_ms: h.timeout_ms,
-            max_in_flight: h.max_in_flight,
-            secret: h.secret.clone(),
-            rate_limit: h.rate_limit,
-        }
-        .validate()?;
-        Ok(h)
-    }
 }
 
 /// A per-handler rate limit: a token bucket refilled at `per_second`
@@ -466,23 +330,6 @@ pub struct RateLimit {
     pub per_second: u32,
     /// Requests that may go at once after an idle period, 1 to 100,000.
     pub burst: u32,
-}
-
-impl RateLimit {
-    /// Checks both numbers are 1 to 100,000.
-    ///
-    /// # Errors
-    /// [`StoreError::Invalid`] naming the field.
-    pub fn validate(&self) -> Result<()> {
-        for (field, v) in [("per_second", self.per_second), ("burst", self.burst)] {
-            if !(1..=100_000).contains(&v) {
-                return Err(StoreError::Invalid(format!(
-                    "rate_limit.{field} {v} must be 1 to 100000"
-                )));
-            }
-        }
-        Ok(())
-    }
 }
 
 /// A change of a handler's settings ([`Store::update_handler`]); `None`
@@ -1114,58 +961,4 @@ pub fn generate_handler_id() -> String {
 /// A new event id: a UUIDv7 (hyphenated).
 pub fn generate_event_id() -> String {
     uuid::Uuid::now_v7().to_string()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Every way in (the API and `publish_in`) refuses a payload nested
-    /// deeper than serde_json's limit; brackets in strings are text.
-    #[test]
-    fn payload_nesting_is_bounded() {
-        let nested = |n: usize| format!("{}1{}", "[".repeat(n), "]".repeat(n)).into_bytes();
-        let mut e = ev(None, None);
-        e.payload = nested(MAX_PAYLOAD_DEPTH);
-        assert!(e.validate().is_ok());
-        e.payload = nested(MAX_PAYLOAD_DEPTH + 1);
-        let err = e.validate().expect_err("too deep");
-        assert!(
-            matches!(&err, StoreError::Invalid(m) if m.starts_with("payload nests 129")),
-            "{err:?}"
-        );
-        e.payload = format!(r#"{{"s":"\"{}"}}"#, "[".repeat(500)).into_bytes();
-        assert!(e.validate().is_ok(), "brackets inside a string");
-    }
-
-    fn ev(id: Option<&str>, key: Option<&str>) -> NewEvent {
-        NewEvent {
-            id: id.map(str::to_owned),
-            event_type: "t.x".into(),
-            key: key.map(str::to_owned),
-            payload: b"{}".to_vec(),
-            deliver_at: None,
-        }
-    }
-
-    #[test]
-    fn keys_with_control_characters_are_refused() {
-        for key in ["line\nbreak", "nul\u{0}", "tab\tkey", "del\u{7f}"] {
-            let err = ev(None, Some(key)).validate().unwrap_err();
-            assert!(
-                matches!(&err, StoreError::Invalid(m) if m.contains("control")),
-                "{key:?}: {err}"
-            );
-        }
-        assert!(ev(None, Some("octo/répo ✓ with spaces")).validate().is_ok());
-    }
-
-    #[test]
-    fn event_ids_are_printable_ascii_up_to_128() {
-        assert!(ev(Some("evt_42"), None).validate().is_ok());
-        assert!(ev(Some(&"a".repeat(128)), None).validate().is_ok());
-        for bad in ["", "has space", "é", &"a".repeat(129)] {
-            assert!(ev(Some(bad), None).validate().is_err(), "{bad:?}");
-        }
-    }
 }

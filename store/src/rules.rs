@@ -1,0 +1,954 @@
+//! The rulebook: every bound on what a caller hands lanebus, per entity
+//! (event, route, handler, secret), defined once. The store checks them for
+//! every caller, embedded ones included ([`Store::publish`],
+//! [`Store::create_handler`], [`Store::update_handler`],
+//! [`Store::rotate_handler_secret`] on every backend); the HTTP API checks
+//! the same functions before it calls the store, and maps a [`Broken`] rule
+//! to its status and error code.
+//!
+//! | entity | field | rule |
+//! | --- | --- | --- |
+//! | event | `id` | 1 to 128 printable ASCII characters without spaces |
+//! | event | `type` | 1 to 128 characters of `[A-Za-z0-9._:/-]` |
+//! | event | `key` | 1 to 256 bytes, no control characters |
+//! | event | `payload` | at most 1 MiB, nested at most 128 deep |
+//! | event | `deliver_at` | at most 7 days ahead |
+//! | event | `events` | at most 1,000 events per publish |
+//! | route | `event_types[i]` | an event type, or a prefix with one trailing `*` |
+//! | handler | `name` | 1 to 128 characters, not blank, no control characters |
+//! | handler | `url` | an `http://` or `https://` URL with a host, at most 2,048 bytes, no whitespace, control characters or credentials |
+//! | handler | `event_types` | 1 to 100 routes |
+//! | handler | `max_attempts` | 1 to 100 |
+//! | handler | `timeout_ms` | 100 to 300,000 |
+//! | handler | `max_in_flight` | 1 to 10,000 |
+//! | handler | `rate_limit.per_second`, `rate_limit.burst` | 1 to 100,000 |
+//! | secret | `secret` | `whsec_` + standard base64 of 24 to 64 bytes |
+//!
+//! Rules of the HTTP request's shape stay with the API: well-formed JSON,
+//! unknown fields, an RFC 3339 `deliver_at`, a non-empty `events` list (an
+//! empty publish stores nothing and is no error here), a `secret` given as
+//! `""` (here: generate one), handler ids of the form [`handler::ID_PATTERN`]
+//! in paths, and a rotation's `grace_period_s` ([`secret::GRACE_PERIOD_S`]).
+//!
+//! Rules that depend on a node's configuration stay with the node: a
+//! handler's `timeout_ms` must also fit the cluster's lane lease (the API
+//! refuses a longer one; a node refuses to start with one stored), and a
+//! handler's URL must pass the node's SSRF guard ([`crate::egress`]).
+//!
+//! [`Store::publish`]: crate::Store::publish
+//! [`Store::create_handler`]: crate::Store::create_handler
+//! [`Store::update_handler`]: crate::Store::update_handler
+//! [`Store::rotate_handler_secret`]: crate::Store::rotate_handler_secret
+
+use std::fmt;
+use std::ops::RangeInclusive;
+
+use crate::{Handler, HandlerPatch, NewEvent, NewHandler, RateLimit, Result, StoreError};
+
+/// The kind of rule a value breaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rule {
+    /// A number outside its range.
+    Range,
+    /// A text or list of the wrong length.
+    Length,
+    /// A text of the wrong form (characters, prefix, syntax).
+    Form,
+    /// A payload larger than allowed.
+    Size,
+    /// A payload nested deeper than allowed.
+    Depth,
+    /// A time too far ahead.
+    Horizon,
+}
+
+/// A broken rule: which field, which kind of rule, and a message for
+/// people that names the value (secrets are never repeated).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Broken {
+    /// The field as callers spell it: `max_attempts`, `rate_limit.burst`,
+    /// `event_types[2]`, `events[3].key`, ...
+    pub field: String,
+    /// The kind of rule.
+    pub rule: Rule,
+    /// Lowercase text naming the value and the rule.
+    pub message: String,
+}
+
+impl Broken {
+    fn new(field: &str, rule: Rule, message: String) -> Self {
+        Broken {
+            field: field.to_owned(),
+            rule,
+            message,
+        }
+    }
+
+    /// The same rule broken inside a list element or an object: `field`
+    /// becomes `{prefix}.{field}` (or `{prefix}{field}` when `field` starts
+    /// with `[`), and the message is prefixed by `{prefix}: `.
+    pub fn within(self, prefix: &str) -> Self {
+        let sep = if self.field.starts_with('[') { "" } else { "." };
+        Broken {
+            field: format!("{prefix}{sep}{}", self.field),
+            rule: self.rule,
+            message: format!("{prefix}: {}", self.message),
+        }
+    }
+}
+
+impl fmt::Display for Broken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for Broken {}
+
+impl From<Broken> for StoreError {
+    fn from(b: Broken) -> Self {
+        StoreError::Invalid(b.message)
+    }
+}
+
+fn in_range<T: PartialOrd + fmt::Display>(
+    field: &str,
+    v: T,
+    range: &RangeInclusive<T>,
+) -> Result<(), Broken> {
+    if range.contains(&v) {
+        Ok(())
+    } else {
+        Err(Broken::new(
+            field,
+            Rule::Range,
+            format!("{field} {v} must be {} to {}", range.start(), range.end()),
+        ))
+    }
+}
+
+/// A message from another library in our style: first letter lowercase, no
+/// final period.
+fn tidy(message: &str) -> String {
+    let trimmed = message.trim().trim_end_matches('.');
+    let mut chars = trimmed.chars();
+    match chars.next() {
+        Some(c) => c.to_lowercase().chain(chars).collect(),
+        None => String::new(),
+    }
+}
+
+/// Event rules ([`NewEvent`]).
+pub mod event {
+    use chrono::{DateTime, Utc};
+
+    use super::{route, Broken, Rule};
+    use crate::NewEvent;
+
+    /// Longest event id, in bytes (printable ASCII, docs/design.md glossary).
+    pub const MAX_ID_LEN: usize = 128;
+    /// Longest event key, in bytes.
+    pub const MAX_KEY_LEN: usize = 256;
+    /// Largest payload, in bytes: 1 MiB.
+    pub const MAX_PAYLOAD_BYTES: usize = 1 << 20;
+    /// Deepest nesting of arrays and objects a payload may have: the default
+    /// recursion limit of serde_json (128), which receivers parsing with it,
+    /// or with parsers of similar limits, would otherwise fail on every
+    /// attempt.
+    pub const MAX_PAYLOAD_DEPTH: usize = 128;
+    /// Most events in one publish.
+    pub const MAX_BATCH: usize = 1_000;
+    /// Farthest ahead a [`NewEvent::deliver_at`] may lie: 7 days. A delayed
+    /// keyed event holds up its key's later events until it is delivered,
+    /// so the bound keeps a typo (a year instead of a day) from blocking a
+    /// key for good.
+    pub const MAX_DELIVER_AHEAD: chrono::TimeDelta = chrono::TimeDelta::days(7);
+
+    /// Checks a client-supplied event id.
+    ///
+    /// # Errors
+    /// [`Rule::Form`] on `id`.
+    pub fn id(id: &str) -> Result<(), Broken> {
+        if id.is_empty() || id.len() > MAX_ID_LEN || !id.bytes().all(|b| (0x21..=0x7e).contains(&b))
+        {
+            return Err(Broken::new(
+                "id",
+                Rule::Form,
+                format!(
+                    "event id {id:?} must be 1 to {MAX_ID_LEN} printable ASCII characters without spaces"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks an ordering key: 1 to [`MAX_KEY_LEN`] bytes, no control
+    /// characters (it travels in the `lanebus-key` header, where they
+    /// cannot go, RFC 9110 section 5.5).
+    ///
+    /// # Errors
+    /// [`Rule::Length`] or [`Rule::Form`] on `key`.
+    pub fn key(key: &str) -> Result<(), Broken> {
+        if key.is_empty() || key.len() > MAX_KEY_LEN {
+            return Err(Broken::new(
+                "key",
+                Rule::Length,
+                format!(
+                    "event key must be 1 to {MAX_KEY_LEN} bytes, got {} bytes",
+                    key.len()
+                ),
+            ));
+        }
+        if key.chars().any(char::is_control) {
+            return Err(Broken::new(
+                "key",
+                Rule::Form,
+                format!("event key {key:?} must not contain control characters"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks a payload's size ([`MAX_PAYLOAD_BYTES`]) and nesting
+    /// ([`MAX_PAYLOAD_DEPTH`]).
+    ///
+    /// # Errors
+    /// [`Rule::Size`] or [`Rule::Depth`] on `payload`.
+    pub fn payload(raw: &[u8]) -> Result<(), Broken> {
+        if raw.len() > MAX_PAYLOAD_BYTES {
+            return Err(Broken::new(
+                "payload",
+                Rule::Size,
+                format!(
+                    "payload of {} bytes exceeds the limit of {MAX_PAYLOAD_BYTES} bytes",
+                    raw.len()
+                ),
+            ));
+        }
+        if let Some(depth) = nesting_beyond(raw, MAX_PAYLOAD_DEPTH) {
+            return Err(Broken::new(
+                "payload",
+                Rule::Depth,
+                format!(
+                    "payload nests {depth} or more arrays/objects deep; at most \
+                     {MAX_PAYLOAD_DEPTH} are allowed (receivers' JSON parsers refuse deeper)"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks a delayed delivery time against `now` ([`MAX_DELIVER_AHEAD`]).
+    ///
+    /// # Errors
+    /// [`Rule::Horizon`] on `deliver_at`.
+    pub fn deliver_at(at: DateTime<Utc>, now: DateTime<Utc>) -> Result<(), Broken> {
+        let latest = now + MAX_DELIVER_AHEAD;
+        if at > latest {
+            return Err(Broken::new(
+                "deliver_at",
+                Rule::Horizon,
+                format!(
+                    "deliver_at {} is more than {} days ahead (latest {})",
+                    at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+                    MAX_DELIVER_AHEAD.num_days(),
+                    latest.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks one event, field by field, at `now`.
+    ///
+    /// # Errors
+    /// The first [`Broken`] rule, naming the field.
+    pub fn check(e: &NewEvent, now: DateTime<Utc>) -> Result<(), Broken> {
+        if let Some(v) = &e.id {
+            id(v)?;
+        }
+        route::event_type(&e.event_type)?;
+        if let Some(k) = &e.key {
+            key(k)?;
+        }
+        payload(&e.payload)?;
+        if let Some(at) = e.deliver_at {
+            deliver_at(at, now)?;
+        }
+        Ok(())
+    }
+
+    /// Checks the size of a publish: at most [`MAX_BATCH`] events (an
+    /// empty publish stores nothing and is no error).
+    ///
+    /// # Errors
+    /// [`Rule::Length`] on `events`.
+    pub fn batch_len(n: usize) -> Result<(), Broken> {
+        if n > MAX_BATCH {
+            return Err(Broken::new(
+                "events",
+                Rule::Length,
+                format!("batch of {n} events exceeds the limit of {MAX_BATCH} events"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks a publish: its size, then every event; an event's broken rule
+    /// is named within `events[i]`.
+    ///
+    /// # Errors
+    /// The first [`Broken`] rule.
+    pub fn batch(events: &[NewEvent], now: DateTime<Utc>) -> Result<(), Broken> {
+        batch_len(events.len())?;
+        for (i, e) in events.iter().enumerate() {
+            check(e, now).map_err(|b| b.within(&format!("events[{i}]")))?;
+        }
+        Ok(())
+    }
+
+    /// `Some(max + 1)` when well-formed JSON `raw` nests arrays and objects
+    /// deeper than `max`, else `None` (brackets inside strings do not count).
+    fn nesting_beyond(raw: &[u8], max: usize) -> Option<usize> {
+        let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+        for &b in raw {
+            if in_string {
+                match (escaped, b) {
+                    (true, _) => escaped = false,
+                    (false, b'\\') => escaped = true,
+                    (false, b'"') => in_string = false,
+                    _ => {}
+                }
+                continue;
+            }
+            match b {
+                b'"' => in_string = true,
+                b'[' | b'{' => {
+                    depth += 1;
+                    if depth > max {
+                        return Some(depth);
+                    }
+                }
+                b']' | b'}' => depth = depth.saturating_sub(1),
+                _ => {}
+            }
+        }
+        None
+    }
+}
+
+/// Route rules: event types and the patterns handlers route by.
+pub mod route {
+    use super::{Broken, Rule};
+
+    /// Longest event type or route pattern, in bytes.
+    pub const MAX_TYPE_LEN: usize = 128;
+
+    fn type_chars_ok(s: &str) -> bool {
+        s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b':' | b'/'))
+    }
+
+    /// Checks an event type: 1 to 128 characters of `[A-Za-z0-9._:/-]`.
+    ///
+    /// # Errors
+    /// [`Rule::Form`] on `type`, naming the type.
+    pub fn event_type(t: &str) -> Result<(), Broken> {
+        if t.is_empty() || t.len() > MAX_TYPE_LEN || !type_chars_ok(t) {
+            return Err(Broken::new(
+                "type",
+                Rule::Form,
+                format!(
+                    "event type {t:?} must be 1 to {MAX_TYPE_LEN} characters of letters, digits and ._:/-"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks a route pattern: an event type, optionally ending in one `*`.
+    ///
+    /// # Errors
+    /// [`Rule::Form`] on `route`, naming the pattern.
+    pub fn pattern(p: &str) -> Result<(), Broken> {
+        let body = p.strip_suffix('*').unwrap_or(p);
+        if p.len() > MAX_TYPE_LEN
+            || body.contains('*')
+            || (body.is_empty() && p != "*")
+            || !type_chars_ok(body)
+        {
+            return Err(Broken::new(
+                "route",
+                Rule::Form,
+                format!(
+                    "route {p:?} must be an event type or a prefix followed by one trailing '*'"
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Signing secret rules.
+pub mod secret {
+    use std::ops::RangeInclusive;
+
+    use base64::Engine as _;
+
+    use super::{tidy, Broken, Rule};
+
+    /// Prefix of every signing secret (Standard Webhooks).
+    pub const PREFIX: &str = "whsec_";
+    /// Allowed length of the decoded secret, in bytes (Standard Webhooks:
+    /// 24 to 64).
+    pub const BYTES: RangeInclusive<usize> = 24..=64;
+    /// Allowed grace period of a rotation, in seconds: up to 30 days.
+    pub const GRACE_PERIOD_S: RangeInclusive<u64> = 0..=2_592_000;
+    /// Default grace period of a rotation: 24 hours.
+    pub const DEFAULT_GRACE_PERIOD_S: u64 = 86_400;
+
+    /// Checks a signing secret: [`PREFIX`] + standard base64 of [`BYTES`].
+    ///
+    /// # Errors
+    /// [`Rule::Form`] or [`Rule::Length`] on `secret`; the message does not
+    /// repeat the secret.
+    pub fn check(secret: &str) -> Result<(), Broken> {
+        let Some(b64) = secret.strip_prefix(PREFIX) else {
+            return Err(Broken::new(
+                "secret",
+                Rule::Form,
+                format!("secret must start with {PREFIX:?}"),
+            ));
+        };
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(b64)
+            .map_err(|e| {
+                Broken::new(
+                    "secret",
+                    Rule::Form,
+                    format!(
+                        "secret after {PREFIX:?} is not standard base64: {}",
+                        tidy(&e.to_string())
+                    ),
+                )
+            })?;
+        if !BYTES.contains(&bytes.len()) {
+            return Err(Broken::new(
+                "secret",
+                Rule::Length,
+                format!(
+                    "secret decodes to {} bytes, expected {} to {}",
+                    bytes.len(),
+                    BYTES.start(),
+                    BYTES.end()
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Handler rules ([`NewHandler`], [`HandlerPatch`]).
+pub mod handler {
+    use std::ops::RangeInclusive;
+
+    use super::{in_range, route, secret, tidy, Broken, Rule};
+    use crate::{HandlerPatch, NewHandler, RateLimit};
+
+    /// Allowed length of `name`, in characters.
+    pub const NAME_CHARS: RangeInclusive<usize> = 1..=128;
+    /// Longest accepted `url`, in bytes.
+    pub const MAX_URL_BYTES: usize = 2_048;
+    /// Allowed number of routes per handler.
+    pub const ROUTES: RangeInclusive<usize> = 1..=100;
+    /// Allowed `max_attempts`.
+    pub const MAX_ATTEMPTS: RangeInclusive<u32> = 1..=100;
+    /// Allowed `timeout_ms`, in milliseconds.
+    pub const TIMEOUT_MS: RangeInclusive<u64> = 100..=300_000;
+    /// Allowed `max_in_flight`.
+    pub const MAX_IN_FLIGHT: RangeInclusive<u32> = 1..=10_000;
+    /// Allowed `rate_limit.per_second` and `rate_limit.burst`.
+    pub const RATE_LIMIT: RangeInclusive<u32> = 1..=100_000;
+    /// The form of every handler id (`hdl_` + a UUIDv7 in 32 lowercase hex
+    /// digits, [`crate::generate_handler_id`]), as a regular expression.
+    pub const ID_PATTERN: &str = "^hdl_[0-9a-f]{32}$";
+
+    /// Whether `id` has the form of a handler id ([`ID_PATTERN`]).
+    pub fn is_id(id: &str) -> bool {
+        id.strip_prefix("hdl_").is_some_and(|hex| {
+            hex.len() == 32 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+        })
+    }
+
+    /// Checks a name: [`NAME_CHARS`] characters, not only whitespace, no
+    /// control characters.
+    ///
+    /// # Errors
+    /// [`Rule::Length`] or [`Rule::Form`] on `name`.
+    pub fn name(name: &str) -> Result<(), Broken> {
+        let chars = name.chars().count();
+        if !NAME_CHARS.contains(&chars) {
+            return Err(Broken::new(
+                "name",
+                Rule::Length,
+                format!(
+                    "name of {chars} characters must be {} to {} characters",
+                    NAME_CHARS.start(),
+                    NAME_CHARS.end()
+                ),
+            ));
+        }
+        if name.chars().any(char::is_control) {
+            return Err(Broken::new(
+                "name",
+                Rule::Form,
+                format!("name {name:?} must not hold control characters"),
+            ));
+        }
+        if name.trim().is_empty() {
+            return Err(Broken::new(
+                "name",
+                Rule::Form,
+                format!("name {name:?} must not be only whitespace"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `raw` with any userinfo (`user:password@`) of its authority replaced
+    /// by `***@`, so refusals never repeat credentials.
+    pub fn redacted(raw: &str) -> String {
+        let start = raw.find("://").map_or(0, |i| i + 3);
+        let rest = &raw[start..];
+        let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+        match rest[..authority_end].rfind('@') {
+            Some(at) => format!("{}***{}", &raw[..start], &rest[at..]),
+            None => raw.to_owned(),
+        }
+    }
+
+    /// Checks a webhook URL: at most [`MAX_URL_BYTES`], no whitespace or
+    /// control characters, parses (WHATWG URL), starts with `http://` or
+    /// `https://`, has a host, and carries no credentials
+    /// (`user:password@`): the URL is written to logs and answered by
+    /// `GET /v1/handlers`, so credentials in it would leak; receivers
+    /// authenticate lanebus by the request signature instead.
+    ///
+    /// # Errors
+    /// [`Rule::Length`] or [`Rule::Form`] on `url`, naming the URL with any
+    /// credentials masked.
+    pub fn url(raw: &str) -> Result<(), Broken> {
+        let form = |m: String| Broken::new("url", Rule::Form, m);
+        if raw.len() > MAX_URL_BYTES {
+            return Err(Broken::new(
+                "url",
+                Rule::Length,
+                format!(
+                    "url of {} bytes exceeds the limit of {MAX_URL_BYTES} bytes",
+                    raw.len()
+                ),
+            ));
+        }
+        let shown = redacted(raw);
+        if raw.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(form(format!(
+                "url {shown:?} must not contain whitespace or control characters (percent-encode them)"
+            )));
+        }
+        let url = url::Url::parse(raw).map_err(|e| {
+            form(format!(
+                "url {shown:?} does not parse: {}",
+                tidy(&e.to_string())
+            ))
+        })?;
+        if !matches!(url.scheme(), "http" | "https") {
+            return Err(form(format!(
+                "url {shown:?} has scheme {:?}, expected http or https",
+                url.scheme()
+            )));
+        }
+        if !(raw.starts_with("http://") || raw.starts_with("https://")) {
+            return Err(form(format!(
+                "url {shown:?} must start with http:// or https://"
+            )));
+        }
+        if url.host_str().is_none_or(str::is_empty) {
+            return Err(form(format!("url {shown:?} has no host")));
+        }
+        if !url.username().is_empty() || url.password().is_some() {
+            return Err(form(format!(
+                "url {shown:?} must not carry credentials (a user or password before \"@\"): urls are written to \
+                 logs and shown by the api, so credentials in them leak; receivers authenticate \
+                 requests by their webhook-signature"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Checks routes: [`ROUTES`] of them, each a valid
+    /// [`route::pattern`] (named `event_types[i]`).
+    ///
+    /// # Errors
+    /// [`Rule::Length`] on `event_types`, or the route's rule.
+    pub fn routes(event_types: &[String]) -> Result<(), Broken> {
+        if !ROUTES.contains(&event_types.len()) {
+            return Err(Broken::new(
+                "event_types",
+                Rule::Length,
+                format!(
+                    "event_types holds {} routes, expected {} to {}",
+                    event_types.len(),
+                    ROUTES.start(),
+                    ROUTES.end()
+                ),
+            ));
+        }
+        for (i, p) in event_types.iter().enumerate() {
+            route::pattern(p).map_err(|b| Broken {
+                field: format!("event_types[{i}]"),
+                rule: b.rule,
+                message: format!("event_types[{i}]: {}", b.message),
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Checks `max_attempts` ([`MAX_ATTEMPTS`]).
+    ///
+    /// # Errors
+    /// [`Rule::Range`].
+    pub fn max_attempts(v: u32) -> Result<(), Broken> {
+        in_range("max_attempts", v, &MAX_ATTEMPTS)
+    }
+
+    /// Checks `timeout_ms` ([`TIMEOUT_MS`]). A node also bounds it by its
+    /// lane lease (not checked here: it depends on the node's settings).
+    ///
+    /// # Errors
+    /// [`Rule::Range`].
+    pub fn timeout_ms(v: u64) -> Result<(), Broken> {
+        in_range("timeout_ms", v, &TIMEOUT_MS)
+    }
+
+    /// Checks `max_in_flight` ([`MAX_IN_FLIGHT`]).
+    ///
+    /// # Errors
+    /// [`Rule::Range`].
+    pub fn max_in_flight(v: u32) -> Result<(), Broken> {
+        in_range("max_in_flight", v, &MAX_IN_FLIGHT)
+    }
+
+    /// Checks a rate limit: both numbers in [`RATE_LIMIT`].
+    ///
+    /// # Errors
+    /// [`Rule::Range`] on `rate_limit.per_second` or `rate_limit.burst`.
+    pub fn rate_limit(r: &RateLimit) -> Result<(), Broken> {
+        in_range("rate_limit.per_second", r.per_second, &RATE_LIMIT)?;
+        in_range("rate_limit.burst", r.burst, &RATE_LIMIT)
+    }
+
+    /// Checks a registration, field by field; an empty `secret` passes
+    /// (one is generated, [`NewHandler::normalized`]).
+    ///
+    /// # Errors
+    /// The first [`Broken`] rule, naming the field.
+    pub fn check(h: &NewHandler) -> Result<(), Broken> {
+        name(&h.name)?;
+        url(&h.url)?;
+        routes(&h.event_types)?;
+        max_attempts(h.max_attempts)?;
+        timeout_ms(h.timeout_ms)?;
+        max_in_flight(h.max_in_flight)?;
+        if !h.secret.is_empty() {
+            secret::check(&h.secret)?;
+        }
+        if let Some(r) = &h.rate_limit {
+            rate_limit(r)?;
+        }
+        Ok(())
+    }
+
+    /// Checks the fields a change sets, with the rules of [`check`]; fields
+    /// it leaves alone are not judged again (a handler stored under older
+    /// bounds stays changeable).
+    ///
+    /// # Errors
+    /// The first [`Broken`] rule, naming the field.
+    pub fn check_patch(p: &HandlerPatch) -> Result<(), Broken> {
+        if let Some(v) = &p.name {
+            name(v)?;
+        }
+        if let Some(v) = &p.url {
+            url(v)?;
+        }
+        if let Some(v) = &p.event_types {
+            routes(v)?;
+        }
+        if let Some(v) = p.max_attempts {
+            max_attempts(v)?;
+        }
+        if let Some(v) = p.timeout_ms {
+            timeout_ms(v)?;
+        }
+        if let Some(v) = p.max_in_flight {
+            max_in_flight(v)?;
+        }
+        if let Some(Some(r)) = &p.rate_limit {
+            rate_limit(r)?;
+        }
+        Ok(())
+    }
+}
+
+impl NewEvent {
+    /// Checks the event's rules ([`event::check`]) at the current time: for
+    /// every way in (the API and `publish_in`).
+    ///
+    /// # Errors
+    /// [`StoreError::Invalid`] naming the field and the rule it breaks.
+    pub fn validate(&self) -> Result<()> {
+        Ok(event::check(self, chrono::Utc::now())?)
+    }
+}
+
+impl NewHandler {
+    /// Checks a handler registration ([`handler::check`]).
+    ///
+    /// # Errors
+    /// [`StoreError::Invalid`] naming the field and the rule it breaks.
+    pub fn validate(&self) -> Result<()> {
+        Ok(handler::check(self)?)
+    }
+
+    /// Validates and fills in a generated secret when none was given.
+    ///
+    /// # Errors
+    /// As [`NewHandler::validate`].
+    pub fn normalized(mut self) -> Result<Self> {
+        self.validate()?;
+        if self.secret.is_empty() {
+            self.secret = crate::generate_secret();
+        }
+        Ok(self)
+    }
+}
+
+impl Handler {
+    /// Applies `patch` to a copy of this handler, checking the fields it
+    /// sets ([`handler::check_patch`]).
+    ///
+    /// # Errors
+    /// [`StoreError::Invalid`] naming the field and the rule it breaks.
+    pub fn patched(&self, patch: &HandlerPatch) -> Result<Handler> {
+        handler::check_patch(patch)?;
+        let mut h = self.clone();
+        if let Some(v) = &patch.name {
+            h.name = v.clone();
+        }
+        if let Some(v) = &patch.url {
+            h.url = v.clone();
+        }
+        if let Some(v) = &patch.event_types {
+            h.event_types = v.clone();
+        }
+        if let Some(v) = patch.max_attempts {
+            h.max_attempts = v;
+        }
+        if let Some(v) = patch.timeout_ms {
+            h.timeout_ms = v;
+        }
+        if let Some(v) = patch.max_in_flight {
+            h.max_in_flight = v;
+        }
+        if let Some(v) = patch.rate_limit {
+            h.rate_limit = v;
+        }
+        Ok(h)
+    }
+}
+
+impl RateLimit {
+    /// Checks both numbers ([`handler::rate_limit`]).
+    ///
+    /// # Errors
+    /// [`StoreError::Invalid`] naming the field.
+    pub fn validate(&self) -> Result<()> {
+        Ok(handler::rate_limit(self)?)
+    }
+}
+
+/// Checks a signing secret ([`secret::check`]).
+///
+/// # Errors
+/// [`StoreError::Invalid`], without repeating the secret.
+pub(crate) fn validate_secret(s: &str) -> Result<()> {
+    Ok(secret::check(s)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev(id: Option<&str>, key: Option<&str>) -> NewEvent {
+        NewEvent {
+            id: id.map(str::to_owned),
+            event_type: "t.x".into(),
+            key: key.map(str::to_owned),
+            payload: b"{}".to_vec(),
+            deliver_at: None,
+        }
+    }
+
+    /// Every way in (the API and `publish_in`) refuses a payload nested
+    /// deeper than serde_json's limit; brackets in strings are text.
+    #[test]
+    fn payload_nesting_is_bounded() {
+        let nested = |n: usize| format!("{}1{}", "[".repeat(n), "]".repeat(n)).into_bytes();
+        let mut e = ev(None, None);
+        e.payload = nested(event::MAX_PAYLOAD_DEPTH);
+        assert!(e.validate().is_ok());
+        e.payload = nested(event::MAX_PAYLOAD_DEPTH + 1);
+        let err = e.validate().expect_err("too deep");
+        assert!(
+            matches!(&err, StoreError::Invalid(m) if m.starts_with("payload nests 129")),
+            "{err:?}"
+        );
+        e.payload = format!(r#"{{"s":"\"{}"}}"#, "[".repeat(500)).into_bytes();
+        assert!(e.validate().is_ok(), "brackets inside a string");
+    }
+
+    #[test]
+    fn payload_size_is_bounded() {
+        let mut e = ev(None, None);
+        e.payload = vec![b'1'; event::MAX_PAYLOAD_BYTES];
+        assert!(e.validate().is_ok());
+        e.payload.push(b'1');
+        let b = event::check(&e, chrono::Utc::now()).expect_err("too large");
+        assert_eq!((b.field.as_str(), b.rule), ("payload", Rule::Size));
+    }
+
+    #[test]
+    fn keys_with_control_characters_are_refused() {
+        for key in ["line\nbreak", "nul\u{0}", "tab\tkey", "del\u{7f}"] {
+            let err = ev(None, Some(key)).validate().unwrap_err();
+            assert!(
+                matches!(&err, StoreError::Invalid(m) if m.contains("control")),
+                "{key:?}: {err}"
+            );
+        }
+        assert!(ev(None, Some("octo/répo ✓ with spaces")).validate().is_ok());
+    }
+
+    #[test]
+    fn event_ids_are_printable_ascii_up_to_128() {
+        assert!(ev(Some("evt_42"), None).validate().is_ok());
+        assert!(ev(Some(&"a".repeat(128)), None).validate().is_ok());
+        for bad in ["", "has space", "é", &"a".repeat(129)] {
+            assert!(ev(Some(bad), None).validate().is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_batch_names_the_event_and_field() {
+        let now = chrono::Utc::now();
+        let b = event::batch(&[ev(None, None), ev(None, Some(""))], now).unwrap_err();
+        assert_eq!((b.field.as_str(), b.rule), ("events[1].key", Rule::Length));
+        assert!(b.message.starts_with("events[1]: event key"), "{b}");
+        let many = vec![ev(None, None); event::MAX_BATCH + 1];
+        let b = event::batch(&many, now).unwrap_err();
+        assert_eq!((b.field.as_str(), b.rule), ("events", Rule::Length));
+        assert!(event::batch(&many[1..], now).is_ok());
+    }
+
+    #[test]
+    fn bad_patterns_are_refused() {
+        for bad in ["a*b", "**", "", "has space", &"a".repeat(129)] {
+            assert!(route::pattern(bad).is_err(), "{bad:?}");
+        }
+        assert!(route::pattern("*").is_ok());
+        assert!(route::pattern("issues.*").is_ok());
+        assert!(route::event_type("a*").is_err());
+    }
+
+    #[test]
+    fn handler_ids_have_one_form() {
+        assert!(handler::is_id(&crate::generate_handler_id()));
+        for bad in ["", "hdl_", "hdl_0193A5B2C4D87E6F8A9B0C1D2E3F4A5B", "a\0b"] {
+            assert!(!handler::is_id(bad), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn urls_need_a_lowercase_http_prefix_a_host_and_no_credentials() {
+        for (url, says) in [
+            ("HTTPS://example.com/", "must start with"),
+            ("http:example.com/", "must start with"),
+            ("ftp://example.com/", "scheme"),
+            ("https://u:p@example.com/", "credentials"),
+            ("https://example.com/a b", "whitespace"),
+            ("not a url", "whitespace"),
+            ("nourl", "does not parse"),
+        ] {
+            let b = handler::url(url).unwrap_err();
+            assert_eq!(b.field, "url");
+            assert!(b.message.contains(says), "{url}: {b}");
+            assert!(!b.message.contains("u:p@"), "{b}");
+        }
+        assert!(handler::url("http://127.0.0.1:9000/x?q=a@b").is_ok());
+        assert_eq!(handler::redacted("https://a:b@h/x@y"), "https://***@h/x@y");
+    }
+
+    #[test]
+    fn a_patch_is_judged_on_the_fields_it_sets() {
+        let stored = Handler::registered(
+            crate::generate_handler_id(),
+            NewHandler {
+                name: "old".into(),
+                url: "http://h/".into(),
+                event_types: vec!["*".into()],
+                // Stored under the older, looser bounds.
+                max_attempts: 500,
+                timeout_ms: 1,
+                max_in_flight: 1,
+                secret: crate::generate_secret(),
+                rate_limit: None,
+            },
+            chrono::Utc::now(),
+        );
+        let renamed = stored
+            .patched(&HandlerPatch {
+                name: Some("new".into()),
+                ..HandlerPatch::default()
+            })
+            .expect("a rename judges the name only");
+        assert_eq!((renamed.name.as_str(), renamed.max_attempts), ("new", 500));
+        let err = stored
+            .patched(&HandlerPatch {
+                max_attempts: Some(101),
+                ..HandlerPatch::default()
+            })
+            .unwrap_err();
+        assert!(
+            matches!(&err, StoreError::Invalid(m) if m == "max_attempts 101 must be 1 to 100"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn secrets_need_prefix_base64_and_length() {
+        use base64::Engine as _;
+        let b64 = |n: usize| base64::engine::general_purpose::STANDARD.encode(vec![7u8; n]);
+        assert!(secret::check(&format!("whsec_{}", b64(24))).is_ok());
+        assert!(secret::check(&format!("whsec_{}", b64(64))).is_ok());
+        for bad in [
+            format!("whsec_{}", b64(23)),
+            format!("whsec_{}", b64(65)),
+            b64(32),
+            "whsec_!!!".into(),
+        ] {
+            let b = secret::check(&bad).unwrap_err();
+            assert_eq!(b.field, "secret");
+            assert!(!b.message.contains(&bad), "{b}");
+        }
+    }
+}
