@@ -141,7 +141,7 @@ pub struct Cell {
     /// Payload size, bytes (a JSON object of about this size).
     pub payload_bytes: usize,
     /// Dispatch and mixed: handlers are webhooks to an HTTP receiver in the
-    /// sample process (`lanebus_node::receiver`, signatures verified)
+    /// sample process (`lanebus_testkit::receiver`, signatures verified)
     /// instead of in-process no-ops: the webhook path.
     pub http_sink: bool,
     /// Dispatch: nodes sharing the store. 1: one node owning every lane

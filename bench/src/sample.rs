@@ -367,7 +367,7 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
     // records land in the sample's counters.
     let setup = stores.dyn_store.clone();
     let receiver = if cell.http_sink {
-        Some(lanebus_node::receiver::Receiver::start().await?)
+        Some(lanebus_testkit::receiver::Receiver::start().await?)
     } else {
         None
     };
@@ -844,7 +844,7 @@ async fn start_cluster(
             s
         };
         let mut opts = node_options(&id.to_string(), store, id);
-        let raft = lanebus_node::local_cluster::free_port()?;
+        let raft = lanebus_testkit::local_cluster::free_port()?;
         let mut c = ClusterOptions::new(id, raft.to_string(), dir.join(format!("node-{id}")));
         match handles.first() {
             None => c.bootstrap = true,

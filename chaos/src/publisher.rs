@@ -25,9 +25,9 @@ use crate::rng::Rng;
 /// Payloads to publish: real GitHub webhook examples when found, plus a few
 /// with escapes, non-ASCII text and odd numbers to catch re-encoding.
 pub fn payloads() -> Vec<(String, String)> {
-    let mut out: Vec<(String, String)> = lanebus_node::sample_data::find(None)
+    let mut out: Vec<(String, String)> = lanebus_testkit::sample_data::find(None)
         .ok()
-        .and_then(|p| lanebus_node::sample_data::load(&p).ok())
+        .and_then(|p| lanebus_testkit::sample_data::load(&p).ok())
         .map(|s| s.into_iter().map(|s| (s.event_type, s.payload)).collect())
         .unwrap_or_default();
     out.push((

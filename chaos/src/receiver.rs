@@ -333,7 +333,7 @@ impl Receiver {
                 };
                 let answer = decide(inner.mode, self.seed, &handler, &event_id, n);
                 let ok = inner.secrets.get(&handler).is_some_and(|s| {
-                    lanebus_node::webhook::verify(
+                    lanebus_testkit::signature::valid(
                         s,
                         &event_id,
                         &h("webhook-timestamp").unwrap_or_default(),

@@ -28,9 +28,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use clap::Args;
-use lanebus_node::local_cluster::{self, LocalCluster, Start};
-use lanebus_node::receiver::{Expected, Receiver};
-use lanebus_node::sample_data;
+use lanebus_testkit::local_cluster::{self, LocalCluster, Start};
+use lanebus_testkit::receiver::{Expected, Receiver};
+use lanebus_testkit::sample_data;
 use serde_json::value::RawValue;
 
 /// Flags of `lanebus demo`; each also reads `LANEBUS_*` and the key of the

@@ -1,14 +1,12 @@
 //! The lanebus node: actix actors that run lanes, per-key handlers and the
-//! store actor; webhook sending; the handler catalog cache; a reusable test
-//! webhook receiver; the single-node demo. The `lanebus` binary is
-//! `src/main.rs`.
+//! store actor; webhook sending; the handler catalog cache. The `lanebus`
+//! binary is `src/main.rs`; its demo runs on `lanebus-testkit`.
 //!
 //! Pure decisions live in [`retry`], [`ordering`] and [`assignment`] (with
 //! unit tests, no IO); [`actors`] carry them out; [`node`] wires a running
 //! node (see `docs/design.md` section 3). [`webhook`] is the request
 //! contract of docs/design.md section 5; [`handler`] puts in-process handlers on
-//! the same path; [`receiver`] is the test webhook target with the
-//! exactness verdict; [`sample_data`] loads the real GitHub payloads.
+//! the same path.
 //!
 //! ```no_run
 //! # async fn run() -> Result<(), lanebus_node::NodeError> {
@@ -25,15 +23,12 @@ pub mod actors;
 pub mod assignment;
 pub mod catalog;
 pub mod handler;
-pub mod local_cluster;
 pub mod metrics;
 pub mod node;
 pub mod ordering;
 pub mod rate;
-pub mod receiver;
 pub mod retention;
 pub mod retry;
-pub mod sample_data;
 pub mod webhook;
 
 pub use handler::{Handler, HandlerError};

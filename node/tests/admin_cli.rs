@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context as _};
 use common::{start_node, Api, Backend, TestDb};
-use lanebus_node::local_cluster::{free_port, LocalCluster, Start};
-use lanebus_node::receiver::{Action, Receiver, Rule};
+use lanebus_testkit::local_cluster::{free_port, LocalCluster, Start};
+use lanebus_testkit::receiver::{Action, Receiver, Rule};
 use serde_json::Value;
 
 /// `lanebus admin ARGS` with no `LANEBUS_*` variable but `env`.

@@ -11,7 +11,7 @@ use std::time::Duration;
 use anyhow::ensure;
 use async_trait::async_trait;
 use common::{expected, real_events, samples, test_options, Api, Backend, TestDb};
-use lanebus_node::receiver::Receiver;
+use lanebus_testkit::receiver::Receiver;
 use lanebus_node::StoreSource;
 use lanebus_store::*;
 

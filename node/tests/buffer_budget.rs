@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::ensure;
 use common::{test_options, Backend, TestDb};
-use lanebus_node::receiver::{Action, Expected, Receiver, Rule};
+use lanebus_testkit::receiver::{Action, Expected, Receiver, Rule};
 use lanebus_store::{NewEvent, NewHandler};
 
 const PAYLOAD: usize = 256 << 10;

@@ -33,8 +33,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context as _};
 use common::{expected, real_events, Backend, Registered, TestDb};
-use lanebus_node::local_cluster::{self, LocalCluster, Start};
-use lanebus_node::receiver::{Action, Expected, Receiver, Rule};
+use lanebus_testkit::local_cluster::{self, LocalCluster, Start};
+use lanebus_testkit::receiver::{Action, Expected, Receiver, Rule};
 use lanebus_store::{handler_defaults, NewEvent, NewHandler, Store};
 
 const LEASE_MS: u64 = 1_500;

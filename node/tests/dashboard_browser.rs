@@ -28,8 +28,8 @@ use std::time::Duration;
 
 use anyhow::{bail, ensure, Context as _};
 use common::{real_events, samples, Api, Backend, TestDb};
-use lanebus_node::local_cluster::{LocalCluster, Start};
-use lanebus_node::receiver::{Action, Receiver, Rule};
+use lanebus_testkit::local_cluster::{LocalCluster, Start};
+use lanebus_testkit::receiver::{Action, Receiver, Rule};
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader};
 

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context as _};
 use common::{expected, real_events, samples, start_node, Api, Backend, TestDb};
-use lanebus_node::receiver::{Action, Expected, Receiver, Rule};
+use lanebus_testkit::receiver::{Action, Expected, Receiver, Rule};
 use serde_json::Value;
 
 /// The real-input run: the 329 GitHub payloads ten times over, 20

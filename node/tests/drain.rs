@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::ensure;
 use common::{expected, real_events, samples, test_options, Backend, Registered, TestDb};
-use lanebus_node::receiver::Receiver;
+use lanebus_testkit::receiver::Receiver;
 use lanebus_store::{handler_defaults, NewEvent, NewHandler};
 
 async fn drain(backend: Backend) -> anyhow::Result<()> {

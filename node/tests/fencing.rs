@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::ensure;
 use common::{real_events, samples, start_node, Api, Backend, TestDb};
 use lanebus_node::actors::LaneState;
-use lanebus_node::receiver::{Action, Receiver, Rule};
+use lanebus_testkit::receiver::{Action, Receiver, Rule};
 
 async fn fenced_out_node_stops_and_changes_nothing(backend: Backend) -> anyhow::Result<()> {
     let db = TestDb::new(backend, "fencing").await?;

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context as _};
 use common::{start_node, test_options, Api, Backend, TestDb};
-use lanebus_node::receiver::{Action, Expected, Receiver, Rule};
+use lanebus_testkit::receiver::{Action, Expected, Receiver, Rule};
 use lanebus_node::webhook;
 use lanebus_store::{HandlerState, NewEvent, NewHandler, Store};
 use serde_json::{json, Value};
@@ -295,7 +295,7 @@ async fn gone_for_several_keys_at_once_counts_one_disable(backend: Backend) -> a
     });
     api.publish(&keyed_events("gonekeys", 4, 4), 4).await?;
     let gone =
-        |log: &[lanebus_node::receiver::Received]| log.iter().filter(|r| r.status == 410).count();
+        |log: &[lanebus_testkit::receiver::Received]| log.iter().filter(|r| r.status == 410).count();
     ensure!(
         rx.wait_until(Duration::from_secs(30), |log| gone(log) >= 2)
             .await,
@@ -997,7 +997,7 @@ async fn rotation_signs_with_both_secrets(backend: Backend) -> anyhow::Result<()
         rx.wait_accepted(12, Duration::from_secs(30)).await,
         "not delivered"
     );
-    let verifies = |secret: &str, r: &lanebus_node::receiver::Received| {
+    let verifies = |secret: &str, r: &lanebus_testkit::receiver::Received| {
         webhook::verify(
             secret,
             &r.headers["webhook-id"],

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context as _};
 use common::{expected, real_events, Backend, Registered, TestDb};
-use lanebus_node::receiver::{Action, Receiver, Rule};
+use lanebus_testkit::receiver::{Action, Receiver, Rule};
 use lanebus_store::{handler_defaults, NewEvent, NewHandler};
 
 fn spawn_node(url: &str, dir: &std::path::Path, life: u32) -> anyhow::Result<Child> {
@@ -40,7 +40,7 @@ fn spawn_node(url: &str, dir: &std::path::Path, life: u32) -> anyhow::Result<Chi
         .env_remove("LANEBUS_CONFIG")
         .env(
             "LANEBUS_WEBHOOK_ALLOW_CIDRS",
-            lanebus_node::local_cluster::LOOPBACK_CIDRS,
+            lanebus_testkit::local_cluster::LOOPBACK_CIDRS,
         )
         .stdout(Stdio::null())
         .stderr(log)

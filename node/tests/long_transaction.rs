@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context as _};
 use common::{test_options, Api, Backend, TestDb};
-use lanebus_node::receiver::{Action, Expected, Receiver, Rule};
+use lanebus_testkit::receiver::{Action, Expected, Receiver, Rule};
 use lanebus_store::{lane_of_key, DEFAULT_LANES};
 use serde_json::Value;
 use sqlx::Connection as _;
@@ -139,7 +139,7 @@ async fn open_transaction_starves_nothing() -> anyhow::Result<()> {
         .into_iter()
         .filter(|r| r.key.as_deref() != Some(failing.as_str()))
         .collect();
-    let v = lanebus_node::receiver::verdict(&reqs, &expected);
+    let v = lanebus_testkit::receiver::verdict(&reqs, &expected);
     ensure!(v.exact(), "{v:?}");
     common::ensure_no_repeat_without_failure(&reqs)?;
     let metrics = api.metrics().await?;

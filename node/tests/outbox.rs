@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::ensure;
 use common::{start_node, Api, Backend, TestDb};
-use lanebus_node::receiver::Receiver;
+use lanebus_testkit::receiver::Receiver;
 use lanebus_store::NewEvent;
 
 fn event(id: &str, key: &str) -> NewEvent {

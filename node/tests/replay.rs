@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{ensure, Context as _};
 use chrono::{SecondsFormat, Utc};
 use common::{start_node, test_options, Api, Backend, TestDb};
-use lanebus_node::receiver::{Action, Expected, Received, Receiver, Rule};
+use lanebus_testkit::receiver::{Action, Expected, Received, Receiver, Rule};
 use serde_json::json;
 
 fn rfc3339(t: chrono::DateTime<Utc>) -> String {

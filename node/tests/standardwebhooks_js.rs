@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use anyhow::{bail, ensure, Context as _};
 use common::{real_events, samples, start_node, Api, Backend, TestDb};
-use lanebus_node::receiver::Receiver;
+use lanebus_testkit::receiver::Receiver;
 use serde_json::Value;
 
 const JS_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/js");

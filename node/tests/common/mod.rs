@@ -13,8 +13,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
-use lanebus_node::receiver::Expected;
-use lanebus_node::sample_data::{self, Sample};
+use lanebus_testkit::receiver::Expected;
+use lanebus_testkit::sample_data::{self, Sample};
 use lanebus_node::{NodeHandle, NodeOptions, StoreSource};
 use serde_json::Value;
 use sqlx::Connection as _;
@@ -421,7 +421,7 @@ pub fn verify_with_python(python: &str, entries: &[Value]) -> anyhow::Result<Str
 /// and the attempt numbers are 1, 2, 3, ... (one node, no owner change).
 #[allow(dead_code)]
 pub fn ensure_no_repeat_without_failure(
-    reqs: &[lanebus_node::receiver::Received],
+    reqs: &[lanebus_testkit::receiver::Received],
 ) -> anyhow::Result<()> {
     let mut per_event: std::collections::HashMap<&str, Vec<(u32, bool)>> = Default::default();
     for r in reqs {

@@ -118,7 +118,9 @@ impl LocalCluster {
         store: &str,
         args: &[&str],
     ) -> Self {
-        crate::webhook::install_crypto_provider();
+        // reqwest is built without a rustls provider (as in the workspace):
+        // install ring's, unless something installed one already.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         LocalCluster {
             bin: bin.into(),
             dir: dir.into(),

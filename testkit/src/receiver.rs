@@ -28,7 +28,7 @@ use axum::Router;
 use serde::Serialize;
 use tokio::sync::Notify;
 
-use crate::webhook;
+use crate::signature;
 
 /// What the receiver does with matching requests.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -433,7 +433,7 @@ async fn hook(
             })
             .map(|r| (r.action.clone(), attempt_here));
         let signature_ok = inner.secrets.get(&name).map(|secret| {
-            webhook::verify(
+            signature::valid(
                 secret,
                 &event_id,
                 &h("webhook-timestamp").unwrap_or_default(),
