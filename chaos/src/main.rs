@@ -1,7 +1,7 @@
 //! `lanebus-chaos`: the chaos suite. Starts real `lanebus node` processes,
 //! a throwaway database and a webhook receiver ([`sandbox`]), publishes
 //! while it injects named faults ([`plan`]), heals, and judges what the
-//! receiver got against docs/design.md section 2 ([`oracle`]). Every random
+//! receiver got against docs/design.md section 2 ([`lanebus_testkit::oracle`]). Every random
 //! choice comes from one seed ([`rng`]), printed first.
 //!
 //! ```text
@@ -14,7 +14,6 @@
 //! scenarios that cannot run here (no cluster yet, no PostgreSQL) are
 //! listed as skipped with the reason.
 
-mod oracle;
 mod plan;
 mod proxy;
 mod publisher;

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::oracle::Published;
+use lanebus_testkit::oracle::Published;
 use crate::rng::Rng;
 
 /// Payloads to publish: real GitHub webhook examples when found, plus a few

@@ -2,7 +2,7 @@
 //! can do what a well-behaved framework will not: reset a connection, hold a
 //! request without answering, answer after the handler's timeout.
 //!
-//! Every request is logged as an [`oracle::Request`] (handler, event id, key,
+//! Every request is logged as an [`lanebus_testkit::oracle::Request`] (handler, event id, key,
 //! sequence, attempt, arrival and answer time, status or none, the payload
 //! bytes, whether the signature verified). What it answers is decided by
 //! [`decide`] from the current [`Mode`], the run's seed and the attempt's
@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::oracle::Request;
+use lanebus_testkit::oracle::Request;
 use crate::proxy::{identify_async, Sources};
 use crate::rng::coin;
 

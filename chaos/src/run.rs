@@ -1,7 +1,7 @@
 //! Carries one [`Plan`] out: sandbox up, handlers registered, publishers and
 //! the lane sampler running, faults injected on schedule, everything healed
 //! at the end of the publish window, then recovery and drain measured and
-//! the record handed to the [`oracle`](crate::oracle).
+//! the record handed to the [`oracle`](lanebus_testkit::oracle).
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 
-use crate::oracle::{self, HandlerSpec, LaneSample, Published, Record, Report};
+use lanebus_testkit::oracle::{self, HandlerSpec, LaneSample, Published, Record, Report};
 use crate::plan::{Fault, Plan, Target};
 use crate::publisher::{self, PubSpec};
 use crate::receiver::{Mode, TrapFor};

@@ -7,7 +7,12 @@
 //! - [`local_cluster`]: `lanebus node` child processes on this machine,
 //!   with the checks made on them ([`local_cluster::balance`],
 //!   [`local_cluster::repeats`]);
+//! - [`oracle`]: the chaos suite's judge of a whole run (acknowledged
+//!   publishes, the receiver's requests with their senders, lane samples):
+//!   loss, order and overlaps per (handler, key), every repeat attributed
+//!   to a cause, fencing, atomic publish;
 //! - [`sample_data`]: the real GitHub payloads shipped in `data/`;
+//! - [`lane`]: the contract's lane of an event, computed apart from the store;
 //! - [`signature`]: the Standard Webhooks signature check the receiver
 //!   applies, written apart from the node's signing code.
 //!
@@ -15,7 +20,9 @@
 
 #![warn(missing_docs)]
 
+pub mod lane;
 pub mod local_cluster;
+pub mod oracle;
 pub mod receiver;
 pub mod sample_data;
 pub mod signature;

@@ -794,7 +794,7 @@ fn lane_of_request(q: &Request, events: &HashMap<&str, &Published>, lanes: u16) 
             .get(q.event_id.as_str())
             .and_then(|p| p.key.as_deref())
     });
-    crate::rng::lane_of(key, &q.event_id, lanes)
+    crate::lane::lane_of(key, &q.event_id, lanes)
 }
 
 #[cfg(test)]
@@ -835,7 +835,7 @@ mod tests {
         LaneSample {
             at_ms: at,
             node: "1".into(),
-            lane: crate::rng::lane_of(Some(key), "", LANES),
+            lane: crate::lane::lane_of(Some(key), "", LANES),
             owner: Some(owner.into()),
             epoch,
         }
