@@ -7,6 +7,11 @@
 //! lanebus-bench cells                  (lists the cells of both sets)
 //! ```
 
+/// The same allocator as the `lanebus` binary (node/src/main.rs), so the
+/// node a sample runs in this process allocates as it does there.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod cells;
 mod exact;
 mod gate;
