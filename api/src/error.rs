@@ -74,7 +74,8 @@ pub enum ErrorCode {
     Forbidden,
     /// 503: the node is not ready (`GET /readyz`).
     NotReady,
-    /// 503: the store cannot be reached ([`StoreError::Unavailable`]).
+    /// 503: the store cannot be reached or did not answer in time
+    /// ([`StoreError::Unavailable`], [`StoreError::Timeout`]).
     StoreUnavailable,
     /// 500: any other fault ([`StoreError::Database`]).
     Internal,
@@ -236,6 +237,7 @@ impl ApiError {
 /// | `NotFound` | `not_found` | 404 |
 /// | `Conflict` | `conflict` | 409 |
 /// | `Unavailable` | `store_unavailable` | 503 |
+/// | `Timeout` | `store_unavailable` | 503 |
 /// | `Database` | `internal` | 500 |
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
@@ -243,7 +245,7 @@ impl From<StoreError> for ApiError {
             StoreError::Invalid(_) => ErrorCode::InvalidInput,
             StoreError::NotFound(_) => ErrorCode::NotFound,
             StoreError::Conflict(_) => ErrorCode::Conflict,
-            StoreError::Unavailable(_) => ErrorCode::StoreUnavailable,
+            StoreError::Unavailable(_) | StoreError::Timeout(_) => ErrorCode::StoreUnavailable,
             StoreError::Database(_) => ErrorCode::Internal,
         };
         ApiError::new(code, e.to_string())
@@ -335,6 +337,7 @@ mod tests {
                 503,
                 "store_unavailable",
             ),
+            (StoreError::Timeout("x".into()), 503, "store_unavailable"),
             (StoreError::Database("x".into()), 500, "internal"),
         ];
         for (e, status, code) in cases {

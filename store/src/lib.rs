@@ -84,52 +84,37 @@ pub type Lane = u16;
 /// Lane fencing token: grows at every change of owner.
 pub type Epoch = i64;
 
-/// Backend-neutral error kinds. Each backend maps its native errors here; the
-/// API maps these to HTTP statuses.
+/// What went wrong in a store call, by kind: the one error type of every
+/// backend. Each backend maps its driver's errors to these kinds in its own
+/// `error` module; the API maps the kinds to HTTP statuses. The string is
+/// the message for people (the driver's, or the rule broken).
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    /// The caller's input breaks a rule (bad id, unknown handler field...).
+    /// The caller's input breaks a rule (bad id, unknown handler field...),
+    /// or the store URL names a backend this build does not include.
     #[error("invalid input: {0}")]
     Invalid(String),
     /// A referenced thing does not exist.
     #[error("not found: {0}")]
     NotFound(String),
-    /// A unique constraint was hit that the operation does not absorb.
+    /// A unique constraint was hit that the operation does not absorb, or a
+    /// concurrent write won (retry the call).
     #[error("conflict: {0}")]
     Conflict(String),
-    /// The database could not be reached or refused the connection.
+    /// The database could not be reached, refused the connection, or is
+    /// shutting down or failing over: the call may succeed if retried.
     #[error("store unavailable: {0}")]
     Unavailable(String),
-    /// Any other database error.
+    /// The database did not finish in time: no pooled connection came free,
+    /// a lock stayed taken (PostgreSQL `lock_timeout`, SQLite's busy
+    /// timeout) or a statement ran out its time (PostgreSQL
+    /// `statement_timeout`, MongoDB `maxTimeMS`). The call may have changed
+    /// nothing or, for a lost answer, everything; it may be retried.
+    #[error("store timeout: {0}")]
+    Timeout(String),
+    /// Any other database error (a fault to look into, not the caller's).
     #[error("store error: {0}")]
     Database(String),
-}
-
-impl From<sqlx::Error> for StoreError {
-    fn from(e: sqlx::Error) -> Self {
-        match &e {
-            sqlx::Error::RowNotFound => StoreError::NotFound(e.to_string()),
-            sqlx::Error::Io(_)
-            | sqlx::Error::PoolTimedOut
-            | sqlx::Error::PoolClosed
-            | sqlx::Error::Tls(_)
-            | sqlx::Error::WorkerCrashed => StoreError::Unavailable(e.to_string()),
-            sqlx::Error::Database(db) if db.is_unique_violation() => {
-                StoreError::Conflict(db.message().to_string())
-            }
-            // PostgreSQL class 08 (connection exception) and 57P01..57P03
-            // (admin shutdown, crash shutdown, cannot connect now): the
-            // server is restarting or unreachable, so the caller may retry.
-            sqlx::Error::Database(db)
-                if db.code().is_some_and(|c| {
-                    c.starts_with("08") || matches!(&*c, "57P01" | "57P02" | "57P03")
-                }) =>
-            {
-                StoreError::Unavailable(db.message().to_string())
-            }
-            _ => StoreError::Database(e.to_string()),
-        }
-    }
 }
 
 /// Result alias for store operations.
@@ -665,7 +650,7 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// # Errors
     /// [`StoreError::Invalid`] for an event breaking [`NewEvent::validate`]
-    /// (nothing is written); [`StoreError::Unavailable`]/[`StoreError::Database`].
+    /// (nothing is written); [`StoreError::Unavailable`]/[`StoreError::Timeout`]/[`StoreError::Database`].
     async fn publish(&self, events: Vec<NewEvent>) -> Result<PublishOutcome>;
 
     /// Raises `lane`'s epoch to `epoch` and records `owner`, if the stored
@@ -692,7 +677,7 @@ pub trait Store: Send + Sync + 'static {
     /// given). Returns the ids actually deleted, in ascending order.
     ///
     /// # Errors
-    /// [`StoreError::Unavailable`]/[`StoreError::Database`]; nothing is
+    /// [`StoreError::Unavailable`]/[`StoreError::Timeout`]/[`StoreError::Database`]; nothing is
     /// deleted then. The default implementation (for test doubles) answers
     /// [`StoreError::Invalid`] for a non-empty `refs`.
     async fn discard(&self, refs: &[DeliveryRef]) -> Result<Vec<i64>> {
@@ -830,7 +815,7 @@ pub trait Store: Send + Sync + 'static {
     /// handler).
     ///
     /// # Errors
-    /// [`StoreError::Unavailable`]/[`StoreError::Database`]; nothing is
+    /// [`StoreError::Unavailable`]/[`StoreError::Timeout`]/[`StoreError::Database`]; nothing is
     /// replayed then. The default implementation (for test doubles) answers
     /// [`StoreError::Invalid`].
     async fn replay_dead_letters_between(
@@ -856,7 +841,7 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// # Errors
     /// [`StoreError::NotFound`] for an unknown handler;
-    /// [`StoreError::Unavailable`]/[`StoreError::Database`] (nothing is
+    /// [`StoreError::Unavailable`]/[`StoreError::Timeout`]/[`StoreError::Database`] (nothing is
     /// recovered then). The default implementation (for test doubles)
     /// answers [`StoreError::Invalid`].
     async fn recover(&self, handler_id: &str, since: DateTime<Utc>) -> Result<RecoverOutcome> {
@@ -879,7 +864,7 @@ pub trait Store: Send + Sync + 'static {
     /// publish holds within the retention period).
     ///
     /// # Errors
-    /// [`StoreError::Unavailable`]/[`StoreError::Database`]; nothing is
+    /// [`StoreError::Unavailable`]/[`StoreError::Timeout`]/[`StoreError::Database`]; nothing is
     /// removed then. The default implementation (for test doubles) removes
     /// nothing.
     async fn prune(&self, before: DateTime<Utc>, limit: u32) -> Result<Pruned> {
@@ -904,7 +889,7 @@ pub trait Store: Send + Sync + 'static {
     /// writers' clocks, so there it is this node's.
     ///
     /// # Errors
-    /// [`StoreError::Unavailable`]/[`StoreError::Database`].
+    /// [`StoreError::Unavailable`]/[`StoreError::Timeout`]/[`StoreError::Database`].
     async fn now(&self) -> Result<DateTime<Utc>>;
 
     /// Subscribes to publish wake-ups.

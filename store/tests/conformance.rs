@@ -34,6 +34,11 @@ use lanebus_store::*;
 // ---------------------------------------------------------------------------
 
 /// One backend instance under test.
+/// A sqlx error of a harness's own transaction, as the store's error.
+fn sql_error(e: sqlx::Error) -> StoreError {
+    StoreError::Database(e.to_string())
+}
+
 #[async_trait]
 trait Harness: Send + Sync {
     /// The store.
@@ -91,15 +96,20 @@ impl Harness for SqliteHarness {
         batches: Vec<Vec<NewEvent>>,
         commit: bool,
     ) -> Result<Vec<PublishOutcome>> {
-        let mut tx = self.store.pool().begin_with("BEGIN IMMEDIATE").await?;
+        let mut tx = self
+            .store
+            .pool()
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(sql_error)?;
         let mut out = Vec::new();
         for b in batches {
             out.push(self.store.publish_in(&mut tx, b).await?);
         }
         if commit {
-            tx.commit().await?;
+            tx.commit().await.map_err(sql_error)?;
         } else {
-            tx.rollback().await?;
+            tx.rollback().await.map_err(sql_error)?;
         }
         Ok(out)
     }
@@ -183,15 +193,15 @@ impl Harness for PgHarness {
         batches: Vec<Vec<NewEvent>>,
         commit: bool,
     ) -> Result<Vec<PublishOutcome>> {
-        let mut tx = self.store.pool().begin().await?;
+        let mut tx = self.store.pool().begin().await.map_err(sql_error)?;
         let mut out = Vec::new();
         for b in batches {
             out.push(self.store.publish_in(&mut tx, b).await?);
         }
         if commit {
-            tx.commit().await?;
+            tx.commit().await.map_err(sql_error)?;
         } else {
-            tx.rollback().await?;
+            tx.rollback().await.map_err(sql_error)?;
         }
         Ok(out)
     }

@@ -101,3 +101,65 @@ async fn the_store_bounds_statements_unless_the_url_sets_it() {
     );
     drop_database(&admin, &format!("lanebus_bounds_{}", std::process::id())).await;
 }
+
+/// A lock wait cut by `lock_timeout` (SQLSTATE `55P03`) and a statement cut
+/// by `statement_timeout` (`57014`) are [`StoreError::Timeout`], which the
+/// API answers with `503 store_unavailable` (before, they were `Database`:
+/// `500 internal`).
+#[tokio::test]
+async fn lock_and_statement_timeouts_are_timeouts() {
+    use lanebus_store::{HandlerState, NewHandler, Store, StoreError};
+    let (admin, url) = fresh_database("lanebus_timeouts").await;
+    let store = PgStore::connect(&with_options(&url, "-c%20lock_timeout%3D100ms"))
+        .await
+        .unwrap();
+    let h = store
+        .create_handler(NewHandler {
+            name: "locked".into(),
+            url: "http://127.0.0.1:9/hook".into(),
+            event_types: vec!["*".into()],
+            max_attempts: 3,
+            timeout_ms: 1_000,
+            max_in_flight: 1,
+            secret: lanebus_store::generate_secret(),
+            rate_limit: None,
+        })
+        .await
+        .unwrap();
+    // Another session holds the handler's row lock: the store's lock wait
+    // ends by lock_timeout, then (lock_timeout off) by statement_timeout.
+    let other = sqlx::PgPool::connect(&url).await.unwrap();
+    let mut tx = other.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM handlers WHERE id = $1 FOR UPDATE")
+        .bind(&h.id)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let by_statement = PgStore::connect(&with_options(
+        &url,
+        "-c%20lock_timeout%3D0%20-c%20statement_timeout%3D100ms",
+    ))
+    .await
+    .unwrap();
+    for (store, cut_by) in [
+        (&store, "lock_timeout"),
+        (&by_statement, "statement_timeout"),
+    ] {
+        let err = store
+            .change_handler_state(&h.id, HandlerState::Disabled, "test")
+            .await
+            .expect_err("the row is locked");
+        assert!(matches!(err, StoreError::Timeout(_)), "{cut_by}: {err:?}");
+    }
+    tx.rollback().await.unwrap();
+    assert!(
+        store
+            .change_handler_state(&h.id, HandlerState::Disabled, "test")
+            .await
+            .expect("unlocked")
+            .changed(),
+        "nothing was changed while the row was locked"
+    );
+    drop((store, by_statement, other));
+    drop_database(&admin, &format!("lanebus_timeouts_{}", std::process::id())).await;
+}

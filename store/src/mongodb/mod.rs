@@ -166,14 +166,14 @@
 
 mod catalog;
 mod dispatch;
+mod error;
 mod publish;
 
 use std::time::{Duration, Instant};
 
 use ::mongodb::bson::{doc, Bson, Document};
 use ::mongodb::error::{
-    Error as MongoError, ErrorKind, WriteFailure, TRANSIENT_TRANSACTION_ERROR,
-    UNKNOWN_TRANSACTION_COMMIT_RESULT,
+    Error as MongoError, ErrorKind, TRANSIENT_TRANSACTION_ERROR, UNKNOWN_TRANSACTION_COMMIT_RESULT,
 };
 use ::mongodb::options::{
     ClientOptions, IndexOptions, ReadConcern, TransactionOptions, WriteConcern,
@@ -183,6 +183,7 @@ use async_trait::async_trait;
 
 use crate::common::PublishPlan;
 use crate::*;
+use error::{error_code, is_duplicate_key, map_err, TxnError, TxnResult, DUPLICATE_KEY};
 
 /// How long a transaction is retried on transient errors before the error
 /// is returned (the driver specification's convenient API uses 120 s; lane
@@ -203,9 +204,6 @@ pub const DEFAULT_DATABASE: &str = "lanebus";
 /// server still cuts a batch at 16 MB), so a read is one round trip without
 /// `getMore`.
 pub(crate) const FULL_BATCH: u32 = 1_000_000;
-
-/// Server error code of a duplicate key.
-const DUPLICATE_KEY: i32 = 11000;
 
 /// The MongoDB store. Cheap to clone: clones share the client's pool.
 #[derive(Debug, Clone)]
@@ -238,61 +236,6 @@ pub(crate) mod names {
         COMPLETIONS,
         DEAD_LETTERS,
     ];
-}
-
-/// The server error code of `e`, if it carries one (command error, write
-/// error, or the first write error of an `insertMany`).
-pub(crate) fn error_code(e: &MongoError) -> Option<i32> {
-    match e.kind.as_ref() {
-        ErrorKind::Command(c) => Some(c.code),
-        ErrorKind::Write(WriteFailure::WriteError(w)) => Some(w.code),
-        ErrorKind::Write(WriteFailure::WriteConcernError(w)) => Some(w.code),
-        ErrorKind::InsertMany(m) => m
-            .write_errors
-            .as_ref()
-            .and_then(|w| w.first())
-            .map(|w| w.code)
-            .or_else(|| m.write_concern_error.as_ref().map(|w| w.code)),
-        _ => None,
-    }
-}
-
-fn is_duplicate_key(e: &MongoError) -> bool {
-    error_code(e) == Some(DUPLICATE_KEY)
-}
-
-/// Maps a driver error to a [`StoreError`] kind: duplicate key →
-/// `Conflict`; a transient transaction error (write conflict) → `Conflict`
-/// (retry the transaction); network, server selection, pool cleared, not
-/// primary or shutting down → `Unavailable`; anything else → `Database`.
-pub(crate) fn map_err(e: MongoError) -> StoreError {
-    if is_duplicate_key(&e) {
-        return StoreError::Conflict(e.to_string());
-    }
-    if e.contains_label(TRANSIENT_TRANSACTION_ERROR) {
-        return StoreError::Conflict(format!(
-            "transient transaction error, retry the transaction: {e}"
-        ));
-    }
-    let unavailable = matches!(
-        e.kind.as_ref(),
-        ErrorKind::Io(_)
-            | ErrorKind::ConnectionPoolCleared { .. }
-            | ErrorKind::ServerSelection { .. }
-            | ErrorKind::DnsResolve { .. }
-            | ErrorKind::Authentication { .. }
-    ) || matches!(
-        error_code(&e),
-        // HostUnreachable, HostNotFound, NetworkTimeout, ShutdownInProgress,
-        // PrimarySteppedDown, NotWritablePrimary, InterruptedAtShutdown,
-        // NotPrimaryNoSecondaryOk, NotPrimaryOrSecondary.
-        Some(6 | 7 | 89 | 91 | 189 | 10107 | 11600 | 13435 | 13436)
-    );
-    if unavailable {
-        StoreError::Unavailable(e.to_string())
-    } else {
-        StoreError::Database(e.to_string())
-    }
 }
 
 /// Options of every transaction: snapshot reads, majority writes.
@@ -357,38 +300,6 @@ async fn commit(session: &mut ClientSession, retry: &Retry) -> std::result::Resu
         }
     }
 }
-
-/// An error inside a transaction body: a driver error (which may be
-/// retried) or a decided [`StoreError`] (which is returned as is).
-#[derive(Debug)]
-pub(crate) enum TxnError {
-    Mongo(MongoError),
-    Store(StoreError),
-}
-
-impl From<MongoError> for TxnError {
-    fn from(e: MongoError) -> Self {
-        TxnError::Mongo(e)
-    }
-}
-
-impl From<StoreError> for TxnError {
-    fn from(e: StoreError) -> Self {
-        TxnError::Store(e)
-    }
-}
-
-impl From<TxnError> for StoreError {
-    fn from(e: TxnError) -> Self {
-        match e {
-            TxnError::Mongo(e) => map_err(e),
-            TxnError::Store(e) => e,
-        }
-    }
-}
-
-/// Result of a transaction body.
-pub(crate) type TxnResult<T> = std::result::Result<T, TxnError>;
 
 /// Runs `$body` (an expression of type `impl Future<Output = TxnResult<T>>`
 /// using `$sess: &mut ClientSession`) in a transaction of `$store`, with the

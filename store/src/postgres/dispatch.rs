@@ -8,7 +8,7 @@ use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
 use sqlx::{PgPool, Row};
 
-use super::map_err;
+use super::error::map_err;
 use crate::common::to_u32;
 use crate::*;
 

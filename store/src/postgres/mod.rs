@@ -163,6 +163,7 @@
 
 mod catalog;
 mod dispatch;
+mod error;
 mod publish;
 
 use std::str::FromStr;
@@ -174,6 +175,7 @@ use sqlx::{Connection, PgConnection, Postgres, Transaction};
 
 use crate::common::PublishPlan;
 use crate::*;
+use error::map_err;
 
 /// Connections in the pool.
 const POOL_SIZE: u32 = 16;
@@ -243,11 +245,6 @@ const MIGRATIONS: &[&str] = &[
 pub struct PgStore {
     pool: PgPool,
     lanes: u16,
-}
-
-/// Maps a sqlx error to the store's kinds.
-pub(crate) fn map_err(e: sqlx::Error) -> StoreError {
-    StoreError::from(e)
 }
 
 impl PgStore {

@@ -9,7 +9,7 @@
 
 use sqlx::PgConnection;
 
-use super::map_err;
+use super::error::map_err;
 use crate::common::PublishPlan;
 use crate::{PublishOutcome, Result};
 

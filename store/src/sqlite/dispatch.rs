@@ -11,7 +11,7 @@ use chrono::Utc;
 use sqlx::sqlite::SqliteRow;
 use sqlx::{Row, SqliteConnection};
 
-use super::map_err;
+use super::error::map_err;
 use super::publish::json;
 use crate::common::{from_micros, to_micros, to_u32};
 use crate::*;

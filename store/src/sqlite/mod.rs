@@ -15,7 +15,7 @@
 //!   instead fail at once with `SQLITE_BUSY_SNAPSHOT`. Within one process the
 //!   writers also queue on an async mutex first, so they wait without
 //!   SQLite's sleep-and-retry busy handler. A write that still cannot get the
-//!   lock after the busy timeout fails with [`StoreError::Unavailable`].
+//!   lock after the busy timeout fails with [`StoreError::Timeout`].
 //! - **Claim cursor = delivery id.** SQLite has one writer at a time, and a
 //!   writer holds the lock from its first write to its commit, so
 //!   `AUTOINCREMENT` ids are handed out in commit order: a claim reads
@@ -37,6 +37,7 @@
 
 mod catalog;
 mod dispatch;
+mod error;
 mod publish;
 
 use std::str::FromStr;
@@ -52,6 +53,7 @@ use tokio::sync::{Mutex, MutexGuard};
 
 use crate::common::PublishPlan;
 use crate::*;
+use error::{is_busy, map_err};
 
 /// How long a write waits for another process's write lock before failing.
 pub const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -74,27 +76,6 @@ pub struct SqliteStore {
     pool: SqlitePool,
     lanes: u16,
     write_lock: Arc<Mutex<()>>,
-}
-
-/// SQLite result codes that mean "locked by someone else": SQLITE_BUSY and
-/// its extended codes, SQLITE_LOCKED.
-fn is_busy(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Database(db) => db
-            .code()
-            .and_then(|c| c.parse::<i32>().ok())
-            .is_some_and(|c| c & 0xff == 5 || c & 0xff == 6),
-        _ => false,
-    }
-}
-
-/// Maps a sqlx error, turning lock timeouts into [`StoreError::Unavailable`].
-pub(crate) fn map_err(e: sqlx::Error) -> StoreError {
-    if is_busy(&e) {
-        StoreError::Unavailable(format!("sqlite database is locked by another writer: {e}"))
-    } else {
-        StoreError::from(e)
-    }
 }
 
 /// Takes lanebus's own `synchronous=full|normal` parameter (default `full`)
@@ -216,7 +197,7 @@ impl SqliteStore {
     /// the file). Returns nothing; the lane count is never changed.
     ///
     /// # Errors
-    /// [`StoreError::Unavailable`] if the write lock cannot be had;
+    /// [`StoreError::Timeout`] if the write lock cannot be had;
     /// [`StoreError::Database`] for a failing migration (nothing is applied).
     pub async fn migrate(&self) -> Result<()> {
         self.migrate_with_lanes(self.lanes).await.map(|_| ())
@@ -286,7 +267,7 @@ impl SqliteStore {
     /// # Errors
     /// [`StoreError::Invalid`] for an event breaking [`NewEvent::validate`]
     /// (nothing is written and the transaction stays usable);
-    /// [`StoreError::Unavailable`] when the write lock cannot be had;
+    /// [`StoreError::Timeout`] when the write lock cannot be had;
     /// [`StoreError::Database`] otherwise (roll the transaction back).
     pub async fn publish_in(
         &self,

@@ -10,7 +10,7 @@ use std::collections::{HashMap, HashSet};
 use chrono::Utc;
 use sqlx::SqliteConnection;
 
-use super::map_err;
+use super::error::map_err;
 use crate::common::{to_micros, PublishPlan};
 use crate::{PublishOutcome, Result, StoreError};
 
