@@ -483,6 +483,54 @@ mod stalled {
         async fn replay_dead_letters(&self, _: &[i64], _: Option<&str>) -> Result<u64> {
             pending().await
         }
+        async fn discard(&self, _: &[DeliveryRef]) -> Result<Vec<i64>> {
+            pending().await
+        }
+        async fn change_handler_state(
+            &self,
+            _: &str,
+            _: HandlerState,
+            _: &str,
+        ) -> Result<StateChange> {
+            pending().await
+        }
+        async fn update_handler(&self, _: &str, _: &HandlerPatch) -> Result<Handler> {
+            pending().await
+        }
+        async fn rotate_handler_secret(
+            &self,
+            _: &str,
+            _: &str,
+            _: chrono::DateTime<chrono::Utc>,
+        ) -> Result<Handler> {
+            pending().await
+        }
+        async fn mark_handler_failing(
+            &self,
+            _: &str,
+            _: bool,
+            _: chrono::DateTime<chrono::Utc>,
+        ) -> Result<()> {
+            pending().await
+        }
+        async fn replay_dead_letters_between(
+            &self,
+            _: &str,
+            _: Option<chrono::DateTime<chrono::Utc>>,
+            _: Option<chrono::DateTime<chrono::Utc>>,
+        ) -> Result<u64> {
+            pending().await
+        }
+        async fn recover(
+            &self,
+            _: &str,
+            _: chrono::DateTime<chrono::Utc>,
+        ) -> Result<RecoverOutcome> {
+            pending().await
+        }
+        async fn prune(&self, _: chrono::DateTime<chrono::Utc>, _: u32) -> Result<Pruned> {
+            pending().await
+        }
         async fn lane_rows(&self) -> Result<Vec<LaneRow>> {
             pending().await
         }

@@ -4,100 +4,22 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+use std::sync::atomic::Ordering::SeqCst;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::ensure;
-use async_trait::async_trait;
+use common::wrapped::Wrapped;
 use common::{expected, real_events, samples, test_options, Api, Backend, TestDb};
 use lanebus_testkit::receiver::Receiver;
 use lanebus_node::StoreSource;
-use lanebus_store::*;
-
-/// Delegates to a real store and counts batched calls and their items.
-struct Counting {
-    inner: Arc<dyn Store>,
-    claim_calls: AtomicU64,
-    claim_lanes: AtomicU64,
-    complete_calls: AtomicU64,
-    complete_items: AtomicU64,
-}
-
-#[async_trait]
-impl Store for Counting {
-    fn backend(&self) -> &'static str {
-        self.inner.backend()
-    }
-    fn lanes(&self) -> u16 {
-        self.inner.lanes()
-    }
-    async fn publish(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
-        self.inner.publish(events).await
-    }
-    async fn fence(&self, lane: Lane, owner: &str, epoch: Epoch) -> Result<bool> {
-        self.inner.fence(lane, owner, epoch).await
-    }
-    async fn claim(&self, lanes: &[LaneClaim]) -> Result<Vec<LaneBatch>> {
-        self.claim_calls.fetch_add(1, SeqCst);
-        self.claim_lanes.fetch_add(lanes.len() as u64, SeqCst);
-        self.inner.claim(lanes).await
-    }
-    async fn complete(&self, done: &[DeliveryRef]) -> Result<Vec<i64>> {
-        self.complete_calls.fetch_add(1, SeqCst);
-        self.complete_items.fetch_add(done.len() as u64, SeqCst);
-        self.inner.complete(done).await
-    }
-    async fn reschedule(&self, items: &[Reschedule]) -> Result<Vec<i64>> {
-        self.inner.reschedule(items).await
-    }
-    async fn dead_letter(&self, items: &[DeadLetterRequest]) -> Result<Vec<i64>> {
-        self.inner.dead_letter(items).await
-    }
-    async fn create_handler(&self, handler: NewHandler) -> Result<Handler> {
-        self.inner.create_handler(handler).await
-    }
-    async fn list_handlers(&self) -> Result<Vec<Handler>> {
-        self.inner.list_handlers().await
-    }
-    async fn get_handler(&self, id: &str) -> Result<Handler> {
-        self.inner.get_handler(id).await
-    }
-    async fn delete_handler(&self, id: &str) -> Result<DeletedHandler> {
-        self.inner.delete_handler(id).await
-    }
-    async fn list_dead_letters(&self, filter: &DeadLetterFilter) -> Result<Vec<DeadLetter>> {
-        self.inner.list_dead_letters(filter).await
-    }
-    async fn replay_dead_letters(&self, ids: &[i64], handler_id: Option<&str>) -> Result<u64> {
-        self.inner.replay_dead_letters(ids, handler_id).await
-    }
-    async fn lane_rows(&self) -> Result<Vec<LaneRow>> {
-        self.inner.lane_rows().await
-    }
-    async fn counts(&self) -> Result<StoreCounts> {
-        self.inner.counts().await
-    }
-    async fn ping(&self) -> Result<()> {
-        self.inner.ping().await
-    }
-    async fn now(&self) -> Result<chrono::DateTime<chrono::Utc>> {
-        self.inner.now().await
-    }
-    async fn wakeups(&self) -> Result<Wakeups> {
-        self.inner.wakeups().await
-    }
-}
 
 async fn batched(backend: Backend) -> anyhow::Result<()> {
     let db = TestDb::new(backend, "batching").await?;
-    let counting = Arc::new(Counting {
-        inner: lanebus_store::open(&db.url).await?,
-        claim_calls: AtomicU64::new(0),
-        claim_lanes: AtomicU64::new(0),
-        complete_calls: AtomicU64::new(0),
-        complete_items: AtomicU64::new(0),
-    });
+    let counting = Arc::new(Wrapped::new(
+        lanebus_store::open(&db.url).await?,
+        chrono::TimeDelta::zero(),
+    ));
     let rx = Receiver::start().await?;
     let mut opts = test_options(&db.url);
     opts.store = StoreSource::Opened(counting.clone());

@@ -18,14 +18,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::ensure;
 use async_trait::async_trait;
+use common::wrapped::Wrapped;
 use common::{test_options, Backend, TestDb};
 use lanebus_node::retention::{prune_pass, RetentionConfig};
 use lanebus_node::{Handler, HandlerError};
-use lanebus_store::{
-    DeadLetter, DeadLetterFilter, DeadLetterRequest, DeletedHandler, Delivery, DeliveryRef, Epoch,
-    HandlerState, Lane, LaneBatch, LaneClaim, LaneRow, NewEvent, NewHandler, Pruned,
-    PublishOutcome, Reschedule, Store, StoreCounts, Wakeups,
-};
+use lanebus_store::{Delivery, HandlerState, NewEvent, NewHandler, Pruned, Store};
 use sqlx::Connection as _;
 
 /// Counts hand-overs.
@@ -333,90 +330,6 @@ async fn run() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A store whose clock runs `ahead` of this node's (its timestamps and its
-/// [`Store::now`] both), standing for a database server whose clock differs
-/// from the node's.
-struct Skewed {
-    inner: Arc<dyn Store>,
-    ahead: chrono::TimeDelta,
-}
-
-#[async_trait]
-impl Store for Skewed {
-    fn backend(&self) -> &'static str {
-        self.inner.backend()
-    }
-    fn lanes(&self) -> u16 {
-        self.inner.lanes()
-    }
-    async fn publish(&self, events: Vec<NewEvent>) -> lanebus_store::Result<PublishOutcome> {
-        self.inner.publish(events).await
-    }
-    async fn fence(&self, lane: Lane, owner: &str, epoch: Epoch) -> lanebus_store::Result<bool> {
-        self.inner.fence(lane, owner, epoch).await
-    }
-    async fn claim(&self, lanes: &[LaneClaim]) -> lanebus_store::Result<Vec<LaneBatch>> {
-        self.inner.claim(lanes).await
-    }
-    async fn complete(&self, done: &[DeliveryRef]) -> lanebus_store::Result<Vec<i64>> {
-        self.inner.complete(done).await
-    }
-    async fn reschedule(&self, items: &[Reschedule]) -> lanebus_store::Result<Vec<i64>> {
-        self.inner.reschedule(items).await
-    }
-    async fn dead_letter(&self, items: &[DeadLetterRequest]) -> lanebus_store::Result<Vec<i64>> {
-        self.inner.dead_letter(items).await
-    }
-    async fn create_handler(&self, h: NewHandler) -> lanebus_store::Result<lanebus_store::Handler> {
-        self.inner.create_handler(h).await
-    }
-    async fn list_handlers(&self) -> lanebus_store::Result<Vec<lanebus_store::Handler>> {
-        self.inner.list_handlers().await
-    }
-    async fn get_handler(&self, id: &str) -> lanebus_store::Result<lanebus_store::Handler> {
-        self.inner.get_handler(id).await
-    }
-    async fn delete_handler(&self, id: &str) -> lanebus_store::Result<DeletedHandler> {
-        self.inner.delete_handler(id).await
-    }
-    async fn list_dead_letters(
-        &self,
-        filter: &DeadLetterFilter,
-    ) -> lanebus_store::Result<Vec<DeadLetter>> {
-        self.inner.list_dead_letters(filter).await
-    }
-    async fn replay_dead_letters(
-        &self,
-        ids: &[i64],
-        handler_id: Option<&str>,
-    ) -> lanebus_store::Result<u64> {
-        self.inner.replay_dead_letters(ids, handler_id).await
-    }
-    async fn prune(
-        &self,
-        before: chrono::DateTime<chrono::Utc>,
-        limit: u32,
-    ) -> lanebus_store::Result<Pruned> {
-        // Its rows carry its own clock: shift the cutoff back to the real one.
-        self.inner.prune(before - self.ahead, limit).await
-    }
-    async fn lane_rows(&self) -> lanebus_store::Result<Vec<LaneRow>> {
-        self.inner.lane_rows().await
-    }
-    async fn counts(&self) -> lanebus_store::Result<StoreCounts> {
-        self.inner.counts().await
-    }
-    async fn ping(&self) -> lanebus_store::Result<()> {
-        self.inner.ping().await
-    }
-    async fn now(&self) -> lanebus_store::Result<chrono::DateTime<chrono::Utc>> {
-        Ok(self.inner.now().await? + self.ahead)
-    }
-    async fn wakeups(&self) -> lanebus_store::Result<Wakeups> {
-        self.inner.wakeups().await
-    }
-}
-
 /// The retention cutoff is taken on the store's clock, not the node's:
 /// with the store's clock 2 minutes behind the node's, a completion 59
 /// minutes old on the store's clock looks 61 minutes old on the node's.
@@ -455,10 +368,7 @@ async fn skewed_cutoff() -> anyhow::Result<()> {
                 .await?;
         }
     }
-    let skewed = Skewed {
-        inner: inner.clone(),
-        ahead: chrono::TimeDelta::minutes(-2),
-    };
+    let skewed = Wrapped::new(inner.clone(), chrono::TimeDelta::minutes(-2));
     let config = RetentionConfig {
         retention: Duration::from_secs(3600),
         interval: Duration::from_secs(60),

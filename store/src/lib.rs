@@ -678,17 +678,8 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// # Errors
     /// [`StoreError::Unavailable`]/[`StoreError::Timeout`]/[`StoreError::Database`]; nothing is
-    /// deleted then. The default implementation (for test doubles) answers
-    /// [`StoreError::Invalid`] for a non-empty `refs`.
-    async fn discard(&self, refs: &[DeliveryRef]) -> Result<Vec<i64>> {
-        if refs.is_empty() {
-            return Ok(Vec::new());
-        }
-        Err(StoreError::Invalid(format!(
-            "{} store cannot discard deliveries",
-            self.backend()
-        )))
-    }
+    /// deleted then.
+    async fn discard(&self, refs: &[DeliveryRef]) -> Result<Vec<i64>>;
 
     /// Records failed attempts (attempt count, next due time, last error).
     /// Returns the ids actually updated.
@@ -709,9 +700,11 @@ pub trait Store: Send + Sync + 'static {
     /// deliveries for it as for an enabled one: they are kept, not
     /// attempted, until it is enabled.
     ///
+    /// Provided: [`change_handler_state`](Self::change_handler_state) with
+    /// the reason `api`.
+    ///
     /// # Errors
-    /// [`StoreError::NotFound`] if absent. The default implementation (for
-    /// test doubles) answers [`StoreError::Invalid`].
+    /// [`StoreError::NotFound`] if absent.
     async fn set_handler_state(&self, id: &str, state: HandlerState) -> Result<Handler> {
         Ok(self.change_handler_state(id, state, "api").await?.handler)
     }
@@ -726,20 +719,13 @@ pub trait Store: Send + Sync + 'static {
     /// sees [`StateChange::changed`].
     ///
     /// # Errors
-    /// [`StoreError::NotFound`] if absent. The default implementation (for
-    /// test doubles) answers [`StoreError::Invalid`].
+    /// [`StoreError::NotFound`] if absent.
     async fn change_handler_state(
         &self,
         id: &str,
         state: HandlerState,
         reason: &str,
-    ) -> Result<StateChange> {
-        let _ = (id, state, reason);
-        Err(StoreError::Invalid(format!(
-            "{} store cannot change handler state",
-            self.backend()
-        )))
-    }
+    ) -> Result<StateChange>;
     /// Changes a handler's settings (see [`HandlerPatch`]), checked like a
     /// registration ([`Handler::patched`]), and returns it. Route changes
     /// apply to events published after the change; deliveries already
@@ -747,15 +733,8 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// # Errors
     /// [`StoreError::NotFound`] if absent; [`StoreError::Invalid`] for a bad
-    /// field (nothing is changed). The default implementation (for test
-    /// doubles) answers [`StoreError::Invalid`].
-    async fn update_handler(&self, id: &str, patch: &HandlerPatch) -> Result<Handler> {
-        let _ = (id, patch);
-        Err(StoreError::Invalid(format!(
-            "{} store cannot change handlers",
-            self.backend()
-        )))
-    }
+    /// field (nothing is changed).
+    async fn update_handler(&self, id: &str, patch: &HandlerPatch) -> Result<Handler>;
     /// Rotates a handler's signing secret: `secret` becomes the current one
     /// and the current one becomes [`Handler::previous_secret`], signing
     /// too until `previous_until`. A secret still in a previous grace period
@@ -763,32 +742,21 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// # Errors
     /// [`StoreError::NotFound`] if absent; [`StoreError::Invalid`] for a
-    /// secret that is not `whsec_` + base64 of 24 to 64 bytes. The default
-    /// implementation (for test doubles) answers [`StoreError::Invalid`].
+    /// secret that is not `whsec_` + base64 of 24 to 64 bytes.
     async fn rotate_handler_secret(
         &self,
         id: &str,
         secret: &str,
         previous_until: DateTime<Utc>,
-    ) -> Result<Handler> {
-        let _ = (id, secret, previous_until);
-        Err(StoreError::Invalid(format!(
-            "{} store cannot rotate secrets",
-            self.backend()
-        )))
-    }
+    ) -> Result<Handler>;
     /// Records the start of a run of failures (`failing == true`: sets
     /// [`Handler::failing_since`] to `at` unless it is set) or its end
     /// (`false`: clears it). Nodes call it only when the value they see in
     /// their catalog is to change, so it is rare.
     ///
     /// # Errors
-    /// [`StoreError::NotFound`] if absent. The default implementation (for
-    /// test doubles) does nothing.
-    async fn mark_handler_failing(&self, id: &str, failing: bool, at: DateTime<Utc>) -> Result<()> {
-        let _ = (id, failing, at);
-        Ok(())
-    }
+    /// [`StoreError::NotFound`] if absent.
+    async fn mark_handler_failing(&self, id: &str, failing: bool, at: DateTime<Utc>) -> Result<()>;
     /// Removes a handler and discards its pending deliveries and its dead
     /// letters, returning how many of each were discarded;
     /// [`StoreError::NotFound`] if absent. Nothing is routed to the handler
@@ -816,20 +784,13 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// # Errors
     /// [`StoreError::Unavailable`]/[`StoreError::Timeout`]/[`StoreError::Database`]; nothing is
-    /// replayed then. The default implementation (for test doubles) answers
-    /// [`StoreError::Invalid`].
+    /// replayed then.
     async fn replay_dead_letters_between(
         &self,
         handler_id: &str,
         failed_since: Option<DateTime<Utc>>,
         failed_until: Option<DateTime<Utc>>,
-    ) -> Result<u64> {
-        let _ = (handler_id, failed_since, failed_until);
-        Err(StoreError::Invalid(format!(
-            "{} store cannot replay dead letters by time",
-            self.backend()
-        )))
-    }
+    ) -> Result<u64>;
 
     /// Recovery: delivers again to `handler_id` every event whose delivery
     /// to it completed at or after `since` and that is still stored (see
@@ -842,15 +803,8 @@ pub trait Store: Send + Sync + 'static {
     /// # Errors
     /// [`StoreError::NotFound`] for an unknown handler;
     /// [`StoreError::Unavailable`]/[`StoreError::Timeout`]/[`StoreError::Database`] (nothing is
-    /// recovered then). The default implementation (for test doubles)
-    /// answers [`StoreError::Invalid`].
-    async fn recover(&self, handler_id: &str, since: DateTime<Utc>) -> Result<RecoverOutcome> {
-        let _ = (handler_id, since);
-        Err(StoreError::Invalid(format!(
-            "{} store cannot recover deliveries",
-            self.backend()
-        )))
-    }
+    /// recovered then).
+    async fn recover(&self, handler_id: &str, since: DateTime<Utc>) -> Result<RecoverOutcome>;
 
     /// Retention: removes one batch of at most `limit` completion rows
     /// completed before `before`, and at most `limit` events published
@@ -865,12 +819,8 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// # Errors
     /// [`StoreError::Unavailable`]/[`StoreError::Timeout`]/[`StoreError::Database`]; nothing is
-    /// removed then. The default implementation (for test doubles) removes
-    /// nothing.
-    async fn prune(&self, before: DateTime<Utc>, limit: u32) -> Result<Pruned> {
-        let _ = (before, limit);
-        Ok(Pruned::default())
-    }
+    /// removed then.
+    async fn prune(&self, before: DateTime<Utc>, limit: u32) -> Result<Pruned>;
 
     /// Every lane with owner, epoch and backlog, by lane number.
     async fn lane_rows(&self) -> Result<Vec<LaneRow>>;

@@ -9,6 +9,8 @@
 
 #![allow(dead_code)]
 
+pub mod wrapped;
+
 use std::path::PathBuf;
 use std::time::Duration;
 
