@@ -2,7 +2,15 @@
 //! (validation by [`crate::rules`], id generation, in-batch duplicates,
 //! lanes, per-key sequence offsets) and time conversions.
 
-use std::collections::{BTreeMap, HashSet};
+// A build without a backend (the domain types only) uses none of it.
+#![cfg_attr(
+    not(any(feature = "sqlite", feature = "postgres", feature = "mongodb")),
+    allow(dead_code)
+)]
+
+#[cfg(any(feature = "sqlite", feature = "mongodb"))]
+use std::collections::BTreeMap;
+use std::collections::HashSet;
 
 use chrono::{DateTime, TimeZone, Utc};
 
@@ -72,6 +80,7 @@ impl PublishPlan {
         })
     }
 
+    #[cfg(any(feature = "sqlite", feature = "mongodb"))]
     /// Client-supplied ids still to be written (those that may already be stored).
     pub fn client_ids(&self) -> Vec<String> {
         self.fresh
@@ -81,6 +90,7 @@ impl PublishPlan {
             .collect()
     }
 
+    #[cfg(any(feature = "sqlite", feature = "mongodb"))]
     /// Drops events whose id is in `stored`, counting them as duplicates.
     pub fn drop_stored(&mut self, stored: &HashSet<String>) {
         if stored.is_empty() {
@@ -91,6 +101,7 @@ impl PublishPlan {
         self.duplicates += before - self.fresh.len();
     }
 
+    #[cfg(any(feature = "sqlite", feature = "mongodb"))]
     /// The batch's keys, sorted (the lock order), with how many fresh events
     /// each has.
     pub fn key_counts(&self) -> (Vec<String>, Vec<i64>) {
@@ -103,6 +114,7 @@ impl PublishPlan {
         m.into_iter().map(|(k, n)| (k.to_owned(), n)).unzip()
     }
 
+    #[cfg(any(feature = "sqlite", feature = "mongodb"))]
     /// Per fresh event: how many later events of the batch share its key
     /// (0 for the last one and for unkeyed events). After the key's counter
     /// was raised by the key's count to `top`, the event's sequence number is
@@ -130,6 +142,7 @@ impl PublishPlan {
     }
 }
 
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 /// `Ok` if a statement on handler `id` touched a row, else
 /// [`StoreError::NotFound`].
 pub(crate) fn handler_found(rows: u64, id: &str) -> Result<()> {

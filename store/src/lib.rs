@@ -1,6 +1,6 @@
 //! lanebus storage: domain types, the [`Store`] trait, and one module per
-//! backend (`postgres`, `mongodb` behind the default cargo feature `mongodb`,
-//! `sqlite`).
+//! backend, each behind the cargo feature of its name: `sqlite` (the
+//! default), `postgres`, `mongodb`.
 //!
 //! # Design (see `docs/design.md` section 3)
 //!
@@ -68,9 +68,11 @@ pub use state::change_state;
 pub mod lane;
 #[cfg(feature = "mongodb")]
 pub mod mongodb;
+#[cfg(feature = "postgres")]
 pub mod postgres;
 pub mod route;
 pub mod rules;
+#[cfg(feature = "sqlite")]
 pub mod sqlite;
 
 pub use lane::{lane_of_event, lane_of_key, DEFAULT_LANES};
@@ -846,35 +848,42 @@ pub trait Store: Send + Sync + 'static {
     async fn wakeups(&self) -> Result<Wakeups>;
 }
 
-/// Opens a store from a URL: `postgres://...`, `postgresql://...`,
-/// `mongodb://...` (with the `mongodb` feature; a replica set) or
-/// `sqlite://PATH` (created if missing), applying migrations.
+/// Opens a store from a URL: `postgres://...` or `postgresql://...`
+/// (feature `postgres`), `mongodb://...` (feature `mongodb`; a replica set)
+/// or `sqlite://PATH` (feature `sqlite`, the default; created if missing),
+/// applying migrations.
 ///
 /// # Errors
-/// [`StoreError::Invalid`] for an unknown scheme; connection errors otherwise.
+/// [`StoreError::Invalid`] for an unknown scheme, or one whose backend this
+/// build of `lanebus-store` does not include (its cargo feature is off);
+/// connection errors otherwise.
 pub async fn open(url: &str) -> Result<std::sync::Arc<dyn Store>> {
-    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        Ok(std::sync::Arc::new(postgres::PgStore::connect(url).await?))
-    } else if cfg!(feature = "mongodb") && url.starts_with("mongodb://") {
-        #[cfg(feature = "mongodb")]
-        return Ok(std::sync::Arc::new(
-            crate::mongodb::MongoStore::connect(url).await?,
-        ));
-        #[cfg(not(feature = "mongodb"))]
-        unreachable!("guarded by cfg!(feature = \"mongodb\")")
+    let backend = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        "postgres"
+    } else if url.starts_with("mongodb://") {
+        "mongodb"
     } else if url.starts_with("sqlite:") {
-        Ok(std::sync::Arc::new(
-            sqlite::SqliteStore::connect(url).await?,
-        ))
+        "sqlite"
     } else {
-        Err(StoreError::Invalid(format!(
-            "store url {url:?} must start with postgres://, postgresql://, {}sqlite://",
-            if cfg!(feature = "mongodb") {
-                "mongodb://, "
-            } else {
-                ""
-            }
-        )))
+        return Err(StoreError::Invalid(format!(
+            "store url {url:?} must start with postgres://, postgresql://, mongodb:// or sqlite://"
+        )));
+    };
+    match backend {
+        #[cfg(feature = "postgres")]
+        "postgres" => Ok(std::sync::Arc::new(postgres::PgStore::connect(url).await?)),
+        #[cfg(feature = "mongodb")]
+        "mongodb" => Ok(std::sync::Arc::new(
+            mongodb::MongoStore::connect(url).await?,
+        )),
+        #[cfg(feature = "sqlite")]
+        "sqlite" => Ok(std::sync::Arc::new(
+            sqlite::SqliteStore::connect(url).await?,
+        )),
+        _ => Err(StoreError::Invalid(format!(
+            "store url {url:?} needs the {backend} backend, which this build does not include \
+             (lanebus-store's cargo feature `{backend}` is off)"
+        ))),
     }
 }
 

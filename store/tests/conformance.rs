@@ -7,9 +7,10 @@
 //!   `scripts/test`, or start a server with `scripts/pg-start DIR` and export
 //!   the URL it prints.
 //!
-//! - MongoDB (feature `mongodb`, on by default): a fresh database
-//!   (`lanebus_t_<random>`) per test in the replica set named by
-//!   `LANEBUS_TEST_MONGODB_URI`; without that variable the MongoDB tests FAIL.
+//! - MongoDB (feature `mongodb`, which the store's tests turn on with the
+//!   others): a fresh database (`lanebus_t_<random>`) per test in the
+//!   replica set named by `LANEBUS_TEST_MONGODB_URI`; without that variable
+//!   the MongoDB tests FAIL.
 //!   `scripts/test` starts a MongoDB-compatible test server and sets it.
 //!
 //! Each test is an async fn taking a [`Harness`]; the `conformance!` macro
