@@ -2,6 +2,16 @@
 //! backend, each behind the cargo feature of its name: `sqlite` (the
 //! default), `postgres`, `mongodb`.
 //!
+//! Every backend has the same files: `mod.rs` (the choices, the store type,
+//! its constructors and the [`Store`] impl, which forwards to functions of
+//! the other files named after the trait's methods), `catalog.rs`
+//! (handlers, dead-letter listing, lane rows, counts), `dispatch.rs`
+//! (fencing, claims, completions, reschedules, dead letters, replays,
+//! recovery, retention, wake-ups), `publish.rs` (`publish` in a transaction
+//! of its own, `publish_in` in the caller's), `migrate.rs` (schema and
+//! lanes of a new store) and `error.rs` (its driver's errors mapped to
+//! [`StoreError`] kinds).
+//!
 //! # Design (see `docs/design.md` section 3)
 //!
 //! ```text

@@ -1,12 +1,10 @@
 //! Handler catalog, dead-letter listing, lane rows, counters and wake-ups.
 
-use std::time::Duration;
-
 use ::mongodb::bson::{doc, Document};
 use ::mongodb::options::ReturnDocument;
 use ::mongodb::ClientSession;
 use chrono::Utc;
-use futures::{StreamExt, TryStreamExt};
+use futures::TryStreamExt;
 
 use super::{
     error_code, get_int, get_lane, get_opt_int, get_opt_string, get_string, map_err, names,
@@ -17,9 +15,6 @@ use crate::*;
 
 /// Default page size when [`DeadLetterFilter::limit`] is 0.
 const DEFAULT_DEAD_LETTER_PAGE: u32 = 100;
-
-/// Wait before reopening a broken change stream.
-const STREAM_REOPEN: Duration = Duration::from_secs(1);
 
 /// Takes the next value of the non-transactional counter `id` (creating it).
 async fn next_counter(s: &MongoStore, id: &str) -> Result<i64> {
@@ -415,78 +410,4 @@ pub(super) async fn counts(s: &MongoStore) -> Result<StoreCounts> {
         completions,
         dead_letters,
     })
-}
-
-/// Change stream on delivery inserts, projected to the resume token only.
-async fn open_stream(
-    s: &MongoStore,
-) -> ::mongodb::error::Result<
-    ::mongodb::change_stream::ChangeStream<
-        ::mongodb::change_stream::event::ChangeStreamEvent<Document>,
-    >,
-> {
-    s.coll(names::DELIVERIES)
-        .watch()
-        .pipeline([
-            doc! { "$match": { "operationType": "insert" } },
-            doc! { "$project": { "_id": 1, "operationType": 1 } },
-        ])
-        .await
-}
-
-pub(super) async fn wakeups(s: &MongoStore) -> Result<Wakeups> {
-    let stream = match open_stream(s).await {
-        Ok(stream) => stream,
-        Err(e) => {
-            tracing::info!(backend = "mongodb", mechanism = "poll", error = %e,
-                "store wake-ups: the server offers no change stream; lane owners poll");
-            return Ok(Wakeups::Poll);
-        }
-    };
-    tracing::info!(
-        backend = "mongodb",
-        mechanism = "change_stream",
-        collection = names::DELIVERIES,
-        "store wake-ups: change stream on delivery inserts"
-    );
-    let (tx, rx) = tokio::sync::mpsc::channel(1);
-    let store = s.clone();
-    tokio::spawn(async move {
-        let mut stream = Some(stream);
-        loop {
-            let mut current = match stream.take() {
-                Some(c) => c,
-                None => match open_stream(&store).await {
-                    Ok(c) => c,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "mongodb change stream cannot be reopened; retrying");
-                        if tx.is_closed() {
-                            return;
-                        }
-                        // Wake the owners anyway while the stream is down.
-                        let _ = tx.try_send(());
-                        tokio::time::sleep(STREAM_REOPEN).await;
-                        continue;
-                    }
-                },
-            };
-            loop {
-                tokio::select! {
-                    item = current.next() => match item {
-                        // Coalesced: a full channel already holds a wake-up.
-                        Some(Ok(_)) => { let _ = tx.try_send(()); }
-                        Some(Err(e)) => {
-                            tracing::warn!(error = %e, "mongodb change stream failed; reopening");
-                            break;
-                        }
-                        None => break,
-                    },
-                    () = tx.closed() => return,
-                }
-            }
-            let _ = tx.try_send(());
-            tokio::time::sleep(STREAM_REOPEN).await;
-        }
-    });
-    Ok(Wakeups::Push(rx))
 }

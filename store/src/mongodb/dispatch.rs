@@ -6,11 +6,12 @@
 //! or waits for it (see the module docs of `mongodb`).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::Duration;
 
 use ::mongodb::bson::{doc, Bson, Document};
 use ::mongodb::ClientSession;
 use chrono::Utc;
-use futures::TryStreamExt;
+use futures::{StreamExt, TryStreamExt};
 
 use super::publish::{bump, delivery_doc, lane_counter};
 use super::{
@@ -806,4 +807,83 @@ pub(super) async fn prune(
         },
         next,
     ))
+}
+
+/// Wait before reopening a broken change stream.
+const STREAM_REOPEN: Duration = Duration::from_secs(1);
+
+/// Change stream on delivery inserts, projected to the resume token only.
+async fn open_stream(
+    s: &MongoStore,
+) -> ::mongodb::error::Result<
+    ::mongodb::change_stream::ChangeStream<
+        ::mongodb::change_stream::event::ChangeStreamEvent<Document>,
+    >,
+> {
+    s.coll(names::DELIVERIES)
+        .watch()
+        .pipeline([
+            doc! { "$match": { "operationType": "insert" } },
+            doc! { "$project": { "_id": 1, "operationType": 1 } },
+        ])
+        .await
+}
+
+/// [`Store::wakeups`](crate::Store::wakeups): a change stream on delivery
+/// inserts, or polling when the server offers none.
+pub(super) async fn wakeups(s: &MongoStore) -> Result<Wakeups> {
+    let stream = match open_stream(s).await {
+        Ok(stream) => stream,
+        Err(e) => {
+            tracing::info!(backend = "mongodb", mechanism = "poll", error = %e,
+                "store wake-ups: the server offers no change stream; lane owners poll");
+            return Ok(Wakeups::Poll);
+        }
+    };
+    tracing::info!(
+        backend = "mongodb",
+        mechanism = "change_stream",
+        collection = names::DELIVERIES,
+        "store wake-ups: change stream on delivery inserts"
+    );
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    let store = s.clone();
+    tokio::spawn(async move {
+        let mut stream = Some(stream);
+        loop {
+            let mut current = match stream.take() {
+                Some(c) => c,
+                None => match open_stream(&store).await {
+                    Ok(c) => c,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "mongodb change stream cannot be reopened; retrying");
+                        if tx.is_closed() {
+                            return;
+                        }
+                        // Wake the owners anyway while the stream is down.
+                        let _ = tx.try_send(());
+                        tokio::time::sleep(STREAM_REOPEN).await;
+                        continue;
+                    }
+                },
+            };
+            loop {
+                tokio::select! {
+                    item = current.next() => match item {
+                        // Coalesced: a full channel already holds a wake-up.
+                        Some(Ok(_)) => { let _ = tx.try_send(()); }
+                        Some(Err(e)) => {
+                            tracing::warn!(error = %e, "mongodb change stream failed; reopening");
+                            break;
+                        }
+                        None => break,
+                    },
+                    () = tx.closed() => return,
+                }
+            }
+            let _ = tx.try_send(());
+            tokio::time::sleep(STREAM_REOPEN).await;
+        }
+    });
+    Ok(Wakeups::Push(rx))
 }

@@ -164,11 +164,6 @@
 //! and the node's integration tests create their MongoDB stores with 16
 //! lanes instead of 256 (`node/tests/common`). Nothing else is worked around.
 
-mod catalog;
-mod dispatch;
-mod error;
-mod publish;
-
 use std::time::{Duration, Instant};
 
 use ::mongodb::bson::{doc, Bson, Document};
@@ -183,7 +178,7 @@ use async_trait::async_trait;
 
 use crate::common::PublishPlan;
 use crate::*;
-use error::{error_code, is_duplicate_key, map_err, TxnError, TxnResult, DUPLICATE_KEY};
+use error::{error_code, is_duplicate_key, map_err, TxnResult, DUPLICATE_KEY};
 
 /// How long a transaction is retried on transient errors before the error
 /// is returned (the driver specification's convenient API uses 120 s; lane
@@ -193,9 +188,6 @@ pub const TXN_RETRY_LIMIT: Duration = Duration::from_secs(60);
 /// Retries after a duplicate key error (a concurrent first insert of the same
 /// event id or counter) before it is returned as [`StoreError::Conflict`].
 const DUPLICATE_RETRIES: u32 = 5;
-
-/// Schema version written to `meta` (collections and indexes of this build).
-const SCHEMA_VERSION: i64 = 1;
 
 /// Default database when the URL names none.
 pub const DEFAULT_DATABASE: &str = "lanebus";
@@ -306,20 +298,24 @@ async fn commit(session: &mut ClientSession, retry: &Retry) -> std::result::Resu
 /// documented retries. Evaluates to `crate::Result<T>`.
 macro_rules! in_transaction {
     ($store:expr, |$sess:ident| $body:expr) => {{
-        let mut session = $store.client.start_session().await.map_err(map_err)?;
-        let mut retry = Retry::new();
+        let mut session = $store
+            .client
+            .start_session()
+            .await
+            .map_err($crate::mongodb::error::map_err)?;
+        let mut retry = $crate::mongodb::Retry::new();
         loop {
             session
                 .start_transaction()
-                .with_options(txn_options())
+                .with_options($crate::mongodb::txn_options())
                 .await
-                .map_err(map_err)?;
+                .map_err($crate::mongodb::error::map_err)?;
             let outcome = {
                 let $sess = &mut session;
                 $body.await
             };
             let failed = match outcome {
-                Ok(v) => match commit(&mut session, &retry).await {
+                Ok(v) => match $crate::mongodb::commit(&mut session, &retry).await {
                     Ok(()) => break Ok(v),
                     Err(e) => e,
                 },
@@ -327,17 +323,24 @@ macro_rules! in_transaction {
                     // Errors of an abort are ignored, as the specification says.
                     let _ = session.abort_transaction().await;
                     match e {
-                        TxnError::Mongo(e) => e,
-                        TxnError::Store(e) => break Err(e),
+                        $crate::mongodb::error::TxnError::Mongo(e) => e,
+                        $crate::mongodb::error::TxnError::Store(e) => break Err(e),
                     }
                 }
             };
             if !retry.again(&failed).await {
-                break Err(map_err(failed));
+                break Err($crate::mongodb::error::map_err(failed));
             }
         }
     }};
 }
+
+// Declared after `in_transaction!`, so that they can use it.
+mod catalog;
+mod dispatch;
+mod error;
+mod migrate;
+mod publish;
 
 impl MongoStore {
     /// Connects to `url` (`mongodb://...`), checks that the server offers
@@ -408,7 +411,7 @@ impl MongoStore {
             lanes,
             prune_resume: std::sync::Arc::default(),
         };
-        store.lanes = store.migrate_with_lanes(lanes).await?;
+        store.lanes = migrate::migrate(&store, lanes).await?;
         Ok(store)
     }
 
@@ -420,129 +423,7 @@ impl MongoStore {
     /// [`StoreError::Unavailable`] when the server cannot be reached;
     /// [`StoreError::Database`] when an index cannot be built.
     pub async fn migrate(&self) -> Result<()> {
-        self.migrate_with_lanes(self.lanes).await.map(|_| ())
-    }
-
-    async fn migrate_with_lanes(&self, lanes: u16) -> Result<u16> {
-        // Collections cannot be created inside a transaction before
-        // MongoDB 4.4: create them all up front. 48 = NamespaceExists.
-        for name in names::ALL {
-            if let Err(e) = self.db.create_collection(name).await {
-                if error_code(&e) != Some(48) {
-                    return Err(map_err(e));
-                }
-            }
-        }
-        let index = |keys: Document, name: &str, unique: bool| {
-            IndexModel::builder()
-                .keys(keys)
-                .options(
-                    IndexOptions::builder()
-                        .name(name.to_string())
-                        .unique(unique)
-                        .build(),
-                )
-                .build()
-        };
-        self.coll(names::DELIVERIES)
-            .create_indexes([
-                index(doc! { "lane": 1, "pos": 1 }, "claim", true),
-                index(doc! { "handler_id": 1 }, "by_handler", false),
-            ])
-            .await
-            .map_err(map_err)?;
-        self.coll(names::DEAD_LETTERS)
-            .create_index(index(
-                doc! { "handler_id": 1, "_id": 1 },
-                "by_handler",
-                false,
-            ))
-            .await
-            .map_err(map_err)?;
-        self.coll(names::COMPLETIONS)
-            .create_indexes([
-                index(doc! { "completed_at": 1 }, "retention", false),
-                // Retention keeps an event completed at or after the cutoff
-                // (a recovery needs it), however long ago it was published.
-                index(doc! { "event_id": 1, "completed_at": 1 }, "by_event", false),
-            ])
-            .await
-            .map_err(map_err)?;
-        // Retention: events by publish time; dead letters by event id (an
-        // event with a dead letter is kept). Deliveries have no event index
-        // (it would cost every publish): a prune batch looks its candidates
-        // up with `$in` on the collection.
-        self.coll(names::EVENTS)
-            .create_index(index(doc! { "published_at": 1 }, "retention", false))
-            .await
-            .map_err(map_err)?;
-        self.coll(names::DEAD_LETTERS)
-            .create_index(index(doc! { "event_id": 1 }, "by_event", false))
-            .await
-            .map_err(map_err)?;
-        self.coll(names::HANDLERS)
-            .create_index(index(doc! { "seq": 1 }, "creation_order", false))
-            .await
-            .map_err(map_err)?;
-
-        // The lane count is fixed by whoever creates the store first.
-        let meta = self.coll(names::META);
-        let upsert = || {
-            meta.update_one(
-                doc! { "_id": "store" },
-                doc! { "$setOnInsert": { "lanes": i32::from(lanes) },
-                "$max": { "schema_version": SCHEMA_VERSION } },
-            )
-            .upsert(true)
-        };
-        if let Err(e) = upsert().await {
-            // Two first opens at once: the loser's upsert hits the winner's
-            // insert; the document exists now.
-            if !is_duplicate_key(&e) {
-                return Err(map_err(e));
-            }
-            upsert().await.map_err(map_err)?;
-        }
-        let meta_doc = meta
-            .find_one(doc! { "_id": "store" })
-            .await
-            .map_err(map_err)?
-            .ok_or_else(|| StoreError::Database("meta document vanished".into()))?;
-        let version = get_int(&meta_doc, "schema_version")?;
-        if version > SCHEMA_VERSION {
-            return Err(StoreError::Database(format!(
-                "database schema version {version} is newer than this build knows ({SCHEMA_VERSION})"
-            )));
-        }
-        let stored = get_int(&meta_doc, "lanes")?;
-        let lanes = u16::try_from(stored)
-            .ok()
-            .filter(|&l| l > 0)
-            .ok_or_else(|| {
-                StoreError::Database(format!("meta.lanes {stored} is not a lane count"))
-            })?;
-        let lane_coll = self.coll(names::LANES);
-        let present = lane_coll.count_documents(doc! {}).await.map_err(map_err)?;
-        if present < u64::from(lanes) {
-            let docs = (0..lanes).map(|l| doc! { "_id": i32::from(l), "owner": Bson::Null, "epoch": 0i64, "writes": 0i64 });
-            if let Err(e) = lane_coll.insert_many(docs).ordered(false).await {
-                // Lanes created by a concurrent first open are fine.
-                let only_duplicates = match e.kind.as_ref() {
-                    ErrorKind::InsertMany(m) => {
-                        m.write_concern_error.is_none()
-                            && m.write_errors
-                                .iter()
-                                .flatten()
-                                .all(|w| w.code == DUPLICATE_KEY)
-                    }
-                    _ => false,
-                };
-                if !only_duplicates {
-                    return Err(map_err(e));
-                }
-            }
-        }
-        Ok(lanes)
+        migrate::migrate(self, self.lanes).await.map(|_| ())
     }
 
     /// The driver client, for callers that publish inside their own
@@ -592,7 +473,7 @@ impl MongoStore {
     ) -> Result<PublishOutcome> {
         let plan = PublishPlan::new(events, self.lanes)?;
         require_transaction(session).await?;
-        Ok(publish::write(self, session, plan).await?)
+        Ok(publish::publish_in(self, session, plan).await?)
     }
 }
 
@@ -688,7 +569,7 @@ impl Store for MongoStore {
 
     async fn publish(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
         let plan = PublishPlan::new(events, self.lanes)?;
-        in_transaction!(self, |sess| publish::write(self, sess, plan.clone()))
+        publish::publish(self, plan).await
     }
 
     async fn fence(&self, lane: Lane, owner: &str, epoch: Epoch) -> Result<bool> {
@@ -863,6 +744,6 @@ impl Store for MongoStore {
     }
 
     async fn wakeups(&self) -> Result<Wakeups> {
-        catalog::wakeups(self).await
+        dispatch::wakeups(self).await
     }
 }

@@ -104,9 +104,16 @@ pub(super) async fn bump(
         .collect())
 }
 
-/// Writes a validated batch inside the transaction on `session`. Returns
-/// the outcome; the caller commits.
-pub(super) async fn write(
+/// [`Store::publish`](crate::Store::publish): [`publish_in`] in a
+/// transaction of its own, with the documented retries.
+pub(super) async fn publish(s: &MongoStore, plan: PublishPlan) -> crate::Result<PublishOutcome> {
+    in_transaction!(s, |sess| publish_in(s, sess, plan.clone()))
+}
+
+/// Writes a validated batch inside the transaction on `session` (the
+/// store's, or the caller's for [`MongoStore::publish_in`]). Returns the
+/// outcome; the caller commits.
+pub(super) async fn publish_in(
     s: &MongoStore,
     session: &mut ClientSession,
     mut plan: PublishPlan,

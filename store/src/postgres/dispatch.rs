@@ -3,12 +3,15 @@
 //! arrays (`unnest`), and every write joins `lanes` on (lane, epoch).
 
 use std::collections::HashSet;
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use sqlx::postgres::PgListener;
 use sqlx::postgres::PgRow;
 use sqlx::{PgPool, Row};
 
 use super::error::map_err;
+use super::CHANNEL;
 use crate::common::to_u32;
 use crate::*;
 
@@ -307,7 +310,7 @@ async fn retention_tx(
 ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
     let mut tx = pool.begin().await.map_err(map_err)?;
     if unbounded {
-        super::lift_timeouts(&mut tx).await?;
+        super::migrate::lift_timeouts(&mut tx).await?;
     }
     sqlx::query("SELECT pg_advisory_xact_lock($1)")
         .bind(RETENTION_LOCK)
@@ -422,4 +425,84 @@ mod tests {
         let c = next_cursor(&cursor(300, &[]), 10, 0, None, &snap(250, &[]));
         assert_eq!(c.pos, 300);
     }
+}
+
+/// [`Store::wakeups`](crate::Store::wakeups): a `LISTEN` on [`CHANNEL`],
+/// fed to the receiver by a task until the receiver is dropped.
+pub(super) async fn wakeups(pool: &PgPool) -> Result<Wakeups> {
+    // Subscribe before answering, so a publish right after this returns
+    // is not missed.
+    let listener = subscribe(pool).await.map_err(map_err)?;
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tokio::spawn(listen_loop(pool.clone(), tx, Some(listener)));
+    Ok(Wakeups::Push(rx))
+}
+
+/// Feeds `tx` from a `LISTEN lanebus` connection (`listener`, or a new one)
+/// until the receiver is dropped. Wake-ups are coalesced (a channel of one). After a lost
+/// connection is re-established, one wake-up is sent, since notifications
+/// sent meanwhile are lost.
+async fn listen_loop(
+    pool: PgPool,
+    tx: tokio::sync::mpsc::Sender<()>,
+    mut listener: Option<PgListener>,
+) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        if tx.is_closed() {
+            return;
+        }
+        let l = match listener.as_mut() {
+            Some(l) => l,
+            None => {
+                match subscribe(&pool).await {
+                    Ok(l) => {
+                        backoff = Duration::from_millis(100);
+                        // Anything published while we were not listening.
+                        let _ = tx.try_send(());
+                        listener.insert(l)
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "postgres LISTEN failed; retrying");
+                        tokio::select! {
+                            _ = tokio::time::sleep(backoff) => {}
+                            _ = tx.closed() => return,
+                        }
+                        backoff = (backoff * 2).min(Duration::from_secs(5));
+                        continue;
+                    }
+                }
+            }
+        };
+        let received = tokio::select! {
+            r = l.try_recv() => r,
+            _ = tx.closed() => return,
+        };
+        match received {
+            Ok(Some(_)) => {
+                let _ = tx.try_send(());
+            }
+            // Connection lost; the listener reconnected (eagerly) and
+            // re-subscribed: wake up for what was missed.
+            Ok(None) => {
+                tracing::info!("postgres LISTEN connection lost and re-established");
+                let _ = tx.try_send(());
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "postgres LISTEN connection failed; reconnecting");
+                listener = None;
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = tx.closed() => return,
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
+}
+
+async fn subscribe(pool: &PgPool) -> Result<PgListener, sqlx::Error> {
+    let mut l = PgListener::connect_with(pool).await?;
+    l.listen(CHANNEL).await?;
+    Ok(l)
 }

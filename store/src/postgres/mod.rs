@@ -164,14 +164,15 @@
 mod catalog;
 mod dispatch;
 mod error;
+mod migrate;
 mod publish;
 
 use std::str::FromStr;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions};
-use sqlx::{Connection, PgConnection, Postgres, Transaction};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::{Postgres, Transaction};
 
 use crate::common::PublishPlan;
 use crate::*;
@@ -221,24 +222,11 @@ pub const SESSION_DEFAULTS: &[(&str, &str)] = &[
 /// The NOTIFY channel publishes wake lane owners on.
 pub const CHANNEL: &str = "lanebus";
 
-/// Advisory lock key serializing migrations (`lanebus` in ASCII).
-const MIGRATION_LOCK: i64 = 0x006c_616e_6562_7573;
-
 /// A completion later than this after its event's publish is recorded in
 /// `late_completions` (the interval literal of `sql/complete.sql`; the
 /// SQLite backend's `sql/late_insert.sql` uses the same). Retention keeps
 /// events twice as long past the cutoff (`sql/prune.sql`), for clock reads.
 pub const LATE_COMPLETION: Duration = Duration::from_secs(60);
-
-/// Schema migrations, applied in order; version `i + 1` is `MIGRATIONS[i]`.
-const MIGRATIONS: &[&str] = &[
-    include_str!("../../migrations/postgres/0001_init.sql"),
-    include_str!("../../migrations/postgres/0002_handler_controls.sql"),
-    include_str!("../../migrations/postgres/0003_retention.sql"),
-    include_str!("../../migrations/postgres/0004_late_completions.sql"),
-    include_str!("../../migrations/postgres/0005_held_backfill.sql"),
-    include_str!("../../migrations/postgres/0006_claim_txid.sql"),
-];
 
 /// The PostgreSQL store. Cheap to clone: clones share the pool.
 #[derive(Debug, Clone)]
@@ -305,7 +293,7 @@ impl PgStore {
     /// As [`PgStore::connect`].
     pub async fn from_pool(pool: PgPool, lanes: u16) -> Result<Self> {
         let mut store = PgStore { pool, lanes };
-        store.lanes = store.migrate_with_lanes(lanes).await?;
+        store.lanes = migrate::migrate(&store.pool, lanes).await?;
         Ok(store)
     }
 
@@ -315,62 +303,7 @@ impl PgStore {
     /// [`StoreError::Unavailable`]/[`StoreError::Database`]; a failing
     /// migration applies nothing.
     pub async fn migrate(&self) -> Result<()> {
-        self.migrate_with_lanes(self.lanes).await.map(|_| ())
-    }
-
-    async fn migrate_with_lanes(&self, lanes: u16) -> Result<u16> {
-        let mut tx = self.pool.begin().await.map_err(map_err)?;
-        // A migration may wait for another node's and rewrite large tables.
-        lift_timeouts(&mut tx).await?;
-        sqlx::query("SELECT pg_advisory_xact_lock($1)")
-            .bind(MIGRATION_LOCK)
-            .execute(&mut *tx)
-            .await
-            .map_err(map_err)?;
-        sqlx::query("CREATE TABLE IF NOT EXISTS meta (key text PRIMARY KEY, value text NOT NULL)")
-            .execute(&mut *tx)
-            .await
-            .map_err(map_err)?;
-        let version: i64 = match meta_get(&mut tx, "schema_version").await? {
-            Some(v) => v.parse().map_err(|_| {
-                StoreError::Database(format!("meta.schema_version {v:?} is not a number"))
-            })?,
-            None => 0,
-        };
-        let known = MIGRATIONS.len() as i64;
-        if version > known {
-            return Err(StoreError::Database(format!(
-                "database schema version {version} is newer than this build knows ({known})"
-            )));
-        }
-        for (i, sql) in MIGRATIONS
-            .iter()
-            .copied()
-            .enumerate()
-            .skip(version as usize)
-        {
-            // A plain string runs as a simple query: several statements at once.
-            sqlx::Executor::execute(&mut *tx, sql)
-                .await
-                .map_err(map_err)?;
-            meta_set(&mut tx, "schema_version", &(i + 1).to_string()).await?;
-        }
-        let lanes = match meta_get(&mut tx, "lanes").await? {
-            Some(v) => v.parse::<u16>().ok().filter(|&l| l > 0).ok_or_else(|| {
-                StoreError::Database(format!("meta.lanes {v:?} is not a lane count"))
-            })?,
-            None => {
-                meta_set(&mut tx, "lanes", &lanes.to_string()).await?;
-                sqlx::query("INSERT INTO lanes (lane) SELECT generate_series(0, $1 - 1) ON CONFLICT DO NOTHING")
-                    .bind(i32::from(lanes))
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(map_err)?;
-                lanes
-            }
-        };
-        tx.commit().await.map_err(map_err)?;
-        Ok(lanes)
+        migrate::migrate(&self.pool, self.lanes).await.map(|_| ())
     }
 
     /// The connection pool, for callers that publish inside their own
@@ -405,132 +338,8 @@ impl PgStore {
         events: Vec<NewEvent>,
     ) -> Result<PublishOutcome> {
         let plan = PublishPlan::new(events, self.lanes)?;
-        let args = publish::PublishArgs::new(&plan);
-        let conn: &mut PgConnection = tx;
-        if !plan.fresh.iter().any(|e| e.client_id) {
-            let accepted = publish::run(conn, &args)
-                .await
-                .map_err(publish::final_error)?;
-            return Ok(publish::outcome(plan, accepted));
-        }
-        let mut attempt = 1;
-        loop {
-            let mut savepoint = conn.begin().await.map_err(map_err)?;
-            match publish::run(&mut savepoint, &args).await {
-                Ok(accepted) => {
-                    savepoint.commit().await.map_err(map_err)?;
-                    return Ok(publish::outcome(plan, accepted));
-                }
-                Err(e) => {
-                    savepoint.rollback().await.map_err(map_err)?;
-                    if attempt >= publish::PUBLISH_ATTEMPTS || !publish::is_retryable(&e) {
-                        return Err(publish::final_error(e));
-                    }
-                    tracing::debug!(attempt, error = %e, "publish_in raced another publisher; retrying");
-                    attempt += 1;
-                }
-            }
-        }
+        publish::publish_in(tx, plan).await
     }
-}
-
-/// Lifts [`SESSION_DEFAULTS`]' statement and lock timeouts for the rest of
-/// the transaction (`SET LOCAL`), for work that may rightly take long.
-pub(crate) async fn lift_timeouts(conn: &mut PgConnection) -> Result<()> {
-    sqlx::Executor::execute(
-        conn,
-        "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0",
-    )
-    .await
-    .map_err(map_err)?;
-    Ok(())
-}
-
-async fn meta_get(conn: &mut PgConnection, key: &str) -> Result<Option<String>> {
-    sqlx::query_scalar("SELECT value FROM meta WHERE key = $1")
-        .bind(key)
-        .fetch_optional(conn)
-        .await
-        .map_err(map_err)
-}
-
-async fn meta_set(conn: &mut PgConnection, key: &str, value: &str) -> Result<()> {
-    sqlx::query("INSERT INTO meta (key, value) VALUES ($1, $2) ON CONFLICT (key) DO UPDATE SET value = excluded.value")
-        .bind(key)
-        .bind(value)
-        .execute(conn)
-        .await
-        .map_err(map_err)?;
-    Ok(())
-}
-
-/// Feeds `tx` from a `LISTEN lanebus` connection (`listener`, or a new one)
-/// until the receiver is dropped. Wake-ups are coalesced (a channel of one). After a lost
-/// connection is re-established, one wake-up is sent, since notifications
-/// sent meanwhile are lost.
-async fn listen_loop(
-    pool: PgPool,
-    tx: tokio::sync::mpsc::Sender<()>,
-    mut listener: Option<PgListener>,
-) {
-    let mut backoff = Duration::from_millis(100);
-    loop {
-        if tx.is_closed() {
-            return;
-        }
-        let l = match listener.as_mut() {
-            Some(l) => l,
-            None => {
-                match subscribe(&pool).await {
-                    Ok(l) => {
-                        backoff = Duration::from_millis(100);
-                        // Anything published while we were not listening.
-                        let _ = tx.try_send(());
-                        listener.insert(l)
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "postgres LISTEN failed; retrying");
-                        tokio::select! {
-                            _ = tokio::time::sleep(backoff) => {}
-                            _ = tx.closed() => return,
-                        }
-                        backoff = (backoff * 2).min(Duration::from_secs(5));
-                        continue;
-                    }
-                }
-            }
-        };
-        let received = tokio::select! {
-            r = l.try_recv() => r,
-            _ = tx.closed() => return,
-        };
-        match received {
-            Ok(Some(_)) => {
-                let _ = tx.try_send(());
-            }
-            // Connection lost; the listener reconnected (eagerly) and
-            // re-subscribed: wake up for what was missed.
-            Ok(None) => {
-                tracing::info!("postgres LISTEN connection lost and re-established");
-                let _ = tx.try_send(());
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "postgres LISTEN connection failed; reconnecting");
-                listener = None;
-                tokio::select! {
-                    _ = tokio::time::sleep(backoff) => {}
-                    _ = tx.closed() => return,
-                }
-                backoff = (backoff * 2).min(Duration::from_secs(5));
-            }
-        }
-    }
-}
-
-async fn subscribe(pool: &PgPool) -> Result<PgListener, sqlx::Error> {
-    let mut l = PgListener::connect_with(pool).await?;
-    l.listen(CHANNEL).await?;
-    Ok(l)
 }
 
 #[async_trait]
@@ -545,20 +354,7 @@ impl Store for PgStore {
 
     async fn publish(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
         let plan = PublishPlan::new(events, self.lanes)?;
-        let args = publish::PublishArgs::new(&plan);
-        let mut attempt = 1;
-        let accepted = loop {
-            let mut conn = self.pool.acquire().await.map_err(map_err)?;
-            match publish::run(&mut conn, &args).await {
-                Ok(n) => break n,
-                Err(e) if attempt < publish::PUBLISH_ATTEMPTS && publish::is_retryable(&e) => {
-                    tracing::debug!(attempt, error = %e, "publish raced another publisher; retrying");
-                    attempt += 1;
-                }
-                Err(e) => return Err(publish::final_error(e)),
-            }
-        };
-        Ok(publish::outcome(plan, accepted))
+        publish::publish(&self.pool, plan).await
     }
 
     async fn fence(&self, lane: Lane, owner: &str, epoch: Epoch) -> Result<bool> {
@@ -706,11 +502,6 @@ impl Store for PgStore {
     }
 
     async fn wakeups(&self) -> Result<Wakeups> {
-        // Subscribe before answering, so a publish right after this returns
-        // is not missed.
-        let listener = subscribe(&self.pool).await.map_err(map_err)?;
-        let (tx, rx) = tokio::sync::mpsc::channel(1);
-        tokio::spawn(listen_loop(self.pool.clone(), tx, Some(listener)));
-        Ok(Wakeups::Push(rx))
+        dispatch::wakeups(&self.pool).await
     }
 }

@@ -7,7 +7,7 @@
 //! publish is one round trip: no BEGIN/COMMIT), or inside the caller's
 //! transaction for [`PgStore::publish_in`](super::PgStore::publish_in).
 
-use sqlx::PgConnection;
+use sqlx::{Connection, PgConnection, PgPool};
 
 use super::error::map_err;
 use crate::common::PublishPlan;
@@ -100,4 +100,56 @@ pub(super) fn outcome(plan: PublishPlan, accepted: usize) -> PublishOutcome {
 /// Maps a final (not retried) publish error.
 pub(super) fn final_error(e: sqlx::Error) -> crate::StoreError {
     map_err(e)
+}
+
+/// [`Store::publish`](crate::Store::publish): the statement in autocommit,
+/// again on a fresh connection after a lost race (up to
+/// [`PUBLISH_ATTEMPTS`]).
+pub(super) async fn publish(pool: &PgPool, plan: PublishPlan) -> Result<PublishOutcome> {
+    let args = PublishArgs::new(&plan);
+    let mut attempt = 1;
+    let accepted = loop {
+        let mut conn = pool.acquire().await.map_err(map_err)?;
+        match run(&mut conn, &args).await {
+            Ok(n) => break n,
+            Err(e) if attempt < PUBLISH_ATTEMPTS && is_retryable(&e) => {
+                tracing::debug!(attempt, error = %e, "publish raced another publisher; retrying");
+                attempt += 1;
+            }
+            Err(e) => return Err(final_error(e)),
+        }
+    };
+    Ok(outcome(plan, accepted))
+}
+
+/// [`PgStore::publish_in`](super::PgStore::publish_in): the statement in the
+/// caller's transaction `conn`, inside a savepoint (retried after a lost
+/// race) when the batch has client-supplied ids.
+pub(super) async fn publish_in(
+    conn: &mut PgConnection,
+    plan: PublishPlan,
+) -> Result<PublishOutcome> {
+    let args = PublishArgs::new(&plan);
+    if !plan.fresh.iter().any(|e| e.client_id) {
+        let accepted = run(conn, &args).await.map_err(final_error)?;
+        return Ok(outcome(plan, accepted));
+    }
+    let mut attempt = 1;
+    loop {
+        let mut savepoint = conn.begin().await.map_err(map_err)?;
+        match run(&mut savepoint, &args).await {
+            Ok(accepted) => {
+                savepoint.commit().await.map_err(map_err)?;
+                return Ok(outcome(plan, accepted));
+            }
+            Err(e) => {
+                savepoint.rollback().await.map_err(map_err)?;
+                if attempt >= PUBLISH_ATTEMPTS || !is_retryable(&e) {
+                    return Err(final_error(e));
+                }
+                tracing::debug!(attempt, error = %e, "publish_in raced another publisher; retrying");
+                attempt += 1;
+            }
+        }
+    }
 }

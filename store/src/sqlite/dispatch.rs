@@ -339,3 +339,9 @@ pub(super) async fn prune(
         events,
     })
 }
+
+/// [`Store::wakeups`](crate::Store::wakeups): SQLite has no notification
+/// between processes, so lane owners poll.
+pub(super) fn wakeups() -> Result<Wakeups> {
+    Ok(Wakeups::Poll)
+}

@@ -38,6 +38,7 @@
 mod catalog;
 mod dispatch;
 mod error;
+mod migrate;
 mod publish;
 
 use std::str::FromStr;
@@ -48,7 +49,7 @@ use async_trait::async_trait;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
-use sqlx::{Sqlite, SqliteConnection, Transaction};
+use sqlx::{Sqlite, Transaction};
 use tokio::sync::{Mutex, MutexGuard};
 
 use crate::common::PublishPlan;
@@ -60,15 +61,6 @@ pub const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Connections in the pool (readers run in parallel; writers queue).
 const POOL_SIZE: u32 = 8;
-
-/// Schema migrations, applied in order; version `i + 1` is `MIGRATIONS[i]`.
-const MIGRATIONS: &[&str] = &[
-    include_str!("../../migrations/sqlite/0001_init.sql"),
-    include_str!("../../migrations/sqlite/0002_handler_controls.sql"),
-    include_str!("../../migrations/sqlite/0003_retention.sql"),
-    include_str!("../../migrations/sqlite/0004_late_completions.sql"),
-    include_str!("../../migrations/sqlite/0005_held_backfill.sql"),
-];
 
 /// The SQLite store. Cheap to clone: clones share the pool.
 #[derive(Debug, Clone)]
@@ -189,7 +181,7 @@ impl SqliteStore {
             lanes,
             write_lock: Arc::new(Mutex::new(())),
         };
-        store.lanes = store.migrate_with_lanes(lanes).await?;
+        store.lanes = migrate::migrate(&store, lanes).await?;
         Ok(store)
     }
 
@@ -200,51 +192,7 @@ impl SqliteStore {
     /// [`StoreError::Timeout`] if the write lock cannot be had;
     /// [`StoreError::Database`] for a failing migration (nothing is applied).
     pub async fn migrate(&self) -> Result<()> {
-        self.migrate_with_lanes(self.lanes).await.map(|_| ())
-    }
-
-    async fn migrate_with_lanes(&self, lanes: u16) -> Result<u16> {
-        let (_guard, mut tx) = self.begin_write().await?;
-        sqlx::query("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID")
-            .execute(&mut *tx)
-            .await
-            .map_err(map_err)?;
-        let version: i64 = meta_get(&mut tx, "schema_version")
-            .await?
-            .map_or(Ok(0), |v| {
-                v.parse().map_err(|_| {
-                    StoreError::Database(format!("meta.schema_version {v:?} is not a number"))
-                })
-            })?;
-        let known = MIGRATIONS.len() as i64;
-        if version > known {
-            return Err(StoreError::Database(format!(
-                "database schema version {version} is newer than this build knows ({known})"
-            )));
-        }
-        for (i, sql) in MIGRATIONS.iter().enumerate().skip(version as usize) {
-            sqlx::query(sql).execute(&mut *tx).await.map_err(map_err)?;
-            meta_set(&mut tx, "schema_version", &(i + 1).to_string()).await?;
-        }
-        let lanes = match meta_get(&mut tx, "lanes").await? {
-            Some(v) => v.parse::<u16>().ok().filter(|&l| l > 0).ok_or_else(|| {
-                StoreError::Database(format!("meta.lanes {v:?} is not a lane count"))
-            })?,
-            None => {
-                meta_set(&mut tx, "lanes", &lanes.to_string()).await?;
-                sqlx::query(
-                    "WITH RECURSIVE n(lane) AS (SELECT 0 UNION ALL SELECT lane + 1 FROM n WHERE lane + 1 < ?1) \
-                     INSERT OR IGNORE INTO lanes (lane, owner, epoch) SELECT lane, NULL, 0 FROM n",
-                )
-                .bind(i64::from(lanes))
-                .execute(&mut *tx)
-                .await
-                .map_err(map_err)?;
-                lanes
-            }
-        };
-        tx.commit().await.map_err(map_err)?;
-        Ok(lanes)
+        migrate::migrate(self, self.lanes).await.map(|_| ())
     }
 
     /// The connection pool, for callers that publish inside their own
@@ -275,7 +223,7 @@ impl SqliteStore {
         events: Vec<NewEvent>,
     ) -> Result<PublishOutcome> {
         let plan = PublishPlan::new(events, self.lanes)?;
-        publish::write(tx, plan).await
+        publish::publish_in(tx, plan).await
     }
 
     /// Starts a write transaction: the in-process write queue, then
@@ -292,24 +240,6 @@ impl SqliteStore {
     }
 }
 
-async fn meta_get(conn: &mut SqliteConnection, key: &str) -> Result<Option<String>> {
-    sqlx::query_scalar("SELECT value FROM meta WHERE key = ?1")
-        .bind(key)
-        .fetch_optional(conn)
-        .await
-        .map_err(map_err)
-}
-
-async fn meta_set(conn: &mut SqliteConnection, key: &str, value: &str) -> Result<()> {
-    sqlx::query("INSERT INTO meta (key, value) VALUES (?1, ?2) ON CONFLICT (key) DO UPDATE SET value = excluded.value")
-        .bind(key)
-        .bind(value)
-        .execute(conn)
-        .await
-        .map_err(map_err)?;
-    Ok(())
-}
-
 #[async_trait]
 impl Store for SqliteStore {
     fn backend(&self) -> &'static str {
@@ -322,10 +252,7 @@ impl Store for SqliteStore {
 
     async fn publish(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
         let plan = PublishPlan::new(events, self.lanes)?;
-        let (_guard, mut tx) = self.begin_write().await?;
-        let outcome = publish::write(&mut tx, plan).await?;
-        tx.commit().await.map_err(map_err)?;
-        Ok(outcome)
+        publish::publish(self, plan).await
     }
 
     async fn fence(&self, lane: Lane, owner: &str, epoch: Epoch) -> Result<bool> {
@@ -532,7 +459,7 @@ impl Store for SqliteStore {
     }
 
     async fn wakeups(&self) -> Result<Wakeups> {
-        Ok(Wakeups::Poll)
+        dispatch::wakeups()
     }
 }
 

@@ -11,15 +11,26 @@ use chrono::Utc;
 use sqlx::SqliteConnection;
 
 use super::error::map_err;
+use super::SqliteStore;
 use crate::common::{to_micros, PublishPlan};
 use crate::{PublishOutcome, Result, StoreError};
 
 /// Events per multi-row insert (7 parameters each; SQLite allows 32,766).
 const EVENT_CHUNK: usize = 500;
 
+/// [`Store::publish`](crate::Store::publish): [`publish_in`] in a write
+/// transaction of its own.
+pub(super) async fn publish(store: &SqliteStore, plan: PublishPlan) -> Result<PublishOutcome> {
+    let (_guard, mut tx) = store.begin_write().await?;
+    let outcome = publish_in(&mut tx, plan).await?;
+    tx.commit().await.map_err(map_err)?;
+    Ok(outcome)
+}
+
 /// Writes a validated batch on `conn`, which must be inside a write
-/// transaction. Returns the outcome; the caller commits.
-pub(super) async fn write(
+/// transaction (the store's, or the caller's for
+/// [`SqliteStore::publish_in`]). Returns the outcome; the caller commits.
+pub(super) async fn publish_in(
     conn: &mut SqliteConnection,
     mut plan: PublishPlan,
 ) -> Result<PublishOutcome> {
