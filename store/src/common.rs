@@ -14,8 +14,9 @@ use std::collections::HashSet;
 
 use chrono::{DateTime, TimeZone, Utc};
 
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mongodb"))]
 pub(crate) use crate::rules::validate_secret;
-use crate::{generate_event_id, lane_of_event, rules, Lane, NewEvent, Result, StoreError};
+use crate::{generate_event_id, lane_of_event, rules, Lane, NewEvent, Result};
 
 /// Most events accepted in one publish call ([`rules::event::MAX_BATCH`]).
 pub const MAX_BATCH: usize = rules::event::MAX_BATCH;
@@ -144,10 +145,10 @@ impl PublishPlan {
 
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 /// `Ok` if a statement on handler `id` touched a row, else
-/// [`StoreError::NotFound`].
+/// [`StoreError::NotFound`](crate::StoreError::NotFound).
 pub(crate) fn handler_found(rows: u64, id: &str) -> Result<()> {
     if rows == 0 {
-        Err(StoreError::NotFound(format!("handler {id}")))
+        Err(crate::StoreError::NotFound(format!("handler {id}")))
     } else {
         Ok(())
     }
@@ -171,6 +172,7 @@ pub(crate) fn to_u32(v: i64) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::StoreError;
 
     fn ev(id: Option<&str>, key: Option<&str>) -> NewEvent {
         NewEvent {

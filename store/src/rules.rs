@@ -781,6 +781,7 @@ impl RateLimit {
 ///
 /// # Errors
 /// [`StoreError::Invalid`], without repeating the secret.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mongodb"))]
 pub(crate) fn validate_secret(s: &str) -> Result<()> {
     Ok(secret::check(s)?)
 }
