@@ -11,6 +11,9 @@
 //!   publishes, the receiver's requests with their senders, lane samples):
 //!   loss, order and overlaps per (handler, key), every repeat attributed
 //!   to a cause, fencing, atomic publish;
+//! - [`invariants`]: the one invariant checker the three above share:
+//!   expected deliveries and observed hand-overs, judged by one set of
+//!   rules (loss, order with rewinds, repeats with causes, overlaps);
 //! - [`sample_data`]: the real GitHub payloads shipped in `data/`;
 //! - [`lane`]: the contract's lane of an event, computed apart from the store;
 //! - [`signature`]: the Standard Webhooks signature check the receiver
@@ -20,6 +23,7 @@
 
 #![warn(missing_docs)]
 
+pub mod invariants;
 pub mod lane;
 pub mod local_cluster;
 pub mod oracle;
