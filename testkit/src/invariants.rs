@@ -19,9 +19,10 @@
 //! - [`repeats`]: every hand-over of a delivery after its first has a
 //!   cause (invariant 3);
 //! - [`order`]: per (handler, key), the first hand-over at position p comes
-//!   after every earlier position was done (accepted, or dead-lettered) and
-//!   after no later position; a repeat after a later position is a rewind,
-//!   allowed only with a cause (invariant 2);
+//!   after every earlier position was done (accepted, or dead-lettered) and,
+//!   unless p was done (a dead letter), after no later position; a repeat
+//!   after a later position is a rewind, allowed only with a cause
+//!   (invariant 2);
 //! - [`overlaps`]: per (handler, key), or per unkeyed delivery, no
 //!   hand-over arrives while an earlier one is in flight (invariant 2).
 //!
@@ -258,7 +259,8 @@ pub enum Disorder {
         missing: i64,
     },
     /// The first hand-over at its position after a later position
-    /// (`later`) was handed over.
+    /// (`later`) was handed over (unless its position was dead-lettered
+    /// before it arrived).
     AfterLater {
         /// The hand-over.
         q: usize,
@@ -342,17 +344,18 @@ pub fn order(m: &Model, causes: &dyn Causes) -> Order {
         let pair = (h.handler.as_str(), h.event.as_str());
         match last.get(&pair).copied() {
             None => {
-                if let Some((later, _)) = s.max.filter(|(mp, _)| *mp > p) {
+                let done = |x: i64| done_at.get(&(sk, x)).is_some_and(|t| *t <= h.arrived_ms);
+                // A position done before its first hand-over is a dead
+                // letter (a deposed owner's stale send follows it).
+                let dead = done_at.get(&(sk, p)).is_some_and(|t| *t < h.arrived_ms);
+                if let Some((later, _)) = s.max.filter(|(mp, _)| *mp > p && !dead) {
                     out.disorder.push(Disorder::AfterLater { q: i, later });
                 } else {
                     // Earlier positions must be done by this arrival; once
                     // done they stay done (arrivals only grow).
                     let below: Vec<i64> = s.pending.range(..p).copied().collect();
                     for x in below {
-                        if done_at
-                            .get(&(sk, x))
-                            .is_some_and(|t| *t <= h.arrived_ms)
-                        {
+                        if done(x) {
                             s.pending.remove(&x);
                         } else {
                             out.disorder.push(Disorder::Early { q: i, missing: x });

@@ -37,6 +37,11 @@
 //! 5. **Atomic publish**: a batch whose publisher died before the answer is
 //!    all delivered or not at all.
 //!
+//! Loss, order, repeats and overlaps are judged by the one checker
+//! ([`crate::invariants`], publish positions as [`Earlier::Listed`]); this
+//! module supplies its causes (senders, attempt numbers, lane samples) and
+//! judges the rest.
+//!
 //! Also: payload bytes as published (the `data` member of the webhook body,
 //! spliced unchanged by the node), valid signatures, nothing unexpected, and
 //! recovery within the bound.
@@ -44,6 +49,10 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use serde::Serialize;
+
+use crate::invariants::{
+    self, Cause, Causes, Delivery, Disorder, Earlier, HandOver, Model, Repeat,
+};
 
 /// One published event, in publish order per publisher.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -405,17 +414,23 @@ pub fn judge(rec: &Record) -> Report {
         .map(|(h, e)| (h.as_str(), e.as_str()))
         .collect();
 
-    // Which (handler, event) pairs were accepted, and when first.
-    let mut accepted_at: HashMap<(&str, &str), f64> = HashMap::new();
-    for q in &requests {
-        if q.accepted() {
-            let at = q.answered_ms.unwrap_or(q.arrived_ms);
-            accepted_at
-                .entry((q.handler.as_str(), q.event_id.as_str()))
-                .and_modify(|t| *t = t.min(at))
-                .or_insert(at);
+    // The model of the one checker: expected deliveries (with their
+    // position in the key's publish order) and the requests as hand-overs,
+    // indexed as `requests` (in arrival order).
+    let mut position: HashMap<(&str, &str), i64> = HashMap::new(); // (key, id) -> position
+    let mut per_key: HashMap<&str, i64> = HashMap::new();
+    for p in &rec.published {
+        if let Some(k) = p.key.as_deref() {
+            let n = per_key.entry(k).or_default();
+            position.insert((k, p.id.as_str()), *n);
+            *n += 1;
         }
     }
+    let accepted: HashSet<(&str, &str)> = requests
+        .iter()
+        .filter(|q| q.accepted())
+        .map(|q| (q.handler.as_str(), q.event_id.as_str()))
+        .collect();
 
     // Pairs with an attempt the node could have seen succeed.
     let in_time: HashSet<(&str, &str)> = requests
@@ -446,47 +461,85 @@ pub fn judge(rec: &Record) -> Report {
             }
         }
     }
-
-    // 1. no loss.
+    // 1. no loss: every acknowledged (event, matching handler), every one
+    // of a batch that arrived in part, and every dead letter (its delivery
+    // existed).
+    let mut expected: Vec<Delivery> = Vec::new();
     for p in &rec.published {
         let must = p.acked || committed_batches.contains(p.batch.as_str());
-        for h in &rec.handlers {
-            if !h.matches(&p.event_type) {
-                continue;
-            }
+        for h in rec.handlers.iter().filter(|h| h.matches(&p.event_type)) {
+            let pair = (h.name.as_str(), p.id.as_str());
+            let dead_lettered = dead.contains(&pair);
             if p.acked {
                 r.expected += 1;
-            }
-            let pair = (h.name.as_str(), p.id.as_str());
-            if accepted_at.contains_key(&pair) {
-                if p.acked {
+                if accepted.contains(&pair) {
                     r.delivered += 1;
-                }
-            } else if dead.contains(&pair) {
-                if p.acked {
+                } else if dead_lettered {
                     r.dead_lettered += 1;
                 }
-                if !h.dead_letters_expected {
-                    r.lost += 1;
-                    r.problem(format!("dead-lettered unexpectedly: {} {}", h.name, p.id));
-                }
-            } else if must {
-                r.lost += 1;
-                if p.acked {
-                    r.problem(format!("lost: {} {}", h.name, p.id));
-                } else {
-                    r.torn_batches += 1;
-                    r.problem(format!(
-                        "torn batch {}: {} {} missing while others arrived",
-                        p.batch, h.name, p.id
-                    ));
-                }
+            }
+            if must || dead_lettered {
+                expected.push(Delivery {
+                    handler: h.name.clone(),
+                    event: p.id.clone(),
+                    key: p.key.clone(),
+                    position: p
+                        .key
+                        .as_deref()
+                        .and_then(|k| position.get(&(k, p.id.as_str())).copied()),
+                    dead_lettered,
+                    dead_letter_allowed: h.dead_letters_expected,
+                });
             }
         }
     }
+    let observed: Vec<HandOver> = requests
+        .iter()
+        .map(|q| {
+            let handler = handlers.get(q.handler.as_str());
+            HandOver {
+                handler: q.handler.clone(),
+                event: q.event_id.clone(),
+                key: q.key.clone(),
+                position: q
+                    .key
+                    .as_deref()
+                    .filter(|_| handler.is_some())
+                    .and_then(|k| position.get(&(k, q.event_id.as_str())).copied()),
+                attempt: q.attempt,
+                sender: q.sender.clone(),
+                arrived_ms: q.arrived_ms,
+                accepted_ms: q.accepted().then(|| q.answered_ms.unwrap_or(q.arrived_ms)),
+                until_ms: handler.map_or(q.arrived_ms, |h| q.in_flight_until(h.timeout_ms)),
+            }
+        })
+        .collect();
+    let model = Model {
+        expected,
+        observed,
+        earlier: Earlier::Listed,
+    };
+    for i in invariants::lost(&model) {
+        let d = &model.expected[i];
+        let p = events[d.event.as_str()];
+        r.lost += 1;
+        if d.dead_lettered {
+            r.problem(format!(
+                "dead-lettered unexpectedly: {} {}",
+                d.handler, d.event
+            ));
+        } else if p.acked {
+            r.problem(format!("lost: {} {}", d.handler, d.event));
+        } else {
+            r.torn_batches += 1;
+            r.problem(format!(
+                "torn batch {}: {} {} missing while others arrived",
+                p.batch, d.handler, d.event
+            ));
+        }
+    }
 
-    // Unexpected, corrupted, bad signatures.
-    let mut unexpected_seen: HashSet<(&str, &str)> = HashSet::new();
+    // Corrupted, bad signatures, unexpected.
     for q in &requests {
         if !q.signature_ok {
             r.bad_signatures += 1;
@@ -497,69 +550,51 @@ pub fn judge(rec: &Record) -> Report {
             (Some(p), Some(h)) => h.matches(&p.event_type),
             _ => false,
         };
-        if !routed {
-            if q.accepted() && unexpected_seen.insert((&q.handler, &q.event_id)) {
-                r.unexpected += 1;
-                r.problem(format!("unexpected: {} {}", q.handler, q.event_id));
+        if let (true, Some(p)) = (routed, known) {
+            if q.data.as_deref() != Some(p.payload.as_str()) {
+                r.corrupted += 1;
+                r.problem(format!(
+                    "payload differs: {} {} ({} bytes published, {:?} received)",
+                    q.handler,
+                    q.event_id,
+                    p.payload.len(),
+                    q.data.as_ref().map(String::len)
+                ));
             }
-            continue;
         }
-        let p = known.expect("routed implies known");
-        if q.data.as_deref() != Some(p.payload.as_str()) {
-            r.corrupted += 1;
-            r.problem(format!(
-                "payload differs: {} {} ({} bytes published, {:?} received)",
-                q.handler,
-                q.event_id,
-                p.payload.len(),
-                q.data.as_ref().map(String::len)
-            ));
-        }
+    }
+    for i in invariants::unexpected(&model) {
+        let q = requests[i];
+        r.unexpected += 1;
+        r.problem(format!("unexpected: {} {}", q.handler, q.event_id));
     }
 
     let epochs = Epochs::new(&rec.samples);
     let slack = rec.sample_slack_ms as f64;
+    let causes = OracleCauses {
+        requests: &requests,
+        handlers: &handlers,
+        events: &events,
+        epochs: &epochs,
+        lanes: rec.lanes,
+        slack,
+    };
 
-    // 3. repeats.
-    // An attempt number lower than one already seen comes from an older
-    // owner's state (one owner only counts up): with the lane's owner
-    // changed by then, a deposed owner's send, e.g. one frozen mid-send.
-    let mut max_attempt: HashMap<(&str, &str), u32> = HashMap::new();
-    let mut last: HashMap<(&str, &str), &Request> = HashMap::new();
-    for q in &requests {
-        let pair = (q.handler.as_str(), q.event_id.as_str());
-        let older_state = max_attempt.get(&pair).is_some_and(|m| q.attempt < *m);
-        let m = max_attempt.entry(pair).or_insert(q.attempt);
-        *m = (*m).max(q.attempt);
-        if let Some(prev) = last.get(&pair) {
-            let timeout = handlers
-                .get(q.handler.as_str())
-                .map_or(u64::MAX, |h| h.timeout_ms);
-            let lane = lane_of_request(q, &events, rec.lanes);
-            let epoch_before = epochs.at(lane, prev.arrived_ms);
-            let epoch_after = epochs.at(lane, q.arrived_ms + slack);
-            if !prev.succeeded_in_time(timeout) {
-                r.repeats.failed += 1;
-            } else if q.attempt > prev.attempt {
-                r.repeats.node_timeout += 1;
-            } else if other_sender(prev, q)
-                || owner_changed(epoch_before, epoch_after)
-                || epochs.stale_sender(lane, q, q.arrived_ms + slack)
-                || (older_state && epochs.changed_by(lane, q.arrived_ms + slack))
-            {
-                r.repeats.owner_change += 1;
-            } else {
-                r.repeats.unattributed += 1;
-                r.problem(format!(
-                    "repeat without a cause: {} {} attempt {} at {:.0} ms after attempt {} answered {:?} at {:.0} ms, lane {lane} epoch {:?} -> {:?}",
-                    q.handler, q.event_id, q.attempt, q.arrived_ms, prev.attempt, prev.status,
-                    prev.arrived_ms, epoch_before, epoch_after
-                ));
-            }
-        }
-        last.insert(pair, q);
+    // 3. repeats, each attributed to a cause (see `OracleCauses`).
+    let repeats = invariants::repeats(&model, &causes);
+    r.repeats.failed = repeats.with(Cause::Failed);
+    r.repeats.node_timeout = repeats.with(Cause::NodeSawFailure);
+    r.repeats.owner_change = repeats.with(Cause::OwnerChange);
+    r.repeats.unattributed = repeats.unattributed.len();
+    for x in &repeats.unattributed {
+        let (prev, q) = (requests[x.prev], requests[x.q]);
+        let lane = lane_of_request(q, &events, rec.lanes);
+        r.problem(format!(
+            "repeat without a cause: {} {} attempt {} at {:.0} ms after attempt {} answered {:?} at {:.0} ms, lane {lane} epoch {:?} -> {:?}",
+            q.handler, q.event_id, q.attempt, q.arrived_ms, prev.attempt, prev.status,
+            prev.arrived_ms, epochs.at(lane, prev.arrived_ms), epochs.at(lane, q.arrived_ms + slack)
+        ));
     }
-
     // 3 and 4. A deposed owner sends at most what it had in flight when
     // its lane moved: one delivery per (handler, key), or per unkeyed
     // delivery. More means it went on working for a lane it had lost.
@@ -595,155 +630,91 @@ pub fn judge(rec: &Record) -> Report {
     // delivery, is still in flight at the receiver: from its arrival until
     // the receiver ended it, at the latest until the handler's timeout (a
     // retry after a timeout is no overlap: the sender has given up).
-    // Per stream: the earlier request in flight the longest, and its end.
-    let mut in_flight: HashMap<(&str, &str), (&Request, f64)> = HashMap::new();
-    for q in &requests {
-        let Some(h) = handlers.get(q.handler.as_str()) else {
-            continue;
-        };
+    for x in invariants::overlaps(&model, OVERLAP_TOLERANCE_MS) {
+        let (prev, q) = (requests[x.prev], requests[x.q]);
         let stream = q.key.as_deref().unwrap_or(q.event_id.as_str());
-        let until = q.in_flight_until(h.timeout_ms);
-        let k = (q.handler.as_str(), stream);
-        let Some(&(prev, prev_until)) = in_flight.get(&k) else {
-            in_flight.insert(k, (q, until));
-            continue;
-        };
-        if q.arrived_ms + OVERLAP_TOLERANCE_MS < prev_until {
-            r.overlaps += 1;
-            r.problem(format!(
-                "overlap: {} {stream}: {} (attempt {}, node {}) arrived at {:.0} ms while {} (attempt {}, node {}, arrived at {:.0} ms) was in flight until {prev_until:.0} ms",
-                q.handler,
-                q.event_id,
-                q.attempt,
-                q.sender.as_deref().unwrap_or("?"),
-                q.arrived_ms,
-                prev.event_id,
-                prev.attempt,
-                prev.sender.as_deref().unwrap_or("?"),
-                prev.arrived_ms,
-            ));
-        }
-        if until > prev_until {
-            in_flight.insert(k, (q, until));
-        }
+        r.overlaps += 1;
+        r.problem(format!(
+            "overlap: {} {stream}: {} (attempt {}, node {}) arrived at {:.0} ms while {} (attempt {}, node {}, arrived at {:.0} ms) was in flight until {:.0} ms",
+            q.handler,
+            q.event_id,
+            q.attempt,
+            q.sender.as_deref().unwrap_or("?"),
+            q.arrived_ms,
+            prev.event_id,
+            prev.attempt,
+            prev.sender.as_deref().unwrap_or("?"),
+            prev.arrived_ms,
+            model.observed[x.prev].until_ms,
+        ));
     }
 
-    // 2. order per (handler, key).
-    let mut position: HashMap<(&str, &str), usize> = HashMap::new(); // (key, id) -> position
-    let mut by_key: HashMap<&str, Vec<&Published>> = HashMap::new();
-    for p in &rec.published {
-        if let Some(k) = p.key.as_deref() {
-            let list = by_key.entry(k).or_default();
-            position.insert((k, p.id.as_str()), list.len());
-            list.push(p);
-        }
-    }
-    // Per (handler, key): highest position that arrived, and the sequence
-    // header seen per position.
-    struct Stream<'a> {
-        max_pos: Option<usize>,
-        seq_at: BTreeMap<usize, i64>,
-        last_arrival: HashMap<&'a str, f64>,
-        last_sender: HashMap<&'a str, Option<&'a str>>,
-        max_attempt: HashMap<&'a str, u32>,
-    }
-    let mut streams: HashMap<(&str, &str), Stream> = HashMap::new();
-    for q in &requests {
-        let Some(key) = q.key.as_deref() else {
-            continue;
-        };
-        let Some(&pos) = position.get(&(key, q.event_id.as_str())) else {
-            continue;
-        };
-        let Some(h) = handlers.get(q.handler.as_str()) else {
-            continue;
-        };
-        let s = streams
-            .entry((q.handler.as_str(), key))
-            .or_insert_with(|| Stream {
-                max_pos: None,
-                seq_at: BTreeMap::new(),
-                last_arrival: HashMap::new(),
-                last_sender: HashMap::new(),
-                max_attempt: HashMap::new(),
-            });
-        let first = !s.last_arrival.contains_key(q.event_id.as_str());
-        if first {
-            // Every earlier event of the key for this handler must be done.
-            for earlier in &by_key[key][..pos] {
-                if !h.matches(&earlier.event_type) {
-                    continue;
-                }
-                let pair = (q.handler.as_str(), earlier.id.as_str());
-                let done = accepted_at.get(&pair).is_some_and(|t| *t <= q.arrived_ms)
-                    || dead.contains(&pair)
-                    || (!earlier.acked && !committed_batches.contains(earlier.batch.as_str()));
-                if !done {
-                    r.out_of_order += 1;
-                    r.problem(format!(
-                        "order: {} key {key}: {} (position {pos}) sent at {:.0} ms before {} was done",
-                        q.handler, q.event_id, q.arrived_ms, earlier.id
-                    ));
-                    break;
-                }
+    // 2. order per (handler, key): the first arrival at publish position i
+    // after every earlier position was answered 2xx or dead-lettered (and
+    // after no later one); a rewind only after an owner change.
+    let order = invariants::order(&model, &causes);
+    r.rewinds = order.rewinds;
+    let event_at: HashMap<(&str, i64), &str> = model
+        .expected
+        .iter()
+        .filter_map(|d| Some(((d.key.as_deref()?, d.position?), d.event.as_str())))
+        .collect();
+    for x in &order.disorder {
+        r.out_of_order += 1;
+        let (q, what) = match *x {
+            Disorder::Early { q, missing } => {
+                let key = requests[q].key.as_deref().unwrap_or_default();
+                let earlier = event_at.get(&(key, missing)).copied().unwrap_or("?");
+                (q, format!("sent before {earlier} was done"))
             }
-        } else if s.max_pos.is_some_and(|m| m > pos) {
-            let lane = lane_of_request(q, &events, rec.lanes);
-            let prev = s.last_arrival[q.event_id.as_str()];
-            let prev_sender = s.last_sender.get(q.event_id.as_str()).copied().flatten();
-            let older_state = s
-                .max_attempt
-                .get(q.event_id.as_str())
-                .is_some_and(|m| q.attempt < *m);
-            if (prev_sender.is_some() && q.sender.is_some() && prev_sender != q.sender.as_deref())
-                || owner_changed(epochs.at(lane, prev), epochs.at(lane, q.arrived_ms + slack))
-                || epochs.stale_sender(lane, q, q.arrived_ms + slack)
-                || (older_state && epochs.changed_by(lane, q.arrived_ms + slack))
-            {
-                r.rewinds += 1;
-            } else {
+            Disorder::AfterLater { q, later } => {
+                let key = requests[q].key.as_deref().unwrap_or_default();
+                let later = event_at.get(&(key, later)).copied().unwrap_or("?");
+                (q, format!("first sent after the later {later}"))
+            }
+            Disorder::Rewind(x) => (x.q, "repeated after a later event, no owner change".into()),
+        };
+        let pos = model.observed[q].position;
+        let q = requests[q];
+        r.problem(format!(
+            "order: {} key {}: {} (position {pos:?}) at {:.0} ms {what}",
+            q.handler,
+            q.key.as_deref().unwrap_or_default(),
+            q.event_id,
+            q.arrived_ms
+        ));
+    }
+
+    // 2. the `lanebus-sequence` header grows with the publish position.
+    let mut seq_at: HashMap<(&str, &str), BTreeMap<i64, i64>> = HashMap::new();
+    for (q, h) in requests.iter().zip(&model.observed) {
+        let (Some(key), Some(pos), Some(seq)) = (q.key.as_deref(), h.position, q.sequence) else {
+            continue;
+        };
+        let s = seq_at.entry((q.handler.as_str(), key)).or_default();
+        match s.get(&pos) {
+            Some(&old) if old != seq => {
                 r.out_of_order += 1;
                 r.problem(format!(
-                    "order: {} key {key}: {} repeated at {:.0} ms after a later event, no owner change",
-                    q.handler, q.event_id, q.arrived_ms
+                    "sequence: {} key {key}: {} came with sequence {seq}, earlier {old}",
+                    q.handler, q.event_id
                 ));
             }
-        }
-        if let Some(seq) = q.sequence {
-            match s.seq_at.get(&pos) {
-                Some(&old) if old != seq => {
+            Some(_) => {}
+            None => {
+                let below = s.range(..pos).next_back().map(|(_, v)| *v);
+                let above = s.range(pos + 1..).next().map(|(_, v)| *v);
+                if below.is_some_and(|b| b >= seq) || above.is_some_and(|a| a <= seq) {
                     r.out_of_order += 1;
                     r.problem(format!(
-                        "sequence: {} key {key}: {} came with sequence {seq}, earlier {old}",
+                        "sequence: {} key {key}: {} has sequence {seq} out of publish order",
                         q.handler, q.event_id
                     ));
                 }
-                Some(_) => {}
-                None => {
-                    let below = s.seq_at.range(..pos).next_back().map(|(_, v)| *v);
-                    let above = s.seq_at.range(pos + 1..).next().map(|(_, v)| *v);
-                    if below.is_some_and(|b| b >= seq) || above.is_some_and(|a| a <= seq) {
-                        r.out_of_order += 1;
-                        r.problem(format!(
-                            "sequence: {} key {key}: {} has sequence {seq} out of publish order",
-                            q.handler, q.event_id
-                        ));
-                    }
-                    s.seq_at.insert(pos, seq);
-                }
+                s.insert(pos, seq);
             }
         }
-        s.max_pos = Some(s.max_pos.map_or(pos, |m| m.max(pos)));
-        s.last_arrival.insert(q.event_id.as_str(), q.arrived_ms);
-        s.last_sender
-            .insert(q.event_id.as_str(), q.sender.as_deref());
-        let m = s
-            .max_attempt
-            .entry(q.event_id.as_str())
-            .or_insert(q.attempt);
-        *m = (*m).max(q.attempt);
     }
-
     // 4. one owner per (lane, epoch); epochs never go back on a node.
     let mut owners: HashMap<(u16, i64), HashSet<&str>> = HashMap::new();
     let mut last_epoch: HashMap<(&str, u16), (u64, i64)> = HashMap::new();
@@ -773,6 +744,60 @@ pub fn judge(rec: &Record) -> Report {
         last_epoch.insert(k, (s.at_ms, s.epoch));
     }
     r
+}
+
+/// The oracle's causes for the one checker's repeats and rewinds.
+struct OracleCauses<'a> {
+    /// The requests, as indexed in the model.
+    requests: &'a [&'a Request],
+    handlers: &'a HashMap<&'a str, &'a HandlerSpec>,
+    events: &'a HashMap<&'a str, &'a Published>,
+    epochs: &'a Epochs<'a>,
+    lanes: u16,
+    /// The sampling slack, in milliseconds.
+    slack: f64,
+}
+
+impl OracleCauses<'_> {
+    /// Whether the lane changed owner between the repeat's previous
+    /// hand-over and the repeat: the two came from different nodes, the
+    /// lane's epoch grew, the sender no longer owned the lane, or an
+    /// attempt number lower than one already seen (one owner only counts
+    /// up) comes after an owner change (a deposed owner's send, e.g. one
+    /// frozen mid-send).
+    fn owner_changed(&self, x: &Repeat) -> bool {
+        let (prev, q) = (self.requests[x.prev], self.requests[x.q]);
+        let lane = lane_of_request(q, self.events, self.lanes);
+        let after = q.arrived_ms + self.slack;
+        other_sender(prev, q)
+            || owner_changed(
+                self.epochs.at(lane, prev.arrived_ms),
+                self.epochs.at(lane, after),
+            )
+            || self.epochs.stale_sender(lane, q, after)
+            || (q.attempt < x.max_attempt && self.epochs.changed_by(lane, after))
+    }
+}
+
+impl Causes for OracleCauses<'_> {
+    fn repeat(&self, _: &Model, x: &Repeat) -> Option<Cause> {
+        let (prev, q) = (self.requests[x.prev], self.requests[x.q]);
+        let timeout = self
+            .handlers
+            .get(q.handler.as_str())
+            .map_or(u64::MAX, |h| h.timeout_ms);
+        if !prev.succeeded_in_time(timeout) {
+            Some(Cause::Failed)
+        } else if q.attempt > prev.attempt {
+            Some(Cause::NodeSawFailure)
+        } else {
+            self.owner_changed(x).then_some(Cause::OwnerChange)
+        }
+    }
+
+    fn rewind(&self, _: &Model, x: &Repeat) -> bool {
+        self.owner_changed(x)
+    }
 }
 
 /// Whether two attempts of one delivery came from different nodes: a node
