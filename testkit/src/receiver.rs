@@ -12,10 +12,10 @@
 //! ```
 //!
 //! [`Receiver::verdict`] compares the record with what was published: lost,
-//! duplicated (accepted more than once), out of order per (handler, key),
-//! bad signatures.
+//! duplicated (sent again after it was accepted), out of order per
+//! (handler, key), bad signatures, judged by [`crate::invariants`].
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -28,6 +28,9 @@ use axum::Router;
 use serde::Serialize;
 use tokio::sync::Notify;
 
+use crate::invariants::{
+    self, Cause, Causes, Delivery, Disorder, Earlier, HandOver, Model, Repeat,
+};
 use crate::signature;
 
 /// What the receiver does with matching requests.
@@ -130,13 +133,14 @@ pub struct Verdict {
     pub delivered: usize,
     /// Expected but never accepted.
     pub lost: usize,
-    /// Accepted again after being accepted (repeats).
+    /// Requests of a delivery sent again after an accepted request of it
+    /// (repeats whose previous attempt had not failed; in arrival order).
     pub duplicated: usize,
     /// Accepted although not expected.
     pub unexpected: usize,
     /// (handler, key) orders broken: a delivery's first arrival after a
-    /// higher sequence, or a higher sequence before the lower one was
-    /// accepted.
+    /// higher sequence, or before every lower sequence seen so far was
+    /// accepted; or a repeat after a higher sequence that is no rewind.
     pub out_of_order: usize,
     /// Repeats of an already accepted delivery that arrived after a higher
     /// sequence of its key sent by another node (a stale attempt of a
@@ -298,106 +302,132 @@ impl Receiver {
     }
 }
 
-/// The exactness check of [`Receiver::verdict`] over a log in arrival order.
+/// The exactness check of [`Receiver::verdict`] over a log, by the one
+/// checker ([`crate::invariants`]): the expected deliveries, the requests
+/// as hand-overs judged in arrival order with their `lanebus-sequence` as
+/// position ([`Earlier::Observed`]), and the receiver's causes: a repeat
+/// is explained when its previous attempt failed; a rewind when another
+/// node sent the higher sequence.
 pub fn verdict(log: &[Received], expected: &[Expected]) -> Verdict {
+    let model = Model {
+        expected: expected
+            .iter()
+            .map(|e| Delivery {
+                handler: e.handler.clone(),
+                event: e.event_id.clone(),
+                key: e.key.clone(),
+                ..Delivery::default()
+            })
+            .collect(),
+        observed: log
+            .iter()
+            .map(|r| HandOver {
+                handler: r.handler.clone(),
+                event: r.event_id.clone(),
+                key: r.key.clone(),
+                position: r.key.as_ref().and(r.sequence),
+                attempt: r.attempt,
+                sender: r.sender.clone(),
+                arrived_ms: r.arrived_ms,
+                accepted_ms: r.accepted().then_some(r.answered_ms),
+                until_ms: r.answered_ms,
+            })
+            .collect(),
+        earlier: Earlier::Observed,
+    };
     let mut v = Verdict {
         expected: expected.len(),
         ..Verdict::default()
     };
-    let want: std::collections::HashSet<(&str, &str)> = expected
+    let problem = |v: &mut Verdict, p: String| {
+        if v.problems.len() < 10 {
+            v.problems.push(p);
+        }
+    };
+    for r in log.iter().filter(|r| r.signature_ok == Some(false)) {
+        v.bad_signatures += 1;
+        problem(
+            &mut v,
+            format!("bad signature: {} {}", r.handler, r.event_id),
+        );
+    }
+    let lost = invariants::lost(&model);
+    v.lost = lost.len();
+    let accepted: HashSet<(&str, &str)> = log
+        .iter()
+        .filter(|r| r.accepted())
+        .map(|r| (r.handler.as_str(), r.event_id.as_str()))
+        .collect();
+    v.delivered = expected
         .iter()
         .map(|e| (e.handler.as_str(), e.event_id.as_str()))
-        .collect();
-    let mut accepted: HashMap<(&str, &str), usize> = HashMap::new();
-    for r in log {
-        if r.signature_ok == Some(false) {
-            v.bad_signatures += 1;
-            if v.problems.len() < 10 {
-                v.problems
-                    .push(format!("bad signature: {} {}", r.handler, r.event_id));
-            }
-        }
-        if r.accepted() {
-            *accepted
-                .entry((r.handler.as_str(), r.event_id.as_str()))
-                .or_default() += 1;
-        }
+        .collect::<HashSet<_>>()
+        .intersection(&accepted)
+        .count();
+    for i in invariants::unexpected(&model) {
+        v.unexpected += 1;
+        let r = &log[i];
+        problem(&mut v, format!("unexpected: {} {}", r.handler, r.event_id));
     }
-    for (k, n) in &accepted {
-        if want.contains(k) {
-            v.delivered += 1;
-        } else {
-            v.unexpected += 1;
-            if v.problems.len() < 10 {
-                v.problems.push(format!("unexpected: {} {}", k.0, k.1));
-            }
-        }
-        if *n > 1 {
-            v.duplicated += n - 1;
-            if v.problems.len() < 10 {
-                v.problems
-                    .push(format!("accepted {n} times: {} {}", k.0, k.1));
-            }
-        }
+    let repeats = invariants::repeats(&model, &ReceiverCauses);
+    v.duplicated = repeats.unattributed.len();
+    for x in &repeats.unattributed {
+        let r = &log[x.q];
+        problem(
+            &mut v,
+            format!(
+                "accepted before and sent again: {} {}",
+                r.handler, r.event_id
+            ),
+        );
     }
-    for e in expected {
-        if !accepted.contains_key(&(e.handler.as_str(), e.event_id.as_str())) {
-            v.lost += 1;
-            if v.problems.len() < 10 {
-                v.problems
-                    .push(format!("lost: {} {}", e.handler, e.event_id));
-            }
-        }
+    for &i in &lost {
+        let e = &expected[i];
+        problem(&mut v, format!("lost: {} {}", e.handler, e.event_id));
     }
-    // Per (handler, key): sequences never go down, and a higher sequence
-    // arrives only after the previous one was accepted.
-    // A lower sequence whose delivery was accepted before, sent by another
-    // node than the one that sent the higher sequence, is a rewind: a
-    // deposed owner's stale attempt. From the same sender it is disorder.
-    let mut last: HashMap<(&str, &str), (i64, bool)> = HashMap::new();
-    let mut sent_by: HashMap<(&str, &str), Option<&str>> = HashMap::new();
-    let mut seen_ok: std::collections::HashSet<(&str, &str)> = std::collections::HashSet::new();
-    for r in log {
-        let (Some(key), Some(seq)) = (r.key.as_deref(), r.sequence) else {
-            continue;
+    let order = invariants::order(&model, &ReceiverCauses);
+    v.rewinds = order.rewinds;
+    v.out_of_order = order.disorder.len();
+    for x in &order.disorder {
+        let (q, what) = match *x {
+            Disorder::Early { q, missing } => (q, format!("before {missing} was accepted")),
+            Disorder::AfterLater { q, later } => (q, format!("first after {later}")),
+            Disorder::Rewind(x) => (x.q, "again after a later sequence".to_string()),
         };
-        let slot = (r.handler.as_str(), key);
-        let delivery = (r.handler.as_str(), r.event_id.as_str());
-        let repeat_of_accepted = seen_ok.contains(&delivery);
-        if r.accepted() {
-            seen_ok.insert(delivery);
-        }
-        let other_sender = sent_by.get(&slot).is_some_and(|prev_sender| {
-            matches!((prev_sender, r.sender.as_deref()), (Some(a), Some(b)) if *a != b)
-        });
-        match last.get(&slot) {
-            Some(&(prev, _)) if seq < prev && repeat_of_accepted && other_sender => v.rewinds += 1,
-            Some(&(prev, prev_ok)) if seq < prev || (seq > prev && !prev_ok) => {
-                v.out_of_order += 1;
-                if v.problems.len() < 10 {
-                    v.problems.push(format!(
-                        "order: {} key {key}: sequence {seq} after {prev}{}",
-                        r.handler,
-                        if prev_ok { "" } else { " (not accepted)" }
-                    ));
-                }
-            }
-            _ => {}
-        }
-        let entry = last.entry(slot).or_insert((seq, false));
-        if seq >= entry.0 {
-            *entry = (
-                seq,
-                if seq == entry.0 {
-                    entry.1 || r.accepted()
-                } else {
-                    r.accepted()
-                },
-            );
-            sent_by.insert(slot, r.sender.as_deref());
-        }
+        let r = &log[q];
+        problem(
+            &mut v,
+            format!(
+                "order: {} key {}: sequence {} {what}",
+                r.handler,
+                r.key.as_deref().unwrap_or_default(),
+                r.sequence.unwrap_or_default()
+            ),
+        );
     }
     v
+}
+
+/// The receiver's causes: a repeat is explained when the previous attempt
+/// failed (not answered 2xx); a repeat of an accepted delivery after a
+/// higher sequence of its key is a rewind when another node sent the
+/// higher sequence (a deposed owner's stale attempt; the cause of the
+/// repeat itself is for callers to check, e.g. `local_cluster::repeats`).
+struct ReceiverCauses;
+
+impl Causes for ReceiverCauses {
+    fn repeat(&self, m: &Model, x: &Repeat) -> Option<Cause> {
+        m.observed[x.prev]
+            .accepted_ms
+            .is_none()
+            .then_some(Cause::Failed)
+    }
+
+    fn rewind(&self, m: &Model, x: &Repeat) -> bool {
+        let latest = x.latest.map(|i| m.observed[i].sender.as_deref());
+        x.accepted_before
+            && matches!((latest, m.observed[x.q].sender.as_deref()), (Some(Some(a)), Some(b)) if a != b)
+    }
 }
 
 async fn hook(
@@ -546,6 +576,16 @@ mod tests {
         }
     }
 
+    /// `log` in arrival order: 10 ms apart, each answered 1 ms after it
+    /// arrived.
+    fn timed(mut log: Vec<Received>) -> Vec<Received> {
+        for (i, r) in log.iter_mut().enumerate() {
+            r.arrived_ms = i as f64 * 10.0;
+            r.answered_ms = r.arrived_ms + 1.0;
+        }
+        log
+    }
+
     fn exp(handler: &str, id: &str) -> Expected {
         Expected {
             handler: handler.into(),
@@ -556,11 +596,11 @@ mod tests {
 
     #[test]
     fn an_exact_run_passes() {
-        let log = vec![
+        let log = timed(vec![
             rec("h", "a", "k", 1, 500),
             rec("h", "a", "k", 1, 200),
             rec("h", "b", "k", 2, 200),
-        ];
+        ]);
         let v = verdict(&log, &[exp("h", "a"), exp("h", "b")]);
         assert!(v.exact(), "{v:?}");
         assert_eq!(v.delivered, 2);
@@ -568,11 +608,11 @@ mod tests {
 
     #[test]
     fn loss_duplicates_and_disorder_are_counted() {
-        let log = vec![
+        let log = timed(vec![
             rec("h", "b", "k", 2, 200),
             rec("h", "a", "k", 1, 200),
             rec("h", "a", "k", 1, 200),
-        ];
+        ]);
         let v = verdict(&log, &[exp("h", "a"), exp("h", "b"), exp("h", "c")]);
         // a's first arrival after b is disorder, and so is its repeat from
         // the same sender.
@@ -588,11 +628,11 @@ mod tests {
     fn a_stale_repeat_after_the_next_delivery_is_a_rewind_not_disorder() {
         // a accepted, then b from the new owner; the old owner's stale
         // attempt of a arrives last.
-        let log = vec![
+        let log = timed(vec![
             from("127.0.0.3", "h", "a", "k", 1, 200),
             from("127.0.0.1", "h", "b", "k", 2, 200),
             from("127.0.0.3", "h", "a", "k", 1, 200),
-        ];
+        ]);
         let v = verdict(&log, &[exp("h", "a"), exp("h", "b")]);
         assert_eq!(
             (v.out_of_order, v.rewinds, v.duplicated),
@@ -601,30 +641,30 @@ mod tests {
         );
         // The node that sent b sends a again: disorder (it went on to b
         // while a was not done, as far as it knew).
-        let log = vec![
+        let log = timed(vec![
             from("127.0.0.3", "h", "a", "k", 1, 200),
             from("127.0.0.1", "h", "b", "k", 2, 200),
             from("127.0.0.1", "h", "a", "k", 1, 200),
-        ];
+        ]);
         let v = verdict(&log, &[exp("h", "a"), exp("h", "b")]);
         assert_eq!((v.out_of_order, v.rewinds), (1, 0), "{v:?}");
         // Not accepted before: the same arrival order is disorder.
-        let log = vec![
+        let log = timed(vec![
             rec("h", "a", "k", 1, 500),
             rec("h", "b", "k", 2, 200),
             rec("h", "a", "k", 1, 200),
-        ];
+        ]);
         let v = verdict(&log, &[exp("h", "a"), exp("h", "b")]);
         assert_eq!((v.out_of_order, v.rewinds), (2, 0), "{v:?}");
     }
 
     #[test]
     fn next_sequence_before_the_previous_was_accepted_is_disorder() {
-        let log = vec![
+        let log = timed(vec![
             rec("h", "a", "k", 1, 500),
             rec("h", "b", "k", 2, 200),
             rec("h", "a", "k", 1, 200),
-        ];
+        ]);
         let v = verdict(&log, &[exp("h", "a"), exp("h", "b")]);
         assert_eq!(v.out_of_order, 2, "{v:?}");
     }
