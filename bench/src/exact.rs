@@ -6,6 +6,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
+use lanebus_testkit::invariants::{self, Cause, Causes, Earlier, HandOver, Model, Repeat};
 use serde::{Deserialize, Serialize};
 
 /// One hand-over seen by an in-process bench handler.
@@ -51,7 +52,10 @@ pub struct Exactness {
     /// Repeats explained by a lane that changed owner (cluster cells: see
     /// [`moved_repeats`]); not counted in `duplicated`.
     pub moved_repeats: i64,
-    /// Hand-overs out of publish order within their (handler, key).
+    /// Hand-overs out of publish order within their (handler, key): a
+    /// first hand-over before every earlier position was handed over (a
+    /// gap) or after a later one, or a repeat after a later position
+    /// without a change of owner.
     pub out_of_order: i64,
     /// Dead letters (no-op handlers never fail).
     pub dead: i64,
@@ -85,44 +89,66 @@ pub fn check(handled: &[Handled], held: Held, expected: i64) -> Exactness {
 /// [`check`] where the hand-overs at the indices in `moved` (from
 /// [`moved_repeats`]) are repeats a lane's change of owner explains: they
 /// count as `moved_repeats`, not as `duplicated`.
+///
+/// Judged by the one checker ([`lanebus_testkit::invariants`]): the
+/// hand-overs in log order, positions dense from 1 per (handler, key)
+/// ([`Earlier::Dense`]: a gap is disorder), a repeat's only cause a change
+/// of owner. Loss and extra deliveries come from the store's counters
+/// against `expected` (the bench knows how many events were accepted, not
+/// which).
 pub fn check_moved(
     handled: &[Handled],
     held: Held,
     expected: i64,
     moved: &HashSet<usize>,
 ) -> Exactness {
-    let mut moved_n = 0i64;
-    let mut seen: HashSet<(u16, &str)> = HashSet::with_capacity(handled.len());
-    let mut next: HashMap<(u16, &str), i64> = HashMap::new();
-    let mut duplicated = 0i64;
-    let mut out_of_order = 0i64;
-    for (i, h) in handled.iter().enumerate() {
-        if !seen.insert((h.handler, &h.event)) {
-            if moved.contains(&i) {
-                moved_n += 1;
-            } else {
-                duplicated += 1;
-            }
-            continue;
-        }
-        if let (Some(key), Some(seq)) = (&h.key, h.seq) {
-            let want = next.entry((h.handler, key)).or_insert(1);
-            if seq != *want {
-                out_of_order += 1;
-            }
-            *want = seq.max(*want) + 1;
-        }
-    }
+    let model = Model {
+        expected: Vec::new(),
+        observed: handled
+            .iter()
+            .enumerate()
+            .map(|(i, h)| HandOver {
+                handler: h.handler.to_string(),
+                event: h.event.to_string(),
+                key: h.key.as_deref().map(str::to_owned),
+                position: h.key.as_ref().and(h.seq),
+                attempt: 1,
+                sender: None,
+                arrived_ms: i as f64,
+                accepted_ms: Some(i as f64),
+                until_ms: i as f64,
+            })
+            .collect(),
+        earlier: Earlier::Dense,
+    };
+    let causes = Moved(moved);
+    let repeats = invariants::repeats(&model, &causes);
+    let order = invariants::order(&model, &causes);
     let total = held.completed + held.pending + held.dead;
     Exactness {
         expected,
         held,
         handled: handled.len() as u64,
         lost: (expected - total).max(0),
-        duplicated: duplicated + (total - expected).max(0),
-        moved_repeats: moved_n,
-        out_of_order,
+        duplicated: repeats.unattributed.len() as i64 + (total - expected).max(0),
+        moved_repeats: repeats.with(Cause::OwnerChange) as i64,
+        out_of_order: order.disorder.len() as i64,
         dead: held.dead,
+    }
+}
+
+/// The bench's causes: a repeat (or a rewind) is explained only by a
+/// change of its lane's owner, the indices [`moved_repeats`] found; a
+/// single node never loses its lease.
+struct Moved<'a>(&'a HashSet<usize>);
+
+impl Causes for Moved<'_> {
+    fn repeat(&self, _: &Model, r: &Repeat) -> Option<Cause> {
+        self.0.contains(&r.q).then_some(Cause::OwnerChange)
+    }
+
+    fn rewind(&self, _: &Model, r: &Repeat) -> bool {
+        self.0.contains(&r.q)
     }
 }
 
@@ -261,6 +287,17 @@ mod tests {
             h(0, "b", Some("k"), Some(2)),
         ];
         assert_eq!(check(&log, held(4, 0, 0), 4).out_of_order, 0);
+        // A repeat after a later position of its key is a duplicate and
+        // out of order, unless a change of owner explains it (a rewind).
+        let log = [
+            h(0, "a", Some("k"), Some(1)),
+            h(0, "b", Some("k"), Some(2)),
+            h(0, "a", Some("k"), Some(1)),
+        ];
+        let e = check(&log, held(2, 0, 0), 2);
+        assert_eq!((e.duplicated, e.out_of_order), (1, 1), "{e:?}");
+        let e = check_moved(&log, held(2, 0, 0), 2, &HashSet::from([2]));
+        assert_eq!((e.duplicated, e.moved_repeats, e.out_of_order), (0, 1, 0));
         // Dead letters make a sample invalid even when nothing is lost.
         let e = check(&[], held(1, 0, 1), 2);
         assert_eq!(e.problems(), vec!["1 dead".to_string()]);
