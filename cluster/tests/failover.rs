@@ -8,9 +8,11 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-/// What the lease arithmetic allows, plus 2 s (the bound).
+/// A deadline for a reassignment after a node died, not a speed check:
+/// reassignment at lease + margin is lease arithmetic, tested with manual
+/// time in `lanebus_cluster::lease`.
 fn failover_bound() -> Duration {
-    Duration::from_millis(LEASE.lease_ms + LEASE.margin_ms + 2_000)
+    Duration::from_secs(30)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -143,10 +143,6 @@ async fn run_postgres() -> anyhow::Result<()> {
         "events published during the open transaction"
     );
     ensure!(
-        opened.elapsed() < Duration::from_secs(3),
-        "the others took too long to prove anything"
-    );
-    ensure!(
         !got(&rx, "late-commit"),
         "an event of an open transaction was delivered"
     );
