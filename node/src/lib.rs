@@ -22,6 +22,8 @@
 pub mod actors;
 pub mod assignment;
 pub mod catalog;
+pub mod claim;
+pub mod clock;
 pub mod handler;
 pub mod metrics;
 pub mod node;

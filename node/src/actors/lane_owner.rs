@@ -13,7 +13,8 @@
 //! ```
 //!
 //! Decisions (what is due, what is next per key, what is a duplicate) are in
-//! [`LaneQueue`]; this actor only carries them out. It asks the store for
+//! [`LaneQueue`], when to claim and how much in [`ClaimControl`]; this actor
+//! only carries them out. It asks the store for
 //! more only while it has room (queued + in flight below
 //! [`LaneConfig::buffer_cap`]) and at most one claim at a time; a wake-up
 //! during a claim triggers another claim right after, so a publish that
@@ -49,6 +50,7 @@ use super::key_handler::{Attempt, KeyHandler, KeyHandlerDeps};
 use super::store_actor::{ClaimLane, DiscardDelivery, StoreActor, StoreCallError};
 use crate::assignment::{OwnerTie, WorkGate, GATE_RECHECK};
 use crate::catalog::HandlerCatalog;
+use crate::claim::{ClaimControl, ClaimStart};
 use crate::handler::Dispatcher;
 use crate::metrics;
 use crate::ordering::{ClaimTicket, HandlerGate, LaneQueue, SlotKey};
@@ -283,11 +285,9 @@ pub struct LaneOwner {
     /// Shared with the key handlers and their attempts.
     tie: Arc<OwnerTie>,
     queue: LaneQueue,
-    claiming: bool,
-    claim_again: bool,
+    /// When to claim and how much ([`crate::claim`]).
+    ctl: ClaimControl,
     claim_retry: Option<SpawnHandle>,
-    /// Dispatch is held until the next claim confirms ownership.
-    suspect: bool,
     /// A dispatch deferred by the closed work gate is scheduled.
     gate_recheck: bool,
     reloading: bool,
@@ -296,23 +296,10 @@ pub struct LaneOwner {
     reload_again: bool,
     key_handlers: HashMap<SlotKey, Addr<KeyHandler>>,
     due_timer: Option<(chrono::DateTime<Utc>, SpawnHandle)>,
-    claim_errors: u32,
-    /// The last claim was cut by its limit: more may be waiting.
-    more_waiting: bool,
-    /// Stop once nothing is in flight; claim and hand out nothing more.
-    draining: bool,
     /// The queue's payload bytes as last counted in the node's budget.
     counted_bytes: std::cell::Cell<usize>,
     /// The store refused a claim: the lane stopped for that reason.
     fenced_out: bool,
-    /// The oldest transaction holding the claim cursor open, and since when.
-    horizon: Option<(i64, Instant)>,
-    /// No claim yet: the first waits until no attempt of this lane is under
-    /// way on this node. An owner stopped at once (its holder lease lapsed)
-    /// leaves its attempts running; started again at the same epoch, a new
-    /// owner would claim those rows and send them a second time next to
-    /// them.
-    first_claim: bool,
 }
 
 impl LaneOwner {
@@ -324,22 +311,15 @@ impl LaneOwner {
             tie: Arc::new(OwnerTie::new(lane, epoch, deps.gate.clone())),
             deps,
             queue: LaneQueue::new(),
-            claiming: false,
-            claim_again: false,
+            ctl: ClaimControl::new(),
             claim_retry: None,
-            suspect: false,
             gate_recheck: false,
             reloading: false,
             reload_again: false,
             key_handlers: HashMap::new(),
-            first_claim: true,
             due_timer: None,
-            claim_errors: 0,
-            more_waiting: false,
-            draining: false,
             counted_bytes: std::cell::Cell::new(0),
             fenced_out: false,
-            horizon: None,
         }
     }
 
@@ -364,40 +344,21 @@ impl LaneOwner {
     }
 
     fn claim(&mut self, ctx: &mut Context<Self>) {
-        if self.draining {
-            return;
-        }
-        if self.first_claim {
-            if self.deps.dispatcher.lane_attempts_in_flight(self.lane) > 0 {
-                // Checked again at the next poll tick or wake-up.
-                return;
-            }
-            self.first_claim = false;
-        }
-        if self.claiming {
-            self.claim_again = true;
-            return;
-        }
-        if self.held() >= self.deps.config.buffer_cap && !self.suspect {
-            return;
-        }
-        // Ask for a full buffer: rows already held may be returned again (see
-        // the store's claim cursor docs) and must not crowd out new ones;
-        // fewer when the node's payload budget is short.
-        // A lane holding nothing probes with one row (a full batch follows
-        // at once if it comes back full): idle lanes polling must not
-        // reserve the whole budget every tick and starve the busy ones.
-        let want = if self.held() == 0 {
-            1
-        } else {
-            self.deps.config.buffer_cap.max(1)
+        let (lane, cap) = (self.lane, self.deps.config.buffer_cap);
+        let dispatcher = &self.deps.dispatcher;
+        let want = match self.ctl.start(self.held(), cap, || {
+            dispatcher.lane_attempts_in_flight(lane)
+        }) {
+            ClaimStart::Hold => return,
+            ClaimStart::Want(want) => want,
         };
+        // Fewer rows when the node's payload budget is short.
         let reservation =
             self.deps
                 .board
                 .budget()
                 .reserve(want, self.held(), self.deps.config.buffer_bytes);
-        if reservation.rows == 0 && !self.suspect {
+        let Some(limit) = self.ctl.limit(reservation.rows) else {
             // Spent: a settlement here or the poll interval tries again.
             // Meanwhile what this lane holds but cannot attempt (a disabled
             // handler's deliveries, a retried key's followers) must not pin
@@ -406,10 +367,7 @@ impl LaneOwner {
             self.deps.board.budget().claimed(reservation, 0, 0);
             self.trim_stalled();
             return;
-        }
-        let limit = reservation.rows.max(1) as u32;
-        self.claiming = true;
-        self.claim_again = false;
+        };
         let ticket = self.queue.begin_claim();
         let claim = LaneClaim {
             lane: self.lane,
@@ -419,7 +377,7 @@ impl LaneOwner {
         };
         let fut = self.deps.store_actor.send(ClaimLane(claim));
         ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
-            act.claiming = false;
+            act.ctl.answered();
             let res = res.unwrap_or(Err(StoreCallError::Stopped));
             let bytes_before = act.queue.bytes();
             let rows_before = act.held();
@@ -445,12 +403,11 @@ impl LaneOwner {
                     ctx.stop();
                 }
                 Ok((batch, bytes_before, rows_before)) => {
-                    act.claim_errors = 0;
-                    act.suspect = false;
                     let returned = batch.deliveries.len();
-                    act.more_waiting = returned >= limit as usize;
+                    act.ctl.claimed(returned, limit);
                     let moved = batch.next_after.passed(ticket.after());
-                    act.note_horizon(&batch.next_after);
+                    act.ctl
+                        .note_horizon(batch.next_after.open.first().copied(), Instant::now());
                     let new = act.accepted(ticket, batch.deliveries, batch.next_after, ctx);
                     act.deps.board.budget().claimed(
                         reservation,
@@ -459,13 +416,10 @@ impl LaneOwner {
                     );
                     act.count_bytes();
                     act.dispatch(ctx);
-                    // A rescan re-reads rows already held, and rows of
-                    // trimmed keys are passed over: keep going after a full
-                    // batch even when nothing was new, as long as the cursor
-                    // moves.
-                    let go_on = new > 0
-                        || (moved && (act.queue.rescanning() || act.queue.trimmed()));
-                    if (go_on && returned >= limit as usize) || act.claim_again {
+                    let queue = &act.queue;
+                    if act.ctl.go_on(returned, limit, new, moved, || {
+                        queue.rescanning() || queue.trimmed()
+                    }) {
                         act.claim(ctx);
                     }
                 }
@@ -475,8 +429,7 @@ impl LaneOwner {
                 }
                 Err(e) => {
                     act.deps.board.budget().claimed(reservation, 0, 0);
-                    act.claim_errors += 1;
-                    let wait = Duration::from_millis(50 * 2u64.pow(act.claim_errors.min(6)));
+                    let wait = act.ctl.failed();
                     tracing::warn!(lane = act.lane, error = %e, retry_in_ms = wait.as_millis() as u64, "claim failed");
                     if let Some(h) = act.claim_retry.take() {
                         ctx.cancel_future(h);
@@ -488,16 +441,6 @@ impl LaneOwner {
                 }
             }
         }));
-    }
-
-    /// Remembers since when the oldest open transaction of the cursor holds
-    /// it (a new oldest one restarts the clock).
-    fn note_horizon(&mut self, cursor: &ClaimCursor) {
-        self.horizon = match (cursor.open.first(), self.horizon) {
-            (None, _) => None,
-            (Some(&x), Some((y, since))) if x == y => Some((y, since)),
-            (Some(&x), _) => Some((x, Instant::now())),
-        };
     }
 
     fn accepted(
@@ -622,7 +565,7 @@ impl LaneOwner {
     }
 
     fn dispatch(&mut self, ctx: &mut Context<Self>) {
-        if self.draining {
+        if self.ctl.draining() {
             self.publish_status();
             if self.queue.in_flight() == 0 {
                 ctx.stop();
@@ -642,7 +585,7 @@ impl LaneOwner {
             }
             return;
         }
-        if self.suspect {
+        if self.ctl.suspect() {
             self.publish_status();
             return;
         }
@@ -729,7 +672,7 @@ impl LaneOwner {
                 state: LaneState::Active,
                 queued,
                 in_flight,
-                horizon_since: self.horizon.map(|(_, since)| since),
+                horizon_since: self.ctl.horizon_since(),
             },
         );
         metrics::lane_depth(self.lane, queued, in_flight);
@@ -821,7 +764,7 @@ impl Handler<Drain> for LaneOwner {
 
     fn handle(&mut self, msg: Drain, ctx: &mut Self::Context) {
         self.tie.drain(msg.until);
-        self.draining = true;
+        self.ctl.drain();
         self.dispatch(ctx);
     }
 }
@@ -867,10 +810,13 @@ impl Handler<Settled> for LaneOwner {
         if msg.outcome == SettledOutcome::Refused {
             // Fenced out or the row vanished: hold dispatch until a claim
             // tells whether the lane is still ours.
-            self.suspect = true;
+            self.ctl.refused();
         }
         self.dispatch(ctx);
-        if self.suspect || (self.more_waiting && self.held() < self.deps.config.buffer_cap / 2) {
+        if self
+            .ctl
+            .after_settled(|| self.held(), self.deps.config.buffer_cap)
+        {
             self.claim(ctx);
         }
     }
