@@ -25,16 +25,15 @@
 //!
 //! # Auto-disable
 //!
-//! Key handlers report every attempt's outcome ([`HandlerCatalog::record_outcome`]).
-//! The start of a run of failures is kept in the store
-//! ([`Handler::failing_since`](lanebus_store::Handler::failing_since)), so
-//! all nodes share it and a restart does not reset it: a failure while the
-//! catalog shows none sets it, a success while it shows one clears it
-//! (so the store is written at these changes only, once per catalog
-//! reload at most). A failure while it is older than the node's
-//! auto-disable period ([`HandlerCatalog::set_auto_disable_after`], default
+//! Key handlers report every attempt's outcome ([`HandlerCatalog::record_outcome`]);
+//! [`crate::auto_disable`] decides what it changes: the start of a run of
+//! failures kept in the store
+//! ([`Handler::failing_since`](lanebus_store::Handler::failing_since)), set
+//! and cleared at these changes only, once per catalog reload at most; a
+//! failure while it is older than the node's auto-disable period
+//! ([`HandlerCatalog::set_auto_disable_after`], default
 //! [`DEFAULT_AUTO_DISABLE_AFTER`], 5 days) disables the handler with reason
-//! `failing`, like a `410` does with reason `gone`.
+//! `failing`, like a `410` does with reason `gone`. The catalog writes it.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -45,6 +44,8 @@ use lanebus_store::{change_state, StateChange};
 use lanebus_store::{Handler as HandlerConfig, HandlerState, Store, StoreError};
 use tokio::sync::{watch, Mutex, Notify};
 
+use crate::auto_disable::{self, Step, Written};
+
 /// Default auto-disable period: a handler failing without a success for 5
 /// days is disabled (issue #4).
 pub const DEFAULT_AUTO_DISABLE_AFTER: Duration = Duration::from_secs(5 * 24 * 3600);
@@ -53,10 +54,9 @@ pub const DEFAULT_AUTO_DISABLE_AFTER: Duration = Duration::from_secs(5 * 24 * 36
 pub struct HandlerCatalog {
     /// Auto-disable period, in milliseconds.
     auto_disable_after_ms: AtomicU64,
-    /// Per handler: the `failing_since` change last written, and the
-    /// catalog entry it was written against (written again only after a
-    /// reload brought a different entry).
-    failing_written: std::sync::Mutex<HashMap<String, (bool, usize)>>,
+    /// Per handler: the auto-disable change last asked for, and the
+    /// catalog entry it was asked for against.
+    failing_written: std::sync::Mutex<Written>,
     store: Arc<dyn Store>,
     handlers: RwLock<Arc<HashMap<String, Arc<HandlerConfig>>>>,
     /// Number of the last reload started (under `lock`).
@@ -185,22 +185,25 @@ impl HandlerCatalog {
         let Some(h) = self.get(handler_id) else {
             return;
         };
-        let entry = Arc::as_ptr(&h) as usize;
         let now = chrono::Utc::now();
-        let write = match (success, h.failing_since) {
-            (true, None) | (false, Some(_)) => None,
-            (true, Some(_)) => Some(false),
-            (false, None) => Some(true),
-        };
-        if let Some(failing) = write {
-            {
-                let mut written = self.failing_written.lock().expect("not poisoned");
-                if written.get(handler_id) == Some(&(failing, entry)) {
-                    return;
-                }
-                written.insert(handler_id.to_owned(), (failing, entry));
-            }
-            let (me, id) = (self.clone(), handler_id.to_owned());
+        let step = auto_disable::step(h.state, h.failing_since, success, now, || {
+            self.auto_disable_after()
+        });
+        if step == Step::Nothing {
+            return;
+        }
+        // Once per catalog entry: until a reload, every outcome asks again.
+        let entry = Arc::as_ptr(&h) as usize;
+        if !self
+            .failing_written
+            .lock()
+            .expect("not poisoned")
+            .first(handler_id, step, entry)
+        {
+            return;
+        }
+        let (me, id) = (self.clone(), handler_id.to_owned());
+        if let Step::Mark { failing } = step {
             tokio::spawn(async move {
                 match me.store.mark_handler_failing(&id, failing, now).await {
                     Ok(()) => me.changed.notify_one(),
@@ -211,23 +214,9 @@ impl HandlerCatalog {
             });
             return;
         }
-        let Some(since) = h.failing_since.filter(|_| !success) else {
+        let Step::Disable { since } = step else {
             return;
         };
-        let after =
-            chrono::Duration::from_std(self.auto_disable_after()).unwrap_or(chrono::Duration::MAX);
-        if h.state != HandlerState::Enabled || now - since < after {
-            return;
-        }
-        {
-            // Once per catalog entry.
-            let mut written = self.failing_written.lock().expect("not poisoned");
-            if written.get(handler_id) == Some(&(true, entry + 1)) {
-                return;
-            }
-            written.insert(handler_id.to_owned(), (true, entry + 1));
-        }
-        let (me, id) = (self.clone(), handler_id.to_owned());
         tokio::spawn(async move {
             match me
                 .set_state_because(&id, HandlerState::Disabled, "failing")

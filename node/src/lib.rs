@@ -21,6 +21,7 @@
 
 pub mod actors;
 pub mod assignment;
+pub mod auto_disable;
 pub mod catalog;
 pub mod claim;
 pub mod clock;
