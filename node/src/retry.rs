@@ -1,9 +1,11 @@
 //! Retry schedule of a delivery: what to do after an attempt (pure code).
 //!
 //! After every attempt the [`KeyHandler`](crate::actors::KeyHandler) asks
-//! [`decide`] what follows: complete, try again at a time, or dead-letter.
-//! No IO and no clock here: the caller passes the attempt number, the
-//! outcome and a random source, so unit tests drive every branch.
+//! [`decide`] what follows: complete, try again after a delay, or
+//! dead-letter, and [`due_at`] when the retry is due. No IO and no clock
+//! here: the caller passes the attempt number, the outcome, a random source
+//! and `now`, so unit tests drive every branch and whole schedules on a
+//! [`ManualClock`](crate::clock::ManualClock).
 //!
 //! # Backoff
 //!
@@ -45,6 +47,8 @@
 //! the handler is disabled and its deliveries are kept, not dead-lettered.
 
 use std::time::{Duration, SystemTime};
+
+use chrono::{DateTime, Utc};
 
 /// Longest delay [`decide`] ever returns (24 hours), whatever the policy:
 /// the node's configuration refuses larger `cap`/`base` values, and this
@@ -179,6 +183,15 @@ pub fn decide(
     }
 }
 
+/// When a retry `delay` after `now` is due: `now + delay`, the delay bounded
+/// by [`MAX_DELAY`] so the sum cannot overflow (and panic) whatever the
+/// policy asked for.
+pub fn due_at(now: DateTime<Utc>, delay: Duration) -> DateTime<Utc> {
+    let delay =
+        chrono::Duration::from_std(delay.min(MAX_DELAY)).unwrap_or(chrono::Duration::zero());
+    now.checked_add_signed(delay).unwrap_or(now)
+}
+
 /// Parses a `Retry-After` header value: delta-seconds (`120`) or an
 /// HTTP-date (`Wed, 21 Oct 2015 07:28:00 GMT`), relative to `now`. A date in
 /// the past gives zero; anything unparsable gives `None`.
@@ -194,6 +207,7 @@ pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::clock::{Clock, ManualClock};
 
     fn failed(retry_after: Option<Duration>) -> AttemptOutcome {
         AttemptOutcome::Failed {
@@ -330,10 +344,77 @@ mod tests {
             };
             assert!(delay <= MAX_DELAY, "{delay:?}");
             // The key handler adds it to the clock: that must not panic.
-            let at =
-                chrono::Utc::now() + chrono::Duration::from_std(delay).expect("a day fits chrono");
-            assert!(at > chrono::Utc::now());
+            let now = Utc::now();
+            assert_eq!((due_at(now, delay) - now).to_std().unwrap(), delay);
         }
+        // Nor at the end of time, or with a longer delay than decided.
+        let end = DateTime::<Utc>::MAX_UTC;
+        assert_eq!(due_at(end, Duration::from_secs(1)), end);
+        let now = Utc::now();
+        assert_eq!(
+            (due_at(now, Duration::MAX) - now).to_std().unwrap(),
+            MAX_DELAY
+        );
+    }
+
+    /// One delivery failing every attempt, on a manual clock: each retry is
+    /// due at the decided delay after the previous attempt, and the eighth
+    /// failure of `max_attempts = 8` dead-letters it, 63.5 s after the
+    /// first attempt with the ceilings as delays.
+    #[test]
+    fn a_failing_delivery_is_retried_on_schedule_then_dead_lettered() {
+        let clock = ManualClock::new();
+        let p = RetryPolicy::default();
+        let first = clock.wall();
+        let mut dues = Vec::new();
+        let mut attempt = 1;
+        let dead = loop {
+            match decide(&p, attempt, 8, &failed(None), 1.0) {
+                Decision::Retry { delay, .. } => {
+                    let due = due_at(clock.wall(), delay);
+                    dues.push((due - first).num_milliseconds());
+                    clock.advance((due - clock.wall()).to_std().unwrap());
+                    attempt += 1;
+                }
+                other => break other,
+            }
+        };
+        assert_eq!(
+            dues,
+            [500, 1_500, 3_500, 7_500, 15_500, 31_500, 63_500],
+            "ms after the first attempt"
+        );
+        assert_eq!(attempt, 8);
+        assert!(matches!(dead, Decision::DeadLetter { .. }), "{dead:?}");
+        assert_eq!(clock.elapsed(), Duration::from_millis(63_500));
+    }
+
+    /// A 503 with an HTTP-date `Retry-After` two minutes ahead of the
+    /// (manual) clock: the retry is due then, not at the backoff.
+    #[test]
+    fn a_retry_after_date_sets_the_due_time() {
+        let clock = ManualClock::at(DateTime::from_timestamp(1_445_412_480, 0).unwrap());
+        let now = SystemTime::from(clock.wall());
+        let asked = parse_retry_after("Wed, 21 Oct 2015 07:30:00 GMT", now);
+        assert_eq!(asked, Some(Duration::from_secs(120)));
+        let Decision::Retry { delay, .. } = decide(&p(), 1, 8, &failed(asked), 0.5) else {
+            panic!("a retry");
+        };
+        let due = due_at(clock.wall(), delay);
+        assert_eq!(due.to_rfc3339(), "2015-10-21T07:30:00+00:00");
+        // Past the cap: ten minutes after the clock.
+        let far = parse_retry_after("Thu, 22 Oct 2015 07:30:00 GMT", now);
+        let Decision::Retry { delay, .. } = decide(&p(), 1, 8, &failed(far), 0.5) else {
+            panic!("a retry");
+        };
+        assert_eq!(
+            due_at(clock.wall(), delay).to_rfc3339(),
+            "2015-10-21T07:38:00+00:00"
+        );
+    }
+
+    fn p() -> RetryPolicy {
+        RetryPolicy::default()
     }
 
     #[test]

@@ -68,7 +68,7 @@ use crate::assignment::{OwnerTie, Start, GATE_RECHECK};
 use crate::catalog::HandlerCatalog;
 use crate::handler::{AttemptGuard, Dispatcher, NotAttempted};
 use crate::metrics;
-use crate::retry::{decide, AttemptOutcome, Decision, RetryPolicy, MAX_DELAY};
+use crate::retry::{decide, due_at, AttemptOutcome, Decision, RetryPolicy};
 
 /// Command: attempt this delivery (the head of the key) until it settles.
 #[derive(Debug, Message)]
@@ -246,7 +246,7 @@ impl KeyHandler {
             Decision::Retry { delay, error } => {
                 metrics::delivery_outcome(&handler.id, "failed");
                 tracing::debug!(delivery = delivery.id, handler = %handler.id, attempt, error = %error, delay_ms = delay.as_millis() as u64, "attempt failed, retrying");
-                let due_at = due_after(delay);
+                let due_at = due_at(Utc::now(), delay);
                 Record::Reschedule(Reschedule {
                     id: delivery.id,
                     lane,
@@ -440,15 +440,6 @@ impl KeyHandler {
     fn settle(&mut self, id: i64, outcome: SettledOutcome, _ctx: &mut Context<Self>) {
         self.deps.owner.do_send(Settled { id, outcome });
     }
-}
-
-/// `now + delay`, the delay bounded by [`MAX_DELAY`] so the sum cannot
-/// overflow (and panic) whatever the policy asked for.
-fn due_after(delay: Duration) -> chrono::DateTime<Utc> {
-    let delay =
-        chrono::Duration::from_std(delay.min(MAX_DELAY)).unwrap_or(chrono::Duration::zero());
-    let now = Utc::now();
-    now.checked_add_signed(delay).unwrap_or(now)
 }
 
 impl Actor for KeyHandler {
