@@ -228,14 +228,20 @@ impl OwnerTie {
     }
 
     /// Whether an attempt whose handler times out after `timeout` may be
-    /// sent now: its owner is live and the room covers it
-    /// ([`attempt_may_start`]).
+    /// sent now ([`start_at`](Self::start_at) the system's now).
     pub fn start(&self, timeout: Duration) -> Start {
+        self.start_at(Instant::now(), timeout)
+    }
+
+    /// Whether an attempt whose handler times out after `timeout` may be
+    /// sent at `now`: its owner is live and the room covers it
+    /// ([`attempt_may_start`]).
+    pub fn start_at(&self, now: Instant, timeout: Duration) -> Start {
         if !self.live() {
             return Start::Lost;
         }
         let drain_until = *self.drain_until.lock().expect("not poisoned");
-        if attempt_may_start(Instant::now(), self.gate.room(), drain_until, timeout) {
+        if attempt_may_start(now, self.gate.room(), drain_until, timeout) {
             Start::Go
         } else {
             Start::Wait
@@ -509,6 +515,7 @@ fn warn_if_others_own(rows: &[LaneRow], me: &str) {
 /// `owned_lanes`, so every owner stops by itself. A lane that someone
 /// outside the cluster holds in the store is re-fenced through Raft (see
 /// the module docs, "Lanes fenced by someone outside the cluster").
+/// [`RaftLanes`] decides all this; the assignment's task carries it out.
 pub struct RaftAssignment {
     cluster: Arc<Cluster>,
     store: Arc<dyn Store>,
@@ -549,6 +556,7 @@ impl RaftAssignment {
 }
 
 /// A lane the store keeps refusing: since when, and what the store holds.
+#[derive(Debug, Clone)]
 struct Refused {
     since: Instant,
     /// When `refence_after` is counted from (reset when a re-fence did not
@@ -558,63 +566,234 @@ struct Refused {
     warned: bool,
 }
 
-/// Notes the lanes of `failed` (lane → Raft epoch) the store holds for
-/// someone else at that epoch or a higher one. The store never lowers an
-/// epoch, so a fence at that Raft epoch cannot succeed any more: only a new
-/// epoch from Raft helps.
-fn note_refused(
-    refused: &mut BTreeMap<Lane, Refused>,
-    failed: &OwnedLanes,
-    rows: &[LaneRow],
-    me: &str,
-) {
-    let now = Instant::now();
-    for row in rows {
-        let Some(&epoch) = failed.get(&row.lane) else {
-            continue;
-        };
-        if row.epoch < epoch || row.owner.as_deref() == Some(me) {
-            continue;
-        }
-        let found = FencedOut {
-            epoch,
-            store_owner: row.owner.clone(),
-            store_epoch: row.epoch,
-        };
-        refused.insert(
-            row.lane,
-            Refused {
-                since: now,
-                due: now,
-                found,
-                warned: false,
-            },
-        );
-    }
+/// How long a [`RaftAssignment`] with fences pending waits before trying
+/// them again.
+pub const FENCE_RETRY: Duration = Duration::from_millis(250);
+
+/// How long a [`RaftAssignment`] with nothing pending waits for news
+/// (Raft's changes and lane owners' reports wake it earlier).
+pub const IDLE_LOOK: Duration = Duration::from_secs(3600);
+
+/// The decisions of a [`RaftAssignment`] (pure: no IO, no clock). Raft's
+/// lanes, the store's answers and `now` go in; out come the lanes to fence,
+/// the fenced lanes to publish, the lanes fenced out by an outsider to
+/// report (WARN, [`FencedOutLanes`]) and to re-fence through Raft, and when
+/// to look again. See the module docs, "Lanes fenced by someone outside
+/// the cluster".
+#[derive(Debug, Clone)]
+pub struct RaftLanes {
+    refence_after: Duration,
+    /// Lanes fenced in the store at the epoch Raft gives them.
+    fenced: OwnedLanes,
+    /// Lanes the store refuses at the epoch Raft gives them.
+    refused: BTreeMap<Lane, Refused>,
 }
 
-/// Logs each lane refused for [`FENCED_OUT_GRACE`] at WARN once, and keeps
-/// `shared` to the warned ones.
-fn warn_refused(refused: &mut BTreeMap<Lane, Refused>, shared: &FencedOutLanes) {
-    let now = Instant::now();
-    for (&lane, r) in refused.iter_mut() {
-        if !r.warned && now.duration_since(r.since) >= FENCED_OUT_GRACE {
-            r.warned = true;
-            tracing::warn!(
-                lane,
-                epoch = r.found.epoch,
-                store_owner = r.found.store_owner.as_deref().unwrap_or(""),
-                store_epoch = r.found.store_epoch,
-                "lane fenced out by a process outside the cluster (a --single node on this \
-                 store?): not delivering it until Raft re-fences it above the store's epoch"
+impl RaftLanes {
+    /// Nothing fenced yet; a lane refused for `refence_after` is re-fenced
+    /// through Raft.
+    pub fn new(refence_after: Duration) -> Self {
+        RaftLanes {
+            refence_after,
+            fenced: OwnedLanes::new(),
+            refused: BTreeMap::new(),
+        }
+    }
+
+    /// Raft gives this node `want` (lane → epoch): a lane gone or at another
+    /// epoch is no longer fenced (it stops without waiting for other lanes'
+    /// fences), and no longer refused (a new epoch may be fenced).
+    pub fn raft_gives(&mut self, want: &OwnedLanes) {
+        self.fenced.retain(|l, e| want.get(l) == Some(e));
+        self.refused
+            .retain(|l, r| want.get(l) == Some(&r.found.epoch));
+    }
+
+    /// The lanes of `want` to fence now: neither fenced nor refused. A
+    /// refused lane is not fenced again at the same epoch (the store never
+    /// lowers it): it waits for a new one from Raft.
+    pub fn to_fence(&self, want: &OwnedLanes) -> OwnedLanes {
+        want.iter()
+            .filter(|(l, _)| !self.fenced.contains_key(l) && !self.refused.contains_key(l))
+            .map(|(&l, &e)| (l, e))
+            .collect()
+    }
+
+    /// The fences of `done` held, and Raft now gives `want` (the lease may
+    /// have lapsed or Raft moved on meanwhile): the lanes fenced at the
+    /// epoch Raft still gives them are worked.
+    pub fn fenced(&mut self, done: OwnedLanes, want: &OwnedLanes) {
+        self.fenced
+            .extend(done.into_iter().filter(|(l, e)| want.get(l) == Some(e)));
+        self.fenced.retain(|l, e| want.get(l) == Some(e));
+    }
+
+    /// The fences of `failed` (lane → Raft epoch) did not hold at `now`, and
+    /// the store's lane rows read `rows`: notes the lanes the store holds
+    /// for someone else than `me` at that epoch or a higher one. The store
+    /// never lowers an epoch, so a fence at that Raft epoch cannot succeed
+    /// any more: only a new epoch from Raft helps. (A lane held at a lower
+    /// epoch is retried.)
+    pub fn refused(&mut self, failed: &OwnedLanes, rows: &[LaneRow], me: &str, now: Instant) {
+        for row in rows {
+            let Some(&epoch) = failed.get(&row.lane) else {
+                continue;
+            };
+            if row.epoch < epoch || row.owner.as_deref() == Some(me) {
+                continue;
+            }
+            let found = FencedOut {
+                epoch,
+                store_owner: row.owner.clone(),
+                store_epoch: row.epoch,
+            };
+            self.refused.insert(
+                row.lane,
+                Refused {
+                    since: now,
+                    due: now,
+                    found,
+                    warned: false,
+                },
             );
         }
     }
-    *shared.lock().expect("not poisoned") = refused
-        .iter()
-        .filter(|(_, r)| r.warned)
-        .map(|(&l, r)| (l, r.found.clone()))
-        .collect();
+
+    /// A lane owner's claim was refused at (`lane`, `epoch`): if that is
+    /// the fenced epoch, fence the lane again (and find out who holds it).
+    pub fn fenced_out(&mut self, lane: Lane, epoch: Epoch) {
+        if self.fenced.get(&lane) == Some(&epoch) {
+            self.fenced.remove(&lane);
+        }
+    }
+
+    /// The lanes to work: fenced at the epoch Raft gives them.
+    pub fn owned(&self) -> &OwnedLanes {
+        &self.fenced
+    }
+
+    /// The lanes refused for [`FENCED_OUT_GRACE`] at `now` that were not
+    /// reported yet: each is to be logged at WARN, once.
+    pub fn newly_fenced_out(&mut self, now: Instant) -> Vec<(Lane, FencedOut)> {
+        let mut out = Vec::new();
+        for (&lane, r) in self.refused.iter_mut() {
+            if !r.warned && now.saturating_duration_since(r.since) >= FENCED_OUT_GRACE {
+                r.warned = true;
+                out.push((lane, r.found.clone()));
+            }
+        }
+        out
+    }
+
+    /// The lanes reported fenced out (for [`FencedOutLanes`]).
+    pub fn fenced_out_lanes(&self) -> BTreeMap<Lane, FencedOut> {
+        self.refused
+            .iter()
+            .filter(|(_, r)| r.warned)
+            .map(|(&l, r)| (l, r.found.clone()))
+            .collect()
+    }
+
+    /// The lanes refused for `refence_after` at `now`, as
+    /// [`Cluster::refence`] takes them (lane, Raft epoch, store epoch):
+    /// Raft gives them an epoch above the store's. Each is asked again
+    /// after another `refence_after` if Raft did not move (refused, no
+    /// leader).
+    pub fn refences_due(&mut self, now: Instant) -> Vec<(u16, u64, u64)> {
+        let after = self.refence_after;
+        self.refused
+            .iter_mut()
+            .filter(|(_, r)| now.saturating_duration_since(r.due) >= after)
+            .map(|(&l, r)| {
+                r.due = now;
+                (l, r.found.epoch as u64, r.found.store_epoch as u64)
+            })
+            .collect()
+    }
+
+    /// How long after `now` to look again without news: [`FENCE_RETRY`]
+    /// while fences are `pending`, else [`IDLE_LOOK`]; earlier when a
+    /// refused lane's grace or re-fence falls due (but at least 10 ms).
+    pub fn next_look(&self, now: Instant, pending: bool) -> Duration {
+        let mut wait = if pending { FENCE_RETRY } else { IDLE_LOOK };
+        for r in self.refused.values() {
+            let next = if r.warned {
+                (r.due + self.refence_after).saturating_duration_since(now)
+            } else {
+                (r.since + FENCED_OUT_GRACE).saturating_duration_since(now)
+            };
+            wait = wait.min(next.max(Duration::from_millis(10)));
+        }
+        wait
+    }
+}
+
+/// What a round of fences did.
+struct Fenced {
+    /// The fences that held.
+    done: OwnedLanes,
+    /// Some did not.
+    some_failed: bool,
+}
+
+/// Fences `todo` in `store` under `owner`; notes the lanes refused.
+async fn fence(
+    lanes: &mut RaftLanes,
+    store: &Arc<dyn Store>,
+    owner: &str,
+    todo: OwnedLanes,
+) -> Fenced {
+    let asked = todo.len();
+    let done = fence_all(store.clone(), owner.to_owned(), todo.clone()).await;
+    let some_failed = done.len() < asked;
+    if some_failed {
+        let failed: OwnedLanes = todo
+            .into_iter()
+            .filter(|(l, _)| !done.contains_key(l))
+            .collect();
+        match store.lane_rows().await {
+            Ok(rows) => lanes.refused(&failed, &rows, owner, Instant::now()),
+            Err(e) => tracing::warn!(error = %e, "reading lane rows failed"),
+        }
+    }
+    Fenced { done, some_failed }
+}
+
+/// Logs the lanes newly fenced out by an outsider at WARN (once each) and
+/// lists the fenced-out ones in `shared`.
+fn report_fenced_out(lanes: &mut RaftLanes, shared: &FencedOutLanes) {
+    for (lane, found) in lanes.newly_fenced_out(Instant::now()) {
+        tracing::warn!(
+            lane,
+            epoch = found.epoch,
+            store_owner = found.store_owner.as_deref().unwrap_or(""),
+            store_epoch = found.store_epoch,
+            "lane fenced out by a process outside the cluster (a --single node on this \
+             store?): not delivering it until Raft re-fences it above the store's epoch"
+        );
+    }
+    *shared.lock().expect("not poisoned") = lanes.fenced_out_lanes();
+}
+
+/// Asks Raft to give the lanes `due` (lane, Raft epoch, store epoch) an
+/// epoch above the store's ([`Cluster::refence`]).
+async fn refence(cluster: &Cluster, due: Vec<(u16, u64, u64)>) {
+    if due.is_empty() {
+        return;
+    }
+    let lanes = due.len();
+    match cluster.refence(due).await {
+        Ok(()) => tracing::info!(
+            lanes,
+            "lanes fenced out by an outsider: Raft re-assigned them above the store's epochs"
+        ),
+        Err(e) => tracing::warn!(lanes, error = %e, "re-fencing through Raft failed"),
+    }
+}
+
+/// The lanes Raft gives this node, at the store's epoch type.
+fn raft_epochs(owned: &BTreeMap<u16, u64>) -> OwnedLanes {
+    owned.iter().map(|(&l, &e)| (l, e as Epoch)).collect()
 }
 
 /// Fences `todo` at their epochs; returns those that hold now.
@@ -674,24 +853,15 @@ impl LaneAssignment for RaftAssignment {
             .take()
             .expect("started once");
         tokio::spawn(async move {
-            let mut fenced = OwnedLanes::new();
-            let mut refused: BTreeMap<Lane, Refused> = BTreeMap::new();
+            let mut lanes = RaftLanes::new(refence_after);
             loop {
-                let want: OwnedLanes = owned_rx
-                    .borrow_and_update()
-                    .iter()
-                    .map(|(&l, &e)| (l, e as Epoch))
-                    .collect();
+                let want = raft_epochs(&owned_rx.borrow_and_update());
                 let releasing: OwnedLanes = releasing_rx
                     .borrow_and_update()
                     .iter()
                     .map(|(&l, r)| (l, r.epoch as Epoch))
                     .collect();
-                // Removals first: a lane gone must stop without waiting for
-                // other lanes' fences.
-                fenced.retain(|l, e| want.get(l) == Some(e));
-                // Lanes whose Raft epoch moved on are no longer refused.
-                refused.retain(|l, r| want.get(l) == Some(&r.found.epoch));
+                lanes.raft_gives(&want);
                 let publish = |fenced: &OwnedLanes| {
                     let work = LaneWork {
                         owned: fenced.clone(),
@@ -703,92 +873,26 @@ impl LaneAssignment for RaftAssignment {
                         changed
                     });
                 };
-                publish(&fenced);
-                // A refused lane is not fenced again at the same epoch (the
-                // store never lowers it): it waits for a new one from Raft.
-                let todo: OwnedLanes = want
-                    .iter()
-                    .filter(|(l, _)| !fenced.contains_key(l) && !refused.contains_key(l))
-                    .map(|(&l, &e)| (l, e))
-                    .collect();
-                let pending = if todo.is_empty() {
-                    false
-                } else {
-                    let asked = todo.len();
-                    let done = fence_all(store.clone(), owner.clone(), todo.clone()).await;
-                    let pending = done.len() < asked;
-                    if pending {
-                        let failed: OwnedLanes = todo
-                            .into_iter()
-                            .filter(|(l, _)| !done.contains_key(l))
-                            .collect();
-                        match store.lane_rows().await {
-                            Ok(rows) => note_refused(&mut refused, &failed, &rows, &owner),
-                            Err(e) => tracing::warn!(error = %e, "reading lane rows failed"),
-                        }
-                    }
-
-                    // The lease may have lapsed or Raft moved on meanwhile.
-                    let now: OwnedLanes = owned_rx
-                        .borrow()
-                        .iter()
-                        .map(|(&l, &e)| (l, e as Epoch))
-                        .collect();
-                    fenced.extend(done.into_iter().filter(|(l, e)| now.get(l) == Some(e)));
-                    fenced.retain(|l, e| now.get(l) == Some(e));
-                    publish(&fenced);
-                    pending
+                publish(lanes.owned());
+                let todo = lanes.to_fence(&want);
+                let pending = !todo.is_empty() && {
+                    let pending = fence(&mut lanes, &store, &owner, todo).await;
+                    lanes.fenced(pending.done, &raft_epochs(&owned_rx.borrow()));
+                    publish(lanes.owned());
+                    pending.some_failed
                 };
-                warn_refused(&mut refused, &shared);
-                // Lanes refused for `refence_after`: Raft gives them an epoch
-                // above the store's (applied here, it changes `owned_rx`).
-                let due: Vec<(u16, u64, u64)> = refused
-                    .iter_mut()
-                    .filter(|(_, r)| r.due.elapsed() >= refence_after)
-                    .map(|(&l, r)| {
-                        // Asked again after another `refence_after` if Raft
-                        // did not move (refused, no leader).
-                        r.due = Instant::now();
-                        (l, r.found.epoch as u64, r.found.store_epoch as u64)
-                    })
-                    .collect();
-                if !due.is_empty() {
-                    let lanes = due.len();
-                    match cluster.refence(due).await {
-                        Ok(()) => tracing::info!(
-                            lanes,
-                            "lanes fenced out by an outsider: Raft re-assigned them above the \
-                             store's epochs"
-                        ),
-                        Err(e) => {
-                            tracing::warn!(lanes, error = %e, "re-fencing through Raft failed")
-                        }
-                    }
-                }
-                let mut wait = if pending {
-                    Duration::from_millis(250)
-                } else {
-                    Duration::from_secs(3600)
-                };
-                for r in refused.values() {
-                    let next = if r.warned {
-                        (r.due + refence_after).saturating_duration_since(Instant::now())
-                    } else {
-                        (r.since + FENCED_OUT_GRACE).saturating_duration_since(Instant::now())
-                    };
-                    wait = wait.min(next.max(Duration::from_millis(10)));
-                }
+                report_fenced_out(&mut lanes, &shared);
+                // Applied here, a re-fence changes `owned_rx`.
+                refence(&cluster, lanes.refences_due(Instant::now())).await;
+                let wait = lanes.next_look(Instant::now(), pending);
                 tokio::select! {
                     r = owned_rx.changed() => if r.is_err() { return },
                     r = releasing_rx.changed() => if r.is_err() { return },
                     _ = tx.closed() => return,
                     report = reports.recv() => {
-                        // A lane owner was fenced out at a claim: fence that
-                        // lane again (and find out who holds it).
+                        // A lane owner was fenced out at a claim.
                         let Some((lane, epoch)) = report else { return };
-                        if fenced.get(&lane) == Some(&epoch) {
-                            fenced.remove(&lane);
-                        }
+                        lanes.fenced_out(lane, epoch);
                     }
                     _ = tokio::time::sleep(wait) => {}
                 }
@@ -818,6 +922,7 @@ impl LaneAssignment for RaftAssignment {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::clock::{Clock, ManualClock};
 
     fn run(epoch: Epoch, draining: bool) -> Running {
         Running { epoch, draining }
@@ -863,14 +968,18 @@ mod tests {
         );
     }
 
-    #[test]
-    fn refused_lanes_are_those_held_elsewhere_at_our_epoch_or_above() {
-        let row = |lane, owner: &str, epoch| LaneRow {
+    fn row(lane: Lane, owner: &str, epoch: Epoch) -> LaneRow {
+        LaneRow {
             lane,
             owner: Some(owner.into()),
             epoch,
             backlog: 0,
-        };
+        }
+    }
+
+    #[test]
+    fn refused_lanes_are_those_held_elsewhere_at_our_epoch_or_above() {
+        let clock = ManualClock::new();
         let rows = vec![
             row(0, "7/aa", 3), // an outsider at our epoch: refused
             row(1, "7/aa", 9), // an outsider above it: refused
@@ -878,26 +987,100 @@ mod tests {
             row(3, "1/me", 3), // ours already
             row(4, "7/aa", 9), // not one we failed to fence
         ];
+        let want = BTreeMap::from([(0, 3), (1, 3), (2, 3), (3, 3), (4, 3)]);
+        let mut lanes = RaftLanes::new(Duration::from_secs(30));
+        lanes.raft_gives(&want);
+        assert_eq!(lanes.to_fence(&want), want);
         let failed = BTreeMap::from([(0, 3), (1, 3), (2, 3), (3, 3)]);
-        let mut refused = BTreeMap::new();
-        note_refused(&mut refused, &failed, &rows, "1/me");
-        assert_eq!(refused.keys().copied().collect::<Vec<_>>(), vec![0, 1]);
-        assert_eq!(refused[&1].found.store_epoch, 9);
-        assert_eq!(refused[&1].found.store_owner.as_deref(), Some("7/aa"));
-        // Listed (and logged) only after the grace.
-        let shared = FencedOutLanes::default();
-        warn_refused(&mut refused, &shared);
-        assert!(shared.lock().unwrap().is_empty());
-        for r in refused.values_mut() {
-            r.since -= FENCED_OUT_GRACE;
-        }
-        warn_refused(&mut refused, &shared);
-        assert_eq!(shared.lock().unwrap().len(), 2);
+        lanes.fenced(BTreeMap::from([(4, 3)]), &want);
+        lanes.refused(&failed, &rows, "1/me", clock.now());
+        // Refused lanes are not fenced again at the same epoch.
+        assert_eq!(lanes.to_fence(&want), BTreeMap::from([(2, 3), (3, 3)]));
+        assert_eq!(lanes.owned(), &BTreeMap::from([(4, 3)]));
+        // Listed (and logged) only after the grace, once.
+        clock.advance(FENCED_OUT_GRACE - Duration::from_millis(1));
+        assert!(lanes.newly_fenced_out(clock.now()).is_empty());
+        assert!(lanes.fenced_out_lanes().is_empty());
+        assert_eq!(
+            lanes.next_look(clock.now(), false),
+            Duration::from_millis(10),
+            "looks again at the grace (at least 10 ms on)"
+        );
+        clock.advance(Duration::from_millis(1));
+        let warned = lanes.newly_fenced_out(clock.now());
+        assert_eq!(warned.iter().map(|w| w.0).collect::<Vec<_>>(), vec![0, 1]);
+        assert_eq!(warned[1].1.store_epoch, 9);
+        assert_eq!(warned[1].1.store_owner.as_deref(), Some("7/aa"));
+        assert!(lanes.newly_fenced_out(clock.now()).is_empty(), "once");
+        assert_eq!(lanes.fenced_out_lanes().len(), 2);
+        // A new epoch from Raft ends the refusal of lane 1.
+        let want = BTreeMap::from([(0, 3), (1, 10), (2, 3), (3, 3), (4, 3)]);
+        lanes.raft_gives(&want);
+        assert_eq!(lanes.fenced_out_lanes().keys().collect::<Vec<_>>(), [&0]);
+        assert!(lanes.to_fence(&want).contains_key(&1));
+    }
+
+    #[test]
+    fn a_refused_lane_is_re_fenced_through_raft_after_the_bound_and_again() {
+        let clock = ManualClock::new();
+        let refence_after = Duration::from_secs(20);
+        let mut lanes = RaftLanes::new(refence_after);
+        let want = BTreeMap::from([(5, 4)]);
+        lanes.raft_gives(&want);
+        lanes.refused(&want, &[row(5, "9/x", 6)], "1/me", clock.now());
+        assert_eq!(lanes.next_look(clock.now(), true), FENCE_RETRY);
+        assert_eq!(lanes.next_look(clock.now(), false), FENCED_OUT_GRACE);
+        clock.advance(FENCED_OUT_GRACE);
+        assert_eq!(lanes.newly_fenced_out(clock.now()).len(), 1);
+        assert_eq!(
+            lanes.next_look(clock.now(), false),
+            refence_after - FENCED_OUT_GRACE
+        );
+        assert!(lanes.refences_due(clock.now()).is_empty());
+        clock.advance(refence_after - FENCED_OUT_GRACE - Duration::from_millis(1));
+        assert!(lanes.refences_due(clock.now()).is_empty());
+        clock.advance(Duration::from_millis(1));
+        assert_eq!(lanes.refences_due(clock.now()), vec![(5, 4, 6)]);
+        assert!(lanes.refences_due(clock.now()).is_empty(), "counted anew");
+        assert_eq!(lanes.next_look(clock.now(), false), refence_after);
+        // Raft did not move (no leader): asked again after the bound.
+        clock.advance(refence_after);
+        assert_eq!(lanes.refences_due(clock.now()), vec![(5, 4, 6)]);
+        // Raft moved the lane above the store's epoch: fenced at last.
+        let want = BTreeMap::from([(5, 7)]);
+        lanes.raft_gives(&want);
+        assert_eq!(lanes.to_fence(&want), want);
+        lanes.fenced(want.clone(), &want);
+        assert_eq!(lanes.owned(), &want);
+        assert_eq!(lanes.next_look(clock.now(), false), IDLE_LOOK);
+    }
+
+    #[test]
+    fn fenced_lanes_follow_raft_and_the_owners_reports() {
+        let mut lanes = RaftLanes::new(Duration::from_secs(20));
+        let want = BTreeMap::from([(0, 1), (1, 1), (2, 1)]);
+        lanes.raft_gives(&want);
+        // Raft moved lane 2 while the fences ran: not worked at epoch 1.
+        let moved = BTreeMap::from([(0, 1), (1, 1), (2, 2)]);
+        lanes.fenced(want.clone(), &moved);
+        assert_eq!(lanes.owned(), &BTreeMap::from([(0, 1), (1, 1)]));
+        // A lane gone stops at once; one at a new epoch is fenced anew.
+        let want = BTreeMap::from([(1, 1), (2, 2)]);
+        lanes.raft_gives(&want);
+        assert_eq!(lanes.owned(), &BTreeMap::from([(1, 1)]));
+        assert_eq!(lanes.to_fence(&want), BTreeMap::from([(2, 2)]));
+        // An owner fenced out at an old epoch changes nothing; at the
+        // fenced one, the lane is fenced again.
+        lanes.fenced_out(1, 0);
+        assert_eq!(lanes.owned(), &BTreeMap::from([(1, 1)]));
+        lanes.fenced_out(1, 1);
+        assert!(lanes.owned().is_empty());
+        assert_eq!(lanes.to_fence(&want), want);
     }
 
     #[test]
     fn an_attempt_starts_only_if_it_ends_within_the_lease_and_the_drain() {
-        let t0 = Instant::now();
+        let t0 = ManualClock::new().now();
         let ms = Duration::from_millis;
         let timeout = ms(10_000);
         // Lease ends at t0 + 15 s: room for 10 s plus the 100 ms slack until
@@ -929,16 +1112,84 @@ mod tests {
 
     #[test]
     fn a_drain_bound_only_moves_earlier_and_an_ended_tie_sends_nothing() {
-        let t0 = Instant::now();
+        let clock = ManualClock::new();
+        let t0 = clock.now();
         let tie = OwnerTie::new(3, 7, WorkGate::default());
-        assert_eq!(tie.start(Duration::from_secs(3_600)), Start::Go);
+        assert_eq!(tie.start_at(t0, Duration::from_secs(3_600)), Start::Go);
         tie.drain(t0 + Duration::from_secs(60));
         tie.drain(t0 + Duration::from_secs(600));
-        assert_eq!(tie.start(Duration::from_secs(60)), Start::Wait);
-        assert_eq!(tie.start(Duration::from_secs(30)), Start::Go);
+        assert_eq!(tie.start_at(t0, Duration::from_secs(60)), Start::Wait);
+        assert_eq!(tie.start_at(t0, Duration::from_secs(30)), Start::Go);
+        clock.advance(Duration::from_millis(29_900));
+        assert_eq!(
+            tie.start_at(clock.now(), Duration::from_secs(30)),
+            Start::Go
+        );
+        clock.advance(Duration::from_millis(1));
+        assert_eq!(
+            tie.start_at(clock.now(), Duration::from_secs(30)),
+            Start::Wait,
+            "30 s plus the slack no longer fit before the drain's bound"
+        );
+        assert_eq!(
+            tie.start_at(clock.now(), Duration::from_secs(29)),
+            Start::Go
+        );
         assert_eq!((tie.lane(), tie.epoch()), (3, 7));
         tie.end();
+        assert_eq!(tie.start_at(t0, Duration::from_secs(30)), Start::Lost);
         assert_eq!(tie.start(Duration::from_secs(30)), Start::Lost);
+    }
+
+    /// A work gate over a holder lease on a manual clock, as the node wires
+    /// it to [`Cluster::work_until`]: renewed every 2 s, a 15 s lease
+    /// leaves room for a 10 s attempt until 4.9 s after the last renewal;
+    /// without renewals (cut off) nothing starts, and the gate closes at
+    /// the lease's end.
+    #[test]
+    fn attempts_start_while_the_renewed_lease_covers_them() {
+        use lanebus_cluster::lease::HolderLease;
+        let clock = Arc::new(ManualClock::new());
+        let t0 = clock.now();
+        let cfg = lanebus_cluster::LeaseConfig::default();
+        let holder = Arc::new(Mutex::new(HolderLease::default()));
+        let ms = move |t: Instant| t.duration_since(t0).as_millis() as u64;
+        let gate = {
+            let (clock, holder) = (clock.clone(), holder.clone());
+            WorkGate::new(move || {
+                let h = holder.lock().unwrap();
+                let now = ms(clock.now());
+                match h.ends_at_ms(&cfg) {
+                    Some(end) if h.valid(&cfg, now) => Room::Until(t0 + Duration::from_millis(end)),
+                    _ => Room::Closed,
+                }
+            })
+        };
+        let tie = OwnerTie::new(0, 1, gate.clone());
+        let ten_s = Duration::from_secs(10);
+        assert_eq!(
+            tie.start_at(clock.now(), ten_s),
+            Start::Wait,
+            "no lease yet"
+        );
+        for _ in 0..5 {
+            holder
+                .lock()
+                .unwrap()
+                .committed(&cfg, ms(clock.now()), None);
+            assert_eq!(tie.start_at(clock.now(), ten_s), Start::Go);
+            clock.advance(Duration::from_millis(cfg.renew_interval_ms));
+        }
+        // Cut off after the renewal sent 2 s ago: room until 4.9 s after it.
+        clock.advance(Duration::from_millis(2_900));
+        assert_eq!(tie.start_at(clock.now(), ten_s), Start::Go);
+        clock.advance(Duration::from_millis(1));
+        assert_eq!(tie.start_at(clock.now(), ten_s), Start::Wait);
+        assert!(gate.open(), "shorter attempts still fit");
+        clock.advance(Duration::from_millis(10_098));
+        assert!(gate.open());
+        clock.advance(Duration::from_millis(1));
+        assert!(!gate.open(), "the lease ended 15 s after the last renewal");
     }
 
     #[test]
