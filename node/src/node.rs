@@ -771,9 +771,66 @@ async fn run(
     Ok(())
 }
 
+/// Starts everything a node runs, in order: the store and the handler
+/// catalog, the API's listener, the cluster member, the shared state and
+/// the API, the lane assignment and its lane owners, the store's
+/// wake-ups. Returns once the node is ready (its lanes fenced and their
+/// owners started).
 async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeError> {
     opts.check()?;
     let metrics_handle = metrics::install_recorder();
+    let (store, catalog) = open_store(&opts).await?;
+    let wakeups = store.wakeups().await?;
+    let (listener, addr) = bind_api(&opts).await?;
+    let cluster = start_cluster(&opts, &store, addr).await?;
+    let dispatcher = Dispatcher::new(
+        WebhookSender::with_source_ip(opts.egress.clone(), opts.webhook_source_ip)?,
+        opts.in_process.clone(),
+        store.lanes(),
+    );
+    let state = Arc::new(NodeState {
+        node_id: opts.node_id.clone(),
+        store: store.clone(),
+        cluster: cluster.clone(),
+        owners: Owners::default(),
+        stopping: Arc::new(AtomicBool::new(false)),
+        board: Arc::new(LaneBoard::default()),
+        catalog: catalog.clone(),
+        metrics: metrics_handle,
+        ready: watch::channel(false).0,
+        retention: opts.retention.retention,
+        lease: opts.cluster.as_ref().map(|c| c.lease),
+        fenced_out: FencedOutLanes::default(),
+        attempts: dispatcher.attempt_counter(),
+    });
+    tokio::spawn(crate::retention::run(
+        store.clone(),
+        Arc::downgrade(&state.board),
+        opts.retention,
+    ));
+    serve_api(&opts, listener, &state);
+    let deps = LaneDeps {
+        store_actor: StoreActor::new(store.clone(), opts.store_actor).start(),
+        catalog,
+        dispatcher,
+        board: state.board.clone(),
+        config: lane_config(&opts, &wakeups),
+        gate: work_gate(cluster.as_ref()),
+        fenced_out: None,
+    };
+    let (assignment, drain_bound) = assignment(&opts, &state).await?;
+    start_lane_control(&state, deps, assignment, drain_bound).await?;
+    forward_wakeups(wakeups, &state);
+    state.ready.send_replace(true);
+    Ok((state, addr))
+}
+
+/// Opens the store and loads the handler catalog (reloaded in the
+/// background from then on); checks the cluster's lease against the
+/// longest handler timeout.
+async fn open_store(
+    opts: &NodeOptions,
+) -> Result<(Arc<dyn Store>, Arc<HandlerCatalog>), NodeError> {
     let store = match &opts.store {
         StoreSource::Url(url) => lanebus_store::open(url).await?,
         StoreSource::Opened(s) => s.clone(),
@@ -791,14 +848,23 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
             ))
         })?;
     }
+    Ok((store, catalog))
+}
 
-    let wakeups = store.wakeups().await?;
-    let mut lane_config = opts.lane;
-    lane_config.poll_interval = opts.poll_interval.unwrap_or(match wakeups {
+/// The lane owners' tuning: the poll interval defaults to 1 s for stores
+/// that push wake-ups, 100 ms for the others.
+fn lane_config(opts: &NodeOptions, wakeups: &Wakeups) -> LaneConfig {
+    let mut config = opts.lane;
+    config.poll_interval = opts.poll_interval.unwrap_or(match wakeups {
         Wakeups::Push(_) => Duration::from_secs(1),
         Wakeups::Poll => Duration::from_millis(100),
     });
+    config
+}
 
+/// Binds the API's listener; refuses an address off loopback without
+/// tokens.
+async fn bind_api(opts: &NodeOptions) -> Result<(tokio::net::TcpListener, SocketAddr), NodeError> {
     if opts.auth.is_open() && !opts.http_addr.ip().is_loopback() {
         return Err(NodeError::Config(format!(
             "refusing to serve the API on {} without tokens: anyone who can reach it could \
@@ -818,7 +884,6 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
         addr: opts.http_addr,
         source,
     })?;
-
     if opts.auth.is_open() {
         tracing::info!(
             http_addr = %addr,
@@ -831,65 +896,51 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
             "the API requires bearer tokens"
         );
     }
-    let cluster = match &opts.cluster {
-        None => None,
-        Some(c) => {
-            let mut cfg = ClusterConfig::new(
-                c.node_id,
-                c.raft_addr.clone(),
-                addr.to_string(),
-                &c.data_dir,
-            );
-            cfg.lanes = store.lanes();
-            cfg.lease = c.lease;
-            cfg.voters = c.voters;
-            cfg.raft = c.raft;
-            cfg.incarnation = uuid::Uuid::now_v7().simple().to_string();
-            cfg.secret = c.secret.clone();
-            cfg.advertise_host = c.advertise_host.clone();
-            Some(Arc::new(Cluster::start(cfg).await?))
-        }
-    };
+    Ok((listener, addr))
+}
 
-    let store_actor = StoreActor::new(store.clone(), opts.store_actor).start();
-    let gate = match &cluster {
+/// Starts the Raft member of a cluster node (`None` with `--single`),
+/// advertising the API at `addr`.
+async fn start_cluster(
+    opts: &NodeOptions,
+    store: &Arc<dyn Store>,
+    addr: SocketAddr,
+) -> Result<Option<Arc<Cluster>>, NodeError> {
+    let Some(c) = &opts.cluster else {
+        return Ok(None);
+    };
+    let mut cfg = ClusterConfig::new(
+        c.node_id,
+        c.raft_addr.clone(),
+        addr.to_string(),
+        &c.data_dir,
+    );
+    cfg.lanes = store.lanes();
+    cfg.lease = c.lease;
+    cfg.voters = c.voters;
+    cfg.raft = c.raft;
+    cfg.incarnation = uuid::Uuid::now_v7().simple().to_string();
+    cfg.secret = c.secret.clone();
+    cfg.advertise_host = c.advertise_host.clone();
+    Ok(Some(Arc::new(Cluster::start(cfg).await?)))
+}
+
+/// Whether this node may hand work over: in a cluster, while its holder
+/// lease is valid ([`Cluster::work_until`]); always without one.
+fn work_gate(cluster: Option<&Arc<Cluster>>) -> WorkGate {
+    match cluster {
         Some(c) => {
             let c = c.clone();
             WorkGate::new(move || c.work_until().map_or(Room::Closed, Room::Until))
         }
         None => WorkGate::default(),
-    };
-    let dispatcher = Dispatcher::new(
-        WebhookSender::with_source_ip(opts.egress.clone(), opts.webhook_source_ip)?,
-        opts.in_process.clone(),
-        store.lanes(),
-    );
-    let board = Arc::new(LaneBoard::default());
-    let owners: Owners = Arc::default();
-    let stopping = Arc::new(AtomicBool::new(false));
-    let state = Arc::new(NodeState {
-        node_id: opts.node_id.clone(),
-        store: store.clone(),
-        cluster: cluster.clone(),
-        owners: owners.clone(),
-        stopping: stopping.clone(),
-        board: board.clone(),
-        catalog: catalog.clone(),
-        metrics: metrics_handle,
-        ready: watch::channel(false).0,
-        retention: opts.retention.retention,
-        lease: opts.cluster.as_ref().map(|c| c.lease),
-        fenced_out: FencedOutLanes::default(),
-        attempts: dispatcher.attempt_counter(),
-    });
-    tokio::spawn(crate::retention::run(
-        store.clone(),
-        Arc::downgrade(&board),
-        opts.retention,
-    ));
+    }
+}
 
+/// Serves the HTTP API on `listener`.
+fn serve_api(opts: &NodeOptions, listener: tokio::net::TcpListener, state: &Arc<NodeState>) {
     let app = lanebus_api::router(ApiState {
-        store: store.clone(),
+        store: state.store.clone(),
         node: state.clone(),
         limits: opts.limits,
         egress: opts.egress.clone(),
@@ -902,61 +953,68 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
             tracing::error!(error = %e, "http server stopped");
         }
     });
+}
 
-    let mut deps = LaneDeps {
-        store_actor,
-        catalog,
-        dispatcher,
-        board,
-        config: lane_config,
-        gate,
-        fenced_out: None,
+/// The node's lane assignment and the bound of a handover's drain: through
+/// Raft in a cluster (bootstrapping or joining first, as asked), every lane
+/// without one.
+async fn assignment(
+    opts: &NodeOptions,
+    state: &Arc<NodeState>,
+) -> Result<(Arc<dyn LaneAssignment>, DrainBound), NodeError> {
+    let (Some(c), Some(o)) = (&state.cluster, &opts.cluster) else {
+        return Ok((
+            Arc::new(LocalAssignment::new(
+                state.store.clone(),
+                opts.node_id.clone(),
+            )),
+            DrainBound::Fixed(opts.drain_timeout),
+        ));
     };
-    let (assignment, drain_bound): (Arc<dyn LaneAssignment>, DrainBound) =
-        match (&cluster, &opts.cluster) {
-            (Some(c), Some(o)) => {
-                if o.bootstrap {
-                    bootstrap(c).await?;
-                }
-                if let Some(url) = &o.join {
-                    tokio::spawn(join_loop(
-                        url.clone(),
-                        o.join_token.clone(),
-                        JoinRequest {
-                            id: o.node_id,
-                            raft_addr: c.raft_addr().to_string(),
-                            http_addr: c.http_addr().to_string(),
-                        },
-                    ));
-                }
-                let bound = match o.handover_drain {
-                    Some(d) => DrainBound::Fixed(d),
-                    None => DrainBound::Handover(o.lease),
-                };
-                // A lane fenced by an outsider is taken back after the same
-                // bound as a dead node's lanes.
-                let refence_after = Duration::from_millis(o.lease.lease_ms + o.lease.margin_ms);
-                (
-                    Arc::new(RaftAssignment::new(
-                        c.clone(),
-                        store.clone(),
-                        refence_after,
-                        state.fenced_out.clone(),
-                    )),
-                    bound,
-                )
-            }
-            _ => (
-                Arc::new(LocalAssignment::new(store.clone(), opts.node_id.clone())),
-                DrainBound::Fixed(opts.drain_timeout),
-            ),
-        };
+    if o.bootstrap {
+        bootstrap(c).await?;
+    }
+    if let Some(url) = &o.join {
+        tokio::spawn(join_loop(
+            url.clone(),
+            o.join_token.clone(),
+            JoinRequest {
+                id: o.node_id,
+                raft_addr: c.raft_addr().to_string(),
+                http_addr: c.http_addr().to_string(),
+            },
+        ));
+    }
+    let bound = match o.handover_drain {
+        Some(d) => DrainBound::Fixed(d),
+        None => DrainBound::Handover(o.lease),
+    };
+    // A lane fenced by an outsider is taken back after the same bound as a
+    // dead node's lanes.
+    let refence_after = Duration::from_millis(o.lease.lease_ms + o.lease.margin_ms);
+    let assignment = RaftAssignment::new(
+        c.clone(),
+        state.store.clone(),
+        refence_after,
+        state.fenced_out.clone(),
+    );
+    Ok((Arc::new(assignment), bound))
+}
+
+/// Starts the assignment (its lanes fenced) and the lane control that
+/// follows it with lane owners built from `deps`.
+async fn start_lane_control(
+    state: &Arc<NodeState>,
+    mut deps: LaneDeps,
+    assignment: Arc<dyn LaneAssignment>,
+    drain_bound: DrainBound,
+) -> Result<(), NodeError> {
     deps.fenced_out = assignment.fenced_out_reports();
     tracing::info!(owner = assignment.owner(), "fencing lanes as this owner");
     let work = assignment.start().await?;
     let control = Arc::new(LaneControl {
-        owners,
-        stopping,
+        owners: state.owners.clone(),
+        stopping: state.stopping.clone(),
         deps,
         assignment,
         work: work.clone(),
@@ -965,7 +1023,11 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
     });
     control.apply();
     actix_rt::spawn(control.clone().watch(work));
+    Ok(())
+}
 
+/// Passes the store's wake-ups (if it pushes them) to every lane owner.
+fn forward_wakeups(wakeups: Wakeups, state: &Arc<NodeState>) {
     if let Wakeups::Push(mut rx) = wakeups {
         let st = state.clone();
         actix_rt::spawn(async move {
@@ -974,8 +1036,6 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
             }
         });
     }
-    state.ready.send_replace(true);
-    Ok((state, addr))
 }
 
 /// `--bootstrap`: a one-node cluster of this node (idempotent), retried
