@@ -4,8 +4,9 @@
 //! ```text
 //!  thread "lanebus-node": actix System on a multi-threaded tokio runtime
 //!    ├─ StoreActor                       (system arbiter)
+//!    ├─ LaneSupervisor                   (system arbiter): assignment watch →
+//!    │    start/stop/drain lane owners (plan_lanes); hears when they stopped
 //!    ├─ LaneOwner × owned lanes          (system arbiter) ── KeyHandler × keys with work
-//!    ├─ assignment watch → start/stop/drain lane owners (plan_lanes)
 //!    ├─ cluster member (openraft, --cluster mode): leases, lane table
 //!    ├─ store wake-ups → Wake to every lane owner
 //!    └─ tokio workers: axum HTTP API, webhook requests, catalog refresh
@@ -25,11 +26,10 @@
 //! lane is released; what is still in flight then is abandoned to the next
 //! owner (repeated there, invariant 3).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
@@ -47,11 +47,14 @@ use lanebus_store::{Epoch, Lane, Store, StoreError, Wakeups};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::sync::{oneshot, watch};
 
-use crate::actors::lane_owner::{Drain, LaneDeps, StopLane, Wake};
-use crate::actors::{LaneBoard, LaneConfig, LaneOwner, LaneState, StoreActor, StoreActorConfig};
+use crate::actors::lane_owner::{LaneDeps, StopLane, Wake};
+use crate::actors::lane_supervisor::{Apply, DrainBound, Owners, Shutdown};
+use crate::actors::{
+    LaneBoard, LaneConfig, LaneOwner, LaneState, LaneSupervisor, StoreActor, StoreActorConfig,
+};
 use crate::assignment::{
-    owner_node, plan_lanes, AssignmentError, FencedOutLanes, LaneAssignment, LaneWork,
-    LocalAssignment, OwnerTie, RaftAssignment, Room, Running, WorkGate,
+    owner_node, AssignmentError, FencedOutLanes, LaneAssignment, LocalAssignment, OwnerTie,
+    RaftAssignment, Room, WorkGate,
 };
 use crate::catalog::HandlerCatalog;
 use crate::handler::{AttemptCounter, Dispatcher, Handler};
@@ -289,27 +292,13 @@ impl NodeOptions {
     }
 }
 
-/// A running lane owner.
-#[derive(Clone)]
-struct OwnerEntry {
-    epoch: Epoch,
-    addr: Addr<LaneOwner>,
-    /// Ended before the owner is told to stop (see [`OwnerTie`]).
-    tie: Arc<OwnerTie>,
-    draining: bool,
-}
-
-type Owners = Arc<Mutex<BTreeMap<Lane, OwnerEntry>>>;
-
 /// The node as the API sees it ([`NodeView`]).
 pub struct NodeState {
     node_id: String,
     store: Arc<dyn Store>,
     cluster: Option<Arc<Cluster>>,
+    /// The lane owners, as the [`LaneSupervisor`] runs them.
     owners: Owners,
-    /// Set (under the `owners` lock) when the node starts to stop: lane
-    /// control starts no owner any more ([`LaneControl::apply`]).
-    stopping: Arc<AtomicBool>,
     board: Arc<LaneBoard>,
     catalog: Arc<HandlerCatalog>,
     metrics: PrometheusHandle,
@@ -680,7 +669,7 @@ async fn run(
     shutdown: oneshot::Receiver<()>,
 ) -> Result<(), NodeError> {
     let drain_timeout = opts.drain_timeout;
-    let (state, addr) = match boot(opts).await {
+    let (state, addr, supervisor) = match boot(opts).await {
         Ok(v) => v,
         Err(e) => {
             let msg = e.to_string();
@@ -703,27 +692,18 @@ async fn run(
     let _ = shutdown.await;
     tracing::info!(node_id = %state.node_id, "node stopping");
     state.ready.send_replace(false);
-    // Under the owners lock, so that lane control, which re-applies the
-    // assignment every second, cannot see the emptied map and start a second
-    // owner of a lane at the same epoch next to the one draining (that owner
-    // would claim the rows still in flight and hand them over again).
-    let (owners, ties): (Vec<Addr<LaneOwner>>, Vec<Arc<OwnerTie>>) = {
-        let mut owners = state.owners.lock().expect("not poisoned");
-        state.stopping.store(true, AtomicOrdering::SeqCst);
-        std::mem::take(&mut *owners)
-            .into_values()
-            .map(|o| (o.addr, o.tie))
-            .unzip()
-    };
+    // The supervisor starts no owner any more (a second owner of a lane at
+    // the same epoch next to the one draining would claim the rows still in
+    // flight and hand them over again), drains its owners and answers once
+    // they all stopped, or at the deadline.
     let deadline = tokio::time::Instant::now() + drain_timeout;
-    for a in &owners {
-        a.do_send(Drain {
-            until: deadline.into_std(),
-        });
-    }
-    while owners.iter().any(|a| a.connected()) && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let (done, drained) = oneshot::channel();
+    supervisor.do_send(Shutdown {
+        until: deadline.into_std(),
+        done,
+    });
+    let (owners, ties): (Vec<Addr<LaneOwner>>, Vec<Arc<OwnerTie>>) =
+        drained.await.unwrap_or_default().into_iter().unzip();
     // Attempts of owners stopped earlier (a lapsed lease stops them at
     // once, their attempts go on) are not on the board: the dispatcher
     // counts every attempt under way.
@@ -776,7 +756,9 @@ async fn run(
 /// the API, the lane assignment and its lane owners, the store's
 /// wake-ups. Returns once the node is ready (its lanes fenced and their
 /// owners started).
-async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeError> {
+async fn boot(
+    opts: NodeOptions,
+) -> Result<(Arc<NodeState>, SocketAddr, Addr<LaneSupervisor>), NodeError> {
     opts.check()?;
     let metrics_handle = metrics::install_recorder();
     let (store, catalog) = open_store(&opts).await?;
@@ -793,7 +775,6 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
         store: store.clone(),
         cluster: cluster.clone(),
         owners: Owners::default(),
-        stopping: Arc::new(AtomicBool::new(false)),
         board: Arc::new(LaneBoard::default()),
         catalog: catalog.clone(),
         metrics: metrics_handle,
@@ -817,12 +798,13 @@ async fn boot(opts: NodeOptions) -> Result<(Arc<NodeState>, SocketAddr), NodeErr
         config: lane_config(&opts, &wakeups),
         gate: work_gate(cluster.as_ref()),
         fenced_out: None,
+        supervisor: None,
     };
     let (assignment, drain_bound) = assignment(&opts, &state).await?;
-    start_lane_control(&state, deps, assignment, drain_bound).await?;
+    let supervisor = start_lane_supervisor(&state, deps, assignment, drain_bound).await?;
     forward_wakeups(wakeups, &state);
     state.ready.send_replace(true);
-    Ok((state, addr))
+    Ok((state, addr, supervisor))
 }
 
 /// Opens the store and loads the handler catalog (reloaded in the
@@ -1001,29 +983,25 @@ async fn assignment(
     Ok((Arc::new(assignment), bound))
 }
 
-/// Starts the assignment (its lanes fenced) and the lane control that
-/// follows it with lane owners built from `deps`.
-async fn start_lane_control(
+/// Starts the assignment (its lanes fenced) and the lane supervisor that
+/// follows it with lane owners built from `deps`; returns once the owners
+/// of the lanes fenced so far are started.
+async fn start_lane_supervisor(
     state: &Arc<NodeState>,
     mut deps: LaneDeps,
     assignment: Arc<dyn LaneAssignment>,
     drain_bound: DrainBound,
-) -> Result<(), NodeError> {
+) -> Result<Addr<LaneSupervisor>, NodeError> {
     deps.fenced_out = assignment.fenced_out_reports();
     tracing::info!(owner = assignment.owner(), "fencing lanes as this owner");
     let work = assignment.start().await?;
-    let control = Arc::new(LaneControl {
-        owners: state.owners.clone(),
-        stopping: state.stopping.clone(),
-        deps,
-        assignment,
-        work: work.clone(),
-        releases_sent: Mutex::default(),
-        drain_bound,
-    });
-    control.apply();
-    actix_rt::spawn(control.clone().watch(work));
-    Ok(())
+    let supervisor =
+        LaneSupervisor::new(state.owners.clone(), deps, assignment, work, drain_bound).start();
+    supervisor
+        .send(Apply)
+        .await
+        .map_err(|e| NodeError::Runtime(format!("lane supervisor: {e}")))?;
+    Ok(supervisor)
 }
 
 /// Passes the store's wake-ups (if it pushes them) to every lane owner.
@@ -1090,188 +1068,6 @@ async fn join_loop(url: String, token: Option<String>, req: JoinRequest) {
                 tokio::time::sleep(Duration::from_millis(500)).await;
             }
         }
-    }
-}
-
-/// How long a lane being handed over may drain before it is released with
-/// attempts still in flight.
-enum DrainBound {
-    /// A set time (`--handover-drain-ms`, or the local drain timeout).
-    Fixed(Duration),
-    /// [`handover_drain_bound`] of the lease and the longest timeout of the
-    /// handlers as the catalog has them when the drain starts: a bound
-    /// taken at start missed handlers registered later (a node started
-    /// before any handler drained for 500 ms, then left 10 s attempts in
-    /// flight to the next owner, which sent them again).
-    Handover(LeaseConfig),
-}
-
-/// Carries out [`plan_lanes`]: starts, stops and drains lane owners so
-/// that they follow the assignment's [`LaneWork`].
-struct LaneControl {
-    owners: Owners,
-    /// The node is stopping: start nothing (see [`NodeState`]'s field).
-    stopping: Arc<AtomicBool>,
-    deps: LaneDeps,
-    assignment: Arc<dyn LaneAssignment>,
-    work: watch::Receiver<LaneWork>,
-    /// Lanes whose release is under way or done (not released twice).
-    releases_sent: Mutex<BTreeSet<Lane>>,
-    drain_bound: DrainBound,
-}
-
-impl LaneControl {
-    /// The drain bound for a drain starting now.
-    fn drain_bound(&self) -> Duration {
-        match &self.drain_bound {
-            DrainBound::Fixed(d) => *d,
-            DrainBound::Handover(lease) => {
-                handover_drain_bound(lease, self.deps.catalog.longest_timeout_ms())
-            }
-        }
-    }
-
-    /// Follows the assignment; also re-applies every second, so a release
-    /// that failed is tried again.
-    async fn watch(self: Arc<Self>, mut work: watch::Receiver<LaneWork>) {
-        loop {
-            tokio::select! {
-                r = work.changed() => if r.is_err() { return },
-                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-            }
-            self.apply();
-        }
-    }
-
-    /// One step toward the current work (runs on the actix system thread).
-    fn apply(self: &Arc<Self>) {
-        let work = self.work.borrow().clone();
-        let mut owners = self.owners.lock().expect("not poisoned");
-        if self.stopping.load(AtomicOrdering::SeqCst) {
-            // Shutdown took the owners to drain them: an empty map here
-            // means "stopping", not "start every lane".
-            return;
-        }
-        let mut sent = self.releases_sent.lock().expect("not poisoned");
-        sent.retain(|l| work.releasing.contains_key(l));
-        let running: BTreeMap<Lane, Running> = owners
-            .iter()
-            .map(|(&l, o)| {
-                (
-                    l,
-                    Running {
-                        epoch: o.epoch,
-                        draining: o.draining,
-                    },
-                )
-            })
-            .collect();
-        let plan = plan_lanes(&running, &work, &sent);
-        for lane in &plan.stop {
-            if let Some(o) = owners.remove(lane) {
-                o.tie.end();
-                o.addr.do_send(StopLane);
-            }
-        }
-        for &lane in &plan.drain {
-            let Some(o) = owners.get_mut(&lane) else {
-                continue;
-            };
-            o.draining = true;
-            let bound = self.drain_bound();
-            let deadline = tokio::time::Instant::now() + bound;
-            o.addr.do_send(Drain {
-                until: deadline.into_std(),
-            });
-            sent.insert(lane);
-            tracing::info!(
-                lane,
-                epoch = o.epoch,
-                bound_ms = bound.as_millis() as u64,
-                "handing the lane over: draining"
-            );
-            actix_rt::spawn(self.clone().drain_then_release(
-                lane,
-                o.epoch,
-                o.addr.clone(),
-                o.tie.clone(),
-                deadline,
-            ));
-        }
-        for &(lane, epoch) in &plan.start {
-            let owner = LaneOwner::new(lane, epoch, self.deps.clone());
-            let tie = owner.tie();
-            owners.insert(
-                lane,
-                OwnerEntry {
-                    epoch,
-                    addr: owner.start(),
-                    tie,
-                    draining: false,
-                },
-            );
-        }
-        for &lane in &plan.release_now {
-            sent.insert(lane);
-            actix_rt::spawn(self.clone().release(lane));
-        }
-        if !(plan.start.is_empty() && plan.stop.is_empty() && plan.drain.is_empty()) {
-            tracing::info!(
-                lanes = owners.len(),
-                started = plan.start.len(),
-                stopped = plan.stop.len(),
-                draining = plan.drain.len(),
-                "lane owners running"
-            );
-        }
-    }
-
-    async fn drain_then_release(
-        self: Arc<Self>,
-        lane: Lane,
-        epoch: Epoch,
-        addr: Addr<LaneOwner>,
-        tie: Arc<OwnerTie>,
-        deadline: tokio::time::Instant,
-    ) {
-        while addr.connected() && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        if addr.connected() {
-            tracing::warn!(
-                lane,
-                epoch,
-                "drain bound reached: in-flight deliveries left to the next owner"
-            );
-        }
-        // Ended before the release: the next owner may start at once.
-        tie.end();
-        addr.do_send(StopLane);
-        {
-            let mut owners = self.owners.lock().expect("not poisoned");
-            if owners
-                .get(&lane)
-                .is_some_and(|o| o.epoch == epoch && o.draining)
-            {
-                owners.remove(&lane);
-            }
-        }
-        let still = self.work.borrow().releasing.get(&lane) == Some(&epoch);
-        if still {
-            self.release(lane).await;
-        } else {
-            self.apply();
-        }
-    }
-
-    async fn release(self: Arc<Self>, lane: Lane) {
-        if !self.assignment.released(lane).await {
-            self.releases_sent
-                .lock()
-                .expect("not poisoned")
-                .remove(&lane);
-        }
-        self.apply();
     }
 }
 

@@ -208,6 +208,29 @@ pub struct Drain {
     pub until: std::time::Instant,
 }
 
+/// Why a lane owner stopped ([`OwnerStopped`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopCause {
+    /// A drain ended with nothing in flight.
+    Drained,
+    /// The store refused a claim: another process holds the lane.
+    FencedOut,
+    /// Told to ([`StopLane`]), or the node's store actor is gone.
+    Ended,
+}
+
+/// Fact, to the owner's supervisor: a lane owner stopped.
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "()")]
+pub struct OwnerStopped {
+    /// Its lane.
+    pub lane: Lane,
+    /// The epoch it worked at.
+    pub epoch: Epoch,
+    /// Why.
+    pub why: StopCause,
+}
+
 /// Command: stop the lane now (ownership moved, or a drain took too long).
 #[derive(Debug, Clone, Copy, Message)]
 #[rtype(result = "()")]
@@ -275,6 +298,8 @@ pub struct LaneDeps {
     /// Where a lane owner reports `(lane, epoch)` when the store refuses its
     /// claim ([`crate::assignment::LaneAssignment::fenced_out_reports`]).
     pub fenced_out: Option<tokio::sync::mpsc::UnboundedSender<(Lane, Epoch)>>,
+    /// Hears that the owner stopped ([`super::LaneSupervisor`]).
+    pub supervisor: Option<Recipient<OwnerStopped>>,
 }
 
 /// The lane owner actor. See the module docs.
@@ -737,6 +762,20 @@ impl Actor for LaneOwner {
             },
         );
         metrics::lane_depth(self.lane, 0, 0);
+        if let Some(s) = &self.deps.supervisor {
+            let why = if self.fenced_out {
+                StopCause::FencedOut
+            } else if self.ctl.draining() && self.queue.in_flight() == 0 {
+                StopCause::Drained
+            } else {
+                StopCause::Ended
+            };
+            s.do_send(OwnerStopped {
+                lane: self.lane,
+                epoch: self.epoch,
+                why,
+            });
+        }
     }
 }
 

@@ -1,7 +1,10 @@
 //! The node's actors (actix 0.13). Each carries out what the pure modules
-//! ([`crate::ordering`], [`crate::retry`], [`crate::assignment`]) decide.
+//! ([`crate::ordering`], [`crate::claim`], [`crate::retry`],
+//! [`crate::assignment`]) decide.
 //!
 //! - [`StoreActor`]: one per node, batches store calls.
+//! - [`LaneSupervisor`]: one per node, owns the lane owners and follows
+//!   the lane assignment.
 //! - [`LaneOwner`]: one per owned lane.
 //! - [`KeyHandler`]: one per (handler, key) with work.
 //!
@@ -11,8 +14,10 @@
 pub mod budget;
 pub mod key_handler;
 pub mod lane_owner;
+pub mod lane_supervisor;
 pub mod store_actor;
 
 pub use key_handler::KeyHandler;
 pub use lane_owner::{LaneBoard, LaneConfig, LaneOwner, LaneState, LaneStatus};
+pub use lane_supervisor::LaneSupervisor;
 pub use store_actor::{StoreActor, StoreActorConfig};

@@ -1,0 +1,504 @@
+//! `LaneSupervisor`: one per node; owns the node's lane owners. It starts,
+//! stops and drains them so that they follow the lane assignment's
+//! [`LaneWork`] ([`plan_lanes`] decides), hears their facts as messages
+//! and releases a lane handed over once its owner has drained.
+//!
+//! ```text
+//!  LaneWork changed, every second ──▶ plan_lanes ──▶ start │ StopLane │ Drain │ release
+//!  OwnerStopped (from a LaneOwner) ──▶ drained: StopLane, release the lane
+//!                                  └─▶ stopping: one owner fewer to wait for
+//!  a drain's bound (timer)         ──▶ StopLane, release anyway (attempts left
+//!                                      in flight are repeated by the next owner)
+//!  Shutdown                        ──▶ Drain every owner, start none any more;
+//!                                      answer once all stopped, or at the bound
+//! ```
+//!
+//! The owners' addresses are also in a shared map ([`Owners`]) that the
+//! node reads to pass wake-ups on; only the supervisor writes it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use lanebus_cluster::LeaseConfig;
+use lanebus_store::{Epoch, Lane};
+use tokio::sync::{oneshot, watch};
+
+use super::lane_owner::{Drain, LaneDeps, LaneOwner, OwnerStopped, StopLane};
+use crate::assignment::{plan_lanes, LaneAssignment, LaneWork, OwnerTie, Running};
+
+/// How often the supervisor applies the work without a change (a release
+/// that failed is tried again).
+pub const REAPPLY: Duration = Duration::from_secs(1);
+
+/// A running lane owner.
+#[derive(Clone)]
+pub struct OwnerEntry {
+    /// The epoch it works at.
+    pub epoch: Epoch,
+    /// Its address.
+    pub addr: Addr<LaneOwner>,
+    /// Ended before the owner is told to stop (see [`OwnerTie`]).
+    pub tie: Arc<OwnerTie>,
+    /// A drain for a handover is under way.
+    pub draining: bool,
+}
+
+/// The node's lane owners by lane, written by the supervisor only.
+pub type Owners = Arc<Mutex<BTreeMap<Lane, OwnerEntry>>>;
+
+/// How long a lane being handed over may drain before it is released with
+/// attempts still in flight.
+#[derive(Debug, Clone, Copy)]
+pub enum DrainBound {
+    /// A set time (`--handover-drain-ms`, or the local drain timeout).
+    Fixed(Duration),
+    /// [`crate::node::handover_drain_bound`] of the lease and the longest
+    /// timeout of the handlers as the catalog has them when the drain
+    /// starts: a bound taken at start missed handlers registered later (a
+    /// node started before any handler drained for 500 ms, then left 10 s
+    /// attempts in flight to the next owner, which sent them again).
+    Handover(LeaseConfig),
+}
+
+/// The owners a shutdown hands back: address and tie of each.
+pub type StoppedOwners = Vec<(Addr<LaneOwner>, Arc<OwnerTie>)>;
+
+/// Command: stop following the work; drain every owner until `until`.
+/// The answer on `done` (once every owner stopped, or at `until`) lists
+/// the owners, to be stopped for good by the caller.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Shutdown {
+    /// The drains' bound.
+    pub until: Instant,
+    /// Where the owners go once drained or at the bound.
+    pub done: oneshot::Sender<StoppedOwners>,
+}
+
+/// Command: take one step toward the current work now (the answer comes
+/// after the owners to start were started).
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "()")]
+pub struct Apply;
+
+/// A drain for a handover under way.
+struct Draining {
+    epoch: Epoch,
+    addr: Addr<LaneOwner>,
+    tie: Arc<OwnerTie>,
+    /// The timer of its bound.
+    bound: SpawnHandle,
+}
+
+/// A shutdown under way.
+struct Stopping {
+    /// Owners not stopped yet.
+    pending: BTreeSet<(Lane, Epoch)>,
+    owners: StoppedOwners,
+    done: Option<oneshot::Sender<StoppedOwners>>,
+}
+
+/// The lane supervisor actor. See the module docs.
+pub struct LaneSupervisor {
+    owners: Owners,
+    deps: LaneDeps,
+    assignment: Arc<dyn LaneAssignment>,
+    work: watch::Receiver<LaneWork>,
+    /// Lanes whose release is under way or done (not released twice).
+    releases_sent: BTreeSet<Lane>,
+    drain_bound: DrainBound,
+    drains: BTreeMap<Lane, Draining>,
+    /// Set by [`Shutdown`]: start nothing any more.
+    stopping: Option<Stopping>,
+}
+
+impl LaneSupervisor {
+    /// A supervisor of lane owners built from `deps`, following `work` of
+    /// `assignment`, publishing its owners in `owners`.
+    pub fn new(
+        owners: Owners,
+        deps: LaneDeps,
+        assignment: Arc<dyn LaneAssignment>,
+        work: watch::Receiver<LaneWork>,
+        drain_bound: DrainBound,
+    ) -> Self {
+        LaneSupervisor {
+            owners,
+            deps,
+            assignment,
+            work,
+            releases_sent: BTreeSet::new(),
+            drain_bound,
+            drains: BTreeMap::new(),
+            stopping: None,
+        }
+    }
+
+    /// The drain bound for a drain starting now.
+    fn drain_bound(&self) -> Duration {
+        match &self.drain_bound {
+            DrainBound::Fixed(d) => *d,
+            DrainBound::Handover(lease) => {
+                crate::node::handover_drain_bound(lease, self.deps.catalog.longest_timeout_ms())
+            }
+        }
+    }
+
+    /// One step toward the current work.
+    fn apply(&mut self, ctx: &mut Context<Self>) {
+        if self.stopping.is_some() {
+            return;
+        }
+        let work = self.work.borrow().clone();
+        self.releases_sent
+            .retain(|l| work.releasing.contains_key(l));
+        let owners = self.owners.clone();
+        let mut owners = owners.lock().expect("not poisoned");
+        let running: BTreeMap<Lane, Running> = owners
+            .iter()
+            .map(|(&l, o)| {
+                (
+                    l,
+                    Running {
+                        epoch: o.epoch,
+                        draining: o.draining,
+                    },
+                )
+            })
+            .collect();
+        let plan = plan_lanes(&running, &work, &self.releases_sent);
+        for lane in &plan.stop {
+            if let Some(o) = owners.remove(lane) {
+                o.tie.end();
+                o.addr.do_send(StopLane);
+            }
+        }
+        for &lane in &plan.drain {
+            let Some(o) = owners.get_mut(&lane) else {
+                continue;
+            };
+            o.draining = true;
+            let bound = self.drain_bound();
+            o.addr.do_send(Drain {
+                until: Instant::now() + bound,
+            });
+            self.releases_sent.insert(lane);
+            tracing::info!(
+                lane,
+                epoch = o.epoch,
+                bound_ms = bound.as_millis() as u64,
+                "handing the lane over: draining"
+            );
+            let epoch = o.epoch;
+            let timer = ctx.run_later(bound, move |act, ctx| act.drained(lane, epoch, true, ctx));
+            self.drains.insert(
+                lane,
+                Draining {
+                    epoch,
+                    addr: o.addr.clone(),
+                    tie: o.tie.clone(),
+                    bound: timer,
+                },
+            );
+        }
+        for &(lane, epoch) in &plan.start {
+            let owner = LaneOwner::new(lane, epoch, self.deps.clone());
+            let tie = owner.tie();
+            owners.insert(
+                lane,
+                OwnerEntry {
+                    epoch,
+                    addr: owner.start(),
+                    tie,
+                    draining: false,
+                },
+            );
+        }
+        if !(plan.start.is_empty() && plan.stop.is_empty() && plan.drain.is_empty()) {
+            tracing::info!(
+                lanes = owners.len(),
+                started = plan.start.len(),
+                stopped = plan.stop.len(),
+                draining = plan.drain.len(),
+                "lane owners running"
+            );
+        }
+        drop(owners);
+        for &lane in &plan.release_now {
+            self.releases_sent.insert(lane);
+            self.release(lane, ctx);
+        }
+    }
+
+    /// The drain of `lane` at `epoch` ended: its owner stopped, or the
+    /// bound was reached (`timed_out`). Stops the owner for good and
+    /// releases the lane if it is still to be handed over.
+    fn drained(&mut self, lane: Lane, epoch: Epoch, timed_out: bool, ctx: &mut Context<Self>) {
+        if self.drains.get(&lane).is_none_or(|d| d.epoch != epoch) {
+            return;
+        }
+        let Some(d) = self.drains.remove(&lane) else {
+            return;
+        };
+        if !timed_out {
+            ctx.cancel_future(d.bound);
+        }
+        if timed_out && d.addr.connected() {
+            tracing::warn!(
+                lane,
+                epoch,
+                "drain bound reached: in-flight deliveries left to the next owner"
+            );
+        }
+        // Ended before the release: the next owner may start at once.
+        d.tie.end();
+        d.addr.do_send(StopLane);
+        {
+            let mut owners = self.owners.lock().expect("not poisoned");
+            if owners
+                .get(&lane)
+                .is_some_and(|o| o.epoch == epoch && o.draining)
+            {
+                owners.remove(&lane);
+            }
+        }
+        if self.work.borrow().releasing.get(&lane) == Some(&epoch) {
+            self.release(lane, ctx);
+        } else {
+            self.apply(ctx);
+        }
+    }
+
+    /// Tells the assignment `lane` may go to its next owner; if it could
+    /// not be told, the next step asks again.
+    fn release(&mut self, lane: Lane, ctx: &mut Context<Self>) {
+        let assignment = self.assignment.clone();
+        let fut = async move { assignment.released(lane).await };
+        ctx.spawn(fut.into_actor(self).map(move |released, act, ctx| {
+            if !released {
+                act.releases_sent.remove(&lane);
+            }
+            act.apply(ctx);
+        }));
+    }
+
+    /// Answers the shutdown with the owners (once).
+    fn shut_down(&mut self) {
+        if let Some(s) = &mut self.stopping {
+            if let Some(done) = s.done.take() {
+                let _ = done.send(std::mem::take(&mut s.owners));
+            }
+        }
+    }
+}
+
+impl Actor for LaneSupervisor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        ctx.set_mailbox_capacity(usize::MAX >> 4);
+        self.deps.supervisor = Some(ctx.address().recipient());
+        // Follows the assignment; the stream ends when the assignment does.
+        let changes = futures::stream::unfold(self.work.clone(), |mut work| async move {
+            work.changed().await.ok()?;
+            Some((Apply, work))
+        });
+        ctx.add_stream(changes);
+        ctx.run_interval(REAPPLY, |act, ctx| act.apply(ctx));
+    }
+}
+
+impl StreamHandler<Apply> for LaneSupervisor {
+    fn handle(&mut self, _: Apply, ctx: &mut Self::Context) {
+        self.apply(ctx);
+    }
+
+    fn finished(&mut self, _: &mut Self::Context) {
+        // The assignment stopped: the owners stay as they are.
+    }
+}
+
+impl Handler<Apply> for LaneSupervisor {
+    type Result = ();
+
+    fn handle(&mut self, _: Apply, ctx: &mut Self::Context) {
+        self.apply(ctx);
+    }
+}
+
+impl Handler<OwnerStopped> for LaneSupervisor {
+    type Result = ();
+
+    fn handle(&mut self, msg: OwnerStopped, ctx: &mut Self::Context) {
+        tracing::debug!(lane = msg.lane, epoch = msg.epoch, why = ?msg.why, "lane owner stopped");
+        if let Some(s) = &mut self.stopping {
+            s.pending.remove(&(msg.lane, msg.epoch));
+            if s.pending.is_empty() {
+                self.shut_down();
+            }
+        }
+        // Drained, or stopped otherwise during a drain (fenced out): the
+        // drain is over either way.
+        self.drained(msg.lane, msg.epoch, false, ctx);
+    }
+}
+
+impl Handler<Shutdown> for LaneSupervisor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Shutdown, ctx: &mut Self::Context) {
+        let owners = std::mem::take(&mut *self.owners.lock().expect("not poisoned"));
+        for o in owners.values() {
+            o.addr.do_send(Drain { until: msg.until });
+        }
+        let pending = owners
+            .iter()
+            .filter(|(_, o)| o.addr.connected())
+            .map(|(&l, o)| (l, o.epoch))
+            .collect::<BTreeSet<_>>();
+        let empty = pending.is_empty();
+        self.stopping = Some(Stopping {
+            pending,
+            owners: owners.into_values().map(|o| (o.addr, o.tie)).collect(),
+            done: Some(msg.done),
+        });
+        if empty {
+            self.shut_down();
+        } else {
+            let wait = msg.until.saturating_duration_since(Instant::now());
+            ctx.run_later(wait, |act, _| act.shut_down());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use async_trait::async_trait;
+    use tokio::sync::mpsc;
+
+    use super::*;
+    use crate::actors::{LaneBoard, LaneConfig, StoreActor, StoreActorConfig};
+    use crate::assignment::{AssignmentError, OwnedLanes, WorkGate};
+    use crate::catalog::HandlerCatalog;
+    use crate::handler::Dispatcher;
+    use crate::webhook::WebhookSender;
+
+    /// An assignment the test drives: its work is `work`, releases go to
+    /// `released`.
+    struct Fake {
+        work: watch::Receiver<LaneWork>,
+        released: mpsc::UnboundedSender<Lane>,
+    }
+
+    #[async_trait]
+    impl LaneAssignment for Fake {
+        async fn start(&self) -> Result<watch::Receiver<LaneWork>, AssignmentError> {
+            Ok(self.work.clone())
+        }
+
+        async fn released(&self, lane: Lane) -> bool {
+            let _ = self.released.send(lane);
+            true
+        }
+
+        fn owner(&self) -> &str {
+            "t/1"
+        }
+    }
+
+    fn lanes(of: &[(Lane, Epoch)]) -> OwnedLanes {
+        of.iter().copied().collect()
+    }
+
+    /// With drain bounds of an hour, only the owners' facts can end a
+    /// handover's drain or a shutdown within the test's deadline.
+    #[test]
+    fn drains_end_when_the_owners_say_they_stopped() {
+        actix_rt::System::new().block_on(async {
+            let store = lanebus_store::open("sqlite::memory:").await.expect("store");
+            for lane in [0, 1] {
+                assert!(store.fence(lane, "t/1", 1).await.expect("fence"));
+            }
+            let catalog = Arc::new(HandlerCatalog::new(store.clone()));
+            catalog.reload_fresh().await.expect("reload");
+            let deps = LaneDeps {
+                store_actor: StoreActor::new(store.clone(), StoreActorConfig::default()).start(),
+                catalog,
+                dispatcher: Dispatcher::new(
+                    WebhookSender::new(Default::default()).expect("sender"),
+                    HashMap::new(),
+                    store.lanes(),
+                ),
+                board: Arc::new(LaneBoard::default()),
+                config: LaneConfig::default(),
+                gate: WorkGate::default(),
+                fenced_out: None,
+                supervisor: None,
+            };
+            let (work, work_rx) = watch::channel(LaneWork {
+                owned: lanes(&[(0, 1), (1, 1)]),
+                releasing: OwnedLanes::new(),
+            });
+            let (released, mut released_rx) = mpsc::unbounded_channel();
+            let assignment = Arc::new(Fake {
+                work: work_rx.clone(),
+                released,
+            });
+            let owners = Owners::default();
+            let hour = Duration::from_secs(3600);
+            let sup = LaneSupervisor::new(
+                owners.clone(),
+                deps,
+                assignment,
+                work_rx,
+                DrainBound::Fixed(hour),
+            )
+            .start();
+            sup.send(Apply).await.expect("applied");
+            let running = |o: &Owners| {
+                o.lock()
+                    .unwrap()
+                    .iter()
+                    .map(|(&l, e)| (l, e.epoch, e.draining))
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(running(&owners), [(0, 1, false), (1, 1, false)]);
+
+            // Lane 1 is handed over: its owner holds nothing, drains at once
+            // and says so; the lane is released long before the bound.
+            work.send_replace(LaneWork {
+                owned: lanes(&[(0, 1)]),
+                releasing: lanes(&[(1, 1)]),
+            });
+            let lane = tokio::time::timeout(Duration::from_secs(60), released_rx.recv())
+                .await
+                .expect("released before the drain's bound");
+            assert_eq!(lane, Some(1));
+            sup.send(Apply).await.expect("applied");
+            assert_eq!(running(&owners), [(0, 1, false)]);
+
+            // Shutdown: answered once lane 0's owner drained, not at the
+            // bound; nothing starts afterwards.
+            let (done, drained) = oneshot::channel();
+            sup.do_send(Shutdown {
+                until: Instant::now() + hour,
+                done,
+            });
+            let stopped = tokio::time::timeout(Duration::from_secs(60), drained)
+                .await
+                .expect("answered before the bound")
+                .expect("answered");
+            assert_eq!(stopped.len(), 1);
+            assert!(!stopped[0].0.connected(), "lane 0's owner stopped");
+            sup.send(Apply).await.expect("applied");
+            assert!(
+                running(&owners).is_empty(),
+                "started nothing after the shutdown"
+            );
+        });
+    }
+}
