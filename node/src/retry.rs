@@ -344,13 +344,13 @@ mod tests {
             };
             assert!(delay <= MAX_DELAY, "{delay:?}");
             // The key handler adds it to the clock: that must not panic.
-            let now = Utc::now();
+            let now = ManualClock::new().wall();
             assert_eq!((due_at(now, delay) - now).to_std().unwrap(), delay);
         }
         // Nor at the end of time, or with a longer delay than decided.
         let end = DateTime::<Utc>::MAX_UTC;
         assert_eq!(due_at(end, Duration::from_secs(1)), end);
-        let now = Utc::now();
+        let now = ManualClock::new().wall();
         assert_eq!(
             (due_at(now, Duration::MAX) - now).to_std().unwrap(),
             MAX_DELAY
