@@ -1296,18 +1296,20 @@ const LARGE_BACKLOG: i64 = 1_000_000;
 /// Issue 18 item 4: `DELETE /v1/handlers/{id}` of a handler with a large
 /// backlog ([`LARGE_BACKLOG`] pending deliveries, seeded in SQL on 8 lanes,
 /// which its receiver keeps completing meanwhile), while one of its rows is
-/// held for 6 s by a statement of another node, does not stall another
+/// held for 12 s by a statement of another node, does not stall another
 /// handler of the node. `steady` (rate-limited to 50 requests a second on
 /// 20 keys in other lanes; each key's next delivery waits for the previous
-/// completion) must see no gap of more than 3 s between its accepted
-/// requests from the delete's start until 1 s after it answered. Before the
-/// fix the delete held every row of the handler locked in one transaction
-/// while it scanned `deliveries` without an index and waited for the held
-/// row, and the node's completions (one statement for both handlers' rows)
-/// and the claims queued behind them waited for it. (Without the held row
-/// the whole delete took about 0.6 s on the test machine, with the table in
-/// memory: the held row stands for a delete that takes longer, a table
-/// larger than memory or a busier server.)
+/// completion) must see no gap of more than half that time between its
+/// accepted requests from the delete's start until 1 s after it answered (a
+/// stall behind the held row lasts as long as the row is held; the bound
+/// leaves a loaded machine 6 s). Before the fix the delete held every row
+/// of the handler locked in one transaction while it scanned `deliveries`
+/// without an index and waited for the held row, and the node's completions
+/// (one statement for both handlers' rows) and the claims queued behind
+/// them waited for it. (Without the held row the whole delete took about
+/// 0.6 s on the test machine, with the table in memory: the held row stands
+/// for a delete that takes longer, a table larger than memory or a busier
+/// server.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delete_of_a_large_backlog_does_not_stall_dispatch() {
     let db = TestDb::new(Backend::Postgres, "delete_large")
@@ -1410,7 +1412,7 @@ async fn delete_of_a_large_backlog_does_not_stall_dispatch() {
     );
     tokio::time::sleep(Duration::from_secs(1)).await;
     // Another node's statement holds the backlog's last row meanwhile (a
-    // completion or dead letter in flight, slow for 6 s): the delete waits
+    // completion or dead letter in flight, slow for 12 s): the delete waits
     // for it, and must not hold anything else up meanwhile.
     let mut other_node = pool.begin().await.unwrap();
     sqlx::query(
@@ -1420,7 +1422,7 @@ async fn delete_of_a_large_backlog_does_not_stall_dispatch() {
     .fetch_one(&mut *other_node)
     .await
     .unwrap();
-    let held_for = Duration::from_secs(6);
+    let held_for = Duration::from_secs(12);
     let release = tokio::spawn(async move {
         tokio::time::sleep(held_for).await;
         other_node.rollback().await.unwrap();
@@ -1450,7 +1452,7 @@ async fn delete_of_a_large_backlog_does_not_stall_dispatch() {
         marks.len() - 2
     );
     assert!(
-        longest <= 3000.0,
+        longest <= held_for.as_secs_f64() * 1000.0 / 2.0,
         "the other handler's dispatch stalled {longest:.0} ms during the delete \
          (answered in {:.0} ms)",
         answered - from
