@@ -40,6 +40,10 @@ pub fn describe_metrics() {
         "lanebus_handlers_enabled_total",
         "handlers enabled through the API"
     );
+    metrics::describe_histogram!(
+        "lanebus_publish_group_size",
+        "publish calls written together in one store transaction (group commit)"
+    );
 }
 
 /// A publish committed.

@@ -72,6 +72,8 @@ use serde::{Deserialize, Serialize};
 
 mod common;
 pub use common::MAX_BATCH;
+mod group;
+pub use group::{GroupStats, GROUP_EVENTS};
 pub mod egress;
 mod state;
 pub use state::change_state;

@@ -57,6 +57,8 @@ trait Harness: Send + Sync {
     /// and delivery's due time `by` into the past (tests of retention, which
     /// counts in hours).
     async fn age(&self, by: chrono::TimeDelta);
+    /// The store's publish counts ([`GroupStats`]).
+    fn publish_stats(&self) -> GroupStats;
     /// Removes what the harness created.
     async fn cleanup(&self);
 }
@@ -127,6 +129,9 @@ impl Harness for SqliteHarness {
                 .await
                 .expect("age sqlite rows");
         }
+    }
+    fn publish_stats(&self) -> GroupStats {
+        self.store.publish_stats()
     }
     async fn cleanup(&self) {
         self.store.pool().close().await;
@@ -219,6 +224,9 @@ impl Harness for PgHarness {
                 .await
                 .expect("age postgres rows");
         }
+    }
+    fn publish_stats(&self) -> GroupStats {
+        self.store.publish_stats()
     }
     async fn cleanup(&self) {
         use sqlx::Connection as _;
@@ -321,6 +329,9 @@ impl Harness for MongoHarness {
                 .expect("age mongodb documents");
         }
     }
+    fn publish_stats(&self) -> GroupStats {
+        self.store.publish_stats()
+    }
     async fn cleanup(&self) {
         let _ = self.store.database().drop().await;
     }
@@ -387,6 +398,8 @@ conformance!(
     handler_catalog_validates_and_round_trips,
     reopening_keeps_lanes_and_data,
     concurrent_publishes_of_one_id_store_it_once,
+    concurrent_publishes_are_grouped_and_each_answered,
+    a_group_of_several_thousand_events_is_written,
     deliver_at_sets_the_first_due_time,
     dead_letters_are_replayed_by_time_range_in_key_order,
     recover_puts_completed_events_back_as_replays,
@@ -1705,6 +1718,181 @@ async fn concurrent_publishes_of_one_id_store_it_once(h: &dyn Harness) {
         seqs_of_key(&claim_all(&*s).await, "k"),
         (1..=10).collect::<Vec<_>>()
     );
+}
+
+/// Asserts that keys `k0` to `k{keys - 1}` have gapless sequence numbers
+/// from 1, in claim order.
+fn assert_keys_gapless(ds: &[Delivery], keys: usize) {
+    for k in 0..keys {
+        let key = format!("k{k}");
+        let seqs = seqs_of_key(ds, &key);
+        let want: Vec<i64> = (1..=seqs.len() as i64).collect();
+        assert_eq!(seqs, want, "{key}: gapless");
+    }
+}
+
+/// Each keyed delivery's sequence number, by event id.
+fn seq_by_event(ds: &[Delivery]) -> HashMap<&str, i64> {
+    ds.iter()
+        .filter_map(|d| Some((d.event_id.as_str(), d.seq?)))
+        .collect()
+}
+
+/// 32 callers, 3 single-event publishes each, at once: keyed and unkeyed,
+/// generated and client ids, an id two callers repeat, an id already
+/// stored, and one caller whose batch has a bad event.
+async fn concurrent_publishes_are_grouped_and_each_answered(h: &dyn Harness) {
+    const CALLERS: usize = 32;
+    const ROUNDS: usize = 3;
+    const BAD: usize = 13;
+    let s = h.store();
+    handler(&*s, "all", &["*"]).await;
+    let old = s
+        .publish(vec![ev(Some("old-1"), "t.x", None)])
+        .await
+        .expect("publish");
+    assert_eq!(old.accepted, 1);
+    let before = h.publish_stats();
+    let start = Arc::new(tokio::sync::Barrier::new(CALLERS));
+    let mut tasks = Vec::new();
+    for c in 0..CALLERS {
+        let (st, start) = (s.clone(), start.clone());
+        tasks.push(tokio::spawn(async move {
+            start.wait().await;
+            let key = (c % 2 == 0).then(|| format!("k{}", c % 3));
+            let mut answers = Vec::new();
+            for r in 0..ROUNDS {
+                let id = match (c, r) {
+                    (5 | 6, 0) => Some("rep".to_string()),
+                    (7, 0) => Some("old-1".to_string()),
+                    _ if c % 4 == 0 => None,
+                    _ => Some(format!("c{c}-r{r}")),
+                };
+                let mut batch = vec![ev(id.as_deref(), "t.x", key.as_deref())];
+                if c == BAD && r == 1 {
+                    batch.push(ev(Some("has space"), "t.x", key.as_deref()));
+                }
+                answers.push((id, st.publish(batch).await));
+            }
+            answers
+        }));
+    }
+    let mut answers = Vec::new();
+    for t in tasks {
+        answers.push(t.await.expect("caller task"));
+    }
+    let mut rep_accepted = 0;
+    let mut ids_of: HashMap<usize, Vec<String>> = HashMap::new();
+    for (c, rounds) in answers.into_iter().enumerate() {
+        for (r, (id, result)) in rounds.into_iter().enumerate() {
+            if c == BAD && r == 1 {
+                let err = result.expect_err("the batch with a bad event is refused");
+                assert!(
+                    matches!(&err, StoreError::Invalid(m) if m.starts_with("events[1]")),
+                    "{err:?}"
+                );
+                continue;
+            }
+            let out = result.unwrap_or_else(|e| panic!("caller {c} round {r}: {e:?}"));
+            assert_eq!(out.ids.len(), 1, "caller {c}: its own ids only");
+            if let Some(id) = &id {
+                assert_eq!(&out.ids[0], id, "caller {c} round {r}");
+            }
+            match (c, r) {
+                (5 | 6, 0) => {
+                    assert_eq!(out.accepted + out.duplicates, 1);
+                    rep_accepted += out.accepted;
+                }
+                (7, 0) => assert_eq!((out.accepted, out.duplicates), (0, 1), "stored before"),
+                _ => assert_eq!(
+                    (out.accepted, out.duplicates),
+                    (1, 0),
+                    "caller {c} round {r}"
+                ),
+            }
+            if !(c == 7 && r == 0) && !(c == 6 && r == 0) {
+                ids_of.entry(c).or_default().push(out.ids[0].clone());
+            }
+        }
+    }
+    assert_eq!(
+        rep_accepted, 1,
+        "an id repeated by two callers is stored once"
+    );
+
+    let ds = claim_all(&*s).await;
+    // old-1, then every round of every caller but the refused one, the
+    // stored id and the repeated id.
+    assert_eq!(ds.len(), 1 + CALLERS * ROUNDS - 3);
+    let stored: HashSet<&str> = ds.iter().map(|d| d.event_id.as_str()).collect();
+    assert!(!stored.contains("has space"));
+    let seq_of = seq_by_event(&ds);
+    assert_keys_gapless(&ds, 3);
+    for (c, ids) in &ids_of {
+        if c % 2 == 1 {
+            continue;
+        }
+        let seqs: Vec<i64> = ids
+            .iter()
+            .filter(|id| id.as_str() != "rep")
+            .map(|id| seq_of[id.as_str()])
+            .collect();
+        assert!(
+            seqs.windows(2).all(|w| w[0] < w[1]),
+            "caller {c}: {seqs:?} in its order"
+        );
+    }
+    // Fewer publish transactions than publishes: callers were grouped.
+    let after = h.publish_stats();
+    let publishes = after.publishes - before.publishes;
+    let writes = after.writes - before.writes;
+    assert_eq!(publishes, (CALLERS * ROUNDS - 1) as u64, "valid publishes");
+    assert!(
+        writes < publishes,
+        "{writes} writes for {publishes} publishes"
+    );
+}
+
+/// Callers of full batches at once: groups of several thousand events.
+async fn a_group_of_several_thousand_events_is_written(h: &dyn Harness) {
+    const CALLERS: usize = 5;
+    let s = h.store();
+    handler(&*s, "all", &["*"]).await;
+    let start = Arc::new(tokio::sync::Barrier::new(CALLERS));
+    let mut tasks = Vec::new();
+    for c in 0..CALLERS {
+        let (st, start) = (s.clone(), start.clone());
+        tasks.push(tokio::spawn(async move {
+            let batch: Vec<NewEvent> = (0..MAX_BATCH)
+                .map(|i| {
+                    ev(
+                        Some(&format!("c{c}-{i}")),
+                        "t.x",
+                        Some(&format!("k{}", i % 7)),
+                    )
+                })
+                .collect();
+            start.wait().await;
+            st.publish(batch).await
+        }));
+    }
+    for t in tasks {
+        let out = t.await.expect("caller task").expect("publish");
+        assert_eq!((out.accepted, out.duplicates), (MAX_BATCH, 0));
+    }
+    let ds = claim_all(&*s).await;
+    assert_eq!(ds.len(), CALLERS * MAX_BATCH);
+    let seq_of = seq_by_event(&ds);
+    assert_keys_gapless(&ds, 7);
+    for c in 0..CALLERS {
+        for i in 7..MAX_BATCH {
+            let (a, b) = (format!("c{c}-{}", i - 7), format!("c{c}-{i}"));
+            assert!(
+                seq_of[a.as_str()] < seq_of[b.as_str()],
+                "batch order within a key"
+            );
+        }
+    }
 }
 
 async fn handler_patch_changes_settings_and_checks_them(h: &dyn Harness) {

@@ -164,6 +164,7 @@
 //! and the node's integration tests create their MongoDB stores with 16
 //! lanes instead of 256 (`node/tests/common`). Nothing else is worked around.
 
+use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use ::mongodb::bson::{doc, Bson, Document};
@@ -177,6 +178,7 @@ use ::mongodb::{Client, ClientSession, Collection, Database, IndexModel};
 use async_trait::async_trait;
 
 use crate::common::PublishPlan;
+use crate::group::{GroupWriter, Grouper};
 use crate::*;
 use error::{error_code, is_duplicate_key, map_err, TxnResult, DUPLICATE_KEY};
 
@@ -206,6 +208,8 @@ pub struct MongoStore {
     /// Where the next retention batch goes on reading events (see
     /// `dispatch::prune`), shared by clones.
     prune_resume: std::sync::Arc<std::sync::Mutex<Option<dispatch::PruneResume>>>,
+    /// Concurrent publishes, written in groups; shared by clones.
+    group: std::sync::Arc<Grouper>,
 }
 
 /// The collections, by name.
@@ -410,6 +414,7 @@ impl MongoStore {
             db,
             lanes,
             prune_resume: std::sync::Arc::default(),
+            group: std::sync::Arc::default(),
         };
         store.lanes = migrate::migrate(&store, lanes).await?;
         Ok(store)
@@ -430,6 +435,12 @@ impl MongoStore {
     /// transaction ([`MongoStore::publish_in`]).
     pub fn client(&self) -> &Client {
         &self.client
+    }
+
+    /// Publishes and their writes so far, on this store and its clones
+    /// (concurrent publishes are written in groups: [`GroupStats`]).
+    pub fn publish_stats(&self) -> GroupStats {
+        self.group.stats()
     }
 
     /// The database the store lives in.
@@ -558,6 +569,13 @@ pub(crate) fn delivery_id(lane: Lane, pos: i64) -> i64 {
 }
 
 #[async_trait]
+impl GroupWriter for MongoStore {
+    async fn write_plan(&self, plan: &PublishPlan) -> Result<HashSet<String>> {
+        publish::write(self, plan).await
+    }
+}
+
+#[async_trait]
 impl Store for MongoStore {
     fn backend(&self) -> &'static str {
         "mongodb"
@@ -569,7 +587,7 @@ impl Store for MongoStore {
 
     async fn publish(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
         let plan = PublishPlan::new(events, self.lanes)?;
-        publish::publish(self, plan).await
+        self.group.publish(self, plan).await
     }
 
     async fn fence(&self, lane: Lane, owner: &str, epoch: Epoch) -> Result<bool> {

@@ -1,7 +1,8 @@
 //! Publish: duplicates, per-key sequence numbers, lane positions, event and
 //! delivery documents, all inside the caller's (or our own) transaction.
 //!
-//! Round trips per publish: one stored-id `find` (only when the batch has
+//! Round trips per publish, or per group of concurrent publishes
+//! ([`crate::group`]): one stored-id `find` (only when the batch has
 //! client-supplied ids), one handlers `find`, then [`bump`] (a counters
 //! `find`, an `insertMany` of counters seen for the first time, one
 //! `updateOne`/`updateMany`), one events `insertMany` and one deliveries
@@ -104,37 +105,59 @@ pub(super) async fn bump(
         .collect())
 }
 
-/// [`Store::publish`](crate::Store::publish): [`publish_in`] in a
-/// transaction of its own, with the documented retries.
-pub(super) async fn publish(s: &MongoStore, plan: PublishPlan) -> crate::Result<PublishOutcome> {
-    in_transaction!(s, |sess| publish_in(s, sess, plan.clone()))
+/// One write of [`Store::publish`](crate::Store::publish) (a group of
+/// batches, see [`crate::group`]) in a transaction of its own, with the
+/// documented retries. Returns the ids found already stored.
+pub(super) async fn write(s: &MongoStore, plan: &PublishPlan) -> crate::Result<HashSet<String>> {
+    in_transaction!(s, |sess| write_in(s, sess, plan.clone()))
+}
+
+/// Writes `plan.fresh` but the ids already stored, which it returns.
+async fn write_in(
+    s: &MongoStore,
+    session: &mut ClientSession,
+    plan: PublishPlan,
+) -> TxnResult<HashSet<String>> {
+    let (_, stored) = publish_with(s, session, plan).await?;
+    Ok(stored)
 }
 
 /// Writes a validated batch inside the transaction on `session` (the
-/// store's, or the caller's for [`MongoStore::publish_in`]). Returns the
-/// outcome; the caller commits.
+/// caller's, for [`MongoStore::publish_in`]). Returns the outcome; the
+/// caller commits.
 pub(super) async fn publish_in(
     s: &MongoStore,
     session: &mut ClientSession,
-    mut plan: PublishPlan,
+    plan: PublishPlan,
 ) -> TxnResult<PublishOutcome> {
+    Ok(publish_with(s, session, plan).await?.0)
+}
+
+/// Writes `plan` in the transaction on `session`; returns the outcome and
+/// the ids found already stored.
+async fn publish_with(
+    s: &MongoStore,
+    session: &mut ClientSession,
+    mut plan: PublishPlan,
+) -> TxnResult<(PublishOutcome, HashSet<String>)> {
     let client_ids = plan.client_ids();
+    let mut stored = HashSet::new();
     if !client_ids.is_empty() {
         let filter = doc! { "_id": { "$in": &client_ids } };
-        let stored: HashSet<String> =
-            super::dispatch::strings_in(s, session, names::EVENTS, filter, "_id")
-                .await?
-                .into_iter()
-                .collect();
+        stored = super::dispatch::strings_in(s, session, names::EVENTS, filter, "_id")
+            .await?
+            .into_iter()
+            .collect();
         plan.drop_stored(&stored);
     }
     let accepted = plan.fresh.len();
     if accepted == 0 {
-        return Ok(PublishOutcome {
+        let out = PublishOutcome {
             accepted,
             duplicates: plan.duplicates,
             ids: plan.ids,
-        });
+        };
+        return Ok((out, stored));
     }
 
     // Handlers in creation order, read in the transaction's snapshot;
@@ -233,11 +256,12 @@ pub(super) async fn publish_in(
             .session(&mut *session)
             .await?;
     }
-    Ok(PublishOutcome {
+    let out = PublishOutcome {
         accepted,
         duplicates: plan.duplicates,
         ids: plan.ids,
-    })
+    };
+    Ok((out, stored))
 }
 
 /// A fresh delivery document (attempts 0, due at `due_at` µs).

@@ -167,7 +167,9 @@ mod error;
 mod migrate;
 mod publish;
 
+use std::collections::HashSet;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -175,6 +177,7 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Postgres, Transaction};
 
 use crate::common::PublishPlan;
+use crate::group::{GroupWriter, Grouper};
 use crate::*;
 use error::map_err;
 
@@ -233,6 +236,7 @@ pub const LATE_COMPLETION: Duration = Duration::from_secs(60);
 pub struct PgStore {
     pool: PgPool,
     lanes: u16,
+    group: Arc<Grouper>,
 }
 
 impl PgStore {
@@ -292,7 +296,11 @@ impl PgStore {
     /// # Errors
     /// As [`PgStore::connect`].
     pub async fn from_pool(pool: PgPool, lanes: u16) -> Result<Self> {
-        let mut store = PgStore { pool, lanes };
+        let mut store = PgStore {
+            pool,
+            lanes,
+            group: Arc::default(),
+        };
         store.lanes = migrate::migrate(&store.pool, lanes).await?;
         Ok(store)
     }
@@ -304,6 +312,12 @@ impl PgStore {
     /// migration applies nothing.
     pub async fn migrate(&self) -> Result<()> {
         migrate::migrate(&self.pool, self.lanes).await.map(|_| ())
+    }
+
+    /// Publishes and their writes so far, on this store and its clones
+    /// (concurrent publishes are written in groups: [`GroupStats`]).
+    pub fn publish_stats(&self) -> GroupStats {
+        self.group.stats()
     }
 
     /// The connection pool, for callers that publish inside their own
@@ -343,6 +357,13 @@ impl PgStore {
 }
 
 #[async_trait]
+impl GroupWriter for PgStore {
+    async fn write_plan(&self, plan: &PublishPlan) -> Result<HashSet<String>> {
+        publish::write(&self.pool, plan).await
+    }
+}
+
+#[async_trait]
 impl Store for PgStore {
     fn backend(&self) -> &'static str {
         "postgres"
@@ -354,7 +375,7 @@ impl Store for PgStore {
 
     async fn publish(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
         let plan = PublishPlan::new(events, self.lanes)?;
-        publish::publish(&self.pool, plan).await
+        self.group.publish(self, plan).await
     }
 
     async fn fence(&self, lane: Lane, owner: &str, epoch: Epoch) -> Result<bool> {

@@ -3,9 +3,12 @@
 //! The statement checks client-supplied ids against `events`, raises the
 //! batch's key counters (row locks taken in key order), inserts the events
 //! and one delivery per matching handler (disabled ones too), and sends one NOTIFY. It
-//! runs in autocommit for [`Store::publish`](crate::Store::publish) (so a
-//! publish is one round trip: no BEGIN/COMMIT), or inside the caller's
+//! runs in autocommit for [`Store::publish`](crate::Store::publish), once
+//! per group of concurrent publishes ([`crate::group`]: one round trip and
+//! one NOTIFY per group, no BEGIN/COMMIT), or inside the caller's
 //! transaction for [`PgStore::publish_in`](super::PgStore::publish_in).
+
+use std::collections::HashSet;
 
 use sqlx::{Connection, PgConnection, PgPool};
 
@@ -64,16 +67,27 @@ impl<'a> PublishArgs<'a> {
     }
 }
 
-/// Runs the publish statement once on `conn`. Returns the number of events
-/// accepted. Errors are raw sqlx errors so the caller can decide to retry.
+/// What one run of the publish statement did.
+pub(super) struct Ran {
+    /// Events written.
+    pub accepted: usize,
+    /// Client-supplied ids that were already stored (not written).
+    pub stored: Vec<String>,
+}
+
+/// Runs the publish statement once on `conn`. Errors are raw sqlx errors so
+/// the caller can decide to retry.
 pub(super) async fn run(
     conn: &mut PgConnection,
     args: &PublishArgs<'_>,
-) -> Result<usize, sqlx::Error> {
+) -> Result<Ran, sqlx::Error> {
     if args.ids.is_empty() {
-        return Ok(0);
+        return Ok(Ran {
+            accepted: 0,
+            stored: Vec::new(),
+        });
     }
-    let (accepted, _deliveries, _notified): (i64, i64, i64) =
+    let (accepted, _deliveries, _notified, stored): (i64, i64, i64, Option<Vec<String>>) =
         sqlx::query_as(include_str!("sql/publish.sql"))
             .bind(&args.ids)
             .bind(&args.types)
@@ -84,7 +98,10 @@ pub(super) async fn run(
             .bind(&args.deliver_at)
             .fetch_one(conn)
             .await?;
-    Ok(usize::try_from(accepted).unwrap_or_default())
+    Ok(Ran {
+        accepted: usize::try_from(accepted).unwrap_or_default(),
+        stored: stored.unwrap_or_default(),
+    })
 }
 
 /// The outcome of a plan whose statement accepted `accepted` events.
@@ -102,24 +119,24 @@ pub(super) fn final_error(e: sqlx::Error) -> crate::StoreError {
     map_err(e)
 }
 
-/// [`Store::publish`](crate::Store::publish): the statement in autocommit,
-/// again on a fresh connection after a lost race (up to
-/// [`PUBLISH_ATTEMPTS`]).
-pub(super) async fn publish(pool: &PgPool, plan: PublishPlan) -> Result<PublishOutcome> {
-    let args = PublishArgs::new(&plan);
+/// One write of [`Store::publish`](crate::Store::publish) (a group of
+/// batches, see [`crate::group`]): the statement in autocommit, so one
+/// NOTIFY per group, again on a fresh connection after a lost race (up to
+/// [`PUBLISH_ATTEMPTS`]). Returns the ids found already stored.
+pub(super) async fn write(pool: &PgPool, plan: &PublishPlan) -> Result<HashSet<String>> {
+    let args = PublishArgs::new(plan);
     let mut attempt = 1;
-    let accepted = loop {
+    loop {
         let mut conn = pool.acquire().await.map_err(map_err)?;
         match run(&mut conn, &args).await {
-            Ok(n) => break n,
+            Ok(ran) => return Ok(ran.stored.into_iter().collect()),
             Err(e) if attempt < PUBLISH_ATTEMPTS && is_retryable(&e) => {
                 tracing::debug!(attempt, error = %e, "publish raced another publisher; retrying");
                 attempt += 1;
             }
             Err(e) => return Err(final_error(e)),
         }
-    };
-    Ok(outcome(plan, accepted))
+    }
 }
 
 /// [`PgStore::publish_in`](super::PgStore::publish_in): the statement in the
@@ -131,14 +148,14 @@ pub(super) async fn publish_in(
 ) -> Result<PublishOutcome> {
     let args = PublishArgs::new(&plan);
     if !plan.fresh.iter().any(|e| e.client_id) {
-        let accepted = run(conn, &args).await.map_err(final_error)?;
+        let accepted = run(conn, &args).await.map_err(final_error)?.accepted;
         return Ok(outcome(plan, accepted));
     }
     let mut attempt = 1;
     loop {
         let mut savepoint = conn.begin().await.map_err(map_err)?;
         match run(&mut savepoint, &args).await {
-            Ok(accepted) => {
+            Ok(Ran { accepted, .. }) => {
                 savepoint.commit().await.map_err(map_err)?;
                 return Ok(outcome(plan, accepted));
             }

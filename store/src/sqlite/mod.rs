@@ -41,6 +41,7 @@ mod error;
 mod migrate;
 mod publish;
 
+use std::collections::HashSet;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -53,6 +54,7 @@ use sqlx::{Sqlite, Transaction};
 use tokio::sync::{Mutex, MutexGuard};
 
 use crate::common::PublishPlan;
+use crate::group::{GroupWriter, Grouper};
 use crate::*;
 use error::{is_busy, map_err};
 
@@ -68,6 +70,7 @@ pub struct SqliteStore {
     pool: SqlitePool,
     lanes: u16,
     write_lock: Arc<Mutex<()>>,
+    group: Arc<Grouper>,
 }
 
 /// Takes lanebus's own `synchronous=full|normal` parameter (default `full`)
@@ -180,6 +183,7 @@ impl SqliteStore {
             pool,
             lanes,
             write_lock: Arc::new(Mutex::new(())),
+            group: Arc::default(),
         };
         store.lanes = migrate::migrate(&store, lanes).await?;
         Ok(store)
@@ -193,6 +197,12 @@ impl SqliteStore {
     /// [`StoreError::Database`] for a failing migration (nothing is applied).
     pub async fn migrate(&self) -> Result<()> {
         migrate::migrate(self, self.lanes).await.map(|_| ())
+    }
+
+    /// Publishes and their writes so far, on this store and its clones
+    /// (concurrent publishes are written in groups: [`GroupStats`]).
+    pub fn publish_stats(&self) -> GroupStats {
+        self.group.stats()
     }
 
     /// The connection pool, for callers that publish inside their own
@@ -241,6 +251,13 @@ impl SqliteStore {
 }
 
 #[async_trait]
+impl GroupWriter for SqliteStore {
+    async fn write_plan(&self, plan: &PublishPlan) -> Result<HashSet<String>> {
+        publish::write(self, plan).await
+    }
+}
+
+#[async_trait]
 impl Store for SqliteStore {
     fn backend(&self) -> &'static str {
         "sqlite"
@@ -252,7 +269,7 @@ impl Store for SqliteStore {
 
     async fn publish(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
         let plan = PublishPlan::new(events, self.lanes)?;
-        publish::publish(self, plan).await
+        self.group.publish(self, plan).await
     }
 
     async fn fence(&self, lane: Lane, owner: &str, epoch: Epoch) -> Result<bool> {

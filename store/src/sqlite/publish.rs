@@ -1,6 +1,7 @@
 //! Publish: duplicates, per-key sequence numbers, event rows, deliveries.
 //!
-//! Statements per publish (inside one `BEGIN IMMEDIATE` transaction): one
+//! Statements per publish, or per group of concurrent publishes
+//! ([`crate::group`]), inside one `BEGIN IMMEDIATE` transaction: one
 //! stored-id check (only when the batch has client-supplied ids), one
 //! key-counter upsert (only when the batch has keys), one multi-row event
 //! insert per [`EVENT_CHUNK`] events, and one delivery insert.
@@ -18,33 +19,50 @@ use crate::{PublishOutcome, Result, StoreError};
 /// Events per multi-row insert (7 parameters each; SQLite allows 32,766).
 const EVENT_CHUNK: usize = 500;
 
-/// [`Store::publish`](crate::Store::publish): [`publish_in`] in a write
-/// transaction of its own.
-pub(super) async fn publish(store: &SqliteStore, plan: PublishPlan) -> Result<PublishOutcome> {
+/// One write of [`Store::publish`](crate::Store::publish) (a group of
+/// batches, see [`crate::group`]) in a write transaction of its own.
+/// Returns the ids found already stored.
+pub(super) async fn write(store: &SqliteStore, plan: &PublishPlan) -> Result<HashSet<String>> {
     let (_guard, mut tx) = store.begin_write().await?;
-    let outcome = publish_in(&mut tx, plan).await?;
+    let stored = write_in(&mut tx, plan).await?;
     tx.commit().await.map_err(map_err)?;
-    Ok(outcome)
+    Ok(stored)
 }
 
 /// Writes a validated batch on `conn`, which must be inside a write
-/// transaction (the store's, or the caller's for
-/// [`SqliteStore::publish_in`]). Returns the outcome; the caller commits.
+/// transaction (the caller's, for [`SqliteStore::publish_in`]). Returns the
+/// outcome; the caller commits.
 pub(super) async fn publish_in(
     conn: &mut SqliteConnection,
     mut plan: PublishPlan,
 ) -> Result<PublishOutcome> {
+    let stored = write_in(conn, &plan).await?;
+    plan.drop_stored(&stored);
+    Ok(PublishOutcome {
+        accepted: plan.fresh.len(),
+        duplicates: plan.duplicates,
+        ids: plan.ids,
+    })
+}
+
+/// Writes `plan.fresh` but the ids already stored, which it returns, on
+/// `conn` inside a write transaction.
+async fn write_in(conn: &mut SqliteConnection, plan: &PublishPlan) -> Result<HashSet<String>> {
     let client_ids = plan.client_ids();
+    let mut stored = HashSet::new();
     if !client_ids.is_empty() {
-        let stored: Vec<String> = sqlx::query_scalar(include_str!("sql/stored_ids.sql"))
+        let found: Vec<String> = sqlx::query_scalar(include_str!("sql/stored_ids.sql"))
             .bind(json(&client_ids)?)
             .fetch_all(&mut *conn)
             .await
             .map_err(map_err)?;
-        plan.drop_stored(&stored.into_iter().collect::<HashSet<_>>());
+        stored.extend(found);
     }
-    let accepted = plan.fresh.len();
-    if accepted > 0 {
+    let mut plan = std::borrow::Cow::Borrowed(plan);
+    if !stored.is_empty() {
+        plan.to_mut().drop_stored(&stored);
+    }
+    if !plan.fresh.is_empty() {
         let seqs = assign_seqs(conn, &plan).await?;
         insert_events(conn, &plan, &seqs).await?;
         let ids: Vec<(&str, Option<i64>)> = plan
@@ -59,11 +77,7 @@ pub(super) async fn publish_in(
             .await
             .map_err(map_err)?;
     }
-    Ok(PublishOutcome {
-        accepted,
-        duplicates: plan.duplicates,
-        ids: plan.ids,
-    })
+    Ok(stored)
 }
 
 /// Raises the batch's key counters and returns each fresh event's sequence

@@ -1,0 +1,397 @@
+//! Group commit for [`Store::publish`](crate::Store::publish), shared by the
+//! backends.
+//!
+//! Each store has one [`Grouper`]. A publish validates its batch
+//! ([`PublishPlan::new`]) before it queues, so a refused batch never joins a
+//! group. While one group is being written, later publishes queue; the
+//! writer then takes every queued batch (up to [`GROUP_EVENTS`] events) and
+//! writes them as one plan in one transaction ([`GroupWriter::write_plan`]),
+//! in arrival order: per-key sequence numbers follow that order, and an id
+//! repeated by a later caller is that caller's duplicate, as if the
+//! publishes had run one after the other. Each caller is answered after the
+//! commit, with its own ids and counts. When the group's write fails with an
+//! error that could come from one caller's events, each batch is written
+//! again on its own, so each caller gets its own verdict. The writer runs in
+//! a task of its own: a caller that goes away does not cancel the others'
+//! write.
+//!
+//! Source of the method: group commit as in seed 003 (the appends that queue
+//! behind a write are written together in the next one).
+
+// A build without a backend (the domain types only) uses none of it.
+#![cfg_attr(
+    not(any(feature = "sqlite", feature = "postgres", feature = "mongodb")),
+    allow(dead_code)
+)]
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use async_trait::async_trait;
+use futures::FutureExt;
+use tokio::sync::oneshot;
+
+use crate::common::{PublishPlan, MAX_BATCH};
+use crate::{PublishOutcome, Result, StoreError};
+
+/// Most events written in one group (the sum of its batches; a single batch
+/// of [`MAX_BATCH`] events always fits). Queued batches beyond it wait for
+/// the next group.
+pub const GROUP_EVENTS: usize = 4 * MAX_BATCH;
+
+/// A backend's write of one plan.
+#[async_trait]
+pub(crate) trait GroupWriter: Clone + Send + Sync + 'static {
+    /// Writes `plan.fresh` in one transaction and commits (retrying lost
+    /// races as the backend does). Returns the ids of `plan.fresh` that were
+    /// already stored, and so not written. `plan.fresh` has no id twice and
+    /// may hold up to [`GROUP_EVENTS`] events.
+    async fn write_plan(&self, plan: &PublishPlan) -> Result<HashSet<String>>;
+}
+
+/// Publishes and writes counted by a store's [`Grouper`] since it was
+/// opened: `publishes / writes` is the mean group size.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GroupStats {
+    /// [`Store::publish`](crate::Store::publish) calls that reached the
+    /// store (valid batches).
+    pub publishes: u64,
+    /// Publish transactions run for them (groups, and batches written alone
+    /// after a failed group).
+    pub writes: u64,
+}
+
+struct Job {
+    plan: PublishPlan,
+    answer: oneshot::Sender<Result<PublishOutcome>>,
+}
+
+#[derive(Default)]
+struct Queue {
+    jobs: VecDeque<Job>,
+    /// Whether a writer task is running (it drains the queue before it ends).
+    writing: bool,
+}
+
+/// A store's publish queue and group writer.
+#[derive(Default)]
+pub(crate) struct Grouper {
+    queue: Mutex<Queue>,
+    publishes: AtomicU64,
+    writes: AtomicU64,
+}
+
+impl std::fmt::Debug for Grouper {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Grouper")
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Grouper {
+    /// The counts so far.
+    pub(crate) fn stats(&self) -> GroupStats {
+        GroupStats {
+            publishes: self.publishes.load(Ordering::Relaxed),
+            writes: self.writes.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Queues a validated batch, starts a writer if none runs, and waits for
+    /// this batch's answer (given after its commit).
+    pub(crate) async fn publish<W: GroupWriter>(
+        self: &Arc<Self>,
+        writer: &W,
+        plan: PublishPlan,
+    ) -> Result<PublishOutcome> {
+        self.publishes.fetch_add(1, Ordering::Relaxed);
+        if plan.fresh.is_empty() {
+            return Ok(answer(plan, 0, 0, 0));
+        }
+        let (tx, rx) = oneshot::channel();
+        let start = {
+            let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+            q.jobs.push_back(Job { plan, answer: tx });
+            !std::mem::replace(&mut q.writing, true)
+        };
+        if start {
+            tokio::spawn(Arc::clone(self).drain(writer.clone()));
+        }
+        rx.await.unwrap_or_else(|_| {
+            Err(StoreError::Database(
+                "the publish writer stopped before answering".into(),
+            ))
+        })
+    }
+
+    /// Writes groups until the queue is empty.
+    async fn drain<W: GroupWriter>(self: Arc<Self>, writer: W) {
+        loop {
+            let jobs = {
+                let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+                let mut jobs = Vec::new();
+                let mut events = 0;
+                while let Some(job) = q.jobs.front() {
+                    let n = job.plan.fresh.len();
+                    if !jobs.is_empty() && events + n > GROUP_EVENTS {
+                        break;
+                    }
+                    events += n;
+                    jobs.extend(q.jobs.pop_front());
+                }
+                if jobs.is_empty() {
+                    q.writing = false;
+                    return;
+                }
+                jobs
+            };
+            // A panic drops the group's answer senders (their callers get an
+            // error) and must not stop the writer.
+            let _ = std::panic::AssertUnwindSafe(self.write(&writer, jobs))
+                .catch_unwind()
+                .await;
+        }
+    }
+
+    /// Writes one group and answers its callers.
+    async fn write<W: GroupWriter>(&self, writer: &W, jobs: Vec<Job>) {
+        metrics::histogram!("lanebus_publish_group_size").record(jobs.len() as f64);
+        if jobs.len() == 1 {
+            for job in jobs {
+                let result = self.write_alone(writer, &job.plan).await;
+                let _ = job
+                    .answer
+                    .send(result.map(|stored| answer_alone(job.plan, &stored)));
+            }
+            return;
+        }
+        let (merged, owners, repeated) = merge(jobs.iter().map(|j| &j.plan));
+        self.writes.fetch_add(1, Ordering::Relaxed);
+        match writer.write_plan(&merged).await {
+            Ok(stored) => {
+                let mut accepted = vec![0; jobs.len()];
+                let mut written = vec![0; jobs.len()];
+                for (e, &owner) in merged.fresh.iter().zip(&owners) {
+                    written[owner] += 1;
+                    if !stored.contains(&e.id) {
+                        accepted[owner] += 1;
+                    }
+                }
+                for (i, job) in jobs.into_iter().enumerate() {
+                    let out = answer(job.plan, written[i], accepted[i], repeated[i]);
+                    let _ = job.answer.send(Ok(out));
+                }
+            }
+            Err(e) if may_be_one_callers(&e) => {
+                tracing::debug!(error = %e, batches = jobs.len(),
+                    "publish group failed; writing its batches one by one");
+                for job in jobs {
+                    let result = self.write_alone(writer, &job.plan).await;
+                    let _ = job
+                        .answer
+                        .send(result.map(|stored| answer_alone(job.plan, &stored)));
+                }
+            }
+            Err(e) => {
+                for job in jobs {
+                    let _ = job.answer.send(Err(same_error(&e)));
+                }
+            }
+        }
+    }
+
+    async fn write_alone<W: GroupWriter>(
+        &self,
+        writer: &W,
+        plan: &PublishPlan,
+    ) -> Result<HashSet<String>> {
+        self.writes.fetch_add(1, Ordering::Relaxed);
+        writer.write_plan(plan).await
+    }
+}
+
+/// One plan of `plans`' fresh events in order, an id already taken by an
+/// earlier batch of the group left out. Also returns, per merged event, the
+/// index of its batch, and per batch the number of events left out.
+fn merge<'a>(
+    plans: impl ExactSizeIterator<Item = &'a PublishPlan>,
+) -> (PublishPlan, Vec<usize>, Vec<usize>) {
+    let mut repeated = vec![0; plans.len()];
+    let mut seen = HashSet::new();
+    let mut fresh = Vec::new();
+    let mut owners = Vec::new();
+    for (i, plan) in plans.enumerate() {
+        for e in &plan.fresh {
+            if seen.insert(e.id.as_str()) {
+                fresh.push(e.clone());
+                owners.push(i);
+            } else {
+                repeated[i] += 1;
+            }
+        }
+    }
+    let merged = PublishPlan {
+        ids: Vec::new(),
+        fresh,
+        duplicates: 0,
+    };
+    (merged, owners, repeated)
+}
+
+/// The answer for `plan` when `written` of its fresh events went to the
+/// store, which accepted `accepted` of them, and `repeated` were left out
+/// as ids of earlier batches of the group.
+fn answer(plan: PublishPlan, written: usize, accepted: usize, repeated: usize) -> PublishOutcome {
+    PublishOutcome {
+        accepted,
+        duplicates: plan.duplicates + repeated + (written - accepted),
+        ids: plan.ids,
+    }
+}
+
+fn answer_alone(plan: PublishPlan, stored: &HashSet<String>) -> PublishOutcome {
+    let written = plan.fresh.len();
+    let accepted = plan
+        .fresh
+        .iter()
+        .filter(|e| !stored.contains(&e.id))
+        .count();
+    answer(plan, written, accepted, 0)
+}
+
+/// Whether a group's failure may come from one batch's events (then each
+/// batch is tried alone); not for an unreachable or slow store.
+fn may_be_one_callers(e: &StoreError) -> bool {
+    !matches!(e, StoreError::Unavailable(_) | StoreError::Timeout(_))
+}
+
+/// A copy of `e` for another caller of the group.
+fn same_error(e: &StoreError) -> StoreError {
+    match e {
+        StoreError::Invalid(m) => StoreError::Invalid(m.clone()),
+        StoreError::NotFound(m) => StoreError::NotFound(m.clone()),
+        StoreError::Conflict(m) => StoreError::Conflict(m.clone()),
+        StoreError::Unavailable(m) => StoreError::Unavailable(m.clone()),
+        StoreError::Timeout(m) => StoreError::Timeout(m.clone()),
+        StoreError::Database(m) => StoreError::Database(m.clone()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::NewEvent;
+
+    fn plan(events: &[(Option<&str>, Option<&str>)]) -> PublishPlan {
+        let events = events
+            .iter()
+            .map(|(id, key)| NewEvent {
+                id: id.map(Into::into),
+                event_type: "t".into(),
+                key: key.map(Into::into),
+                payload: b"{}".to_vec(),
+                deliver_at: None,
+            })
+            .collect();
+        PublishPlan::new(events, 16).expect("valid")
+    }
+
+    #[test]
+    fn merge_keeps_arrival_order_and_leaves_out_ids_of_earlier_batches() {
+        let a = plan(&[(Some("x"), Some("k")), (Some("y"), Some("k"))]);
+        let b = plan(&[(Some("x"), Some("j")), (None, Some("k"))]);
+        let (merged, owners, repeated) = merge([&a, &b].into_iter());
+        let ids: Vec<&str> = merged.fresh.iter().map(|e| e.id.as_str()).collect();
+        assert_eq!(&ids[..2], ["x", "y"]);
+        assert_eq!(owners, vec![0, 0, 1]);
+        assert_eq!(repeated, vec![0, 1]);
+        // Key k: a's two events, then b's one, in that order.
+        assert_eq!(merged.seq_offsets(), vec![2, 1, 0]);
+        let out = answer(b, 1, 1, 1);
+        assert_eq!((out.accepted, out.duplicates, out.ids.len()), (1, 1, 2));
+    }
+
+    /// A store that fails a write holding `poison` and records the ids of
+    /// each write that committed.
+    #[derive(Clone, Default)]
+    struct Fake {
+        committed: Arc<Mutex<Vec<Vec<String>>>>,
+        stored: Arc<Mutex<HashSet<String>>>,
+    }
+
+    #[async_trait]
+    impl GroupWriter for Fake {
+        async fn write_plan(&self, plan: &PublishPlan) -> Result<HashSet<String>> {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            let ids: Vec<String> = plan.fresh.iter().map(|e| e.id.clone()).collect();
+            if ids.iter().any(|id| id == "poison") {
+                return Err(StoreError::Database("poison".into()));
+            }
+            let mut stored = self.stored.lock().expect("lock");
+            let found: HashSet<String> = ids
+                .iter()
+                .filter(|id| stored.contains(*id))
+                .cloned()
+                .collect();
+            stored.extend(ids.iter().cloned());
+            self.committed.lock().expect("lock").push(ids);
+            Ok(found)
+        }
+    }
+
+    // On one thread every caller queues before the writer task first runs:
+    // one group of 16, which fails, then each batch alone.
+    #[tokio::test]
+    async fn a_failed_group_is_written_batch_by_batch_and_each_caller_answered() {
+        let grouper = Arc::new(Grouper::default());
+        let fake = Fake::default();
+        fake.stored.lock().expect("lock").insert("old".into());
+        let mut tasks = Vec::new();
+        for c in 0..16 {
+            let (g, w) = (grouper.clone(), fake.clone());
+            tasks.push(tokio::spawn(async move {
+                let events: Vec<(Option<String>, Option<&str>)> = match c {
+                    3 => vec![(Some("c3".into()), None), (Some("poison".into()), None)],
+                    4 => vec![(Some("old".into()), None), (Some("c4".into()), None)],
+                    _ => vec![(Some(format!("c{c}")), Some("k"))],
+                };
+                let events: Vec<(Option<&str>, Option<&str>)> =
+                    events.iter().map(|(id, k)| (id.as_deref(), *k)).collect();
+                g.publish(&w, plan(&events)).await
+            }));
+        }
+        for (c, t) in tasks.into_iter().enumerate() {
+            let result = t.await.expect("task");
+            match c {
+                3 => assert!(matches!(result, Err(StoreError::Database(_))), "{result:?}"),
+                4 => {
+                    let out = result.expect("publish");
+                    assert_eq!((out.accepted, out.duplicates), (1, 1));
+                }
+                _ => {
+                    let out = result.expect("publish");
+                    assert_eq!(
+                        (out.accepted, out.duplicates, out.ids),
+                        (1, 0, vec![format!("c{c}")])
+                    );
+                }
+            }
+        }
+        let committed = fake.committed.lock().expect("lock").clone();
+        let all: Vec<&String> = committed.iter().flatten().collect();
+        assert!(
+            !all.iter().any(|id| *id == "c3"),
+            "nothing of the refused batch"
+        );
+        assert_eq!(all.len(), 16, "every other event once, and old again");
+        assert_eq!(
+            grouper.stats(),
+            GroupStats {
+                publishes: 16,
+                writes: 1 + 16
+            }
+        );
+    }
+}

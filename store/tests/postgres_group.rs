@@ -1,0 +1,123 @@
+//! Group commit on PostgreSQL, counted by the server: concurrent
+//! single-event publishes share transactions and publish statements
+//! (issue 13). Transactions are counted exactly as the distinct
+//! `deliveries.xid` of unkeyed events (the publishing transaction's id),
+//! statements by `pg_stat_statements`. Needs `LANEBUS_TEST_POSTGRES_URL` (a
+//! superuser URL of a server with `pg_stat_statements` preloaded, as
+//! `scripts/pg-start` makes; a database is created and dropped).
+
+mod common;
+
+use std::sync::Arc;
+
+use lanebus_store::postgres::PgStore;
+use lanebus_store::{handler_defaults, NewEvent, NewHandler, Store};
+
+const ROUNDS: usize = 4;
+
+/// Publish statements run in the current database so far.
+async fn publish_calls(pool: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar(
+        "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_statements \
+         WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+           AND query LIKE '%INSERT INTO key_seqs%'",
+    )
+    .fetch_one(pool)
+    .await
+    .expect("read pg_stat_statements (preloaded by scripts/pg-start)")
+}
+
+/// `publishers` tasks publish `ROUNDS` single unkeyed events each, all at
+/// once. Returns (publishes, transactions, statements).
+async fn run(publishers: usize) -> (usize, i64, i64) {
+    let admin_url = std::env::var("LANEBUS_TEST_POSTGRES_URL").expect(
+        "LANEBUS_TEST_POSTGRES_URL is not set: run the tests with scripts/test, which starts a \
+         throwaway PostgreSQL",
+    );
+    let db = format!("lanebus_group_{publishers}_{}", std::process::id());
+    let admin = sqlx::PgPool::connect(&admin_url).await.expect("admin");
+    for sql in [
+        format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"),
+        format!("CREATE DATABASE {db}"),
+    ] {
+        sqlx::query(&sql).execute(&admin).await.expect(&sql);
+    }
+    let store = PgStore::connect(&common::with_database(&admin_url, &db))
+        .await
+        .expect("open store");
+    let pool = store.pool().clone();
+    sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        .execute(&pool)
+        .await
+        .expect("create extension pg_stat_statements");
+    store
+        .create_handler(NewHandler {
+            name: "all".into(),
+            url: "http://127.0.0.1:9/all".into(),
+            event_types: vec!["*".into()],
+            max_attempts: handler_defaults::MAX_ATTEMPTS,
+            timeout_ms: handler_defaults::TIMEOUT_MS,
+            max_in_flight: handler_defaults::MAX_IN_FLIGHT,
+            secret: String::new(),
+            rate_limit: None,
+        })
+        .await
+        .expect("create handler");
+    let calls_before = publish_calls(&pool).await;
+    let store = Arc::new(store);
+    let start = Arc::new(tokio::sync::Barrier::new(publishers));
+    let mut tasks = Vec::new();
+    for _ in 0..publishers {
+        let (store, start) = (store.clone(), start.clone());
+        tasks.push(tokio::spawn(async move {
+            start.wait().await;
+            for _ in 0..ROUNDS {
+                let e = NewEvent {
+                    id: None,
+                    event_type: "t.x".into(),
+                    key: None,
+                    payload: b"{}".to_vec(),
+                    deliver_at: None,
+                };
+                let out = store.publish(vec![e]).await.expect("publish");
+                assert_eq!(out.accepted, 1);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("publisher");
+    }
+    let publishes = publishers * ROUNDS;
+    let (deliveries, transactions): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT xid) FROM deliveries")
+            .fetch_one(&pool)
+            .await
+            .expect("count deliveries");
+    assert_eq!(deliveries, publishes as i64, "one delivery per event");
+    let statements = publish_calls(&pool).await - calls_before;
+    pool.close().await;
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+        .execute(&admin)
+        .await
+        .expect("drop database");
+    eprintln!(
+        "{publishers} publishers: {publishes} publishes, {transactions} transactions, \
+         {statements} publish statements"
+    );
+    (publishes, transactions, statements)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_single_event_publishes_share_transactions() {
+    for publishers in [8, 64] {
+        let (publishes, transactions, statements) = run(publishers).await;
+        assert!(
+            transactions < publishes as i64,
+            "{publishers} publishers: {transactions} transactions for {publishes} publishes"
+        );
+        assert_eq!(
+            statements, transactions,
+            "one publish statement per transaction"
+        );
+    }
+}
