@@ -67,6 +67,43 @@ async fn duplicates_are_reported_and_not_stored_again(app: TestApp) {
     assert_eq!(app.store.counts().await.expect("counts").events, 3);
 }
 
+/// Concurrent publishes (written in groups by the store): each caller gets
+/// its own ids and counts, and the one with a bad event its own 422 with
+/// nothing of its batch stored.
+async fn concurrent_publishes_each_get_their_own_answer(app: TestApp) {
+    const CALLERS: usize = 24;
+    const BAD: usize = 5;
+    let calls = (0..CALLERS).map(|c| {
+        let mut events = vec![
+            json!({"id": format!("e{c}"), "type": "t", "key": format!("k{}", c % 3), "payload": c}),
+        ];
+        if c == BAD {
+            events.push(json!({"id": "has space", "type": "t", "payload": 0}));
+        }
+        app.post("/v1/events", json!({ "events": events }))
+    });
+    let answers = futures::future::join_all(calls).await;
+    for (c, res) in answers.iter().enumerate() {
+        if c == BAD {
+            assert_eq!(res.status, StatusCode::UNPROCESSABLE_ENTITY, "{res:?}");
+            assert_eq!(res.json["error"]["code"], "invalid_event", "{res:?}");
+            continue;
+        }
+        assert_eq!(res.status, StatusCode::ACCEPTED, "caller {c}: {res:?}");
+        assert_eq!(res.json["ids"], json!([format!("e{c}")]), "caller {c}");
+        assert_eq!(
+            (res.json["accepted"].clone(), res.json["duplicates"].clone()),
+            (json!(1), json!(0))
+        );
+    }
+    let stored = app.store.counts().await.expect("counts").events;
+    assert_eq!(
+        stored,
+        (CALLERS - 1) as i64,
+        "everyone's event but the refused batch's"
+    );
+}
+
 async fn payload_is_stored_byte_for_byte(app: TestApp) {
     app.create_handler("all", &["*"]).await;
     let payload = r#"{"z" : 1,"a":[1, 2.50, "é\u00e9"],  "n":null}"#;
@@ -366,6 +403,7 @@ async fn health_and_metrics(app: TestApp) {
 on_every_backend!(
     publish_returns_ids_and_counts,
     duplicates_are_reported_and_not_stored_again,
+    concurrent_publishes_each_get_their_own_answer,
     payload_is_stored_byte_for_byte,
     handler_crud_round_trips,
     delete_discards_and_counts_pending_deliveries,
