@@ -128,6 +128,10 @@ impl Grouper {
 
     /// Writes groups until the queue is empty.
     async fn drain<W: GroupWriter>(self: Arc<Self>, writer: W) {
+        let mut running = Running {
+            grouper: Arc::clone(&self),
+            armed: true,
+        };
         loop {
             let jobs = {
                 let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
@@ -143,6 +147,7 @@ impl Grouper {
                 }
                 if jobs.is_empty() {
                     q.writing = false;
+                    running.armed = false;
                     return;
                 }
                 jobs
@@ -209,6 +214,28 @@ impl Grouper {
     ) -> Result<HashSet<String>> {
         self.writes.fetch_add(1, Ordering::Relaxed);
         writer.write_plan(plan).await
+    }
+}
+
+/// A running writer task. Dropped while armed (its runtime shut down with
+/// the task unfinished), it fails the queued publishes and lets the next
+/// publish start a writer.
+struct Running {
+    grouper: Arc<Grouper>,
+    armed: bool,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if self.armed {
+            let mut q = self
+                .grouper
+                .queue
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            q.writing = false;
+            q.jobs.clear();
+        }
     }
 }
 
@@ -393,5 +420,38 @@ mod tests {
                 writes: 1 + 16
             }
         );
+    }
+
+    #[test]
+    fn a_writer_dropped_with_its_runtime_lets_the_next_publish_start_one() {
+        let grouper = Arc::new(Grouper::default());
+        let fake = Fake::default();
+        {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .build()
+                .expect("runtime");
+            let (g, w) = (grouper.clone(), fake.clone());
+            // The caller gives up before the writer's write ends; the
+            // runtime then ends with the writer task unfinished.
+            let result = rt.block_on(async move {
+                let call = g.publish(&w, plan(&[(Some("a"), None)]));
+                tokio::time::timeout(std::time::Duration::from_millis(1), call).await
+            });
+            assert!(result.is_err(), "no answer before the write ends");
+        }
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .expect("runtime");
+        // A generous bound: without a new writer the call would never end.
+        let call = grouper.publish(&fake, plan(&[(Some("b"), None)]));
+        let out = rt
+            .block_on(async {
+                tokio::time::timeout(std::time::Duration::from_secs(30), call).await
+            })
+            .expect("a new writer serves the next publish")
+            .expect("publish");
+        assert_eq!(out.accepted, 1);
     }
 }
