@@ -4,7 +4,8 @@
 //! Each store has one [`Grouper`]. A publish validates its batch
 //! ([`PublishPlan::new`]) before it queues, so a refused batch never joins a
 //! group. While one group is being written, later publishes queue; the
-//! writer then takes every queued batch (up to [`GROUP_EVENTS`] events) and
+//! writer then takes every queued batch (up to [`GROUP_EVENTS`] events and
+//! [`GROUP_PAYLOAD_BYTES`] of payloads) and
 //! writes them as one plan in one transaction ([`GroupWriter::write_plan`]),
 //! in arrival order: per-key sequence numbers follow that order, and an id
 //! repeated by a later caller is that caller's duplicate, as if the
@@ -39,6 +40,11 @@ use crate::{PublishOutcome, Result, StoreError};
 /// of [`MAX_BATCH`] events always fits). Queued batches beyond it wait for
 /// the next group.
 pub const GROUP_EVENTS: usize = 4 * MAX_BATCH;
+
+/// Most payload bytes written in one group, likewise (a single batch always
+/// fits): one statement's parameters or one transaction's documents stay
+/// moderate.
+pub const GROUP_PAYLOAD_BYTES: usize = 16 << 20;
 
 /// A backend's write of one plan.
 #[async_trait]
@@ -136,13 +142,17 @@ impl Grouper {
             let jobs = {
                 let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
                 let mut jobs = Vec::new();
-                let mut events = 0;
+                let (mut events, mut bytes) = (0, 0);
                 while let Some(job) = q.jobs.front() {
                     let n = job.plan.fresh.len();
-                    if !jobs.is_empty() && events + n > GROUP_EVENTS {
+                    let b: usize = job.plan.fresh.iter().map(|e| e.payload.len()).sum();
+                    if !jobs.is_empty()
+                        && (events + n > GROUP_EVENTS || bytes + b > GROUP_PAYLOAD_BYTES)
+                    {
                         break;
                     }
                     events += n;
+                    bytes += b;
                     jobs.extend(q.jobs.pop_front());
                 }
                 if jobs.is_empty() {
@@ -453,5 +463,55 @@ mod tests {
             .expect("a new writer serves the next publish")
             .expect("publish");
         assert_eq!(out.accepted, 1);
+    }
+
+    /// A batch of `n` events with client ids `{tag}-{i}`, payloads of
+    /// `bytes` bytes each.
+    fn sized(tag: &str, n: usize, bytes: usize) -> PublishPlan {
+        let payload = format!("\"{}\"", "a".repeat(bytes - 2)).into_bytes();
+        let events = (0..n)
+            .map(|i| NewEvent {
+                id: Some(format!("{tag}-{i}")),
+                event_type: "t".into(),
+                key: None,
+                payload: payload.clone(),
+                deliver_at: None,
+            })
+            .collect();
+        PublishPlan::new(events, 16).expect("valid")
+    }
+
+    // On one thread every caller queues before the writer task first runs.
+    #[tokio::test]
+    async fn a_group_stops_at_its_event_and_payload_bounds() {
+        let grouper = Arc::new(Grouper::default());
+        let fake = Fake::default();
+        let mut plans: Vec<PublishPlan> = (0..5)
+            .map(|c| sized(&format!("n{c}"), MAX_BATCH, 2))
+            .collect();
+        let big = GROUP_PAYLOAD_BYTES / 20;
+        plans.push(sized("b0", 11, big));
+        plans.push(sized("b1", 11, big));
+        plans.push(sized("s", 1, 2));
+        let tasks: Vec<_> = plans
+            .into_iter()
+            .map(|p| {
+                let (g, w) = (grouper.clone(), fake.clone());
+                tokio::spawn(async move { g.publish(&w, p).await })
+            })
+            .collect();
+        for t in tasks {
+            t.await.expect("task").expect("publish");
+        }
+        let sizes: Vec<usize> = fake
+            .committed
+            .lock()
+            .expect("lock")
+            .iter()
+            .map(Vec::len)
+            .collect();
+        // Four full batches; the fifth and the first big one; the second big
+        // one (both would pass the payload bound) and the small one.
+        assert_eq!(sizes, vec![4 * MAX_BATCH, MAX_BATCH + 11, 11 + 1]);
     }
 }

@@ -73,7 +73,7 @@ use serde::{Deserialize, Serialize};
 mod common;
 pub use common::MAX_BATCH;
 mod group;
-pub use group::{GroupStats, GROUP_EVENTS};
+pub use group::{GroupStats, GROUP_EVENTS, GROUP_PAYLOAD_BYTES};
 pub mod egress;
 mod state;
 pub use state::change_state;
