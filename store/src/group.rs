@@ -56,7 +56,7 @@ pub(crate) trait GroupWriter: Clone + Send + Sync + 'static {
     async fn write_plan(&self, plan: &PublishPlan) -> Result<HashSet<String>>;
 }
 
-/// Publishes and writes counted by a store's [`Grouper`] since it was
+/// Publishes and writes counted by a store's group commit since it was
 /// opened: `publishes / writes` is the mean group size.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct GroupStats {

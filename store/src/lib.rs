@@ -662,6 +662,12 @@ pub trait Store: Send + Sync + 'static {
     /// of their key in batch order. Ids already stored (or repeated within the
     /// batch) count as duplicates and create nothing.
     ///
+    /// The backends write concurrent calls together (group commit,
+    /// [`GroupStats`]): a valid batch that arrives while another is being
+    /// written shares the next transaction with the others queued, in
+    /// arrival order, as if the calls had run one after the other; each call
+    /// returns after that commit with its own outcome.
+    ///
     /// # Errors
     /// [`StoreError::Invalid`] for an event breaking [`NewEvent::validate`]
     /// (nothing is written); [`StoreError::Unavailable`]/[`StoreError::Timeout`]/[`StoreError::Database`].
