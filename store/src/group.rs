@@ -54,6 +54,14 @@ pub(crate) trait GroupWriter: Clone + Send + Sync + 'static {
     /// already stored, and so not written. `plan.fresh` has no id twice and
     /// may hold up to [`GROUP_EVENTS`] events.
     async fn write_plan(&self, plan: &PublishPlan) -> Result<HashSet<String>>;
+
+    /// As [`write_plan`](Self::write_plan), for a group: a backend whose
+    /// writes wait for row locks (PostgreSQL) waits only briefly and answers
+    /// [`StoreError::Timeout`], so that a lock held elsewhere does not hold
+    /// the whole queue; its batches are then written alone.
+    async fn write_group(&self, plan: &PublishPlan) -> Result<HashSet<String>> {
+        self.write_plan(plan).await
+    }
 }
 
 /// Publishes and writes counted by a store's group commit since it was
@@ -170,22 +178,26 @@ impl Grouper {
         }
     }
 
-    /// Writes one group and answers its callers.
-    async fn write<W: GroupWriter>(&self, writer: &W, jobs: Vec<Job>) {
+    /// Writes one group and answers its callers. When the group's write
+    /// fails with an error that could come from one batch, or waited too
+    /// long for a lock, each batch is written alone in a task of its own,
+    /// which answers its caller: the writer goes on with the next group, so
+    /// a key whose counter is held elsewhere holds back only its own
+    /// publishers.
+    async fn write<W: GroupWriter>(self: &Arc<Self>, writer: &W, mut jobs: Vec<Job>) {
         metrics::histogram!("lanebus_publish_group_size").record(jobs.len() as f64);
-        if jobs.len() == 1 {
-            for job in jobs {
-                let result = self.write_alone(writer, &job.plan).await;
+        self.writes.fetch_add(1, Ordering::Relaxed);
+        let written = if jobs.len() == 1 {
+            // One batch: its own plan, nothing to merge.
+            writer.write_group(&jobs[0].plan).await.map(|stored| {
+                let job = jobs.pop().expect("one job");
                 let _ = job
                     .answer
-                    .send(result.map(|stored| answer_alone(job.plan, &stored)));
-            }
-            return;
-        }
-        let (merged, owners, repeated) = merge(jobs.iter().map(|j| &j.plan));
-        self.writes.fetch_add(1, Ordering::Relaxed);
-        match writer.write_plan(&merged).await {
-            Ok(stored) => {
+                    .send(Ok(answer_alone(job.plan, &stored)));
+            })
+        } else {
+            let (merged, owners, repeated) = merge(jobs.iter().map(|j| &j.plan));
+            writer.write_group(&merged).await.map(|stored| {
                 let mut accepted = vec![0; jobs.len()];
                 let mut written = vec![0; jobs.len()];
                 for (e, &owner) in merged.fresh.iter().zip(&owners) {
@@ -194,19 +206,25 @@ impl Grouper {
                         accepted[owner] += 1;
                     }
                 }
-                for (i, job) in jobs.into_iter().enumerate() {
+                for (i, job) in jobs.drain(..).enumerate() {
                     let out = answer(job.plan, written[i], accepted[i], repeated[i]);
                     let _ = job.answer.send(Ok(out));
                 }
-            }
-            Err(e) if may_be_one_callers(&e) => {
+            })
+        };
+        match written {
+            Ok(()) => {}
+            Err(e) if retry_alone(&e, jobs.len()) => {
                 tracing::debug!(error = %e, batches = jobs.len(),
                     "publish group failed; writing its batches one by one");
                 for job in jobs {
-                    let result = self.write_alone(writer, &job.plan).await;
-                    let _ = job
-                        .answer
-                        .send(result.map(|stored| answer_alone(job.plan, &stored)));
+                    let (grouper, writer) = (Arc::clone(self), writer.clone());
+                    tokio::spawn(async move {
+                        let result = grouper.write_alone(&writer, &job.plan).await;
+                        let _ = job
+                            .answer
+                            .send(result.map(|stored| answer_alone(job.plan, &stored)));
+                    });
                 }
             }
             Err(e) => {
@@ -298,10 +316,17 @@ fn answer_alone(plan: PublishPlan, stored: &HashSet<String>) -> PublishOutcome {
     answer(plan, written, accepted, 0)
 }
 
-/// Whether a group's failure may come from one batch's events (then each
-/// batch is tried alone); not for an unreachable or slow store.
-fn may_be_one_callers(e: &StoreError) -> bool {
-    !matches!(e, StoreError::Unavailable(_) | StoreError::Timeout(_))
+/// Whether the batches of a group of `batches` whose write failed with `e`
+/// are written again, each alone: after a wait for a lock (a group waits
+/// only briefly, see [`GroupWriter::write_group`]), and, for a group of
+/// several, after an error that may come from one batch's events; not when
+/// the store is unreachable.
+fn retry_alone(e: &StoreError, batches: usize) -> bool {
+    match e {
+        StoreError::Unavailable(_) => false,
+        StoreError::Timeout(_) => true,
+        _ => batches > 1,
+    }
 }
 
 /// A copy of `e` for another caller of the group.

@@ -121,3 +121,120 @@ async fn concurrent_single_event_publishes_share_transactions() {
         );
     }
 }
+
+fn keyed(key: &str) -> NewEvent {
+    NewEvent {
+        id: None,
+        event_type: "t.x".into(),
+        key: Some(key.into()),
+        payload: b"{}".to_vec(),
+        deliver_at: None,
+    }
+}
+
+/// A key's counter held by an open transaction elsewhere (a `publish_in`
+/// not committed yet) holds back that key's publishers only: publishes of
+/// other keys, queued behind the held key's publish, are written and
+/// answered while it still waits, and it is stored once the transaction
+/// commits. Before, the single writer waited on the lock (up to
+/// `lock_timeout`, 10 s) with every later publish queued behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_key_held_elsewhere_holds_back_only_its_own_publishers() {
+    let admin_url = std::env::var("LANEBUS_TEST_POSTGRES_URL").expect(
+        "LANEBUS_TEST_POSTGRES_URL is not set: run the tests with scripts/test, which starts a \
+         throwaway PostgreSQL",
+    );
+    let db = format!("lanebus_group_held_{}", std::process::id());
+    let admin = sqlx::PgPool::connect(&admin_url).await.expect("admin");
+    for sql in [
+        format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"),
+        format!("CREATE DATABASE {db}"),
+    ] {
+        sqlx::query(&sql).execute(&admin).await.expect(&sql);
+    }
+    let store = Arc::new(
+        PgStore::connect(&common::with_database(&admin_url, &db))
+            .await
+            .expect("open store"),
+    );
+    let pool = store.pool().clone();
+    store
+        .create_handler(NewHandler {
+            name: "all".into(),
+            url: "http://127.0.0.1:9/all".into(),
+            event_types: vec!["*".into()],
+            max_attempts: handler_defaults::MAX_ATTEMPTS,
+            timeout_ms: handler_defaults::TIMEOUT_MS,
+            max_in_flight: handler_defaults::MAX_IN_FLIGHT,
+            secret: String::new(),
+            rate_limit: None,
+        })
+        .await
+        .expect("create handler");
+
+    // The caller's transaction publishes on "held" and stays open.
+    let mut tx = pool.begin().await.expect("begin");
+    store
+        .publish_in(&mut tx, vec![keyed("held")])
+        .await
+        .expect("publish_in");
+
+    let held = {
+        let store = store.clone();
+        tokio::spawn(async move { store.publish(vec![keyed("held")]).await })
+    };
+    // Wait until the held key's publish waits for the counter's row lock.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&pool)
+        .await
+        .expect("pg_stat_activity");
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the held key's publish never waited for its lock"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+
+    let mut others = Vec::new();
+    for i in 0..16 {
+        let store = store.clone();
+        others.push(tokio::spawn(async move {
+            store.publish(vec![keyed(&format!("k{i}"))]).await
+        }));
+    }
+    for o in others {
+        let out = o.await.expect("publisher").expect("publish of another key");
+        assert_eq!(out.accepted, 1);
+        assert!(
+            !held.is_finished(),
+            "another key's publish was answered only after the held key's publish ended: {:?}",
+            held.await
+        );
+    }
+
+    tx.commit().await.expect("commit");
+    let out = held
+        .await
+        .expect("publisher")
+        .expect("the held key's publish, once the transaction committed");
+    assert_eq!(out.accepted, 1);
+    let seqs: Vec<i64> =
+        sqlx::query_scalar("SELECT seq FROM deliveries WHERE key = 'held' ORDER BY seq")
+            .fetch_all(&pool)
+            .await
+            .expect("seqs");
+    assert_eq!(seqs, vec![1, 2], "the held key's events in commit order");
+    pool.close().await;
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+        .execute(&admin)
+        .await
+        .expect("drop database");
+}

@@ -361,6 +361,10 @@ impl GroupWriter for PgStore {
     async fn write_plan(&self, plan: &PublishPlan) -> Result<HashSet<String>> {
         publish::write(&self.pool, plan).await
     }
+
+    async fn write_group(&self, plan: &PublishPlan) -> Result<HashSet<String>> {
+        publish::write_group(&self.pool, plan).await
+    }
 }
 
 #[async_trait]

@@ -139,6 +139,49 @@ pub(super) async fn write(pool: &PgPool, plan: &PublishPlan) -> Result<HashSet<S
     }
 }
 
+/// How long a group's write waits for a row lock (a key counter held by an
+/// open transaction elsewhere, e.g. a `publish_in` not yet committed)
+/// before it gives up and its batches are written one by one, each with the
+/// session's own `lock_timeout` ([`super::SESSION_DEFAULTS`]): a key held
+/// elsewhere then holds back only its own publishers.
+pub(super) const GROUP_LOCK_WAIT: &str = "100ms";
+
+/// A group's write ([`crate::group`]): as [`write`], in a transaction whose
+/// row-lock wait is [`GROUP_LOCK_WAIT`] (`55P03` then ends it as
+/// [`crate::StoreError::Timeout`]). Four round trips (BEGIN, the setting,
+/// the statement, COMMIT) for the whole group.
+pub(super) async fn write_group(pool: &PgPool, plan: &PublishPlan) -> Result<HashSet<String>> {
+    let args = PublishArgs::new(plan);
+    let mut attempt = 1;
+    loop {
+        let mut conn = pool.acquire().await.map_err(map_err)?;
+        let ran = run_with_lock_wait(&mut conn, &args).await;
+        match ran {
+            Ok(ran) => return Ok(ran.stored.into_iter().collect()),
+            Err(e) if attempt < PUBLISH_ATTEMPTS && is_retryable(&e) => {
+                tracing::debug!(attempt, error = %e, "publish raced another publisher; retrying");
+                attempt += 1;
+            }
+            Err(e) => return Err(final_error(e)),
+        }
+    }
+}
+
+/// [`run`] in a transaction whose row-lock wait is [`GROUP_LOCK_WAIT`].
+async fn run_with_lock_wait(
+    conn: &mut PgConnection,
+    args: &PublishArgs<'_>,
+) -> Result<Ran, sqlx::Error> {
+    let mut tx = conn.begin().await?;
+    sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+        .bind(GROUP_LOCK_WAIT)
+        .execute(&mut *tx)
+        .await?;
+    let ran = run(&mut tx, args).await?;
+    tx.commit().await?;
+    Ok(ran)
+}
+
 /// [`PgStore::publish_in`](super::PgStore::publish_in): the statement in the
 /// caller's transaction `conn`, inside a savepoint (retried after a lost
 /// race) when the batch has client-supplied ids.
