@@ -27,14 +27,13 @@ async fn publish_calls(pool: &sqlx::PgPool) -> i64 {
     .expect("read pg_stat_statements (preloaded by scripts/pg-start)")
 }
 
-/// `publishers` tasks publish `ROUNDS` single unkeyed events each, all at
-/// once. Returns (publishes, transactions, statements).
-async fn run(publishers: usize) -> (usize, i64, i64) {
+/// A fresh database `db` with one handler of every event; returns the
+/// admin pool (to drop it), the store and the store's pool.
+async fn fresh_store(db: &str) -> (sqlx::PgPool, PgStore, sqlx::PgPool) {
     let admin_url = std::env::var("LANEBUS_TEST_POSTGRES_URL").expect(
         "LANEBUS_TEST_POSTGRES_URL is not set: run the tests with scripts/test, which starts a \
          throwaway PostgreSQL",
     );
-    let db = format!("lanebus_group_{publishers}_{}", std::process::id());
     let admin = sqlx::PgPool::connect(&admin_url).await.expect("admin");
     for sql in [
         format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"),
@@ -42,14 +41,10 @@ async fn run(publishers: usize) -> (usize, i64, i64) {
     ] {
         sqlx::query(&sql).execute(&admin).await.expect(&sql);
     }
-    let store = PgStore::connect(&common::with_database(&admin_url, &db))
+    let store = PgStore::connect(&common::with_database(&admin_url, db))
         .await
         .expect("open store");
     let pool = store.pool().clone();
-    sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-        .execute(&pool)
-        .await
-        .expect("create extension pg_stat_statements");
     store
         .create_handler(NewHandler {
             name: "all".into(),
@@ -63,6 +58,18 @@ async fn run(publishers: usize) -> (usize, i64, i64) {
         })
         .await
         .expect("create handler");
+    (admin, store, pool)
+}
+
+/// `publishers` tasks publish `ROUNDS` single unkeyed events each, all at
+/// once. Returns (publishes, transactions, statements).
+async fn run(publishers: usize) -> (usize, i64, i64) {
+    let db = format!("lanebus_group_{publishers}_{}", std::process::id());
+    let (admin, store, pool) = fresh_store(&db).await;
+    sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        .execute(&pool)
+        .await
+        .expect("create extension pg_stat_statements");
     let calls_before = publish_calls(&pool).await;
     let store = Arc::new(store);
     let start = Arc::new(tokio::sync::Barrier::new(publishers));
@@ -140,37 +147,9 @@ fn keyed(key: &str) -> NewEvent {
 /// `lock_timeout`, 10 s) with every later publish queued behind it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_key_held_elsewhere_holds_back_only_its_own_publishers() {
-    let admin_url = std::env::var("LANEBUS_TEST_POSTGRES_URL").expect(
-        "LANEBUS_TEST_POSTGRES_URL is not set: run the tests with scripts/test, which starts a \
-         throwaway PostgreSQL",
-    );
     let db = format!("lanebus_group_held_{}", std::process::id());
-    let admin = sqlx::PgPool::connect(&admin_url).await.expect("admin");
-    for sql in [
-        format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"),
-        format!("CREATE DATABASE {db}"),
-    ] {
-        sqlx::query(&sql).execute(&admin).await.expect(&sql);
-    }
-    let store = Arc::new(
-        PgStore::connect(&common::with_database(&admin_url, &db))
-            .await
-            .expect("open store"),
-    );
-    let pool = store.pool().clone();
-    store
-        .create_handler(NewHandler {
-            name: "all".into(),
-            url: "http://127.0.0.1:9/all".into(),
-            event_types: vec!["*".into()],
-            max_attempts: handler_defaults::MAX_ATTEMPTS,
-            timeout_ms: handler_defaults::TIMEOUT_MS,
-            max_in_flight: handler_defaults::MAX_IN_FLIGHT,
-            secret: String::new(),
-            rate_limit: None,
-        })
-        .await
-        .expect("create handler");
+    let (admin, store, pool) = fresh_store(&db).await;
+    let store = Arc::new(store);
 
     // The caller's transaction publishes on "held" and stays open.
     let mut tx = pool.begin().await.expect("begin");
