@@ -199,8 +199,8 @@ const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
 ///   833-1,876/s and 0.07-0.10 ms in 6 of 6.
 /// - `statement_timeout = 30s`: no statement stalls a node without bound;
 ///   dispatch statements take milliseconds, so 30 s only ends one that waits
-///   or runs far too long (it fails with [`StoreError::Unavailable`] or
-///   [`StoreError::Database`], and the node retries). Migrations and
+///   or runs far too long (it fails with [`StoreError::Timeout`], and the
+///   node retries). Migrations and
 ///   recoveries, which may rightly run longer, lift it for their
 ///   transaction.
 /// - `lock_timeout = 10s`: a statement waiting for a row or table lock that
