@@ -175,10 +175,16 @@ impl LaneSupervisor {
                 o.addr.do_send(StopLane);
             }
         }
+        // Owners that stopped by themselves (fenced out) before their drain
+        // began: nothing of theirs is in flight, the drain is over at once.
+        let mut stopped = Vec::new();
         for &lane in &plan.drain {
             let Some(o) = owners.get_mut(&lane) else {
                 continue;
             };
+            if !o.addr.connected() {
+                stopped.push((lane, o.epoch));
+            }
             o.draining = true;
             let bound = self.drain_bound();
             o.addr.do_send(Drain {
@@ -226,6 +232,9 @@ impl LaneSupervisor {
             );
         }
         drop(owners);
+        for (lane, epoch) in stopped {
+            self.drained(lane, epoch, false, ctx);
+        }
         for &lane in &plan.release_now {
             self.releases_sent.insert(lane);
             self.release(lane, ctx);
@@ -412,6 +421,75 @@ mod tests {
 
     fn lanes(of: &[(Lane, Epoch)]) -> OwnedLanes {
         of.iter().copied().collect()
+    }
+
+    /// A lane whose owner already stopped on its own (fenced out by
+    /// another owner) and is then handed over is released at once, not
+    /// at the drain's bound (an hour here): nothing of it is in flight.
+    #[test]
+    fn a_handover_of_a_lane_whose_owner_stopped_releases_at_once() {
+        actix_rt::System::new().block_on(async {
+            let store = lanebus_store::open("sqlite::memory:").await.expect("store");
+            assert!(store.fence(1, "t/1", 1).await.expect("fence"));
+            let catalog = Arc::new(HandlerCatalog::new(store.clone()));
+            catalog.reload_fresh().await.expect("reload");
+            let deps = LaneDeps {
+                store_actor: StoreActor::new(store.clone(), StoreActorConfig::default()).start(),
+                catalog,
+                dispatcher: Dispatcher::new(
+                    WebhookSender::new(Default::default()).expect("sender"),
+                    HashMap::new(),
+                    store.lanes(),
+                ),
+                board: Arc::new(LaneBoard::default()),
+                config: LaneConfig::default(),
+                gate: WorkGate::default(),
+                fenced_out: None,
+                supervisor: None,
+            };
+            let (work, work_rx) = watch::channel(LaneWork {
+                owned: lanes(&[(1, 1)]),
+                releasing: OwnedLanes::new(),
+            });
+            let (released, mut released_rx) = mpsc::unbounded_channel();
+            let assignment = Arc::new(Fake {
+                work: work_rx.clone(),
+                released,
+            });
+            let owners = Owners::default();
+            let sup = LaneSupervisor::new(
+                owners.clone(),
+                deps,
+                assignment,
+                work_rx,
+                DrainBound::Fixed(Duration::from_secs(3600)),
+            )
+            .start();
+            sup.send(Apply).await.expect("applied");
+
+            // Another owner takes lane 1 in the store: this one's next claim
+            // is refused and it stops by itself.
+            assert!(store.fence(1, "t/2", 2).await.expect("fence 2"));
+            let stopped = |o: &Owners| o.lock().unwrap().get(&1).is_some_and(|e| !e.addr.connected());
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while !stopped(&owners) {
+                assert!(
+                    Instant::now() < deadline,
+                    "lane 1's owner never stopped: {:?}",
+                    owners.lock().unwrap().keys().collect::<Vec<_>>()
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+
+            work.send_replace(LaneWork {
+                owned: OwnedLanes::new(),
+                releasing: lanes(&[(1, 1)]),
+            });
+            let lane = tokio::time::timeout(Duration::from_secs(60), released_rx.recv())
+                .await
+                .expect("released before the drain's bound");
+            assert_eq!(lane, Some(1));
+        });
     }
 
     /// With drain bounds of an hour, only the owners' facts can end a
