@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use lanebus_testkit::oracle::Published;
 use crate::rng::Rng;
+use lanebus_testkit::oracle::Published;
 
 /// Payloads to publish: real GitHub webhook examples when found, plus a few
 /// with escapes, non-ASCII text and odd numbers to catch re-encoding.

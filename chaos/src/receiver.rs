@@ -22,9 +22,9 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use lanebus_testkit::oracle::Request;
 use crate::proxy::{identify_async, Sources};
 use crate::rng::coin;
+use lanebus_testkit::oracle::Request;
 
 /// How the endpoint behaves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

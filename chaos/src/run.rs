@@ -11,11 +11,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 
-use lanebus_testkit::oracle::{self, HandlerSpec, LaneSample, Published, Record, Report};
 use crate::plan::{Fault, Plan, Target};
 use crate::publisher::{self, PubSpec};
 use crate::receiver::{Mode, TrapFor};
 use crate::sandbox::{NodeFlags, PgServer, Sandbox, Store};
+use lanebus_testkit::oracle::{self, HandlerSpec, LaneSample, Published, Record, Report};
 
 /// What the whole suite shares.
 pub struct Ctx {

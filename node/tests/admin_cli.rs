@@ -159,7 +159,10 @@ async fn json_output_is_the_apis_answer_and_errors_are_clear() -> anyhow::Result
         if dead.len() == 5 && dead.iter().all(|d| d["id"].as_i64() != Some(first)) {
             break;
         }
-        ensure!(Instant::now() < deadline, "the replayed delivery never came back: {dead:?}");
+        ensure!(
+            Instant::now() < deadline,
+            "the replayed delivery never came back: {dead:?}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let rest = json(&[

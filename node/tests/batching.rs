@@ -11,8 +11,8 @@ use std::time::Duration;
 use anyhow::ensure;
 use common::wrapped::Wrapped;
 use common::{expected, real_events, samples, test_options, Api, Backend, TestDb};
-use lanebus_testkit::receiver::Receiver;
 use lanebus_node::StoreSource;
+use lanebus_testkit::receiver::Receiver;
 
 async fn batched(backend: Backend) -> anyhow::Result<()> {
     let db = TestDb::new(backend, "batching").await?;

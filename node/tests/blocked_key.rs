@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context as _};
 use common::{test_options, Api, Backend, TestDb};
-use lanebus_testkit::receiver::{Action, Expected, Receiver, Rule};
 use lanebus_store::{lane_of_key, HandlerState, NewEvent, NewHandler, DEFAULT_LANES};
+use lanebus_testkit::receiver::{Action, Expected, Receiver, Rule};
 use serde_json::Value;
 
 const BUFFER: usize = 16;

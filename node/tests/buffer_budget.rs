@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::ensure;
 use common::{test_options, Backend, TestDb};
-use lanebus_testkit::receiver::{Action, Expected, Receiver, Rule};
 use lanebus_store::{NewEvent, NewHandler};
+use lanebus_testkit::receiver::{Action, Expected, Receiver, Rule};
 
 const PAYLOAD: usize = 256 << 10;
 const EVENTS: usize = 160;

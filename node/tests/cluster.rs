@@ -33,9 +33,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context as _};
 use common::{expected, real_events, Backend, Registered, TestDb};
+use lanebus_store::{handler_defaults, NewEvent, NewHandler, Store};
 use lanebus_testkit::local_cluster::{self, LocalCluster, Start};
 use lanebus_testkit::receiver::{Action, Expected, Receiver, Rule};
-use lanebus_store::{handler_defaults, NewEvent, NewHandler, Store};
 
 const ARGS: &[&str] = &[
     "--lease-ms",

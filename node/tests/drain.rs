@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::ensure;
 use common::{expected, real_events, samples, test_options, Backend, Registered, TestDb};
-use lanebus_testkit::receiver::Receiver;
 use lanebus_store::{handler_defaults, NewEvent, NewHandler};
+use lanebus_testkit::receiver::Receiver;
 
 async fn drain(backend: Backend) -> anyhow::Result<()> {
     let db = TestDb::new(backend, "drain").await?;

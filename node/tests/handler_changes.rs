@@ -23,9 +23,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context as _};
 use common::{start_node, test_options, Api, Backend, TestDb};
-use lanebus_testkit::receiver::{Action, Expected, Receiver, Rule};
 use lanebus_node::webhook;
 use lanebus_store::{HandlerState, NewEvent, NewHandler, Store};
+use lanebus_testkit::receiver::{Action, Expected, Receiver, Rule};
 use serde_json::{json, Value};
 
 /// Registers a handler through the API with `extra` fields; returns (id, secret).
@@ -294,8 +294,9 @@ async fn gone_for_several_keys_at_once_counts_one_disable(backend: Backend) -> a
         },
     });
     api.publish(&keyed_events("gonekeys", 4, 4), 4).await?;
-    let gone =
-        |log: &[lanebus_testkit::receiver::Received]| log.iter().filter(|r| r.status == 410).count();
+    let gone = |log: &[lanebus_testkit::receiver::Received]| {
+        log.iter().filter(|r| r.status == 410).count()
+    };
     ensure!(
         rx.wait_until(Duration::from_secs(30), |log| gone(log) >= 2)
             .await,

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context as _};
 use common::{expected, real_events, Backend, Registered, TestDb};
-use lanebus_testkit::receiver::{Action, Receiver, Rule};
 use lanebus_store::{handler_defaults, NewEvent, NewHandler};
+use lanebus_testkit::receiver::{Action, Receiver, Rule};
 
 fn spawn_node(url: &str, dir: &std::path::Path, life: u32) -> anyhow::Result<Child> {
     let log = std::fs::File::create(dir.join(format!("node-{life}.log")))?;

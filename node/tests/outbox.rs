@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use anyhow::ensure;
 use common::{start_node, Api, Backend, TestDb};
-use lanebus_testkit::receiver::Receiver;
 use lanebus_store::NewEvent;
+use lanebus_testkit::receiver::Receiver;
 
 fn event(id: &str, key: &str) -> NewEvent {
     NewEvent {

@@ -14,8 +14,8 @@ use common::{test_options, Api, Backend, TestDb};
 use lanebus_api::auth::{Auth, Scope};
 use lanebus_api::egress::EgressPolicy;
 use lanebus_api::NodeView as _;
-use lanebus_testkit::receiver::Receiver;
 use lanebus_store::{handler_defaults, NewHandler};
+use lanebus_testkit::receiver::Receiver;
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 

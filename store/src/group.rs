@@ -191,9 +191,7 @@ impl Grouper {
             // One batch: its own plan, nothing to merge.
             writer.write_group(&jobs[0].plan).await.map(|stored| {
                 let job = jobs.pop().expect("one job");
-                let _ = job
-                    .answer
-                    .send(Ok(answer_alone(job.plan, &stored)));
+                let _ = job.answer.send(Ok(answer_alone(job.plan, &stored)));
             })
         } else {
             let (merged, owners, repeated) = merge(jobs.iter().map(|j| &j.plan));

@@ -56,7 +56,19 @@ mod tests {
         assert!(valid(secret, id, ts, &format!("v1,AAAA {sig}"), body));
         assert!(!valid(secret, id, "1614265331", sig, body));
         assert!(!valid(secret, id, ts, sig, br#"{"test": 2432232315}"#));
-        assert!(!valid("MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw", id, ts, sig, body));
-        assert!(!valid(secret, id, ts, "v2,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=", body));
+        assert!(!valid(
+            "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
+            id,
+            ts,
+            sig,
+            body
+        ));
+        assert!(!valid(
+            secret,
+            id,
+            ts,
+            "v2,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=",
+            body
+        ));
     }
 }

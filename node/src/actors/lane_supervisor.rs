@@ -470,7 +470,12 @@ mod tests {
             // Another owner takes lane 1 in the store: this one's next claim
             // is refused and it stops by itself.
             assert!(store.fence(1, "t/2", 2).await.expect("fence 2"));
-            let stopped = |o: &Owners| o.lock().unwrap().get(&1).is_some_and(|e| !e.addr.connected());
+            let stopped = |o: &Owners| {
+                o.lock()
+                    .unwrap()
+                    .get(&1)
+                    .is_some_and(|e| !e.addr.connected())
+            };
             let deadline = Instant::now() + Duration::from_secs(60);
             while !stopped(&owners) {
                 assert!(

@@ -15,9 +15,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
+use lanebus_node::{NodeHandle, NodeOptions, StoreSource};
 use lanebus_testkit::receiver::Expected;
 use lanebus_testkit::sample_data::{self, Sample};
-use lanebus_node::{NodeHandle, NodeOptions, StoreSource};
 use serde_json::Value;
 use sqlx::Connection as _;
 
