@@ -3,9 +3,9 @@
 //! binary is `src/main.rs`; its demo runs on `lanebus-testkit`.
 //!
 //! Pure decisions live in [`retry`], [`ordering`], [`claim`],
-//! [`auto_disable`] and [`assignment`] (with unit tests, no IO, no clock
-//! reads: they take `now`, which tests drive with a [`clock::ManualClock`]);
-//! [`actors`] carry them out; [`node`] wires a running node (see
+//! [`auto_disable`] and [`assignment`] (with unit tests, no IO: they take
+//! `now`, which tests drive with a [`clock::ManualClock`]); [`actors`] read
+//! the clock and carry them out; [`node`] wires a running node (see
 //! `docs/design.md` section 3). [`webhook`] is the request contract of
 //! docs/design.md section 5; [`handler`] puts in-process handlers on the
 //! same path.

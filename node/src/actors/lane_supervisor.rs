@@ -423,6 +423,26 @@ mod tests {
         of.iter().copied().collect()
     }
 
+    /// Lane deps over `store` with default settings and no handlers.
+    async fn deps_of(store: &Arc<dyn lanebus_store::Store>) -> LaneDeps {
+        let catalog = Arc::new(HandlerCatalog::new(store.clone()));
+        catalog.reload_fresh().await.expect("reload");
+        LaneDeps {
+            store_actor: StoreActor::new(store.clone(), StoreActorConfig::default()).start(),
+            catalog,
+            dispatcher: Dispatcher::new(
+                WebhookSender::new(Default::default()).expect("sender"),
+                HashMap::new(),
+                store.lanes(),
+            ),
+            board: Arc::new(LaneBoard::default()),
+            config: LaneConfig::default(),
+            gate: WorkGate::default(),
+            fenced_out: None,
+            supervisor: None,
+        }
+    }
+
     /// A lane whose owner already stopped on its own (fenced out by
     /// another owner) and is then handed over is released at once, not
     /// at the drain's bound (an hour here): nothing of it is in flight.
@@ -431,22 +451,7 @@ mod tests {
         actix_rt::System::new().block_on(async {
             let store = lanebus_store::open("sqlite::memory:").await.expect("store");
             assert!(store.fence(1, "t/1", 1).await.expect("fence"));
-            let catalog = Arc::new(HandlerCatalog::new(store.clone()));
-            catalog.reload_fresh().await.expect("reload");
-            let deps = LaneDeps {
-                store_actor: StoreActor::new(store.clone(), StoreActorConfig::default()).start(),
-                catalog,
-                dispatcher: Dispatcher::new(
-                    WebhookSender::new(Default::default()).expect("sender"),
-                    HashMap::new(),
-                    store.lanes(),
-                ),
-                board: Arc::new(LaneBoard::default()),
-                config: LaneConfig::default(),
-                gate: WorkGate::default(),
-                fenced_out: None,
-                supervisor: None,
-            };
+            let deps = deps_of(&store).await;
             let (work, work_rx) = watch::channel(LaneWork {
                 owned: lanes(&[(1, 1)]),
                 releasing: OwnedLanes::new(),
@@ -506,22 +511,7 @@ mod tests {
             for lane in [0, 1] {
                 assert!(store.fence(lane, "t/1", 1).await.expect("fence"));
             }
-            let catalog = Arc::new(HandlerCatalog::new(store.clone()));
-            catalog.reload_fresh().await.expect("reload");
-            let deps = LaneDeps {
-                store_actor: StoreActor::new(store.clone(), StoreActorConfig::default()).start(),
-                catalog,
-                dispatcher: Dispatcher::new(
-                    WebhookSender::new(Default::default()).expect("sender"),
-                    HashMap::new(),
-                    store.lanes(),
-                ),
-                board: Arc::new(LaneBoard::default()),
-                config: LaneConfig::default(),
-                gate: WorkGate::default(),
-                fenced_out: None,
-                supervisor: None,
-            };
+            let deps = deps_of(&store).await;
             let (work, work_rx) = watch::channel(LaneWork {
                 owned: lanes(&[(0, 1), (1, 1)]),
                 releasing: OwnedLanes::new(),
