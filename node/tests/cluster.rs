@@ -206,8 +206,9 @@ impl Fixture {
         let r = local_cluster::repeats(&self.rx.requests(), events_ms);
         ensure!(
             r.unexplained.is_empty(),
-            "unexplained repeats: {:?}",
-            &r.unexplained[..r.unexplained.len().min(10)]
+            "unexplained repeats: {:?} (logs in {})",
+            &r.unexplained[..r.unexplained.len().min(10)],
+            self.cluster.dir().display()
         );
         Ok(r.repeated)
     }
@@ -411,8 +412,10 @@ async fn paused_past_lease(backend: Backend) -> anyhow::Result<()> {
     let stop_ms = f.rx.now_ms();
     let moved = time_to_balance(&f.cluster, 1, &[1, 2], 30).await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    f.cluster.signal(3, "CONT")?;
+    // Taken before the signal: node 3 may send as soon as it runs again,
+    // before `kill` returns.
     let cont_ms = f.rx.now_ms();
+    f.cluster.signal(3, "CONT")?;
     f.wait_all(&exp, 180).await?;
     // Node 3 is back: it renews again and gets lanes again.
     f.cluster

@@ -409,15 +409,17 @@ pub const LOOPBACK_CIDRS: &str = "127.0.0.0/8,::1/128";
 /// acceptance came before one of `events_ms` (or within [`IN_AIR_MS`] after
 /// it) and the second after it, and
 /// each (handler, key) has at most one such repeat per event (only its
-/// in-flight delivery can be cut).
+/// in-flight delivery can be cut); or if the second carries a lower
+/// `lanebus-epoch` than the first (a deposed owner's late request, sent by a
+/// process that was paused between its lease check and the send).
 pub fn repeats(log: &[Received], events_ms: &[f64]) -> Repeats {
     type Key = (String, String);
-    let mut accepted: HashMap<Key, Vec<(f64, Option<String>)>> = HashMap::new();
+    let mut accepted: HashMap<Key, Vec<&Received>> = HashMap::new();
     for r in log.iter().filter(|r| r.accepted()) {
         accepted
             .entry((r.handler.clone(), r.event_id.clone()))
             .or_default()
-            .push((r.arrived_ms, r.key.clone()));
+            .push(r);
     }
     let mut out = Repeats::default();
     let mut per_slot: HashMap<(String, Option<String>, usize), u32> = HashMap::new();
@@ -427,30 +429,52 @@ pub fn repeats(log: &[Received], events_ms: &[f64]) -> Repeats {
         }
         out.repeated += 1;
         for pair in times.windows(2) {
+            if let (Some(a), Some(b)) = (epoch(pair[0]), epoch(pair[1])) {
+                if b < a {
+                    continue;
+                }
+            }
             let cut = events_ms
                 .iter()
-                .position(|&e| pair[0].0 < e + IN_AIR_MS && pair[1].0 > e);
+                .position(|&e| pair[0].arrived_ms < e + IN_AIR_MS && pair[1].arrived_ms > e);
             match cut {
                 Some(i) => {
                     let n = per_slot
-                        .entry((handler.clone(), pair[0].1.clone(), i))
+                        .entry((handler.clone(), pair[0].key.clone(), i))
                         .or_default();
                     *n += 1;
-                    if *n > 1 && pair[0].1.is_some() {
+                    if *n > 1 && pair[0].key.is_some() {
                         out.unexplained.push(format!(
                             "{handler} key {:?}: more than one repeat across the same event",
-                            pair[0].1
+                            pair[0].key
                         ));
                     }
                 }
                 None => out.unexplained.push(format!(
-                    "{handler} {id} accepted at {:.0} ms and again at {:.0} ms with no event in between",
-                    pair[0].0, pair[1].0
+                    "{handler} {id} accepted with no event in between: {} then {}",
+                    describe(pair[0]),
+                    describe(pair[1])
                 )),
             }
         }
     }
     out
+}
+
+fn epoch(r: &Received) -> Option<i64> {
+    r.headers.get("lanebus-epoch")?.parse().ok()
+}
+
+/// One request of a repeat, as the failure message shows it.
+fn describe(r: &Received) -> String {
+    format!(
+        "attempt {} at epoch {:?} from {} arrived {:.0} ms, answered {:.0} ms",
+        r.attempt,
+        epoch(r),
+        r.sender.as_deref().unwrap_or("?"),
+        r.arrived_ms,
+        r.answered_ms
+    )
 }
 
 #[cfg(test)]
@@ -519,5 +543,21 @@ mod tests {
             rx("a", "e2", "k", 31.0),
         ];
         assert_eq!(repeats(&two, &[20.0]).unexplained.len(), 1);
+    }
+
+    #[test]
+    fn a_late_request_of_a_lower_epoch_is_a_deposed_owners() {
+        let at = |t: f64, epoch: &str| {
+            let mut r = rx("a", "e1", "k", t);
+            r.headers.insert("lanebus-epoch".into(), epoch.into());
+            r
+        };
+        let deposed = vec![at(10.0, "5"), at(30.0, "4")];
+        assert_eq!(repeats(&deposed, &[]).unexplained.len(), 0);
+        let same = vec![at(10.0, "5"), at(30.0, "5")];
+        assert_eq!(repeats(&same, &[]).unexplained.len(), 1, "same owner twice");
+        let newer = vec![at(10.0, "4"), at(30.0, "5")];
+        assert_eq!(repeats(&newer, &[]).unexplained.len(), 1, "needs an event");
+        assert_eq!(repeats(&newer, &[20.0]).unexplained.len(), 0);
     }
 }
