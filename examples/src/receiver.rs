@@ -8,13 +8,21 @@
 //! delivery is handed over again after a failed attempt or a change of
 //! lane owner (docs/design.md invariant 3), with the same id.
 //!
+//! It also refuses a deposed owner's late request with the fencing token:
+//! per lane (`lanebus-lane`) it keeps the highest `lanebus-epoch` it saw,
+//! and answers a lower one `409`. Epochs only grow per lane, so only an
+//! owner that lost the lane (a process paused past its lease) sends one;
+//! its attempt's outcome is refused by the store too, and the new owner
+//! delivers the event.
+//!
 //! | answer | when |
 //! | --- | --- |
 //! | `200` | verified; `{"duplicate": bool}` |
 //! | `400` | a header missing |
 //! | `401` | the signature does not verify, or the timestamp is outside the window |
+//! | `409` | `lanebus-epoch` below the highest seen for its lane |
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use axum::body::Bytes;
@@ -31,6 +39,8 @@ pub const TOLERANCE_SECS: i64 = 5 * 60;
 pub struct Inbox {
     secret: String,
     seen: Mutex<HashSet<String>>,
+    /// Highest `lanebus-epoch` per `lanebus-lane`.
+    epochs: Mutex<HashMap<u16, i64>>,
     events: Mutex<Vec<serde_json::Value>>,
 }
 
@@ -41,6 +51,7 @@ impl Inbox {
         Arc::new(Inbox {
             secret: secret.into(),
             seen: Mutex::default(),
+            epochs: Mutex::default(),
             events: Mutex::default(),
         })
     }
@@ -85,6 +96,21 @@ async fn receive(
             StatusCode::UNAUTHORIZED,
             Json(serde_json::json!({"error": "signature or timestamp does not verify"})),
         );
+    }
+    let lane = header("lanebus-lane").and_then(|v| v.parse::<u16>().ok());
+    let epoch = header("lanebus-epoch").and_then(|v| v.parse::<i64>().ok());
+    if let (Some(lane), Some(epoch)) = (lane, epoch) {
+        let mut epochs = inbox.epochs.lock().expect("not poisoned");
+        let highest = epochs.entry(lane).or_insert(epoch);
+        if epoch < *highest {
+            return (
+                StatusCode::CONFLICT,
+                Json(serde_json::json!({
+                    "error": format!("epoch {epoch} of lane {lane} is below {highest}: sent by a deposed owner"),
+                })),
+            );
+        }
+        *highest = epoch;
     }
     let duplicate = !inbox
         .seen

@@ -118,4 +118,38 @@ async fn receiver_verifies_signed_webhooks_and_refuses_forged_ones() {
         .await
         .unwrap();
     assert_eq!(missing.status(), 400);
+
+    // The fencing token: a lower epoch for a lane than one seen is refused.
+    let fenced = |id: &'static str, lane: u16, epoch: i64| {
+        let sig = lanebus_node::webhook::sign(&own, id, now, body).unwrap();
+        reqwest::Client::new()
+            .post(&url)
+            .header("webhook-id", id)
+            .header("webhook-timestamp", now.to_string())
+            .header("webhook-signature", sig)
+            .header("lanebus-lane", lane.to_string())
+            .header("lanebus-epoch", epoch.to_string())
+            .body(body.to_vec())
+            .send()
+    };
+    assert_eq!(fenced("msg_2", 7, 3).await.unwrap().status(), 200);
+    let stale = fenced("msg_3", 7, 2).await.unwrap();
+    assert_eq!(stale.status(), 409, "a deposed owner's epoch");
+    let error = stale.json::<serde_json::Value>().await.unwrap();
+    assert!(
+        error["error"].as_str().unwrap().contains("below 3"),
+        "{error}"
+    );
+    assert_eq!(
+        fenced("msg_3", 8, 1).await.unwrap().status(),
+        200,
+        "another lane"
+    );
+    assert_eq!(
+        fenced("msg_4", 7, 4).await.unwrap().status(),
+        200,
+        "a newer owner"
+    );
+    assert_eq!(fenced("msg_5", 7, 3).await.unwrap().status(), 409);
+    assert_eq!(inbox.events().len(), 4);
 }

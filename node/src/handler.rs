@@ -453,6 +453,7 @@ mod tests {
         Delivery {
             id,
             lane,
+            epoch: 1,
             handler_id: handler_id.into(),
             event_id: format!("e{id}"),
             event_type: "t.x".into(),

@@ -830,6 +830,7 @@ mod tests {
         Delivery {
             id,
             lane: 0,
+            epoch: 1,
             handler_id: handler.into(),
             event_id: format!("evt_{id}"),
             event_type: "issues.opened".into(),

@@ -10,6 +10,8 @@
 //! lanebus-key: <key>                     only for keyed events
 //! lanebus-sequence: <position within the key>
 //! lanebus-attempt: <1, 2, ...>
+//! lanebus-lane: <0..255>                 the event's lane
+//! lanebus-epoch: <lane epoch>            the owner's fencing token (below)
 //! lanebus-replay: true                   only for a recovery (delivered before)
 //!
 //! {"type":"issues.opened","timestamp":"<published_at, RFC 3339>","data":<payload>}
@@ -32,6 +34,12 @@
 //! kept without being attempted (on every node, once its catalog reloads)
 //! until `POST /v1/handlers/{id}/enable`. Redirects are not followed: a 3xx
 //! is a failure.
+//!
+//! `lanebus-epoch` is the lane's epoch the sending owner claimed the
+//! delivery at; it only grows per lane. A receiver that keeps, per lane,
+//! the highest epoch it accepted and answers a lower one with a 409 (not
+//! 2xx) refuses a deposed owner's late request (docs/api.md, "Receiving
+//! webhooks").
 //!
 //! The SSRF guard ([`lanebus_store::egress`]) is checked again at each send: a
 //! literal address in the URL before the request, a name by the client's
@@ -338,7 +346,9 @@ impl WebhookSender {
             .header("webhook-id", &delivery.event_id)
             .header("webhook-timestamp", now.to_string())
             .header("webhook-signature", signature)
-            .header("lanebus-attempt", attempt.to_string());
+            .header("lanebus-attempt", attempt.to_string())
+            .header("lanebus-lane", delivery.lane.to_string())
+            .header("lanebus-epoch", delivery.epoch.to_string());
         if let Some(key) = &delivery.key {
             req = req.header("lanebus-key", key);
         }
@@ -484,6 +494,7 @@ mod tests {
         let delivery = Delivery {
             id: 1,
             lane: 0,
+            epoch: 1,
             handler_id: handler.id.clone(),
             event_id: "evt_1".into(),
             event_type: "a.b".into(),

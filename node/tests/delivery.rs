@@ -69,6 +69,13 @@ async fn real_input_ten_fold(backend: Backend) -> anyhow::Result<()> {
     let by_id: HashMap<&str, &common::Published> =
         events.iter().map(|e| (e.id.as_str(), e)).collect();
     let reqs = rx.requests();
+    let (_, lanes) = api.get("/admin/lanes").await?;
+    let epochs: HashMap<u64, i64> = lanes["lanes"]
+        .as_array()
+        .context("/admin/lanes")?
+        .iter()
+        .filter_map(|l| Some((l["lane"].as_u64()?, l["epoch"].as_i64()?)))
+        .collect();
     ensure!(
         reqs.len() == exp.len(),
         "{} requests for {} deliveries: repeats without a cause",
@@ -83,6 +90,22 @@ async fn real_input_ten_fold(backend: Backend) -> anyhow::Result<()> {
         ensure!(r.attempt == 1, "attempt {} of {}", r.attempt, r.event_id);
         ensure!(r.headers.get("content-type").map(String::as_str) == Some("application/json"));
         ensure!(r.key == e.key, "lanebus-key of {}", r.event_id);
+        let lane = lanebus_store::lane_of_event(e.key.as_deref(), &e.id, node.store().lanes());
+        ensure!(
+            r.headers.get("lanebus-lane") == Some(&lane.to_string()),
+            "lanebus-lane of {}: {:?}, its lane is {lane}",
+            r.event_id,
+            r.headers.get("lanebus-lane")
+        );
+        // One node owned every lane throughout: the epoch it fenced them at.
+        ensure!(
+            r.headers.get("lanebus-epoch")
+                == epochs.get(&u64::from(lane)).map(i64::to_string).as_ref(),
+            "lanebus-epoch of {}: {:?}, lane {lane} is at {:?}",
+            r.event_id,
+            r.headers.get("lanebus-epoch"),
+            epochs.get(&u64::from(lane))
+        );
         let prefix = format!(
             "{{\"type\":{},\"timestamp\":\"",
             serde_json::to_string(&e.event_type)?

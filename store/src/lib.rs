@@ -359,6 +359,11 @@ pub struct Delivery {
     pub id: i64,
     /// Lane of the event.
     pub lane: Lane,
+    /// The lane's epoch the delivery was claimed at: the owner's fencing
+    /// token (webhook header `lanebus-epoch`). It only grows per lane, so
+    /// a receiver that refuses an epoch below the highest it saw for the
+    /// lane refuses a deposed owner's late request.
+    pub epoch: Epoch,
     /// Handler to deliver to.
     pub handler_id: String,
     /// Event id (the `webhook-id`).

@@ -888,6 +888,10 @@ async fn fencing_makes_a_stale_owner_change_nothing(h: &dyn Harness) {
     assert!(b[0].owned);
     let ds = b[0].deliveries.clone();
     assert_eq!(ds.len(), 4);
+    assert!(
+        ds.iter().all(|d| d.epoch == 1),
+        "a delivery carries the epoch it was claimed at"
+    );
 
     assert!(
         s.fence(lane, "n2", 2).await.expect("fence"),
@@ -963,10 +967,19 @@ async fn fencing_makes_a_stale_owner_change_nothing(h: &dyn Harness) {
         .await
         .expect("claim");
     assert!(b[0].owned);
-    assert_eq!(
-        b[0].deliveries, ds,
-        "rows unchanged (attempts, due, last error)"
+    assert!(
+        b[0].deliveries.iter().all(|d| d.epoch == 2),
+        "the new owner's claim carries its epoch"
     );
+    let at_one: Vec<Delivery> = b[0]
+        .deliveries
+        .iter()
+        .map(|d| Delivery {
+            epoch: 1,
+            ..d.clone()
+        })
+        .collect();
+    assert_eq!(at_one, ds, "rows unchanged (attempts, due, last error)");
 
     // n2 can.
     let done = s.complete(&[dref(&ds[0], 2, 1)]).await.expect("complete");

@@ -119,13 +119,14 @@ pub(super) async fn claim(
             .await?;
         for row in rows {
             let slot = get_int(&row, "slot")?;
-            let b = usize::try_from(slot)
+            let i = usize::try_from(slot)
                 .ok()
-                .and_then(|i| batches.get_mut(i))
+                .filter(|&i| i < batches.len())
                 .ok_or_else(|| StoreError::Database(format!("claim row for slot {slot}")))?;
             let pos = get_int(&row, "pos")?;
+            let b = &mut batches[i];
             b.next_after.pos = b.next_after.pos.max(pos);
-            b.deliveries.push(delivery_from_doc(&row)?);
+            b.deliveries.push(delivery_from_doc(&row, claims[i].epoch)?);
         }
     }
     for b in &mut batches {
@@ -156,7 +157,7 @@ async fn lane_epochs(
     Ok(out)
 }
 
-fn delivery_from_doc(d: &Document) -> Result<Delivery> {
+fn delivery_from_doc(d: &Document, epoch: Epoch) -> Result<Delivery> {
     let event = d
         .get_array("event")
         .ok()
@@ -172,6 +173,7 @@ fn delivery_from_doc(d: &Document) -> Result<Delivery> {
     Ok(Delivery {
         id: get_int(d, "_id")?,
         lane: get_lane(d, "lane")?,
+        epoch,
         handler_id: get_string(d, "handler_id")?,
         event_id: get_string(d, "event_id")?,
         event_type: get_string(event, "type")?,

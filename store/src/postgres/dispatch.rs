@@ -100,7 +100,7 @@ pub(super) async fn claim(pool: &PgPool, claims: &[LaneClaim]) -> Result<Vec<Lan
         }
         batches[i]
             .deliveries
-            .push(delivery_from_row(row, claims[i].lane)?);
+            .push(delivery_from_row(row, claims[i].lane, claims[i].epoch)?);
     }
     let snapshot =
         snapshot.ok_or_else(|| StoreError::Database("claim returned no snapshot".into()))?;
@@ -159,7 +159,7 @@ fn next_cursor(
     }
 }
 
-fn delivery_from_row(row: &PgRow, lane: Lane) -> Result<Delivery> {
+fn delivery_from_row(row: &PgRow, lane: Lane, epoch: Epoch) -> Result<Delivery> {
     let need = |what: &str| StoreError::Database(format!("claim row without {what}"));
     let attempts: Option<i32> = row.try_get("attempts").map_err(map_err)?;
     let payload: Option<Vec<u8>> = row.try_get("payload").map_err(map_err)?;
@@ -171,6 +171,7 @@ fn delivery_from_row(row: &PgRow, lane: Lane) -> Result<Delivery> {
             .map_err(map_err)?
             .ok_or_else(|| need("id"))?,
         lane,
+        epoch,
         handler_id: row
             .try_get::<Option<String>, _>("handler_id")
             .map_err(map_err)?

@@ -90,11 +90,12 @@ pub(super) async fn claim(
         }
         for row in q.fetch_all(&mut *conn).await.map_err(map_err)? {
             let slot: i64 = row.try_get("slot").map_err(map_err)?;
-            let b = usize::try_from(slot)
+            let i = usize::try_from(slot)
                 .ok()
-                .and_then(|i| batches.get_mut(i))
+                .filter(|&i| i < batches.len())
                 .ok_or_else(|| StoreError::Database(format!("claim row for slot {slot}")))?;
-            let d = delivery_from_row(&row)?;
+            let d = delivery_from_row(&row, claims[i].epoch)?;
+            let b = &mut batches[i];
             b.next_after.pos = b.next_after.pos.max(d.id);
             b.deliveries.push(d);
         }
@@ -105,13 +106,14 @@ pub(super) async fn claim(
     Ok(batches)
 }
 
-fn delivery_from_row(row: &SqliteRow) -> Result<Delivery> {
+fn delivery_from_row(row: &SqliteRow, epoch: Epoch) -> Result<Delivery> {
     let lane: i64 = row.try_get("lane").map_err(map_err)?;
     let payload: Vec<u8> = row.try_get("payload").map_err(map_err)?;
     Ok(Delivery {
         id: row.try_get("id").map_err(map_err)?,
         lane: Lane::try_from(lane)
             .map_err(|_| StoreError::Database(format!("lane {lane} out of range")))?,
+        epoch,
         handler_id: row.try_get("handler_id").map_err(map_err)?,
         event_id: row.try_get("event_id").map_err(map_err)?,
         event_type: row.try_get("type").map_err(map_err)?,
