@@ -151,6 +151,37 @@ pub struct JoinRequest {
     pub raft_addr: String,
     /// Its HTTP API address, `IP:PORT` or `HOST:PORT`.
     pub http_addr: String,
+    /// Its lease settings. A member refuses (`409`) settings other than
+    /// its own: the leader reassigns a node's lanes after the leader's
+    /// lease plus margin, so a node with a longer lease would still start
+    /// attempts after its lanes moved. Absent (a node older than this
+    /// field): not checked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease: Option<LeaseSettings>,
+}
+
+/// A node's lease settings (`--lease-ms`, `--renew-interval-ms`,
+/// `--lease-margin-ms`), in milliseconds; every member of a cluster runs the
+/// same.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct LeaseSettings {
+    /// How long a committed renewal keeps a node's lanes.
+    pub lease_ms: u64,
+    /// How often a node renews.
+    pub renew_interval_ms: u64,
+    /// The leader's extra wait past a lease before it reassigns the lanes.
+    pub margin_ms: u64,
+}
+
+impl std::fmt::Display for LeaseSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "--lease-ms {} --renew-interval-ms {} --lease-margin-ms {}",
+            self.lease_ms, self.renew_interval_ms, self.margin_ms
+        )
+    }
 }
 
 /// Body of `POST /admin/cluster/remove`: the node to remove on purpose.

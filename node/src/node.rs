@@ -37,8 +37,8 @@ use async_trait::async_trait;
 use lanebus_api::auth::{Auth, Scope};
 use lanebus_api::egress::EgressPolicy;
 use lanebus_api::{
-    ApiState, ClusterChangeError, ClusterNodeView, ClusterView, JoinRequest, LaneView, Limits,
-    NodeView,
+    ApiState, ClusterChangeError, ClusterNodeView, ClusterView, JoinRequest, LaneView,
+    LeaseSettings, Limits, NodeView,
 };
 use lanebus_cluster::{
     Cluster, ClusterConfig, ClusterError, ClusterSecret, LeaseConfig, RaftTiming,
@@ -486,6 +486,16 @@ impl NodeView for NodeState {
             .cluster
             .as_ref()
             .ok_or(ClusterChangeError::NotClustered)?;
+        if let (Some(theirs), Some(ours)) = (req.lease, self.lease.as_ref().map(lease_settings)) {
+            if theirs != ours {
+                return Err(ClusterChangeError::Refused(format!(
+                    "lease settings differ: this cluster runs {ours}, node {} was started with {theirs}; \
+                     start it with the cluster's settings (a longer lease than the leader's would let \
+                     it send after its lanes moved)",
+                    req.id
+                )));
+            }
+        }
         c.add_node(req.id, &req.raft_addr, &req.http_addr)
             .await
             .map_err(change_error)
@@ -964,6 +974,7 @@ async fn assignment(
                 id: o.node_id,
                 raft_addr: c.raft_addr().to_string(),
                 http_addr: c.http_addr().to_string(),
+                lease: Some(lease_settings(&o.lease)),
             },
         ));
     }
@@ -1028,6 +1039,15 @@ async fn bootstrap(cluster: &Cluster) -> Result<(), NodeError> {
             }
             Err(e) => return Err(e.into()),
         }
+    }
+}
+
+/// The settings a join request carries and a member compares.
+fn lease_settings(l: &LeaseConfig) -> LeaseSettings {
+    LeaseSettings {
+        lease_ms: l.lease_ms,
+        renew_interval_ms: l.renew_interval_ms,
+        margin_ms: l.margin_ms,
     }
 }
 

@@ -941,3 +941,50 @@ mod graceful_stop_gives_the_lease_up {
         graceful_stop(Backend::Sqlite).await.unwrap();
     }
 }
+
+/// A node started with other lease settings than the cluster's is refused
+/// at join (`409`, naming both settings) and never becomes a member: the
+/// leader reassigns a node's lanes after its own lease plus margin, so a
+/// member with a longer lease could still send after its lanes moved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_with_other_lease_settings_is_refused_at_join() {
+    let _one = SERIAL.lock().await;
+    let db = TestDb::new(Backend::Sqlite, "leasejoin").await.unwrap();
+    let dir = std::env::temp_dir().join(format!(
+        "lanebus-leasejoin-{}",
+        uuid::Uuid::now_v7().simple()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut first = LocalCluster::new(env!("CARGO_BIN_EXE_lanebus"), &dir, &db.url, ARGS);
+    first.spawn(1, Start::Bootstrap).unwrap();
+    first.wait_ready(1, Duration::from_secs(30)).await.unwrap();
+    let other = dir.join("other");
+    std::fs::create_dir_all(&other).unwrap();
+    let mut second = LocalCluster::new(env!("CARGO_BIN_EXE_lanebus"), &other, &db.url, ARGS_JOIN);
+    second.spawn(2, Start::Join(first.url(1))).unwrap();
+    let log = other.join("node-2.1.log");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let members = loop {
+        let v = first.get_json(1, "/admin/cluster").await.unwrap();
+        let members = v["nodes"].as_array().map_or(0, Vec::len);
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if members > 1 || text.contains("join refused") {
+            break members;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "node 2 neither joined nor was refused in 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert_eq!(members, 1, "node 2 joined with other lease settings");
+    assert!(
+        text.contains("lease settings") && text.contains("3000") && text.contains("1500"),
+        "the refusal names both settings: {text}"
+    );
+    let _ = second.stop(2, Duration::from_secs(5));
+    let _ = first.stop(1, Duration::from_secs(5));
+    let _ = std::fs::remove_dir_all(&dir);
+    db.drop_db().await;
+}
