@@ -10,8 +10,7 @@ mod common;
 
 use std::sync::Arc;
 
-use lanebus_store::postgres::PgStore;
-use lanebus_store::{handler_defaults, NewEvent, NewHandler, Store};
+use lanebus_store::{NewEvent, Store};
 
 const ROUNDS: usize = 4;
 
@@ -27,45 +26,11 @@ async fn publish_calls(pool: &sqlx::PgPool) -> i64 {
     .expect("read pg_stat_statements (preloaded by scripts/pg-start)")
 }
 
-/// A fresh database `db` with one handler of every event; returns the
-/// admin pool (to drop it), the store and the store's pool.
-async fn fresh_store(db: &str) -> (sqlx::PgPool, PgStore, sqlx::PgPool) {
-    let admin_url = std::env::var("LANEBUS_TEST_POSTGRES_URL").expect(
-        "LANEBUS_TEST_POSTGRES_URL is not set: run the tests with scripts/test, which starts a \
-         throwaway PostgreSQL",
-    );
-    let admin = sqlx::PgPool::connect(&admin_url).await.expect("admin");
-    for sql in [
-        format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"),
-        format!("CREATE DATABASE {db}"),
-    ] {
-        sqlx::query(&sql).execute(&admin).await.expect(&sql);
-    }
-    let store = PgStore::connect(&common::with_database(&admin_url, db))
-        .await
-        .expect("open store");
-    let pool = store.pool().clone();
-    store
-        .create_handler(NewHandler {
-            name: "all".into(),
-            url: "http://127.0.0.1:9/all".into(),
-            event_types: vec!["*".into()],
-            max_attempts: handler_defaults::MAX_ATTEMPTS,
-            timeout_ms: handler_defaults::TIMEOUT_MS,
-            max_in_flight: handler_defaults::MAX_IN_FLIGHT,
-            secret: String::new(),
-            rate_limit: None,
-        })
-        .await
-        .expect("create handler");
-    (admin, store, pool)
-}
-
 /// `publishers` tasks publish `ROUNDS` single unkeyed events each, all at
 /// once. Returns (publishes, transactions, statements).
 async fn run(publishers: usize) -> (usize, i64, i64) {
     let db = format!("lanebus_group_{publishers}_{}", std::process::id());
-    let (admin, store, pool) = fresh_store(&db).await;
+    let (admin, store, pool) = common::fresh_pg_store(&db).await;
     sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
         .execute(&pool)
         .await
@@ -102,11 +67,7 @@ async fn run(publishers: usize) -> (usize, i64, i64) {
             .expect("count deliveries");
     assert_eq!(deliveries, publishes as i64, "one delivery per event");
     let statements = publish_calls(&pool).await - calls_before;
-    pool.close().await;
-    sqlx::query(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
-        .execute(&admin)
-        .await
-        .expect("drop database");
+    common::drop_pg_database(&admin, pool, &db).await;
     eprintln!(
         "{publishers} publishers: {publishes} publishes, {transactions} transactions, \
          {statements} publish statements"
@@ -148,7 +109,7 @@ fn keyed(key: &str) -> NewEvent {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_key_held_elsewhere_holds_back_only_its_own_publishers() {
     let db = format!("lanebus_group_held_{}", std::process::id());
-    let (admin, store, pool) = fresh_store(&db).await;
+    let (admin, store, pool) = common::fresh_pg_store(&db).await;
     let store = Arc::new(store);
 
     // The caller's transaction publishes on "held" and stays open.
@@ -211,9 +172,5 @@ async fn a_key_held_elsewhere_holds_back_only_its_own_publishers() {
             .await
             .expect("seqs");
     assert_eq!(seqs, vec![1, 2], "the held key's events in commit order");
-    pool.close().await;
-    sqlx::query(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
-        .execute(&admin)
-        .await
-        .expect("drop database");
+    common::drop_pg_database(&admin, pool, &db).await;
 }

@@ -40,7 +40,9 @@
 //!   handler registered through another node is seen at once, with no cache
 //!   to invalidate.
 //! - **NOTIFY at most once per transaction**, and only when it created
-//!   deliveries; [`Store::wakeups`] listens on channel `lanebus`.
+//!   deliveries; [`Store::wakeups`] listens on channel `lanebus`. Never in a
+//!   caller's transaction ([`PgStore::publish_in`]): its wake-up is sent
+//!   after its commit ([`PgStore::wake_after_commit`]).
 //! - Migrations are plain idempotent SQL (`store/migrations/postgres/`),
 //!   applied in one transaction under an advisory lock and recorded in
 //!   `meta.schema_version`.
@@ -328,7 +330,14 @@ impl PgStore {
 
     /// Publishes `events` inside the caller's transaction (the transactional
     /// outbox): the same writes as [`Store::publish`], which exist if and only
-    /// if the caller commits; the wake-up is sent at commit.
+    /// if the caller commits.
+    ///
+    /// No wake-up is sent from the caller's transaction: a NOTIFY there would
+    /// make its commit take PostgreSQL's database-wide notify-queue lock, which
+    /// serializes notifying commits. After the commit, pass the outcome to
+    /// [`PgStore::wake_after_commit`] so lane owners claim at once; without it
+    /// the events are claimed within the nodes' poll interval (1 s by
+    /// default on PostgreSQL).
     ///
     /// Ids already stored count as duplicates without disturbing the
     /// caller's transaction. When the batch has client-supplied ids, the
@@ -339,7 +348,9 @@ impl PgStore {
     /// ends in [`StoreError::Conflict`], the transaction still usable).
     ///
     /// The key counters of the batch stay locked until the caller commits:
-    /// other publishers of the same keys wait for it. Keep the transaction short.
+    /// other publishers of the same keys wait for it (under `REPEATABLE READ`
+    /// or `SERIALIZABLE` the later one then fails with a serialization
+    /// failure, `40001`, to be retried as a whole). Keep the transaction short.
     ///
     /// # Errors
     /// [`StoreError::Invalid`] for an event breaking [`NewEvent::validate`]
@@ -352,7 +363,28 @@ impl PgStore {
         events: Vec<NewEvent>,
     ) -> Result<PublishOutcome> {
         let plan = PublishPlan::new(events, self.lanes)?;
-        publish::publish_in(tx, plan).await
+        let (outcome, _) = publish::publish_in(tx, plan)
+            .await
+            .map_err(publish::final_error)?;
+        Ok(outcome)
+    }
+
+    /// Wakes the lane owners (every node's, through one NOTIFY on
+    /// [`CHANNEL`] in a transaction of its own) for what a
+    /// [`PgStore::publish_in`] returned, once its transaction has committed.
+    /// Sends nothing when `published` accepted no event. Called before the
+    /// commit it wakes owners too early: they find nothing and the events
+    /// wait for the poll interval.
+    ///
+    /// # Errors
+    /// [`StoreError::Unavailable`]/[`StoreError::Timeout`]/[`StoreError::Database`]
+    /// when the NOTIFY failed; the events are stored all the same and are
+    /// claimed within the poll interval.
+    pub async fn wake_after_commit(&self, published: &PublishOutcome) -> Result<()> {
+        if published.accepted == 0 {
+            return Ok(());
+        }
+        publish::notify(&self.pool).await
     }
 }
 

@@ -2,17 +2,23 @@
 //!
 //! The statement checks client-supplied ids against `events`, raises the
 //! batch's key counters (row locks taken in key order), inserts the events
-//! and one delivery per matching handler (disabled ones too), and sends one NOTIFY. It
-//! runs in autocommit for [`Store::publish`](crate::Store::publish), once
-//! per group of concurrent publishes ([`crate::group`]: one round trip and
-//! one NOTIFY per group, no BEGIN/COMMIT), or inside the caller's
-//! transaction for [`PgStore::publish_in`](super::PgStore::publish_in).
+//! and one delivery per matching handler (disabled ones too), and sends one
+//! NOTIFY when asked. It runs in autocommit for
+//! [`Store::publish`](crate::Store::publish), once per group of concurrent
+//! publishes ([`crate::group`]: one round trip and one NOTIFY per group), or
+//! inside the caller's transaction for
+//! [`PgStore::publish_in`](super::PgStore::publish_in), without the NOTIFY:
+//! a notifying commit takes PostgreSQL's database-wide notify-queue lock
+//! (notifying commits are serialized), which the caller's transaction must
+//! not take. Its wake-up is a NOTIFY of its own after the caller's commit
+//! ([`notify`]).
 
 use std::collections::HashSet;
 
 use sqlx::{Connection, PgConnection, PgPool};
 
 use super::error::map_err;
+use super::CHANNEL;
 use crate::common::PublishPlan;
 use crate::{PublishOutcome, Result};
 
@@ -71,23 +77,28 @@ impl<'a> PublishArgs<'a> {
 pub(super) struct Ran {
     /// Events written.
     pub accepted: usize,
+    /// Deliveries written.
+    pub deliveries: usize,
     /// Client-supplied ids that were already stored (not written).
     pub stored: Vec<String>,
 }
 
-/// Runs the publish statement once on `conn`. Errors are raw sqlx errors so
-/// the caller can decide to retry.
+/// Runs the publish statement once on `conn`, with its NOTIFY if `notify`
+/// (and deliveries were written). Errors are raw sqlx errors so the caller
+/// can decide to retry.
 pub(super) async fn run(
     conn: &mut PgConnection,
     args: &PublishArgs<'_>,
+    notify: bool,
 ) -> Result<Ran, sqlx::Error> {
     if args.ids.is_empty() {
         return Ok(Ran {
             accepted: 0,
+            deliveries: 0,
             stored: Vec::new(),
         });
     }
-    let (accepted, _deliveries, _notified, stored): (i64, i64, i64, Option<Vec<String>>) =
+    let (accepted, deliveries, _notified, stored): (i64, i64, i64, Option<Vec<String>>) =
         sqlx::query_as(include_str!("sql/publish.sql"))
             .bind(&args.ids)
             .bind(&args.types)
@@ -96,12 +107,26 @@ pub(super) async fn run(
             .bind(&args.payloads)
             .bind(&args.client)
             .bind(&args.deliver_at)
+            .bind(notify)
             .fetch_one(conn)
             .await?;
     Ok(Ran {
         accepted: usize::try_from(accepted).unwrap_or_default(),
+        deliveries: usize::try_from(deliveries).unwrap_or_default(),
         stored: stored.unwrap_or_default(),
     })
+}
+
+/// The wake-up of a publish that ran without one (inside a caller's
+/// transaction): one NOTIFY on [`CHANNEL`] in autocommit on `pool`, to be
+/// sent after that transaction committed.
+pub(super) async fn notify(pool: &PgPool) -> Result<()> {
+    sqlx::query("SELECT pg_notify($1, '')")
+        .bind(CHANNEL)
+        .execute(pool)
+        .await
+        .map_err(map_err)?;
+    Ok(())
 }
 
 /// The outcome of a plan whose statement accepted `accepted` events.
@@ -128,7 +153,7 @@ pub(super) async fn write(pool: &PgPool, plan: &PublishPlan) -> Result<HashSet<S
     let mut attempt = 1;
     loop {
         let mut conn = pool.acquire().await.map_err(map_err)?;
-        match run(&mut conn, &args).await {
+        match run(&mut conn, &args, true).await {
             Ok(ran) => return Ok(ran.stored.into_iter().collect()),
             Err(e) if attempt < PUBLISH_ATTEMPTS && is_retryable(&e) => {
                 tracing::debug!(attempt, error = %e, "publish raced another publisher; retrying");
@@ -177,35 +202,37 @@ async fn run_with_lock_wait(
         .bind(GROUP_LOCK_WAIT)
         .execute(&mut *tx)
         .await?;
-    let ran = run(&mut tx, args).await?;
+    let ran = run(&mut tx, args, true).await?;
     tx.commit().await?;
     Ok(ran)
 }
 
-/// [`PgStore::publish_in`](super::PgStore::publish_in): the statement in the
-/// caller's transaction `conn`, inside a savepoint (retried after a lost
-/// race) when the batch has client-supplied ids.
+/// [`PgStore::publish_in`](super::PgStore::publish_in): the statement,
+/// without its NOTIFY, in the caller's transaction `conn`, inside a
+/// savepoint (retried after a lost race) when the batch has client-supplied
+/// ids. Returns the outcome and the deliveries written; errors are raw sqlx
+/// errors (the transaction helper retries serialization failures).
 pub(super) async fn publish_in(
     conn: &mut PgConnection,
     plan: PublishPlan,
-) -> Result<PublishOutcome> {
+) -> Result<(PublishOutcome, usize), sqlx::Error> {
     let args = PublishArgs::new(&plan);
     if !plan.fresh.iter().any(|e| e.client_id) {
-        let accepted = run(conn, &args).await.map_err(final_error)?.accepted;
-        return Ok(outcome(plan, accepted));
+        let ran = run(conn, &args, false).await?;
+        return Ok((outcome(plan, ran.accepted), ran.deliveries));
     }
     let mut attempt = 1;
     loop {
-        let mut savepoint = conn.begin().await.map_err(map_err)?;
-        match run(&mut savepoint, &args).await {
-            Ok(Ran { accepted, .. }) => {
-                savepoint.commit().await.map_err(map_err)?;
-                return Ok(outcome(plan, accepted));
+        let mut savepoint = conn.begin().await?;
+        match run(&mut savepoint, &args, false).await {
+            Ok(ran) => {
+                savepoint.commit().await?;
+                return Ok((outcome(plan, ran.accepted), ran.deliveries));
             }
             Err(e) => {
-                savepoint.rollback().await.map_err(map_err)?;
+                savepoint.rollback().await?;
                 if attempt >= PUBLISH_ATTEMPTS || !is_retryable(&e) {
-                    return Err(final_error(e));
+                    return Err(e);
                 }
                 tracing::debug!(attempt, error = %e, "publish_in raced another publisher; retrying");
                 attempt += 1;

@@ -12,3 +12,53 @@ pub fn with_database(url: &str, db: &str) -> String {
         .map_or(base.len(), |i| scheme_end + i);
     format!("{}/{db}{query}", &base[..host_end])
 }
+
+/// A fresh PostgreSQL database `db` on the server of
+/// `LANEBUS_TEST_POSTGRES_URL` (a superuser URL, as `scripts/pg-start`
+/// makes), with one handler of every event; returns the admin pool (to drop
+/// it), the store and the store's pool.
+#[allow(dead_code)]
+pub async fn fresh_pg_store(
+    db: &str,
+) -> (sqlx::PgPool, lanebus_store::postgres::PgStore, sqlx::PgPool) {
+    use lanebus_store::{handler_defaults, NewHandler, Store};
+    let admin_url = std::env::var("LANEBUS_TEST_POSTGRES_URL").expect(
+        "LANEBUS_TEST_POSTGRES_URL is not set: run the tests with scripts/test, which starts a \
+         throwaway PostgreSQL",
+    );
+    let admin = sqlx::PgPool::connect(&admin_url).await.expect("admin");
+    for sql in [
+        format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"),
+        format!("CREATE DATABASE {db}"),
+    ] {
+        sqlx::query(&sql).execute(&admin).await.expect(&sql);
+    }
+    let store = lanebus_store::postgres::PgStore::connect(&with_database(&admin_url, db))
+        .await
+        .expect("open store");
+    let pool = store.pool().clone();
+    store
+        .create_handler(NewHandler {
+            name: "all".into(),
+            url: "http://127.0.0.1:9/all".into(),
+            event_types: vec!["*".into()],
+            max_attempts: handler_defaults::MAX_ATTEMPTS,
+            timeout_ms: handler_defaults::TIMEOUT_MS,
+            max_in_flight: handler_defaults::MAX_IN_FLIGHT,
+            secret: String::new(),
+            rate_limit: None,
+        })
+        .await
+        .expect("create handler");
+    (admin, store, pool)
+}
+
+/// Closes `pool` and drops database `db` (made by [`fresh_pg_store`]).
+#[allow(dead_code)]
+pub async fn drop_pg_database(admin: &sqlx::PgPool, pool: sqlx::PgPool, db: &str) {
+    pool.close().await;
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+        .execute(admin)
+        .await
+        .expect("drop database");
+}

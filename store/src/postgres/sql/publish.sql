@@ -4,6 +4,8 @@
 --   $1 ids text[], $2 types text[], $3 keys text[] (NULL = unkeyed),
 --   $4 lanes int[], $5 payloads bytea[], $6 client-supplied id? bool[],
 --   $7 deliver_at timestamptz[] (NULL = at once: the deliveries' first due_at)
+--   $8 notify bool: send the wake-up (false inside a caller's transaction,
+--      whose commit must not take the NOTIFY lock; see PgStore::wake_after_commit)
 -- Returns accepted (new events), deliveries (rows created), notified, and
 -- stored: the client-supplied ids found already stored (NULL when none).
 WITH input AS (
@@ -72,7 +74,7 @@ SELECT
     (SELECT count(*) FROM ev) AS accepted,
     (SELECT count(*) FROM dl) AS deliveries,
     -- One wake-up per transaction at most (and none when nothing is to deliver).
-    (SELECT count(*) FROM (SELECT pg_notify('lanebus', '') FROM (SELECT 1 FROM dl LIMIT 1) AS one) AS n) AS notified,
+    (SELECT count(*) FROM (SELECT pg_notify('lanebus', '') FROM (SELECT 1 FROM dl LIMIT 1) AS one WHERE $8) AS n) AS notified,
     (SELECT array_agg(x.id)
      FROM unnest($1::text[], $6::bool[]) AS x (id, client)
      WHERE x.client AND NOT EXISTS (SELECT 1 FROM input i WHERE i.id = x.id)) AS stored
