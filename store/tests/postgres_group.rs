@@ -123,25 +123,7 @@ async fn a_key_held_elsewhere_holds_back_only_its_own_publishers() {
         let store = store.clone();
         tokio::spawn(async move { store.publish(vec![keyed("held")]).await })
     };
-    // Wait until the held key's publish waits for the counter's row lock.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    loop {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity \
-             WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .fetch_one(&pool)
-        .await
-        .expect("pg_stat_activity");
-        if waiting > 0 {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the held key's publish never waited for its lock"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    common::wait_for_a_lock_wait(&pool, "the held key's publish").await;
 
     let mut others = Vec::new();
     for i in 0..16 {

@@ -1,13 +1,26 @@
 //! `PgStore::publish_in` in the caller's transaction on PostgreSQL
-//! (issue 13): no NOTIFY inside it, the wake-up after its commit. Needs
+//! (issue 13): no NOTIFY inside it, the wake-up after its commit; under
+//! each isolation level, raw and through `PgStore::transaction`, whose
+//! retry of serialization failures leaves nothing of a failed attempt. Needs
 //! `LANEBUS_TEST_POSTGRES_URL` (a superuser URL, as `scripts/pg-start`
 //! makes; a database is created and dropped per test).
 
 mod common;
 
-use lanebus_store::postgres::CHANNEL;
-use lanebus_store::NewEvent;
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use lanebus_store::postgres::{Isolation, PgStore, TxError, CHANNEL};
+use lanebus_store::{ClaimCursor, LaneClaim, NewEvent, Store};
 use sqlx::postgres::PgListener;
+use sqlx::PgPool;
+
+const LEVELS: [(Isolation, &str); 3] = [
+    (Isolation::ReadCommitted, "read committed"),
+    (Isolation::RepeatableRead, "repeatable read"),
+    (Isolation::Serializable, "serializable"),
+];
 
 fn event(id: &str, key: Option<&str>) -> NewEvent {
     NewEvent {
@@ -19,11 +32,11 @@ fn event(id: &str, key: Option<&str>) -> NewEvent {
     }
 }
 
-/// The next notification's payload on `listener`.
+/// The next notification's payload on `listener` (within a minute).
 async fn next_payload(listener: &mut PgListener) -> String {
-    listener
-        .recv()
+    tokio::time::timeout(std::time::Duration::from_secs(60), listener.recv())
         .await
+        .expect("a notification within a minute")
         .expect("notification")
         .payload()
         .to_owned()
@@ -62,5 +75,289 @@ async fn publish_in_sends_no_notify_from_the_callers_transaction() {
     assert_eq!(next_payload(&mut listener).await, "", "the wake-up");
 
     drop(listener);
+    common::drop_pg_database(&admin, pool, &db).await;
+}
+
+/// Stored event ids, and the event ids of stored deliveries (one handler:
+/// one delivery per event).
+async fn stored(pool: &PgPool) -> (BTreeSet<String>, Vec<String>) {
+    let events = sqlx::query_scalar("SELECT id FROM events")
+        .fetch_all(pool)
+        .await
+        .expect("events");
+    let deliveries = sqlx::query_scalar("SELECT event_id FROM deliveries ORDER BY event_id")
+        .fetch_all(pool)
+        .await
+        .expect("deliveries");
+    (events.into_iter().collect(), deliveries)
+}
+
+/// Event ids a lane owner claims: every lane fenced at epoch 1, read from
+/// its start.
+async fn claimed(store: &PgStore) -> BTreeSet<String> {
+    let mut claims = Vec::new();
+    for lane in 0..store.lanes() {
+        assert!(store.fence(lane, "test", 1).await.expect("fence"));
+        claims.push(LaneClaim {
+            lane,
+            epoch: 1,
+            after: ClaimCursor::default(),
+            limit: 1000,
+        });
+    }
+    let batches = store.claim(&claims).await.expect("claim");
+    batches
+        .into_iter()
+        .flat_map(|b| b.deliveries)
+        .map(|d| d.event_id)
+        .collect()
+}
+
+fn set(ids: &[String]) -> BTreeSet<String> {
+    ids.iter().cloned().collect()
+}
+
+/// Under each isolation level, `publish_in` on the caller's own transaction
+/// and through `PgStore::transaction`: a commit stores the events, their
+/// deliveries and the caller's own row, and they are claimed; a rollback
+/// (or the closure's error) leaves nothing. The helper's transaction runs at
+/// the level asked, and its commit is followed by one wake-up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_in_commits_or_leaves_nothing_at_every_isolation_level() {
+    let db = format!("lanebus_iso_levels_{}", std::process::id());
+    let (admin, store, pool) = common::fresh_pg_store(&db).await;
+    sqlx::query("CREATE TABLE orders (id text PRIMARY KEY)")
+        .execute(&pool)
+        .await
+        .expect("orders");
+    let mut listener = PgListener::connect_with(&pool).await.expect("listener");
+    listener.listen(CHANNEL).await.expect("listen");
+    let mut committed = Vec::new();
+    for (level, name) in LEVELS {
+        let tag = name.replace(' ', "-");
+
+        // The caller's own transaction, committed and rolled back.
+        for commit in [true, false] {
+            let id = format!("{tag}-raw-{commit}");
+            let mut tx = pool.begin().await.expect("begin");
+            sqlx::query(&format!("SET TRANSACTION ISOLATION LEVEL {name}"))
+                .execute(&mut *tx)
+                .await
+                .expect("set level");
+            sqlx::query("INSERT INTO orders VALUES ($1)")
+                .bind(&id)
+                .execute(&mut *tx)
+                .await
+                .expect("order");
+            let out = store
+                .publish_in(&mut tx, vec![event(&id, Some(&tag))])
+                .await
+                .expect("publish_in");
+            assert_eq!(out.accepted, 1, "{id}");
+            if commit {
+                tx.commit().await.expect("commit");
+                committed.push(id);
+            } else {
+                tx.rollback().await.expect("rollback");
+            }
+        }
+
+        // The helper, committed: its level, the caller's row, the events.
+        let ids = [format!("{tag}-helper-keyed"), format!("{tag}-helper")];
+        let seen = store
+            .transaction(level, |t| {
+                let (ids, tag) = (ids.clone(), tag.clone());
+                Box::pin(async move {
+                    let seen: String = sqlx::query_scalar("SHOW transaction_isolation")
+                        .fetch_one(t.conn())
+                        .await?;
+                    sqlx::query("INSERT INTO orders VALUES ($1)")
+                        .bind(&ids[0])
+                        .execute(t.conn())
+                        .await?;
+                    let out = t
+                        .publish(vec![event(&ids[0], Some(&tag)), event(&ids[1], None)])
+                        .await?;
+                    assert_eq!(out.accepted, 2);
+                    Ok(seen)
+                })
+            })
+            .await
+            .expect("transaction");
+        assert_eq!(seen, name, "the helper's isolation level");
+        assert_eq!(
+            next_payload(&mut listener).await,
+            "",
+            "{name}: the wake-up after the helper's commit"
+        );
+        committed.extend(ids);
+
+        // The helper, its closure failing after the publish: rolled back.
+        let id = format!("{tag}-helper-failed");
+        let failed = store
+            .transaction(level, |t| {
+                let id = id.clone();
+                Box::pin(async move {
+                    sqlx::query("INSERT INTO orders VALUES ($1)")
+                        .bind(&id)
+                        .execute(t.conn())
+                        .await?;
+                    t.publish(vec![event(&id, None)]).await?;
+                    Err::<(), _>(TxError::Other("the caller's own error".into()))
+                })
+            })
+            .await;
+        assert!(
+            matches!(failed, Err(TxError::Other(_))),
+            "{name}: {failed:?}"
+        );
+    }
+
+    let (events, deliveries) = stored(&pool).await;
+    assert_eq!(events, set(&committed), "stored events");
+    let mut want = committed.clone();
+    want.sort();
+    assert_eq!(deliveries, want, "one delivery per committed event");
+    let orders: Vec<String> = sqlx::query_scalar("SELECT id FROM orders")
+        .fetch_all(&pool)
+        .await
+        .expect("orders");
+    assert_eq!(
+        orders.len(),
+        LEVELS.len() * 2,
+        "the caller's rows of the committed transactions: {orders:?}"
+    );
+    assert_eq!(claimed(&store).await, set(&committed), "claimed");
+
+    drop(listener);
+    common::drop_pg_database(&admin, pool, &db).await;
+}
+
+/// Write skew under SERIALIZABLE: two on-call doctors each go off call if
+/// the other is still on. Both read before either writes (a barrier in the
+/// first attempt), so PostgreSQL fails one transaction with `40001`; the
+/// helper runs it again, which then sees the other's commit and stays on
+/// call. The failed attempt's event and deliveries are not stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_serialization_failure_is_retried_and_leaves_nothing() {
+    let db = format!("lanebus_iso_skew_{}", std::process::id());
+    let (admin, store, pool) = common::fresh_pg_store(&db).await;
+    sqlx::query("CREATE TABLE on_call (name text PRIMARY KEY, on_call bool NOT NULL)")
+        .execute(&pool)
+        .await
+        .expect("on_call");
+    sqlx::query("INSERT INTO on_call VALUES ('alice', true), ('bob', true)")
+        .execute(&pool)
+        .await
+        .expect("doctors");
+    let store = Arc::new(store);
+    let both_read = Arc::new(tokio::sync::Barrier::new(2));
+    let mut tasks = Vec::new();
+    for me in ["alice", "bob"] {
+        let (store, both_read) = (store.clone(), both_read.clone());
+        tasks.push(tokio::spawn(async move {
+            let attempts = Arc::new(AtomicU32::new(0));
+            let went_off = store
+                .transaction(Isolation::Serializable, |t| {
+                    let (attempts, both_read) = (attempts.clone(), both_read.clone());
+                    Box::pin(async move {
+                        let attempt = attempts.fetch_add(1, Ordering::SeqCst) + 1;
+                        let on: i64 =
+                            sqlx::query_scalar("SELECT count(*) FROM on_call WHERE on_call")
+                                .fetch_one(t.conn())
+                                .await?;
+                        if attempt == 1 {
+                            both_read.wait().await;
+                        }
+                        let off = on >= 2;
+                        if off {
+                            sqlx::query("UPDATE on_call SET on_call = false WHERE name = $1")
+                                .bind(me)
+                                .execute(t.conn())
+                                .await?;
+                        }
+                        let what = if off { "off" } else { "stays" };
+                        t.publish(vec![event(&format!("{me}-{what}-{attempt}"), None)])
+                            .await?;
+                        Ok(off)
+                    })
+                })
+                .await
+                .expect("the helper retries the serialization failure");
+            (me, went_off, attempts.load(Ordering::SeqCst))
+        }));
+    }
+    let mut runs = Vec::new();
+    for t in tasks {
+        runs.push(t.await.expect("task"));
+    }
+    let (winner, loser) = match (runs[0], runs[1]) {
+        (a, b) if a.1 && !b.1 => (a, b),
+        (a, b) if b.1 && !a.1 => (b, a),
+        other => panic!("exactly one doctor goes off call: {other:?}"),
+    };
+    assert_eq!(winner.2, 1, "the winner committed at once: {runs:?}");
+    assert!(loser.2 >= 2, "the loser was retried: {runs:?}");
+
+    let want = set(&[
+        format!("{}-off-1", winner.0),
+        format!("{}-stays-{}", loser.0, loser.2),
+    ]);
+    let (events, deliveries) = stored(&pool).await;
+    assert_eq!(events, want, "no event of the failed attempt");
+    assert_eq!(set(&deliveries), want, "no delivery of the failed attempt");
+    assert_eq!(deliveries.len(), 2);
+    assert_eq!(claimed(&store).await, want, "claimed");
+
+    common::drop_pg_database(&admin, pool, &db).await;
+}
+
+/// Under REPEATABLE READ a publish of a key whose counter another
+/// transaction raised and committed meanwhile fails with `40001` (the
+/// counter's row changed after the snapshot); the helper runs the
+/// transaction again and the key's events keep their order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_raced_under_repeatable_read_is_retried() {
+    let db = format!("lanebus_iso_key_{}", std::process::id());
+    let (admin, store, pool) = common::fresh_pg_store(&db).await;
+    let store = Arc::new(store);
+
+    let mut first = pool.begin().await.expect("begin");
+    store
+        .publish_in(&mut first, vec![event("first", Some("k"))])
+        .await
+        .expect("publish_in");
+
+    let attempts = Arc::new(AtomicU32::new(0));
+    let second = {
+        let (store, attempts) = (store.clone(), attempts.clone());
+        tokio::spawn(async move {
+            store
+                .transaction(Isolation::RepeatableRead, |t| {
+                    attempts.fetch_add(1, Ordering::SeqCst);
+                    Box::pin(async move {
+                        // Take the snapshot before the first commits.
+                        sqlx::query("SELECT 1").execute(t.conn()).await?;
+                        t.publish(vec![event("second", Some("k"))]).await
+                    })
+                })
+                .await
+        })
+    };
+    common::wait_for_a_lock_wait(&pool, "the second publish").await;
+    first.commit().await.expect("commit");
+    let out = second
+        .await
+        .expect("task")
+        .expect("the helper retries the serialization failure");
+    assert_eq!(out.accepted, 1);
+    assert_eq!(attempts.load(Ordering::SeqCst), 2, "one retry");
+    let seqs: Vec<(String, i64)> =
+        sqlx::query_as("SELECT event_id, seq FROM deliveries WHERE key = 'k' ORDER BY seq")
+            .fetch_all(&pool)
+            .await
+            .expect("seqs");
+    assert_eq!(seqs, vec![("first".into(), 1), ("second".into(), 2)]);
+
     common::drop_pg_database(&admin, pool, &db).await;
 }

@@ -42,7 +42,9 @@
 //! - **NOTIFY at most once per transaction**, and only when it created
 //!   deliveries; [`Store::wakeups`] listens on channel `lanebus`. Never in a
 //!   caller's transaction ([`PgStore::publish_in`]): its wake-up is sent
-//!   after its commit ([`PgStore::wake_after_commit`]).
+//!   after its commit ([`PgStore::wake_after_commit`], or
+//!   [`PgStore::transaction`], which also runs the caller's closure at an
+//!   isolation level and retries serialization failures).
 //! - Migrations are plain idempotent SQL (`store/migrations/postgres/`),
 //!   applied in one transaction under an advisory lock and recorded in
 //!   `meta.schema_version`.
@@ -168,6 +170,7 @@ mod dispatch;
 mod error;
 mod migrate;
 mod publish;
+mod transaction;
 
 use std::collections::HashSet;
 use std::str::FromStr;
@@ -182,6 +185,7 @@ use crate::common::PublishPlan;
 use crate::group::{GroupWriter, Grouper};
 use crate::*;
 use error::map_err;
+pub use transaction::{Isolation, PgTx, TxError, TRANSACTION_ATTEMPTS};
 
 /// Connections in the pool.
 const POOL_SIZE: u32 = 16;
@@ -337,7 +341,8 @@ impl PgStore {
     /// serializes notifying commits. After the commit, pass the outcome to
     /// [`PgStore::wake_after_commit`] so lane owners claim at once; without it
     /// the events are claimed within the nodes' poll interval (1 s by
-    /// default on PostgreSQL).
+    /// default on PostgreSQL). [`PgStore::transaction`] does both for you,
+    /// at an isolation level, with retries of serialization failures.
     ///
     /// Ids already stored count as duplicates without disturbing the
     /// caller's transaction. When the batch has client-supplied ids, the

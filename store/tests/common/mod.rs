@@ -62,3 +62,27 @@ pub async fn drop_pg_database(admin: &sqlx::PgPool, pool: sqlx::PgPool, db: &str
         .await
         .expect("drop database");
 }
+
+/// Waits (up to a minute, else panics naming `who`) until a session of
+/// `pool`'s database waits for a lock.
+#[allow(dead_code)]
+pub async fn wait_for_a_lock_wait(pool: &sqlx::PgPool, who: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(pool)
+        .await
+        .expect("pg_stat_activity");
+        if waiting > 0 {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{who} never waited for a lock"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
