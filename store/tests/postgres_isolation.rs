@@ -11,6 +11,8 @@ use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
+use futures::FutureExt;
+
 use lanebus_store::postgres::{Isolation, PgStore, TxError, CHANNEL};
 use lanebus_store::{ClaimCursor, LaneClaim, NewEvent, Store};
 use sqlx::postgres::PgListener;
@@ -75,6 +77,125 @@ async fn publish_in_sends_no_notify_from_the_callers_transaction() {
     assert_eq!(next_payload(&mut listener).await, "", "the wake-up");
 
     drop(listener);
+    common::drop_pg_database(&admin, pool, &db).await;
+}
+
+/// Server settings that make a commit with `synchronous_commit = on` wait
+/// for a standby that never comes (so a notifying commit holds
+/// PostgreSQL's notify-queue lock until they are reset); every other
+/// session commits with `synchronous_commit = local` meanwhile.
+const NO_STANDBY: [&str; 3] = [
+    "ALTER SYSTEM SET synchronous_commit = 'local'",
+    "ALTER SYSTEM SET synchronous_standby_names = 'lanebus_test_no_standby'",
+    "SELECT pg_reload_conf()",
+];
+const STANDBY_RESET: [&str; 3] = [
+    "ALTER SYSTEM RESET synchronous_standby_names",
+    "ALTER SYSTEM RESET synchronous_commit",
+    "SELECT pg_reload_conf()",
+];
+
+/// Starts a transaction that NOTIFYs and commits on its own connection
+/// and returns once its commit waits for the standby, holding the
+/// notify-queue lock (a commit that did not wait yet, before the server
+/// read the settings, is followed by another).
+async fn hold_the_notify_lock(url: &str, pool: &PgPool) -> tokio::task::JoinHandle<()> {
+    use sqlx::Connection;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let mut conn = sqlx::PgConnection::connect(url).await.expect("connect");
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut conn)
+            .await
+            .expect("pid");
+        let holder = tokio::spawn(async move {
+            sqlx::query("SET synchronous_commit = on")
+                .execute(&mut conn)
+                .await
+                .expect("set");
+            let mut tx = conn.begin().await.expect("begin");
+            // A write, so the commit has a record to wait for the standby on.
+            for sql in [
+                "INSERT INTO held VALUES (1)",
+                "SELECT pg_notify('elsewhere', '')",
+            ] {
+                sqlx::query(sql).execute(&mut *tx).await.expect(sql);
+            }
+            // Cancelled waits end with a warning, the commit done.
+            let _ = tx.commit().await;
+        });
+        while !holder.is_finished() {
+            let waits: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND wait_event = 'SyncRep'",
+            )
+            .bind(pid)
+            .fetch_one(pool)
+            .await
+            .expect("pg_stat_activity");
+            if waits > 0 {
+                return holder;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no notifying commit waited for the standby"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// The caller's commit does not need PostgreSQL's notify-queue lock: while
+/// another session's notifying commit holds it (waiting for a synchronous
+/// standby that never comes), a transaction that ran `publish_in` commits
+/// within its 5 s `lock_timeout`. A NOTIFY in the caller's transaction
+/// would make that commit wait for the lock and fail with `55P03`. Changes
+/// server settings for the test's duration (reset at its end).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_callers_commit_does_not_wait_for_the_notify_lock() {
+    let db = format!("lanebus_iso_lock_{}", std::process::id());
+    let (admin, store, pool) = common::fresh_pg_store(&db).await;
+    let url = common::with_database(
+        &std::env::var("LANEBUS_TEST_POSTGRES_URL").expect("url"),
+        &db,
+    );
+    sqlx::query("CREATE TABLE held (x int)")
+        .execute(&pool)
+        .await
+        .expect("held");
+    for sql in NO_STANDBY {
+        sqlx::query(sql).execute(&admin).await.expect(sql);
+    }
+    // The settings are reset whatever happens in between.
+    let under_lock = std::panic::AssertUnwindSafe(async {
+        let holder = hold_the_notify_lock(&url, &pool).await;
+        let mut tx = pool.begin().await.expect("begin");
+        for sql in [
+            "SET LOCAL synchronous_commit = local",
+            "SET LOCAL lock_timeout = '5s'",
+        ] {
+            sqlx::query(sql).execute(&mut *tx).await.expect(sql);
+        }
+        let published = store
+            .publish_in(&mut tx, vec![event("under-lock", Some("k"))])
+            .await;
+        (holder, published, tx.commit().await)
+    })
+    .catch_unwind()
+    .await;
+    for sql in STANDBY_RESET {
+        sqlx::query(sql).execute(&admin).await.expect(sql);
+    }
+    let (holder, published, committed) =
+        under_lock.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+    tokio::time::timeout(std::time::Duration::from_secs(60), holder)
+        .await
+        .expect("the held commit ends once the settings are reset")
+        .expect("holder");
+    assert_eq!(published.expect("publish_in").accepted, 1);
+    committed.expect("the caller's commit, while another holds the notify lock");
+    let (events, _) = stored(&pool).await;
+    assert!(events.contains("under-lock"));
+
     common::drop_pg_database(&admin, pool, &db).await;
 }
 
