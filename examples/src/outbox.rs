@@ -10,8 +10,9 @@
 //! COMMIT                                    both, or (ROLLBACK) neither
 //! ```
 //!
-//! PostgreSQL ([`PgStore::publish_in`]) and SQLite
-//! ([`SqliteStore::publish_in`]) take the caller's sqlx transaction;
+//! PostgreSQL ([`PgStore::publish_in`], then [`PgStore::wake_after_commit`]
+//! after the commit) and SQLite ([`SqliteStore::publish_in`]) take the
+//! caller's sqlx transaction;
 //! MongoDB takes a session with a started transaction
 //! (`MongoStore::publish_in`, see `docs/operations.md`) and refuses one without a
 //! transaction in progress, writing nothing.
@@ -95,20 +96,30 @@ impl OutboxStore {
                     .bind(order.amount_cents)
                     .execute(&mut *tx)
                     .await?;
-                $store.publish_in(&mut tx, vec![order.event()]).await?;
+                let published = $store.publish_in(&mut tx, vec![order.event()]).await?;
                 if fail_before_commit {
                     tx.rollback().await?;
+                    None
                 } else {
                     tx.commit().await?;
+                    Some(published)
                 }
             }};
         }
         match self {
-            OutboxStore::Postgres(s) => place_in!(s, s.pool().begin()),
+            OutboxStore::Postgres(s) => {
+                // The lane owners claim at once (else within the poll
+                // interval): the wake-up is not part of the transaction.
+                if let Some(published) = place_in!(s, s.pool().begin()) {
+                    s.wake_after_commit(&published).await?;
+                }
+            }
             // SQLite: a write transaction from the start (`BEGIN IMMEDIATE`,
             // as SqliteStore::publish_in asks), so a read before the writes
             // cannot end in SQLITE_BUSY_SNAPSHOT when another writer commits.
-            OutboxStore::Sqlite(s) => place_in!(s, s.pool().begin_with("BEGIN IMMEDIATE")),
+            OutboxStore::Sqlite(s) => {
+                place_in!(s, s.pool().begin_with("BEGIN IMMEDIATE"));
+            }
         }
         Ok(())
     }
