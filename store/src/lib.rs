@@ -21,8 +21,8 @@
 //!  events    one row per new event               lanes in one statement; no
 //!  deliveries one row per (event,                row is updated by a claim
 //!             matching handler)         complete: one bulk DELETE of the
-//!  NOTIFY    at most one per tx                  deliveries + one append-only
-//!                                                INSERT of completion rows
+//!  NOTIFY    at most one per tx (for             deliveries + one append-only
+//!            publish_in: after the caller's)     INSERT of completion rows
 //! ```
 //!
 //! A delivery row is inserted once and deleted once (delete-on-complete, the
