@@ -44,6 +44,17 @@ async fn next_payload(listener: &mut PgListener) -> String {
         .to_owned()
 }
 
+/// Sends a marker NOTIFY and asserts (else panics with `what`) that it is
+/// the next notification `listener` gets: nothing was sent before it.
+async fn nothing_before_a_marker(pool: &PgPool, listener: &mut PgListener, what: &str) {
+    sqlx::query("SELECT pg_notify($1, 'marker')")
+        .bind(CHANNEL)
+        .execute(pool)
+        .await
+        .expect("marker");
+    assert_eq!(next_payload(listener).await, "marker", "{what}");
+}
+
 /// The caller's transaction sends no NOTIFY (so its commit does not take
 /// PostgreSQL's notify-queue lock): the first notification a listener gets
 /// after the caller committed is a marker sent after that commit, not a
@@ -62,16 +73,12 @@ async fn publish_in_sends_no_notify_from_the_callers_transaction() {
         .expect("publish_in");
     assert_eq!(out.accepted, 2);
     tx.commit().await.expect("commit");
-    sqlx::query("SELECT pg_notify($1, 'marker')")
-        .bind(CHANNEL)
-        .execute(&pool)
-        .await
-        .expect("marker");
-    assert_eq!(
-        next_payload(&mut listener).await,
-        "marker",
-        "the caller's transaction sent a NOTIFY"
-    );
+    nothing_before_a_marker(
+        &pool,
+        &mut listener,
+        "the caller's transaction sent a NOTIFY",
+    )
+    .await;
 
     store.wake_after_commit(&out).await.expect("wake");
     assert_eq!(next_payload(&mut listener).await, "", "the wake-up");
@@ -144,6 +151,47 @@ async fn hold_the_notify_lock(url: &str, pool: &PgPool) -> tokio::task::JoinHand
     }
 }
 
+/// Serializes the tests that change the server's standby settings.
+static STANDBY_SETTINGS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Runs `body` while another session's notifying commit holds PostgreSQL's
+/// notify-queue lock ([`hold_the_notify_lock`]) in database `db` of `pool`;
+/// the server's settings are reset and the lock released whatever happens.
+async fn under_the_notify_lock<F: std::future::Future>(
+    admin: &PgPool,
+    db: &str,
+    pool: &PgPool,
+    body: F,
+) -> F::Output {
+    let _only_us = STANDBY_SETTINGS.lock().await;
+    let url = common::with_database(
+        &std::env::var("LANEBUS_TEST_POSTGRES_URL").expect("url"),
+        db,
+    );
+    sqlx::query("CREATE TABLE IF NOT EXISTS held (x int)")
+        .execute(pool)
+        .await
+        .expect("held");
+    for sql in NO_STANDBY {
+        sqlx::query(sql).execute(admin).await.expect(sql);
+    }
+    let ran = std::panic::AssertUnwindSafe(async {
+        let holder = hold_the_notify_lock(&url, pool).await;
+        (holder, body.await)
+    })
+    .catch_unwind()
+    .await;
+    for sql in STANDBY_RESET {
+        sqlx::query(sql).execute(admin).await.expect(sql);
+    }
+    let (holder, out) = ran.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+    tokio::time::timeout(std::time::Duration::from_secs(60), holder)
+        .await
+        .expect("the held commit ends once the settings are reset")
+        .expect("holder");
+    out
+}
+
 /// The caller's commit does not need PostgreSQL's notify-queue lock: while
 /// another session's notifying commit holds it (waiting for a synchronous
 /// standby that never comes), a transaction that ran `publish_in` commits
@@ -154,20 +202,7 @@ async fn hold_the_notify_lock(url: &str, pool: &PgPool) -> tokio::task::JoinHand
 async fn the_callers_commit_does_not_wait_for_the_notify_lock() {
     let db = format!("lanebus_iso_lock_{}", std::process::id());
     let (admin, store, pool) = common::fresh_pg_store(&db).await;
-    let url = common::with_database(
-        &std::env::var("LANEBUS_TEST_POSTGRES_URL").expect("url"),
-        &db,
-    );
-    sqlx::query("CREATE TABLE held (x int)")
-        .execute(&pool)
-        .await
-        .expect("held");
-    for sql in NO_STANDBY {
-        sqlx::query(sql).execute(&admin).await.expect(sql);
-    }
-    // The settings are reset whatever happens in between.
-    let under_lock = std::panic::AssertUnwindSafe(async {
-        let holder = hold_the_notify_lock(&url, &pool).await;
+    let (published, committed) = under_the_notify_lock(&admin, &db, &pool, async {
         let mut tx = pool.begin().await.expect("begin");
         for sql in [
             "SET LOCAL synchronous_commit = local",
@@ -178,24 +213,62 @@ async fn the_callers_commit_does_not_wait_for_the_notify_lock() {
         let published = store
             .publish_in(&mut tx, vec![event("under-lock", Some("k"))])
             .await;
-        (holder, published, tx.commit().await)
+        (published, tx.commit().await)
     })
-    .catch_unwind()
     .await;
-    for sql in STANDBY_RESET {
-        sqlx::query(sql).execute(&admin).await.expect(sql);
-    }
-    let (holder, published, committed) =
-        under_lock.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-    tokio::time::timeout(std::time::Duration::from_secs(60), holder)
-        .await
-        .expect("the held commit ends once the settings are reset")
-        .expect("holder");
     assert_eq!(published.expect("publish_in").accepted, 1);
     committed.expect("the caller's commit, while another holds the notify lock");
     let (events, _) = stored(&pool).await;
     assert!(events.contains("under-lock"));
 
+    common::drop_pg_database(&admin, pool, &db).await;
+}
+
+/// Wake-ups after commits are coalesced: while one NOTIFY waits for the
+/// notify-queue lock, further `wake_after_commit` calls return at once, and
+/// once the lock is free exactly one more NOTIFY follows the first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[allow(clippy::async_yields_async)] // the body hands the first wake-up's task out
+async fn wake_ups_after_commits_are_coalesced() {
+    let db = format!("lanebus_iso_wakes_{}", std::process::id());
+    let (admin, store, pool) = common::fresh_pg_store(&db).await;
+    let store = Arc::new(store);
+    let mut listener = PgListener::connect_with(&pool).await.expect("listener");
+    listener.listen(CHANNEL).await.expect("listen");
+    let published = lanebus_store::PublishOutcome {
+        accepted: 1,
+        duplicates: 0,
+        ids: vec!["e".into()],
+    };
+    let first = under_the_notify_lock(&admin, &db, &pool, async {
+        let first = {
+            let (store, published) = (store.clone(), published.clone());
+            tokio::spawn(async move { store.wake_after_commit(&published).await })
+        };
+        common::wait_for_a_lock_wait(&pool, "the first wake-up").await;
+        for _ in 0..10 {
+            tokio::time::timeout(
+                std::time::Duration::from_secs(60),
+                store.wake_after_commit(&published),
+            )
+            .await
+            .expect("a wake-up asked for while one is in flight returns at once")
+            .expect("wake");
+        }
+        first
+    })
+    .await;
+    first.await.expect("task").expect("the first wake-up");
+    assert_eq!(next_payload(&mut listener).await, "", "the first wake-up");
+    assert_eq!(next_payload(&mut listener).await, "", "the coalesced one");
+    nothing_before_a_marker(
+        &pool,
+        &mut listener,
+        "more than one NOTIFY for the ten coalesced wake-ups",
+    )
+    .await;
+
+    drop(listener);
     common::drop_pg_database(&admin, pool, &db).await;
 }
 

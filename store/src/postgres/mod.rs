@@ -243,6 +243,7 @@ pub struct PgStore {
     pool: PgPool,
     lanes: u16,
     group: Arc<Grouper>,
+    wakes: Arc<publish::Wakes>,
 }
 
 impl PgStore {
@@ -306,6 +307,7 @@ impl PgStore {
             pool,
             lanes,
             group: Arc::default(),
+            wakes: Arc::default(),
         };
         store.lanes = migrate::migrate(&store.pool, lanes).await?;
         Ok(store)
@@ -381,15 +383,19 @@ impl PgStore {
     /// commit it wakes owners too early: they find nothing and the events
     /// wait for the poll interval.
     ///
+    /// Wake-ups are coalesced per store (and its clones): while one NOTIFY
+    /// is in flight, this asks for one more after it and returns at once.
+    ///
     /// # Errors
     /// [`StoreError::Unavailable`]/[`StoreError::Timeout`]/[`StoreError::Database`]
-    /// when the NOTIFY failed; the events are stored all the same and are
-    /// claimed within the poll interval.
+    /// when the NOTIFY this call sent failed (a coalesced one's failure is
+    /// logged); the events are stored all the same and are claimed within
+    /// the poll interval.
     pub async fn wake_after_commit(&self, published: &PublishOutcome) -> Result<()> {
         if published.accepted == 0 {
             return Ok(());
         }
-        publish::notify(&self.pool).await
+        self.wakes.wake(&self.pool).await
     }
 }
 

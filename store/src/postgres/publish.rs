@@ -14,6 +14,7 @@
 //! ([`notify`]).
 
 use std::collections::HashSet;
+use std::sync::Arc;
 
 use sqlx::{Connection, PgConnection, PgPool};
 
@@ -117,16 +118,70 @@ pub(super) async fn run(
     })
 }
 
-/// The wake-up of a publish that ran without one (inside a caller's
-/// transaction): one NOTIFY on [`CHANNEL`] in autocommit on `pool`, to be
-/// sent after that transaction committed.
-pub(super) async fn notify(pool: &PgPool) -> Result<()> {
+/// One NOTIFY on [`CHANNEL`] in autocommit on `pool`.
+async fn notify(pool: &PgPool) -> Result<()> {
     sqlx::query("SELECT pg_notify($1, '')")
         .bind(CHANNEL)
         .execute(pool)
         .await
         .map_err(map_err)?;
     Ok(())
+}
+
+/// The wake-ups of publishes that ran without one (inside a caller's
+/// transaction), each asked for after that transaction committed, shared
+/// by a store and its clones. Coalesced: one NOTIFY in flight at a time
+/// (notifying commits are serialized by PostgreSQL anyway); a wake-up asked
+/// for meanwhile is served by one more NOTIFY, begun when the current one
+/// ends, so after the asker's commit.
+#[derive(Debug, Default)]
+pub(super) struct Wakes {
+    state: std::sync::Mutex<WakeState>,
+}
+
+#[derive(Debug, Default)]
+struct WakeState {
+    /// A NOTIFY is in flight.
+    sending: bool,
+    /// A wake-up was asked for while it was.
+    again: bool,
+}
+
+impl Wakes {
+    /// Sends a NOTIFY and returns its result, or, while one is in flight,
+    /// asks for one more after it and returns `Ok` at once. The NOTIFYs run
+    /// in a task of their own, so dropping this future loses none.
+    pub(super) async fn wake(self: &Arc<Self>, pool: &PgPool) -> Result<()> {
+        {
+            let mut s = self.state.lock().expect("not poisoned");
+            if s.sending {
+                s.again = true;
+                return Ok(());
+            }
+            s.sending = true;
+        }
+        let (answer, first) = tokio::sync::oneshot::channel();
+        let (wakes, pool) = (Arc::clone(self), pool.clone());
+        tokio::spawn(async move {
+            let mut answer = Some(answer);
+            loop {
+                let sent = notify(&pool).await;
+                if let Err(e) = &sent {
+                    tracing::warn!(error = %e, "wake-up after a commit failed; lanes poll");
+                }
+                if let Some(a) = answer.take() {
+                    let _ = a.send(sent);
+                }
+                let mut s = wakes.state.lock().expect("not poisoned");
+                if !s.again {
+                    s.sending = false;
+                    return;
+                }
+                s.again = false;
+            }
+        });
+        first.await.unwrap_or(Ok(()))
+    }
 }
 
 /// The outcome of a plan whose statement accepted `accepted` events.

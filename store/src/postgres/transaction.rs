@@ -133,7 +133,8 @@ impl PgStore {
     ///
     /// Events published with [`PgTx::publish`] exist if and only if the
     /// transaction commits; after the commit one NOTIFY, in a transaction of
-    /// its own, wakes the lane owners (none when no delivery was written), so
+    /// its own and coalesced as in [`PgStore::wake_after_commit`], wakes the
+    /// lane owners (none when no delivery was written), so
     /// the events are claimed at once rather than within the poll interval.
     /// A failed NOTIFY is logged: the events are then claimed within the
     /// poll interval.
@@ -185,9 +186,8 @@ impl PgStore {
             match ran {
                 Ok(value) => {
                     if t.deliveries > 0 {
-                        if let Err(e) = publish::notify(&self.pool).await {
-                            tracing::warn!(error = %e, "wake-up after a transaction failed; lanes poll");
-                        }
+                        // A failure is logged by the wake-up's task.
+                        let _ = self.wakes.wake(&self.pool).await;
                     }
                     return Ok(value);
                 }
