@@ -462,7 +462,9 @@ impl MongoStore {
     /// without a transaction in progress (never started, or already
     /// committed or aborted) is refused before anything is written: its
     /// writes would not be atomic, and events could be stored without their
-    /// deliveries and never be delivered.
+    /// deliveries and never be delivered. Nothing needs sending after the
+    /// commit: lane owners learn of the deliveries from their change stream
+    /// ([`Store::wakeups`]).
     ///
     /// While the transaction is open it holds the counters of the keys and
     /// lanes it published into, so other publishers into those lanes retry

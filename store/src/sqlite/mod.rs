@@ -213,6 +213,8 @@ impl SqliteStore {
 
     /// Publishes `events` inside the caller's transaction: the same writes as
     /// [`Store::publish`], which exist if and only if the caller commits.
+    /// Lane owners find them at their next poll (SQLite has no push
+    /// wake-ups; 100 ms by default).
     ///
     /// Begin the transaction with `pool.begin_with("BEGIN IMMEDIATE")`: a
     /// deferred transaction that read before it writes may fail with
