@@ -5,13 +5,13 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{ensure, Context as _};
 use common::{expected, real_events, Backend, Registered, TestDb};
 use lanebus_store::{handler_defaults, NewEvent, NewHandler};
+use lanebus_testkit::local_cluster;
 use lanebus_testkit::receiver::{Action, Receiver, Rule};
 
 fn spawn_node(url: &str, dir: &std::path::Path, life: u32) -> anyhow::Result<Child> {
@@ -138,10 +138,6 @@ async fn killed_and_restarted(backend: Backend) -> anyhow::Result<()> {
     }
     child.kill()?;
     child.wait()?;
-    ensure!(
-        pending == 0,
-        "store still has {pending} deliveries after everything arrived"
-    );
     let v = rx.verdict(&exp);
     ensure!(
         done,
@@ -151,6 +147,10 @@ async fn killed_and_restarted(backend: Backend) -> anyhow::Result<()> {
         dir.display()
     );
     ensure!(
+        pending == 0,
+        "store still has {pending} deliveries 10 s after everything arrived"
+    );
+    ensure!(
         v.lost == 0 && v.out_of_order == 0 && v.bad_signatures == 0 && v.unexpected == 0,
         "{v:?}"
     );
@@ -158,35 +158,11 @@ async fn killed_and_restarted(backend: Backend) -> anyhow::Result<()> {
     // Repeats: only deliveries in flight at the kill, at most one per
     // (handler, key), first accepted from the first life (before the
     // second started), again from the second.
-    // (handler, event id) -> (arrival in ms, key) of each acceptance.
-    type Acceptances = HashMap<(String, String), Vec<(f64, Option<String>)>>;
-    let mut accepted: Acceptances = HashMap::new();
-    for r in rx.requests().iter().filter(|r| r.accepted()) {
-        accepted
-            .entry((r.handler.clone(), r.event_id.clone()))
-            .or_default()
-            .push((r.arrived_ms, r.key.clone()));
-    }
-    let mut repeats_per_slot: HashMap<(String, Option<String>), u32> = HashMap::new();
-    for ((handler, id), times) in &accepted {
-        if times.len() > 1 {
-            ensure!(
-                times.len() == 2,
-                "{handler} {id} accepted {} times",
-                times.len()
-            );
-            ensure!(
-                times[0].0 < restart_ms && times[1].0 > restart_ms,
-                "{handler} {id} repeated without a kill in between: {times:?} (killed at {kill_ms:.1} ms, restarted at {restart_ms:.1} ms)"
-            );
-            *repeats_per_slot
-                .entry((handler.clone(), times[0].1.clone()))
-                .or_default() += 1;
-        }
-    }
+    let r = local_cluster::repeats(&rx.requests(), &[restart_ms]);
     ensure!(
-        repeats_per_slot.values().all(|&n| n <= 1),
-        "more than one repeat per (handler, key): {repeats_per_slot:?}"
+        r.unexplained.is_empty(),
+        "repeats without the kill in between (killed at {kill_ms:.1} ms, restarted at {restart_ms:.1} ms): {:?}",
+        &r.unexplained[..r.unexplained.len().min(10)]
     );
     println!(
         "{backend:?}: killed after {before} of {} deliveries; {} repeated (in flight at the kill); none lost, order kept",

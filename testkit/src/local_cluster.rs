@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context as _};
 use serde::Deserialize;
 
+use crate::invariants::{self, Cause, Causes, Earlier, Model};
 use crate::receiver::Received;
 
 /// How a node process starts.
@@ -405,60 +406,112 @@ pub const IN_AIR_MS: f64 = 250.0;
 /// (`LANEBUS_WEBHOOK_ALLOW_CIDRS`): loopback, where their receivers listen.
 pub const LOOPBACK_CIDRS: &str = "127.0.0.0/8,::1/128";
 
-/// Classifies repeats: a delivery may be accepted twice only if its first
-/// acceptance came before one of `events_ms` (or within [`IN_AIR_MS`] after
-/// it) and the second after it, and
-/// each (handler, key) has at most one such repeat per event (only its
-/// in-flight delivery can be cut); or if the second carries a lower
-/// `lanebus-epoch` than the first (a deposed owner's late request, sent by a
-/// process that was paused between its lease check and the send).
+/// Classifies repeats with the one invariant checker
+/// ([`invariants::repeats`] over the accepted requests): a delivery may be
+/// accepted again only if its previous acceptance came before one of
+/// `events_ms` (or within [`IN_AIR_MS`] after it) and the repeat after it,
+/// and each (handler, key) has at most one such repeat per event (only its
+/// in-flight delivery can be cut); or if the repeat carries a lower
+/// `lanebus-epoch` than the previous acceptance (a deposed owner's late
+/// request, sent by a process that was paused between its lease check and
+/// the send).
 pub fn repeats(log: &[Received], events_ms: &[f64]) -> Repeats {
-    type Key = (String, String);
-    let mut accepted: HashMap<Key, Vec<&Received>> = HashMap::new();
-    for r in log.iter().filter(|r| r.accepted()) {
-        accepted
-            .entry((r.handler.clone(), r.event_id.clone()))
-            .or_default()
-            .push(r);
+    let accepted: Vec<&Received> = log.iter().filter(|r| r.accepted()).collect();
+    let model = Model {
+        expected: Vec::new(),
+        observed: accepted
+            .iter()
+            .map(|r| crate::receiver::hand_over(r))
+            .collect(),
+        earlier: Earlier::Observed,
+    };
+    let causes = FaultWindows {
+        events_ms,
+        epochs: accepted.iter().map(|r| epoch(r)).collect(),
+    };
+    let found = invariants::repeats(&model, &causes);
+    let mut out = Repeats {
+        repeated: found.by_cause.values().sum::<usize>() + found.unattributed.len(),
+        unexplained: Vec::new(),
+    };
+    for x in &found.unattributed {
+        out.unexplained.push(format!(
+            "{} {} accepted with no event in between: {} then {}",
+            accepted[x.q].handler,
+            accepted[x.q].event_id,
+            describe(accepted[x.prev]),
+            describe(accepted[x.q])
+        ));
     }
-    let mut out = Repeats::default();
-    let mut per_slot: HashMap<(String, Option<String>, usize), u32> = HashMap::new();
-    for ((handler, id), times) in &accepted {
-        if times.len() < 2 {
+    // At most one repeat per (handler, key) across each event.
+    let mut per_slot: HashMap<(&str, &str, usize), u32> = HashMap::new();
+    for (x, i) in causes.cuts(&model) {
+        let r = accepted[x.q];
+        let Some(key) = r.key.as_deref() else {
             continue;
-        }
-        out.repeated += 1;
-        for pair in times.windows(2) {
-            if let (Some(a), Some(b)) = (epoch(pair[0]), epoch(pair[1])) {
-                if b < a {
-                    continue;
-                }
-            }
-            let cut = events_ms
-                .iter()
-                .position(|&e| pair[0].arrived_ms < e + IN_AIR_MS && pair[1].arrived_ms > e);
-            match cut {
-                Some(i) => {
-                    let n = per_slot
-                        .entry((handler.clone(), pair[0].key.clone(), i))
-                        .or_default();
-                    *n += 1;
-                    if *n > 1 && pair[0].key.is_some() {
-                        out.unexplained.push(format!(
-                            "{handler} key {:?}: more than one repeat across the same event",
-                            pair[0].key
-                        ));
-                    }
-                }
-                None => out.unexplained.push(format!(
-                    "{handler} {id} accepted with no event in between: {} then {}",
-                    describe(pair[0]),
-                    describe(pair[1])
-                )),
-            }
+        };
+        let n = per_slot.entry((&r.handler, key, i)).or_default();
+        *n += 1;
+        if *n == 2 {
+            out.unexplained.push(format!(
+                "{} key {key:?}: more than one repeat across the same event",
+                r.handler
+            ));
         }
     }
     out
+}
+
+/// Causes of [`repeats`]: a fault between two acceptances, or a lower
+/// epoch (indices of `epochs` are those of the model's hand-overs).
+struct FaultWindows<'a> {
+    events_ms: &'a [f64],
+    epochs: Vec<Option<i64>>,
+}
+
+impl FaultWindows<'_> {
+    /// The event between hand-overs `prev` and `q`, if any.
+    fn cut(&self, m: &Model, prev: usize, q: usize) -> Option<usize> {
+        let (a, b) = (m.observed[prev].arrived_ms, m.observed[q].arrived_ms);
+        self.events_ms
+            .iter()
+            .position(|&e| a < e + IN_AIR_MS && b > e)
+    }
+
+    fn deposed(&self, prev: usize, q: usize) -> bool {
+        matches!((self.epochs[prev], self.epochs[q]), (Some(a), Some(b)) if b < a)
+    }
+
+    /// The repeats explained by an event (not by a lower epoch), with the
+    /// event's index.
+    fn cuts(&self, m: &Model) -> Vec<(invariants::Repeat, usize)> {
+        struct All;
+        impl Causes for All {
+            fn repeat(&self, _: &Model, _: &invariants::Repeat) -> Option<Cause> {
+                None
+            }
+            fn rewind(&self, _: &Model, _: &invariants::Repeat) -> bool {
+                false
+            }
+        }
+        invariants::repeats(m, &All)
+            .unattributed
+            .into_iter()
+            .filter(|x| !self.deposed(x.prev, x.q))
+            .filter_map(|x| Some((x, self.cut(m, x.prev, x.q)?)))
+            .collect()
+    }
+}
+
+impl Causes for FaultWindows<'_> {
+    fn repeat(&self, m: &Model, x: &invariants::Repeat) -> Option<Cause> {
+        (self.deposed(x.prev, x.q) || self.cut(m, x.prev, x.q).is_some())
+            .then_some(Cause::OwnerChange)
+    }
+
+    fn rewind(&self, _: &Model, _: &invariants::Repeat) -> bool {
+        false
+    }
 }
 
 fn epoch(r: &Received) -> Option<i64> {

@@ -319,20 +319,7 @@ pub fn verdict(log: &[Received], expected: &[Expected]) -> Verdict {
                 ..Delivery::default()
             })
             .collect(),
-        observed: log
-            .iter()
-            .map(|r| HandOver {
-                handler: r.handler.clone(),
-                event: r.event_id.clone(),
-                key: r.key.clone(),
-                position: r.key.as_ref().and(r.sequence),
-                attempt: r.attempt,
-                sender: r.sender.clone(),
-                arrived_ms: r.arrived_ms,
-                accepted_ms: r.accepted().then_some(r.answered_ms),
-                until_ms: r.answered_ms,
-            })
-            .collect(),
+        observed: log.iter().map(hand_over).collect(),
         earlier: Earlier::Observed,
     };
     let mut v = Verdict {
@@ -406,6 +393,21 @@ pub fn verdict(log: &[Received], expected: &[Expected]) -> Verdict {
         );
     }
     v
+}
+
+/// A request as the invariant checker sees it.
+pub(crate) fn hand_over(r: &Received) -> HandOver {
+    HandOver {
+        handler: r.handler.clone(),
+        event: r.event_id.clone(),
+        key: r.key.clone(),
+        position: r.key.as_ref().and(r.sequence),
+        attempt: r.attempt,
+        sender: r.sender.clone(),
+        arrived_ms: r.arrived_ms,
+        accepted_ms: r.accepted().then_some(r.answered_ms),
+        until_ms: r.answered_ms,
+    }
 }
 
 /// The receiver's causes: a repeat is explained when the previous attempt
