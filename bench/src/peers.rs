@@ -1,10 +1,14 @@
 //! Peers side by side on the harness's PostgreSQL (docs/design.md section 10):
-//! graphile-worker 0.17 (batched completion and local queue, and its
-//! defaults) and pg-boss 10, installed with `npm install` into
-//! `bench/peers/node_modules` and driven by `bench/peers/driver.mjs`; and
-//! pgbench running the minimal insert-then-delete work per item (100 rows
-//! per statement) as the raw ceiling. Each peer gets its own database; the
-//! counters are read around the drain only (snapshots as for our cells).
+//! graphile-worker 0.17 and pg-boss 10, each at its documented best for
+//! this machine and at its defaults, installed with `npm install` into
+//! `bench/peers/node_modules` and driven by `bench/peers/driver.mjs`
+//! (enqueue one job per call from 8 callers, then 100 per call, then the
+//! drain); pgbench running the minimal insert-then-delete work per item
+//! (100 rows per statement) as the raw ceiling; and pgbench floors of
+//! single-row commit transactions (1, 8, 32 clients, with and without
+//! `pg_notify`), the floor of a one-event publish. Each peer gets its own
+//! database; the counters are read around the drain only (snapshots as for
+//! our cells; the floors: around the run).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -27,6 +31,10 @@ pub struct PeerResult {
     pub jobs: u64,
     /// Jobs enqueued per second (100 per call).
     pub enqueue_rate: Option<f64>,
+    /// Jobs enqueued per second one per call by 8 concurrent callers (for
+    /// the pgbench floors: single-row commits per second).
+    #[serde(default)]
+    pub enqueue_one_rate: Option<f64>,
     /// Jobs drained per second by no-op handlers.
     pub drain_rate: Option<f64>,
     /// Counters per job over the drain (see [`pg::per_unit`]).
@@ -70,9 +78,10 @@ async fn drop_db(server: &pg::Server, name: &str) {
     }
 }
 
-/// Jobs given to pg-boss at most: its drain polls (about 200 jobs a second
-/// here, 202 in the 10,000-job runs), so the full set's 100,000 timed out
-/// after 300 s in the fourth full run; the counters are per job either way.
+/// Jobs given to graphile-worker's defaults and pg-boss at best at most:
+/// their drains (about 200 jobs a second here for pg-boss with one worker)
+/// would not finish the full set's 100,000 in 300 s; the counters are per
+/// job either way.
 const PG_BOSS_MAX_JOBS: usize = 20_000;
 
 /// Installs the peers (once) and runs each; a peer that fails is reported
@@ -103,17 +112,30 @@ pub async fn run_all(
     let pm = pg::postmaster_pid(&server.dir);
     for (peer, note) in [
         (
-            "graphile-batched",
-            "graphile-worker 0.17, concurrency 10, completeJobBatchDelay 0, localQueue 500",
+            "graphile-best",
+            "graphile-worker 0.17 at its best here: concurrency 24, completeJobBatchDelay 0, localQueue 500",
         ),
-        ("graphile", "graphile-worker 0.17, concurrency 10, defaults"),
-        ("pg-boss", "pg-boss 10, batchSize 100, polling 0.5 s"),
+        (
+            "graphile-defaults",
+            "graphile-worker 0.17, its defaults (concurrency 1, poll 2 s, LISTEN/NOTIFY)",
+        ),
+        (
+            "pg-boss-best",
+            "pg-boss 10 at its best here: 24 workers, batchSize 100, polling 0.5 s",
+        ),
+        (
+            "pg-boss-defaults",
+            "pg-boss 10, its defaults (one worker, batchSize 1, polling 2 s)",
+        ),
     ] {
-        let jobs = if peer == "pg-boss" {
-            jobs.min(PG_BOSS_MAX_JOBS)
-        } else {
-            jobs
+        let cap = match peer {
+            "graphile-best" => jobs,
+            // One job per 2 s poll: 50 jobs take about 100 s.
+            "pg-boss-defaults" => 50,
+            _ => PG_BOSS_MAX_JOBS,
         };
+        let jobs = jobs.min(cap);
+        let capped = jobs == cap && peer != "graphile-best";
         eprintln!("peer {peer}: {jobs} jobs");
         let r = tokio::time::timeout(
             Duration::from_secs(300),
@@ -122,8 +144,8 @@ pub async fn run_all(
         .await;
         out.push(match r {
             Ok(Ok(mut r)) => {
-                r.note = if peer == "pg-boss" && jobs == PG_BOSS_MAX_JOBS {
-                    format!("{note}; {PG_BOSS_MAX_JOBS} jobs (its drain, about 200 a second, would not finish 100,000 in the 300 s a peer is given)")
+                r.note = if capped {
+                    format!("{note}; {jobs} jobs (its drain would not finish more in the 300 s a peer is given)")
                 } else {
                     note.into()
                 };
@@ -140,7 +162,100 @@ pub async fn run_all(
         Err(e) => PeerResult::failed("pgbench", &format!("{e:#}")),
     });
     drop_db(server, "peer_pgbench").await;
+    for clients in [1, 8, 32] {
+        for notify in [false, true] {
+            let name = format!(
+                "pgbench-commit-c{clients}{}",
+                if notify { "-notify" } else { "" }
+            );
+            eprintln!("{name} floor");
+            out.push(match commit_floor(server, pm, clients, notify).await {
+                Ok(mut r) => {
+                    r.name = name;
+                    r
+                }
+                Err(e) => PeerResult::failed(&name, &format!("{e:#}")),
+            });
+            drop_db(server, "peer_pgbench_commit").await;
+        }
+    }
     Ok(out)
+}
+
+/// The small-write floor: pgbench transactions of one single-row insert of
+/// about 200 bytes (with `pg_notify` in each when `notify`), `clients`
+/// connections, 10 s; `enqueue_one_rate` is its transactions per second,
+/// counters are per transaction.
+async fn commit_floor(
+    server: &pg::Server,
+    pm: Option<u32>,
+    clients: usize,
+    notify: bool,
+) -> anyhow::Result<PeerResult> {
+    let (url, mut probe) = fresh_db(server, "peer_pgbench_commit").await?;
+    sqlx::query("CREATE TABLE q (id bigserial PRIMARY KEY, payload text NOT NULL)")
+        .execute(&mut probe)
+        .await?;
+    let script = std::env::temp_dir().join(format!(
+        "lanebus-bench-commit-{}-{clients}-{notify}.sql",
+        std::process::id()
+    ));
+    let mut sql = String::from("BEGIN;\nINSERT INTO q (payload) VALUES (repeat('x', 200));\n");
+    if notify {
+        sql.push_str("SELECT pg_notify('floor', '');\n");
+    }
+    sql.push_str("COMMIT;\n");
+    std::fs::write(&script, sql)?;
+    sqlx::query("CHECKPOINT").execute(&mut probe).await?;
+    pg::reset(&mut probe).await?;
+    let s0 = pg::snapshot(&mut probe, pm, 0.0).await?;
+    let c = clients.to_string();
+    let j = clients.min(4).to_string();
+    let out = tokio::process::Command::new("pgbench")
+        .args(["-n", "-M", "prepared", "-c", &c, "-j", &j, "-T", "10", "-f"])
+        .arg(&script)
+        .arg(&url)
+        .output()
+        .await?;
+    pg::wait_alone(&mut probe).await?;
+    let s1 = pg::snapshot(&mut probe, pm, 0.0).await?;
+    let _ = std::fs::remove_file(&script);
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        bail!("pgbench: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let (tx, tps) = pgbench_counts(&text)?;
+    let mut counters = pg::per_unit(&s0, &s1, tx as u64);
+    counters.remove("cpu_app_ms");
+    Ok(PeerResult {
+        name: String::new(),
+        jobs: tx as u64,
+        enqueue_rate: None,
+        enqueue_one_rate: Some(tps),
+        drain_rate: None,
+        counters,
+        note: format!(
+            "pgbench -c {clients} -T 10: BEGIN; one single-row INSERT{}; COMMIT (the floor of a one-event publish)",
+            if notify { "; pg_notify" } else { "" }
+        ),
+    })
+}
+
+/// Transactions processed and tps from pgbench's output.
+fn pgbench_counts(text: &str) -> anyhow::Result<(f64, f64)> {
+    let tx: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("number of transactions actually processed: "))
+        .and_then(|v| v.split(['/', ' ']).next())
+        .and_then(|v| v.parse().ok())
+        .context("pgbench output without a transaction count")?;
+    let tps: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("tps = "))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .context("pgbench output without tps")?;
+    Ok((tx, tps))
 }
 
 async fn run_js(
@@ -167,8 +282,12 @@ async fn run_js(
     let mut stdin = child.stdin.take().context("stdin")?;
     let mut lines = BufReader::new(child.stdout.take().context("stdout")?).lines();
     let mut stderr = child.stderr.take().context("stderr")?;
-    let enq = read_line(&mut lines, "ENQUEUED ").await;
-    let enq = match enq {
+    let enq = async {
+        let one = read_line(&mut lines, "ONE ").await?;
+        Ok::<_, anyhow::Error>((one, read_line(&mut lines, "ENQUEUED ").await?))
+    }
+    .await;
+    let (one, enq) = match enq {
         Ok(v) => v,
         Err(e) => {
             let mut err = String::new();
@@ -205,6 +324,7 @@ async fn run_js(
         name: peer.into(),
         jobs: jobs as u64,
         enqueue_rate: Some(enq.0 / enq.1),
+        enqueue_one_rate: Some(one.0 / one.1),
         drain_rate: Some(drained.0 / drained.1),
         counters: pg::per_unit(&s0, &end, drained.0 as u64),
         note: String::new(),
@@ -257,18 +377,7 @@ async fn pgbench(server: &pg::Server, pm: Option<u32>) -> anyhow::Result<PeerRes
     if !out.status.success() {
         bail!("pgbench: {}", String::from_utf8_lossy(&out.stderr));
     }
-    let tx: f64 = text
-        .lines()
-        .find_map(|l| l.strip_prefix("number of transactions actually processed: "))
-        .and_then(|v| v.split(['/', ' ']).next())
-        .and_then(|v| v.parse().ok())
-        .context("pgbench output without a transaction count")?;
-    let tps: f64 = text
-        .lines()
-        .find_map(|l| l.strip_prefix("tps = "))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .context("pgbench output without tps")?;
+    let (tx, tps) = pgbench_counts(&text)?;
     let items = tx * 100.0;
     let mut counters = pg::per_unit(&s0, &s1, items as u64);
     counters.remove("cpu_app_ms");
@@ -276,6 +385,7 @@ async fn pgbench(server: &pg::Server, pm: Option<u32>) -> anyhow::Result<PeerRes
         name: "pgbench".into(),
         jobs: items as u64,
         enqueue_rate: None,
+        enqueue_one_rate: None,
         drain_rate: Some(tps * 100.0),
         counters,
         note: "pgbench -c 2 -T 10: INSERT 100 rows, then DELETE the 100 oldest (one statement each); rate = items inserted and deleted per second".into(),

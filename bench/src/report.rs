@@ -470,26 +470,35 @@ pub fn build(
             .iter()
             .find(|(c, _)| c.name == "pg-publish-p8-b100")
             .and_then(|(_, s)| s.rate[1]);
-        let _ = writeln!(md, "Jobs of about 200 bytes, enqueued 100 per call, then drained by no-op handlers; counters per job over the drain. Our dispatch is `pg-dispatch-1n-tuned` (candidate median, {}/s); our publish is `pg-publish-p8-b100` ({}/s).\n", num(ours), num(ours_pub));
-        let _ = writeln!(md, "| Peer | jobs | enqueue jobs/s | drain jobs/s | our dispatch / its drain | our publish / its enqueue | WAL B/job | WAL records/job | statements/job | CPU ms/job app + db | note |");
+        let ours_one = sums
+            .iter()
+            .find(|(c, _)| c.name == "pg-publish-p8-b1")
+            .and_then(|(_, s)| s.rate[1]);
+        let _ = writeln!(md, "Jobs of about 200 bytes, enqueued 100 per call, then drained by no-op handlers; counters per job over the drain. Before that, 2,000 jobs enqueued one per call by 8 concurrent callers (pgbench floors: single-row commit transactions per second, 10 s, counters per transaction). Our dispatch is `pg-dispatch-1n-tuned` (candidate median, {}/s); our publish is `pg-publish-p8-b100` ({}/s); our one-event publish is `pg-publish-p8-b1` ({}/s).\n", num(ours), num(ours_pub), num(ours_one));
+        let _ = writeln!(md, "| Peer | jobs | enqueue jobs/s | one per call jobs/s | drain jobs/s | our dispatch / its drain | our publish / its enqueue | our one-event publish / its one per call | WAL B/job | WAL records/job | statements/job | CPU ms/job app + db | note |");
         let _ = writeln!(
             md,
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"
         );
         for p in peers {
             let c = |k: &str| p.counters.get(k).copied();
             let _ = writeln!(
                 md,
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} + {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} + {} | {} |",
                 p.name,
                 num(Some(p.jobs as f64)),
                 num(p.enqueue_rate),
+                num(p.enqueue_one_rate),
                 num(p.drain_rate),
                 match (ours, p.drain_rate) {
                     (Some(o), Some(d)) if d > 0.0 => format!("{:.2}", o / d),
                     _ => "–".into(),
                 },
                 match (ours_pub, p.enqueue_rate) {
+                    (Some(o), Some(d)) if d > 0.0 => format!("{:.2}", o / d),
+                    _ => "–".into(),
+                },
+                match (ours_one, p.enqueue_one_rate) {
                     (Some(o), Some(d)) if d > 0.0 => format!("{:.2}", o / d),
                     _ => "–".into(),
                 },
