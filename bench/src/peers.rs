@@ -182,65 +182,6 @@ pub async fn run_all(
     Ok(out)
 }
 
-/// The small-write floor: pgbench transactions of one single-row insert of
-/// about 200 bytes (with `pg_notify` in each when `notify`), `clients`
-/// connections, 10 s; `enqueue_one_rate` is its transactions per second,
-/// counters are per transaction.
-async fn commit_floor(
-    server: &pg::Server,
-    pm: Option<u32>,
-    clients: usize,
-    notify: bool,
-) -> anyhow::Result<PeerResult> {
-    let (url, mut probe) = fresh_db(server, "peer_pgbench_commit").await?;
-    sqlx::query("CREATE TABLE q (id bigserial PRIMARY KEY, payload text NOT NULL)")
-        .execute(&mut probe)
-        .await?;
-    let script = std::env::temp_dir().join(format!(
-        "lanebus-bench-commit-{}-{clients}-{notify}.sql",
-        std::process::id()
-    ));
-    let mut sql = String::from("BEGIN;\nINSERT INTO q (payload) VALUES (repeat('x', 200));\n");
-    if notify {
-        sql.push_str("SELECT pg_notify('floor', '');\n");
-    }
-    sql.push_str("COMMIT;\n");
-    std::fs::write(&script, sql)?;
-    sqlx::query("CHECKPOINT").execute(&mut probe).await?;
-    pg::reset(&mut probe).await?;
-    let s0 = pg::snapshot(&mut probe, pm, 0.0).await?;
-    let c = clients.to_string();
-    let j = clients.min(4).to_string();
-    let out = tokio::process::Command::new("pgbench")
-        .args(["-n", "-M", "prepared", "-c", &c, "-j", &j, "-T", "10", "-f"])
-        .arg(&script)
-        .arg(&url)
-        .output()
-        .await?;
-    pg::wait_alone(&mut probe).await?;
-    let s1 = pg::snapshot(&mut probe, pm, 0.0).await?;
-    let _ = std::fs::remove_file(&script);
-    let text = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        bail!("pgbench: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    let (tx, tps) = pgbench_counts(&text)?;
-    let mut counters = pg::per_unit(&s0, &s1, tx as u64);
-    counters.remove("cpu_app_ms");
-    Ok(PeerResult {
-        name: String::new(),
-        jobs: tx as u64,
-        enqueue_rate: None,
-        enqueue_one_rate: Some(tps),
-        drain_rate: None,
-        counters,
-        note: format!(
-            "pgbench -c {clients} -T 10: BEGIN; one single-row INSERT{}; COMMIT (the floor of a one-event publish)",
-            if notify { "; pg_notify" } else { "" }
-        ),
-    })
-}
-
 /// Transactions processed and tps from pgbench's output.
 fn pgbench_counts(text: &str) -> anyhow::Result<(f64, f64)> {
     let tx: f64 = text
@@ -347,47 +288,102 @@ async fn read_line(
     bail!("driver ended before {want}")
 }
 
-async fn pgbench(server: &pg::Server, pm: Option<u32>) -> anyhow::Result<PeerResult> {
-    let (url, mut probe) = fresh_db(server, "peer_pgbench").await?;
+/// Runs `script` under pgbench (`clients` connections, `threads` threads,
+/// 10 s) on a fresh database `db` holding the table `q (id bigserial,
+/// payload text)`; returns pgbench's transactions and tps, and the counters
+/// around the run per `per_tx` units of each transaction.
+async fn run_pgbench(
+    server: &pg::Server,
+    pm: Option<u32>,
+    db: &str,
+    script: &str,
+    (clients, threads): (usize, usize),
+    per_tx: f64,
+) -> anyhow::Result<(f64, f64, BTreeMap<String, f64>)> {
+    let (url, mut probe) = fresh_db(server, db).await?;
     sqlx::query("CREATE TABLE q (id bigserial PRIMARY KEY, payload text NOT NULL)")
         .execute(&mut probe)
         .await?;
-    let script =
-        std::env::temp_dir().join(format!("lanebus-bench-pgbench-{}.sql", std::process::id()));
-    std::fs::write(
-        &script,
-        "INSERT INTO q (payload) SELECT repeat('x', 200) FROM generate_series(1, 100);\n\
-         DELETE FROM q WHERE id IN (SELECT id FROM q ORDER BY id LIMIT 100 FOR UPDATE SKIP LOCKED);\n",
-    )?;
+    let file = std::env::temp_dir().join(format!("lanebus-bench-{db}-{}.sql", std::process::id()));
+    std::fs::write(&file, script)?;
     sqlx::query("CHECKPOINT").execute(&mut probe).await?;
     pg::reset(&mut probe).await?;
     let s0 = pg::snapshot(&mut probe, pm, 0.0).await?;
+    let (c, j) = (clients.to_string(), threads.to_string());
     let out = tokio::process::Command::new("pgbench")
-        .args([
-            "-n", "-M", "prepared", "-c", "2", "-j", "2", "-T", "10", "-f",
-        ])
-        .arg(&script)
+        .args(["-n", "-M", "prepared", "-c", &c, "-j", &j, "-T", "10", "-f"])
+        .arg(&file)
         .arg(&url)
         .output()
         .await?;
     pg::wait_alone(&mut probe).await?;
     let s1 = pg::snapshot(&mut probe, pm, 0.0).await?;
-    let _ = std::fs::remove_file(&script);
-    let text = String::from_utf8_lossy(&out.stdout);
+    let _ = std::fs::remove_file(&file);
     if !out.status.success() {
         bail!("pgbench: {}", String::from_utf8_lossy(&out.stderr));
     }
-    let (tx, tps) = pgbench_counts(&text)?;
-    let items = tx * 100.0;
-    let mut counters = pg::per_unit(&s0, &s1, items as u64);
+    let (tx, tps) = pgbench_counts(&String::from_utf8_lossy(&out.stdout))?;
+    let mut counters = pg::per_unit(&s0, &s1, (tx * per_tx) as u64);
     counters.remove("cpu_app_ms");
+    Ok((tx, tps, counters))
+}
+
+async fn pgbench(server: &pg::Server, pm: Option<u32>) -> anyhow::Result<PeerResult> {
+    let (tx, tps, counters) = run_pgbench(
+        server,
+        pm,
+        "peer_pgbench",
+        "INSERT INTO q (payload) SELECT repeat('x', 200) FROM generate_series(1, 100);\n\
+         DELETE FROM q WHERE id IN (SELECT id FROM q ORDER BY id LIMIT 100 FOR UPDATE SKIP LOCKED);\n",
+        (2, 2),
+        100.0,
+    )
+    .await?;
     Ok(PeerResult {
         name: "pgbench".into(),
-        jobs: items as u64,
+        jobs: (tx * 100.0) as u64,
         enqueue_rate: None,
         enqueue_one_rate: None,
         drain_rate: Some(tps * 100.0),
         counters,
         note: "pgbench -c 2 -T 10: INSERT 100 rows, then DELETE the 100 oldest (one statement each); rate = items inserted and deleted per second".into(),
+    })
+}
+
+/// The small-write floor: pgbench transactions of one single-row insert of
+/// about 200 bytes (with `pg_notify` in each when `notify`), `clients`
+/// connections, 10 s; `enqueue_one_rate` is its transactions per second,
+/// counters are per transaction.
+async fn commit_floor(
+    server: &pg::Server,
+    pm: Option<u32>,
+    clients: usize,
+    notify: bool,
+) -> anyhow::Result<PeerResult> {
+    let mut sql = String::from("BEGIN;\nINSERT INTO q (payload) VALUES (repeat('x', 200));\n");
+    if notify {
+        sql.push_str("SELECT pg_notify('floor', '');\n");
+    }
+    sql.push_str("COMMIT;\n");
+    let (tx, tps, counters) = run_pgbench(
+        server,
+        pm,
+        "peer_pgbench_commit",
+        &sql,
+        (clients, clients.min(4)),
+        1.0,
+    )
+    .await?;
+    Ok(PeerResult {
+        name: String::new(),
+        jobs: tx as u64,
+        enqueue_rate: None,
+        enqueue_one_rate: Some(tps),
+        drain_rate: None,
+        counters,
+        note: format!(
+            "pgbench -c {clients} -T 10: BEGIN; one single-row INSERT{}; COMMIT (the floor of a one-event publish)",
+            if notify { "; pg_notify" } else { "" }
+        ),
     })
 }
