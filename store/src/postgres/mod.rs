@@ -30,8 +30,10 @@
 //!   a BRIN index on `completed_at` serves retention.
 //! - **One statement per operation, prepared.** A publish is a single
 //!   statement (`sql/publish.sql`: id check, key counters, events,
-//!   deliveries, one `pg_notify`) run in autocommit, so one round trip and no
-//!   `BEGIN`/`COMMIT`. A batched claim of many lanes is one statement
+//!   deliveries, one `pg_notify`), run once per group of concurrent
+//!   publishes in a transaction of three round trips (a `BEGIN` carrying
+//!   the group's lock wait and a generic plan, the statement, `COMMIT`;
+//!   `publish.rs`). A batched claim of many lanes is one statement
 //!   (`sql/claim.sql`, `unnest` + `LATERAL`). A bulk completion is one
 //!   statement (`DELETE ... RETURNING` feeding the completion `INSERT`); so
 //!   are bulk reschedules, dead letters and replays. Statements are

@@ -3,15 +3,15 @@
 //! The statement checks client-supplied ids against `events`, raises the
 //! batch's key counters (row locks taken in key order), inserts the events
 //! and one delivery per matching handler (disabled ones too), and sends one
-//! NOTIFY when asked. It runs in autocommit for
-//! [`Store::publish`](crate::Store::publish), once per group of concurrent
-//! publishes ([`crate::group`]: one round trip and one NOTIFY per group), or
-//! inside the caller's transaction for
-//! [`PgStore::publish_in`](super::PgStore::publish_in), without the NOTIFY:
-//! a notifying commit takes PostgreSQL's database-wide notify-queue lock
-//! (notifying commits are serialized), which the caller's transaction must
-//! not take. Its wake-up is a NOTIFY of its own after the caller's commit
-//! ([`notify`]).
+//! NOTIFY when asked. It runs once per group of concurrent publishes for
+//! [`Store::publish`](crate::Store::publish) ([`crate::group`]: three round
+//! trips and one NOTIFY per group, [`write_group`]), alone in autocommit
+//! for a batch of a failed group ([`write`]), or inside the caller's
+//! transaction for [`PgStore::publish_in`](super::PgStore::publish_in),
+//! without the NOTIFY: a notifying commit takes PostgreSQL's database-wide
+//! notify-queue lock (notifying commits are serialized), which the
+//! caller's transaction must not take. Its wake-up is a NOTIFY of its own
+//! after the caller's commit ([`notify`]).
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -219,23 +219,35 @@ pub(super) async fn write(pool: &PgPool, plan: &PublishPlan) -> Result<HashSet<S
     }
 }
 
-/// How long a group's write waits for a row lock (a key counter held by an
-/// open transaction elsewhere, e.g. a `publish_in` not yet committed)
-/// before it gives up and its batches are written one by one, each with the
-/// session's own `lock_timeout` ([`super::SESSION_DEFAULTS`]): a key held
-/// elsewhere then holds back only its own publishers.
-pub(super) const GROUP_LOCK_WAIT: &str = "100ms";
+/// The group write's `BEGIN`, one simple query (one round trip, two
+/// statements as before) with two settings:
+///
+/// - `lock_timeout` 100 ms: how long a group's write waits for a row lock
+///   (a key counter held by an open transaction elsewhere, e.g. a
+///   `publish_in` not yet committed) before it gives up and its batches are
+///   written one by one, each with the session's own `lock_timeout`
+///   ([`super::SESSION_DEFAULTS`]): a key held elsewhere then holds back
+///   only its own publishers.
+/// - `plan_cache_mode = force_generic_plan`: under the default `auto`,
+///   PostgreSQL planned the statement anew on every call (a one-event
+///   batch's custom plan is estimated far cheaper than the generic plan,
+///   which assumes 10 events and, on an unanalyzed `handlers`, 230
+///   handlers); planning was 0.27 of the statement's 0.35 ms per call
+///   (`bench/results/stmt.md`). The generic plan suits every batch size:
+///   hash joins over the batch's rows, index probes into `events`.
+const GROUP_BEGIN: &str = "BEGIN; SELECT set_config('lock_timeout', '100ms', true), \
+                           set_config('plan_cache_mode', 'force_generic_plan', true)";
 
-/// A group's write ([`crate::group`]): as [`write`], in a transaction whose
-/// row-lock wait is [`GROUP_LOCK_WAIT`] (`55P03` then ends it as
-/// [`crate::StoreError::Timeout`]). Four round trips (BEGIN, the setting,
-/// the statement, COMMIT) for the whole group.
+/// A group's write ([`crate::group`]): as [`write`], in a transaction begun
+/// by [`GROUP_BEGIN`] (a lock wait past its `lock_timeout`, `55P03`, ends
+/// it as [`crate::StoreError::Timeout`]). Three round trips (the `BEGIN`,
+/// the statement, `COMMIT`) for the whole group.
 pub(super) async fn write_group(pool: &PgPool, plan: &PublishPlan) -> Result<HashSet<String>> {
     let args = PublishArgs::new(plan);
     let mut attempt = 1;
     loop {
         let mut conn = pool.acquire().await.map_err(map_err)?;
-        let ran = run_with_lock_wait(&mut conn, &args).await;
+        let ran = run_in_group_tx(&mut conn, &args).await;
         match ran {
             Ok(ran) => return Ok(ran.stored.into_iter().collect()),
             Err(e) if attempt < PUBLISH_ATTEMPTS && is_retryable(&e) => {
@@ -247,16 +259,12 @@ pub(super) async fn write_group(pool: &PgPool, plan: &PublishPlan) -> Result<Has
     }
 }
 
-/// [`run`] in a transaction whose row-lock wait is [`GROUP_LOCK_WAIT`].
-async fn run_with_lock_wait(
+/// [`run`] in a transaction begun by [`GROUP_BEGIN`].
+async fn run_in_group_tx(
     conn: &mut PgConnection,
     args: &PublishArgs<'_>,
 ) -> Result<Ran, sqlx::Error> {
-    let mut tx = conn.begin().await?;
-    sqlx::query("SELECT set_config('lock_timeout', $1, true)")
-        .bind(GROUP_LOCK_WAIT)
-        .execute(&mut *tx)
-        .await?;
+    let mut tx = conn.begin_with(GROUP_BEGIN).await?;
     let ran = run(&mut tx, args, true).await?;
     tx.commit().await?;
     Ok(ran)
