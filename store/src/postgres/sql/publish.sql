@@ -32,16 +32,21 @@ ks AS (
     ON CONFLICT (key) DO UPDATE SET seq = k.seq + excluded.seq, xid = greatest(k.xid, excluded.xid)
     RETURNING k.key, k.seq, k.xid
 ),
-ev AS (
-    -- The batch's numbers for a key are seq - count + 1 ..= seq, in batch order.
-    INSERT INTO events (id, type, key, lane, seq, payload)
-    SELECT i.id, i.type, i.key, i.lane,
-           ks.seq - count(*) OVER (PARTITION BY i.key) + row_number() OVER (PARTITION BY i.key ORDER BY i.ord),
-           i.payload
+numbered AS (
+    -- The batch's numbers for a key are seq - count + 1 ..= seq, in batch
+    -- order: counted back from the key's last event in the batch, which
+    -- takes the counter's new value (one window, one sort).
+    SELECT i.id, i.type, i.key, i.lane, i.payload, i.deliver_at, ks.xid,
+           ks.seq + 1 - row_number() OVER (PARTITION BY i.key ORDER BY i.ord DESC) AS seq
     FROM input i
     LEFT JOIN ks ON ks.key = i.key
-    ORDER BY i.id
-    RETURNING id, type, key, lane, seq
+),
+ev AS (
+    INSERT INTO events (id, type, key, lane, seq, payload)
+    SELECT id, type, key, lane, seq, payload
+    FROM numbered
+    ORDER BY id
+    RETURNING 1
 ),
 dl AS (
     -- One delivery per handler whose route matches: the exact type, or a
@@ -51,23 +56,22 @@ dl AS (
     -- Inserted in sequence order so a key's delivery ids follow its
     -- sequence numbers. A delayed event's deliveries are due at its
     -- deliver_at (and held: see complete.sql); the lane owner keeps a keyed
-    -- one at the head of its key until then.
+    -- one at the head of its key until then. Read from numbered, not from
+    -- ev's rows: every numbered row is inserted (or the statement fails).
     -- txid: this transaction's id where the key raised xid above it (the
     -- claim reads a transaction that was in progress by either; 0006).
     INSERT INTO deliveries (xid, txid, lane, handler_id, event_id, key, seq, due_at, held)
-    SELECT coalesce(ks.xid, pg_current_xact_id()::text::bigint),
-           CASE WHEN ks.xid > pg_current_xact_id()::text::bigint THEN pg_current_xact_id()::text::bigint END,
-           ev.lane, h.id, ev.id, ev.key, ev.seq,
-           coalesce(i.deliver_at, now()), CASE WHEN i.deliver_at IS NOT NULL THEN true END
-    FROM ev
-    JOIN input i ON i.id = ev.id
-    LEFT JOIN ks ON ks.key = ev.key
+    SELECT coalesce(n.xid, pg_current_xact_id()::text::bigint),
+           CASE WHEN n.xid > pg_current_xact_id()::text::bigint THEN pg_current_xact_id()::text::bigint END,
+           n.lane, h.id, n.id, n.key, n.seq,
+           coalesce(n.deliver_at, now()), CASE WHEN n.deliver_at IS NOT NULL THEN true END
+    FROM numbered n
     JOIN handlers h
       ON EXISTS (
             SELECT 1 FROM unnest(h.event_types) AS p
-            WHERE p = ev.type OR (right(p, 1) = '*' AND starts_with(ev.type, left(p, -1)))
+            WHERE p = n.type OR (right(p, 1) = '*' AND starts_with(n.type, left(p, -1)))
          )
-    ORDER BY ev.seq, ev.id, h.pos
+    ORDER BY n.seq, n.id, h.pos
     RETURNING 1
 )
 SELECT
