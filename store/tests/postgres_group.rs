@@ -156,3 +156,54 @@ async fn a_key_held_elsewhere_holds_back_only_its_own_publishers() {
     assert_eq!(seqs, vec![1, 2], "the held key's events in commit order");
     common::drop_pg_database(&admin, pool, &db).await;
 }
+
+/// Statement calls, plans and `BEGIN`s run in the current database so far
+/// (plans are counted by sessions with `pg_stat_statements.track_planning`).
+async fn calls_plans_begins(pool: &sqlx::PgPool) -> (i64, i64, i64) {
+    sqlx::query_as(
+        "SELECT coalesce(sum(calls) FILTER (WHERE query LIKE '%INSERT INTO key_seqs%'), 0)::bigint, \
+                coalesce(sum(plans) FILTER (WHERE query LIKE '%INSERT INTO key_seqs%'), 0)::bigint, \
+                coalesce(sum(calls) FILTER (WHERE query = 'BEGIN'), 0)::bigint \
+         FROM pg_stat_statements \
+         WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())",
+    )
+    .fetch_one(pool)
+    .await
+    .expect("read pg_stat_statements (preloaded by scripts/pg-start)")
+}
+
+/// One publisher's single-event publishes, one group each: each group's
+/// write is the publish statement alone (no `BEGIN`/`COMMIT` round trips)
+/// and reuses one plan. Under `plan_cache_mode = auto` PostgreSQL planned a
+/// one-event batch's statement anew at every call (bench/results/stmt.md).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_write_is_one_statement_planned_once() {
+    const PUBLISHES: i64 = 20;
+    let db = format!("lanebus_group_plan_{}", std::process::id());
+    let (admin, store, pool) = common::fresh_pg_store(&db).await;
+    // Sessions opened from now on count their plans: the group writer's
+    // opens at its first write.
+    for sql in [
+        format!("ALTER DATABASE {db} SET pg_stat_statements.track_planning = on"),
+        "CREATE EXTENSION IF NOT EXISTS pg_stat_statements".to_string(),
+    ] {
+        sqlx::query(&sql).execute(&pool).await.expect(&sql);
+    }
+    let (calls0, plans0, begins0) = calls_plans_begins(&pool).await;
+    for i in 0..PUBLISHES {
+        let out = store
+            .publish(vec![keyed(&format!("k{i}"))])
+            .await
+            .expect("publish");
+        assert_eq!(out.accepted, 1);
+    }
+    let (calls, plans, begins) = calls_plans_begins(&pool).await;
+    assert_eq!(calls - calls0, PUBLISHES, "one publish statement per publish");
+    assert!(
+        plans - plans0 <= 2,
+        "{} plans for {PUBLISHES} publish statements",
+        plans - plans0
+    );
+    assert_eq!(begins - begins0, 0, "no BEGIN around a group's write");
+    common::drop_pg_database(&admin, pool, &db).await;
+}

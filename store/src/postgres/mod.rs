@@ -30,10 +30,10 @@
 //!   a BRIN index on `completed_at` serves retention.
 //! - **One statement per operation, prepared.** A publish is a single
 //!   statement (`sql/publish.sql`: id check, key counters, events,
-//!   deliveries, one `pg_notify`), run once per group of concurrent
-//!   publishes in a transaction of three round trips (a `BEGIN` carrying
-//!   the group's lock wait and a generic plan, the statement, `COMMIT`;
-//!   `publish.rs`). A batched claim of many lanes is one statement
+//!   deliveries, one `pg_notify`), run in autocommit once per group of
+//!   concurrent publishes, so one round trip and no `BEGIN`/`COMMIT`, on a
+//!   connection of its own whose session has the group's lock wait and the
+//!   statement's generic plan (`publish.rs`, `GROUP_SETTINGS`). A batched claim of many lanes is one statement
 //!   (`sql/claim.sql`, `unnest` + `LATERAL`). A bulk completion is one
 //!   statement (`DELETE ... RETURNING` feeding the completion `INSERT`); so
 //!   are bulk reschedules, dead letters and replays. Statements are
@@ -243,6 +243,8 @@ pub const LATE_COMPLETION: Duration = Duration::from_secs(60);
 #[derive(Debug, Clone)]
 pub struct PgStore {
     pool: PgPool,
+    /// The group writer's connection (`publish::writer_pool`).
+    writer: PgPool,
     lanes: u16,
     group: Arc<Grouper>,
     wakes: Arc<publish::Wakes>,
@@ -306,6 +308,7 @@ impl PgStore {
     /// As [`PgStore::connect`].
     pub async fn from_pool(pool: PgPool, lanes: u16) -> Result<Self> {
         let mut store = PgStore {
+            writer: publish::writer_pool(&pool),
             pool,
             lanes,
             group: Arc::default(),
@@ -408,7 +411,7 @@ impl GroupWriter for PgStore {
     }
 
     async fn write_group(&self, plan: &PublishPlan) -> Result<HashSet<String>> {
-        publish::write_group(&self.pool, plan).await
+        publish::write(&self.writer, plan).await
     }
 }
 

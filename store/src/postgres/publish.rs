@@ -3,19 +3,22 @@
 //! The statement checks client-supplied ids against `events`, raises the
 //! batch's key counters (row locks taken in key order), inserts the events
 //! and one delivery per matching handler (disabled ones too), and sends one
-//! NOTIFY when asked. It runs once per group of concurrent publishes for
-//! [`Store::publish`](crate::Store::publish) ([`crate::group`]: three round
-//! trips and one NOTIFY per group, [`write_group`]), alone in autocommit
-//! for a batch of a failed group ([`write`]), or inside the caller's
-//! transaction for [`PgStore::publish_in`](super::PgStore::publish_in),
-//! without the NOTIFY: a notifying commit takes PostgreSQL's database-wide
-//! notify-queue lock (notifying commits are serialized), which the
-//! caller's transaction must not take. Its wake-up is a NOTIFY of its own
-//! after the caller's commit ([`notify`]).
+//! NOTIFY when asked. It runs in autocommit once per group of concurrent
+//! publishes for [`Store::publish`](crate::Store::publish)
+//! ([`crate::group`]: one round trip and one NOTIFY per group, on the group
+//! writer's connection, [`writer_pool`]), likewise alone for a batch of a
+//! failed group (on the store's pool), or inside the caller's transaction
+//! for [`PgStore::publish_in`](super::PgStore::publish_in), without the
+//! NOTIFY: a notifying commit takes PostgreSQL's database-wide notify-queue
+//! lock (notifying commits are serialized), which the caller's transaction
+//! must not take. Its wake-up is a NOTIFY of its own after the caller's
+//! commit ([`notify`]).
 
 use std::collections::HashSet;
 use std::sync::Arc;
+use std::time::Duration;
 
+use sqlx::postgres::PgPoolOptions;
 use sqlx::{Connection, PgConnection, PgPool};
 
 use super::error::map_err;
@@ -200,9 +203,12 @@ pub(super) fn final_error(e: sqlx::Error) -> crate::StoreError {
 }
 
 /// One write of [`Store::publish`](crate::Store::publish) (a group of
-/// batches, see [`crate::group`]): the statement in autocommit, so one
-/// NOTIFY per group, again on a fresh connection after a lost race (up to
-/// [`PUBLISH_ATTEMPTS`]). Returns the ids found already stored.
+/// batches, see [`crate::group`], on [`writer_pool`]'s connection; or a
+/// batch of a failed group alone, on the store's pool): the statement in
+/// autocommit, so one round trip and one NOTIFY, again after a lost race
+/// (up to [`PUBLISH_ATTEMPTS`]). On the writer's connection a lock wait
+/// past its `lock_timeout` (`55P03`) ends it as
+/// [`crate::StoreError::Timeout`]. Returns the ids found already stored.
 pub(super) async fn write(pool: &PgPool, plan: &PublishPlan) -> Result<HashSet<String>> {
     let args = PublishArgs::new(plan);
     let mut attempt = 1;
@@ -219,55 +225,59 @@ pub(super) async fn write(pool: &PgPool, plan: &PublishPlan) -> Result<HashSet<S
     }
 }
 
-/// The group write's `BEGIN`, one simple query (one round trip, two
-/// statements as before) with two settings:
+/// Session settings of the group writer's connection ([`writer_pool`]),
+/// after the pool's own:
 ///
 /// - `lock_timeout` 100 ms: how long a group's write waits for a row lock
 ///   (a key counter held by an open transaction elsewhere, e.g. a
 ///   `publish_in` not yet committed) before it gives up and its batches are
-///   written one by one, each with the session's own `lock_timeout`
-///   ([`super::SESSION_DEFAULTS`]): a key held elsewhere then holds back
-///   only its own publishers.
+///   written one by one on the store's pool, each with the session's own
+///   `lock_timeout` ([`super::SESSION_DEFAULTS`]): a key held elsewhere
+///   then holds back only its own publishers.
 /// - `plan_cache_mode = force_generic_plan`: under the default `auto`,
 ///   PostgreSQL planned the statement anew on every call (a one-event
 ///   batch's custom plan is estimated far cheaper than the generic plan,
 ///   which assumes 10 events and, on an unanalyzed `handlers`, 230
-///   handlers); planning was 0.27 of the statement's 0.35 ms per call
+///   handlers); planning was 0.31 of the statement's 0.42 ms per call
 ///   (`bench/results/stmt.md`). The generic plan suits every batch size:
-///   hash joins over the batch's rows, index probes into `events`.
-const GROUP_BEGIN: &str = "BEGIN; SELECT set_config('lock_timeout', '100ms', true), \
-                           set_config('plan_cache_mode', 'force_generic_plan', true)";
+///   hash joins over the batch's rows, index probes into `events`. The
+///   writer runs no other statement.
+///
+/// As session settings they cost no round trip: a group's write is the
+/// statement alone in autocommit (one round trip; a `BEGIN` with `SET
+/// LOCAL` and a `COMMIT` took two more).
+pub(super) const GROUP_SETTINGS: &[(&str, &str)] = &[
+    ("lock_timeout", "100ms"),
+    ("plan_cache_mode", "force_generic_plan"),
+];
 
-/// A group's write ([`crate::group`]): as [`write`], in a transaction begun
-/// by [`GROUP_BEGIN`] (a lock wait past its `lock_timeout`, `55P03`, ends
-/// it as [`crate::StoreError::Timeout`]). Three round trips (the `BEGIN`,
-/// the statement, `COMMIT`) for the whole group.
-pub(super) async fn write_group(pool: &PgPool, plan: &PublishPlan) -> Result<HashSet<String>> {
-    let args = PublishArgs::new(plan);
-    let mut attempt = 1;
-    loop {
-        let mut conn = pool.acquire().await.map_err(map_err)?;
-        let ran = run_in_group_tx(&mut conn, &args).await;
-        match ran {
-            Ok(ran) => return Ok(ran.stored.into_iter().collect()),
-            Err(e) if attempt < PUBLISH_ATTEMPTS && is_retryable(&e) => {
-                tracing::debug!(attempt, error = %e, "publish raced another publisher; retrying");
-                attempt += 1;
-            }
-            Err(e) => return Err(final_error(e)),
-        }
-    }
-}
+/// How long the group writer's connection stays open unused.
+const WRITER_IDLE: Duration = Duration::from_secs(60);
 
-/// [`run`] in a transaction begun by [`GROUP_BEGIN`].
-async fn run_in_group_tx(
-    conn: &mut PgConnection,
-    args: &PublishArgs<'_>,
-) -> Result<Ran, sqlx::Error> {
-    let mut tx = conn.begin_with(GROUP_BEGIN).await?;
-    let ran = run(&mut tx, args, true).await?;
-    tx.commit().await?;
-    Ok(ran)
+/// The group writer's pool ([`crate::group`] writes one group at a time):
+/// connections with `pool`'s connect options and [`GROUP_SETTINGS`],
+/// opened at the first write, closed after [`WRITER_IDLE`] unused, and
+/// closed when `pool` is closed (so closing the store's pool still closes
+/// every connection of the store). Must be called inside a Tokio runtime.
+pub(super) fn writer_pool(pool: &PgPool) -> PgPool {
+    let options = (*pool.connect_options())
+        .clone()
+        .options(GROUP_SETTINGS.iter().copied());
+    let writer = PgPoolOptions::new()
+        // Two: sqlx returns a released connection to its pool in a task of
+        // its own, which the next group's write would otherwise wait for
+        // (measured: 8 publishers, a third fewer events/s with one).
+        .max_connections(2)
+        .idle_timeout(WRITER_IDLE)
+        .acquire_timeout(super::ACQUIRE_TIMEOUT)
+        .connect_lazy_with(options);
+    let closed = pool.close_event();
+    let w = writer.clone();
+    tokio::spawn(async move {
+        closed.await;
+        w.close().await;
+    });
+    writer
 }
 
 /// [`PgStore::publish_in`](super::PgStore::publish_in): the statement,
