@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # EXPLAIN (ANALYZE, BUFFERS) of store/src/postgres/sql/publish.sql for one
-# unkeyed single-event batch, prepared as sqlx prepares it: six executions
+# unkeyed single-event batch (with its NOTIFY), prepared as sqlx prepares it: six executions
 # under plan_cache_mode = auto (custom plans: planning time each time), then
 # one with the generic plan. Usage: bench/stmt/explain.sh URL
 # URL: a database with the lanebus schema (e.g. one a PgStore opened) and
@@ -10,10 +10,10 @@ url=${1:?usage: explain.sh URL}
 sql=$(cd "$(dirname "$0")/../.." && pwd)/store/src/postgres/sql/publish.sql
 run() {
   local tag=$1
-  echo "EXPLAIN (ANALYZE, BUFFERS, SUMMARY) EXECUTE p(ARRAY['explain-$tag-' || clock_timestamp()::text], '{issues.opened}', '{NULL}', '{7}', ARRAY[convert_to(repeat('x', 200), 'UTF8')], '{f}', '{NULL}');"
+  echo "EXPLAIN (ANALYZE, BUFFERS, SUMMARY) EXECUTE p(ARRAY['explain-$tag-' || clock_timestamp()::text], '{issues.opened}', '{NULL}', '{7}', ARRAY[convert_to(repeat('x', 200), 'UTF8')], '{f}', '{NULL}', true);"
 }
 {
-  echo "PREPARE p(text[], text[], text[], int[], bytea[], bool[], timestamptz[]) AS"
+  echo "PREPARE p(text[], text[], text[], int[], bytea[], bool[], timestamptz[], bool) AS"
   grep -v '^\s*--' "$sql"
   echo ";"
   for i in 1 2 3 4 5 6; do run "auto$i"; done
