@@ -238,7 +238,7 @@ pub(super) async fn write(pool: &PgPool, plan: &PublishPlan) -> Result<HashSet<S
 ///   PostgreSQL planned the statement anew on every call (a one-event
 ///   batch's custom plan is estimated far cheaper than the generic plan,
 ///   which assumes 10 events and, on an unanalyzed `handlers`, 230
-///   handlers); planning was 0.31 of the statement's 0.42 ms per call
+///   handlers); planning was 0.28 of the statement's 0.36 ms per call
 ///   (`bench/results/stmt.md`). The generic plan suits every batch size:
 ///   hash joins over the batch's rows, index probes into `events`. The
 ///   writer runs no other statement.
