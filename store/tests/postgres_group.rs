@@ -198,7 +198,11 @@ async fn a_group_write_is_one_statement_planned_once() {
         assert_eq!(out.accepted, 1);
     }
     let (calls, plans, begins) = calls_plans_begins(&pool).await;
-    assert_eq!(calls - calls0, PUBLISHES, "one publish statement per publish");
+    assert_eq!(
+        calls - calls0,
+        PUBLISHES,
+        "one publish statement per publish"
+    );
     assert!(
         plans - plans0 <= 2,
         "{} plans for {PUBLISHES} publish statements",
