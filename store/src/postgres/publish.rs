@@ -264,9 +264,8 @@ pub(super) fn writer_pool(pool: &PgPool) -> PgPool {
         .clone()
         .options(GROUP_SETTINGS.iter().copied());
     let writer = PgPoolOptions::new()
-        // Two: sqlx returns a released connection to its pool in a task of
-        // its own, which the next group's write would otherwise wait for
-        // (measured: 8 publishers, a third fewer events/s with one).
+        // Two: with one, 8 single-event publishers published about a third
+        // fewer events/s (bench/results/stmt.md).
         .max_connections(2)
         .idle_timeout(WRITER_IDLE)
         .acquire_timeout(super::ACQUIRE_TIMEOUT)
