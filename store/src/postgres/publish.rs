@@ -41,6 +41,11 @@ pub(super) fn is_retryable(e: &sqlx::Error) -> bool {
     }
 }
 
+/// Whether `e` is a serialization failure (`40001`).
+fn is_serialization_failure(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some("40001"))
+}
+
 /// The statement's parameters, borrowed from the plan.
 pub(super) struct PublishArgs<'a> {
     ids: Vec<&'a str>,
@@ -303,7 +308,11 @@ pub(super) async fn publish_in(
             }
             Err(e) => {
                 savepoint.rollback().await?;
-                if attempt >= PUBLISH_ATTEMPTS || !is_retryable(&e) {
+                // A serialization failure dooms the caller's transaction
+                // (REPEATABLE READ, SERIALIZABLE): only running it again
+                // from its start helps, so it goes to the caller.
+                if attempt >= PUBLISH_ATTEMPTS || !is_retryable(&e) || is_serialization_failure(&e)
+                {
                     return Err(e);
                 }
                 tracing::debug!(attempt, error = %e, "publish_in raced another publisher; retrying");

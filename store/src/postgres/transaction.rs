@@ -193,6 +193,11 @@ impl PgStore {
                 }
                 Err(e) if attempt < TRANSACTION_ATTEMPTS && e.is_serialization_failure() => {
                     tracing::debug!(attempt, error = %e, "transaction not serializable; retrying");
+                    // Transactions that failed together would otherwise run
+                    // again together and may conflict again: a random pause
+                    // of up to 5 ms times the attempt sets them apart.
+                    let pause = rand::random_range(0..=5 * u64::from(attempt));
+                    tokio::time::sleep(std::time::Duration::from_millis(pause)).await;
                     attempt += 1;
                 }
                 Err(e) => return Err(e),
