@@ -575,6 +575,9 @@ mod stalled {
         async fn counts(&self) -> Result<StoreCounts> {
             pending().await
         }
+        async fn lookup_event(&self, _: &str) -> Result<Option<EventLookup>> {
+            pending().await
+        }
         async fn ping(&self) -> Result<()> {
             pending().await
         }

@@ -16,7 +16,10 @@ use chrono::{DateTime, TimeZone, Utc};
 
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mongodb"))]
 pub(crate) use crate::rules::validate_secret;
-use crate::{generate_event_id, lane_of_event, rules, Lane, NewEvent, Result};
+use crate::{
+    generate_event_id, lane_of_event, rules, DeliveryState, EventLookup, Lane, NewEvent, Result,
+    StoreError,
+};
 
 /// Most events accepted in one publish call ([`rules::event::MAX_BATCH`]).
 pub const MAX_BATCH: usize = rules::event::MAX_BATCH;
@@ -167,6 +170,64 @@ pub(crate) fn from_micros(us: i64) -> DateTime<Utc> {
 /// Converts a stored non-negative integer to `u32`, clamping on overflow.
 pub(crate) fn to_u32(v: i64) -> u32 {
     u32::try_from(v.max(0)).unwrap_or(u32::MAX)
+}
+
+/// An [`EventLookup`] without records yet, from the columns of its event:
+/// `(type, key, lane, seq, published_at, payload size in bytes)`.
+pub(crate) fn event_lookup(
+    id: &str,
+    (event_type, key, lane, seq, published_at, size): (
+        String,
+        Option<String>,
+        i64,
+        Option<i64>,
+        DateTime<Utc>,
+        i64,
+    ),
+) -> Result<EventLookup> {
+    Ok(EventLookup {
+        id: id.to_owned(),
+        event_type,
+        key,
+        seq,
+        lane: Lane::try_from(lane)
+            .map_err(|_| StoreError::Database(format!("lane {lane} out of range")))?,
+        published_at,
+        payload_bytes: u64::try_from(size).unwrap_or(0),
+        handlers: Vec::new(),
+    })
+}
+
+/// The [`DeliveryState`] of one record read by an event lookup: `kind` is
+/// `pending`, `completed` or `dead_lettered`; `at` its due, completion or
+/// failure time.
+pub(crate) fn delivery_state(
+    kind: &str,
+    attempts: u32,
+    at: DateTime<Utc>,
+    last_error: Option<String>,
+) -> Result<DeliveryState> {
+    Ok(match kind {
+        "pending" => DeliveryState::Pending {
+            attempts,
+            due_at: at,
+            last_error,
+        },
+        "completed" => DeliveryState::Completed {
+            completed_at: at,
+            attempts,
+        },
+        "dead_lettered" => DeliveryState::DeadLettered {
+            failed_at: at,
+            attempts,
+            last_error: last_error.unwrap_or_default(),
+        },
+        other => {
+            return Err(StoreError::Database(format!(
+                "event lookup read a record of kind {other:?}"
+            )))
+        }
+    })
 }
 
 #[cfg(test)]

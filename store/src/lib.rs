@@ -642,6 +642,124 @@ pub struct StoreCounts {
     pub dead_letters: i64,
 }
 
+/// What the store holds about one event ([`Store::lookup_event`]): the
+/// event and the state of its delivery to each handler that has a record
+/// of it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EventLookup {
+    /// Event id.
+    pub id: String,
+    /// Event type.
+    pub event_type: String,
+    /// Ordering key.
+    pub key: Option<String>,
+    /// Position of the event within its key (1, 2, ...); `None` when unkeyed.
+    pub seq: Option<i64>,
+    /// Lane of the event.
+    pub lane: Lane,
+    /// Publish time (the publishing transaction's clock).
+    pub published_at: DateTime<Utc>,
+    /// Payload size, in bytes.
+    pub payload_bytes: u64,
+    /// One entry per handler with a pending delivery, a completion or a dead
+    /// letter of the event, by handler id ([`HandlerDelivery::state`] says
+    /// which record wins when there are several).
+    pub handlers: Vec<HandlerDelivery>,
+}
+
+/// The delivery of one event to one handler, as [`EventLookup`] shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HandlerDelivery {
+    /// Handler id.
+    pub handler_id: String,
+    /// The handler's name; `None` when the handler no longer exists (its
+    /// pending deliveries and dead letters went with it; completions stay).
+    pub handler_name: Option<String>,
+    /// A pending delivery if there is one (a replay or recovery after a
+    /// completion or dead letter is pending again); otherwise the latest
+    /// of the completions and dead letters.
+    pub state: DeliveryState,
+}
+
+/// State of the delivery of an event to a handler.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum DeliveryState {
+    /// Waiting for its next attempt (or in flight).
+    Pending {
+        /// Failed attempts so far (0: not attempted yet).
+        attempts: u32,
+        /// Earliest time of the next attempt.
+        due_at: DateTime<Utc>,
+        /// Error of the last failed attempt, if any.
+        last_error: Option<String>,
+    },
+    /// Delivered.
+    Completed {
+        /// Time of the completion (the completing store write's clock).
+        completed_at: DateTime<Utc>,
+        /// Attempts made, the successful one included.
+        attempts: u32,
+    },
+    /// Out of attempts: a dead letter.
+    DeadLettered {
+        /// When it became a dead letter.
+        failed_at: DateTime<Utc>,
+        /// Attempts made.
+        attempts: u32,
+        /// Error of the last attempt.
+        last_error: String,
+    },
+}
+
+impl DeliveryState {
+    /// Time of the record: due, completion or failure time.
+    fn at(&self) -> DateTime<Utc> {
+        match self {
+            DeliveryState::Pending { due_at, .. } => *due_at,
+            DeliveryState::Completed { completed_at, .. } => *completed_at,
+            DeliveryState::DeadLettered { failed_at, .. } => *failed_at,
+        }
+    }
+}
+
+impl EventLookup {
+    /// Adds one record of the event for a handler, keeping one entry per
+    /// handler as [`HandlerDelivery::state`] says, sorted by handler id.
+    pub fn add(&mut self, handler_id: String, handler_name: Option<String>, state: DeliveryState) {
+        let pos = self
+            .handlers
+            .binary_search_by(|h| h.handler_id.as_str().cmp(&handler_id));
+        match pos {
+            Err(i) => self.handlers.insert(
+                i,
+                HandlerDelivery {
+                    handler_id,
+                    handler_name,
+                    state,
+                },
+            ),
+            Ok(i) => {
+                let had = &mut self.handlers[i];
+                let replaces = match (&had.state, &state) {
+                    (DeliveryState::Pending { .. }, DeliveryState::Pending { .. }) => {
+                        state.at() < had.state.at()
+                    }
+                    (DeliveryState::Pending { .. }, _) => false,
+                    (_, DeliveryState::Pending { .. }) => true,
+                    (old, new) => new.at() > old.at(),
+                };
+                if replaces {
+                    had.state = state;
+                }
+                if had.handler_name.is_none() {
+                    had.handler_name = handler_name;
+                }
+            }
+        }
+    }
+}
+
 /// Which wake-up mechanism a store offers.
 #[derive(Debug)]
 pub enum Wakeups {
@@ -852,6 +970,29 @@ pub trait Store: Send + Sync + 'static {
 
     /// Totals (events, pending deliveries, completions, dead letters).
     async fn counts(&self) -> Result<StoreCounts>;
+
+    /// The event `id` and, per handler with a record of it, its delivery
+    /// state ([`EventLookup`]): pending deliveries, completions and dead
+    /// letters of the event, read in one snapshot (one statement on the SQL
+    /// backends, one snapshot transaction on MongoDB). `None` when no event
+    /// `id` is stored: never published, or pruned by retention
+    /// ([`prune`](Self::prune)), which removes completed events (and their
+    /// completions) past the retention period, so the two cannot be told
+    /// apart. Reads only, and no index was added for it (the dispatch path
+    /// writes nothing more); the cost per backend:
+    /// - the event: its primary key;
+    /// - pending: the event's lane's delivery rows (claim index on the
+    ///   lane; no event index on deliveries);
+    /// - completions: PostgreSQL, those completed since a minute before the
+    ///   event's publish (BRIN range on `completed_at`); MongoDB, index
+    ///   `(event_id, completed_at)`; SQLite, a scan of the completion log
+    ///   (kept short by retention);
+    /// - dead letters: index on `event_id` (every backend);
+    /// - handler names: primary key of each handler listed.
+    ///
+    /// # Errors
+    /// [`StoreError::Unavailable`]/[`StoreError::Timeout`]/[`StoreError::Database`].
+    async fn lookup_event(&self, id: &str) -> Result<Option<EventLookup>>;
 
     /// Checks that the store answers (for `/readyz`).
     async fn ping(&self) -> Result<()>;

@@ -406,6 +406,7 @@ conformance!(
     prune_removes_old_completed_events_and_keeps_pending_and_dead,
     retention_counts_from_the_last_completion,
     prune_passes_over_many_kept_events,
+    lookup_event_shows_each_handlers_delivery_state,
 );
 
 // ---------------------------------------------------------------------------
@@ -3967,4 +3968,209 @@ async fn prune_removes_old_completed_events_and_keeps_pending_and_dead(h: &dyn H
         .await
         .expect("publish");
     assert_eq!(again.accepted, 1);
+}
+
+/// The store's clock, truncated to the microseconds every backend stores.
+async fn store_now(s: &dyn Store) -> DateTime<Utc> {
+    let now = s.now().await.expect("now");
+    DateTime::from_timestamp_micros(now.timestamp_micros()).expect("time")
+}
+
+async fn lookup_event_shows_each_handlers_delivery_state(h: &dyn Harness) {
+    let s = h.store();
+    let pending = handler(&*s, "pending", &["t.*"]).await;
+    let done = handler(&*s, "done", &["t.*"]).await;
+    let dead = handler(&*s, "dead", &["t.lookup"]).await;
+    handler(&*s, "elsewhere", &["other.*"]).await;
+    let payload = br#"{"order":42,"note":"seventeen bytes+"}"#.to_vec();
+    s.publish(vec![
+        NewEvent {
+            payload: payload.clone(),
+            ..ev(Some("lk1"), "t.lookup", Some("k"))
+        },
+        // Same key, so same lane: its records must not show in lk1's lookup.
+        ev(Some("lk2"), "t.lookup", Some("k")),
+    ])
+    .await
+    .expect("publish");
+    assert_eq!(s.lookup_event("lk-none").await.expect("lookup"), None);
+
+    let ds = claim_all(&*s).await;
+    assert_eq!(ds.len(), 6, "two events to three handlers");
+    let of = |handler: &Handler, event: &str| -> Delivery {
+        ds.iter()
+            .find(|d| d.handler_id == handler.id && d.event_id == event)
+            .expect("delivery")
+            .clone()
+    };
+    let fresh = s
+        .lookup_event("lk1")
+        .await
+        .expect("lookup")
+        .expect("stored");
+    let d = of(&pending, "lk1");
+    assert_eq!(
+        (
+            fresh.id.as_str(),
+            fresh.event_type.as_str(),
+            fresh.key.as_deref(),
+            fresh.seq,
+            fresh.lane,
+            fresh.published_at,
+            fresh.payload_bytes,
+        ),
+        (
+            "lk1",
+            "t.lookup",
+            Some("k"),
+            Some(1),
+            d.lane,
+            d.published_at,
+            payload.len() as u64
+        )
+    );
+    let mut ids = vec![pending.id.clone(), done.id.clone(), dead.id.clone()];
+    ids.sort();
+    let listed: Vec<&str> = fresh
+        .handlers
+        .iter()
+        .map(|h| h.handler_id.as_str())
+        .collect();
+    assert_eq!(listed, ids, "one entry per matching handler, by id");
+    for entry in &fresh.handlers {
+        assert_eq!(
+            entry.state,
+            DeliveryState::Pending {
+                attempts: 0,
+                due_at: d.due_at,
+                last_error: None
+            },
+            "{entry:?}"
+        );
+    }
+
+    let due = DateTime::from_timestamp_micros(
+        (Utc::now() + chrono::Duration::seconds(90)).timestamp_micros(),
+    )
+    .expect("time");
+    let rescheduled = s
+        .reschedule(&[Reschedule {
+            id: d.id,
+            lane: d.lane,
+            epoch: 0,
+            attempts: 2,
+            due_at: due,
+            last_error: "HTTP 503 from endpoint".into(),
+        }])
+        .await
+        .expect("reschedule");
+    assert_eq!(rescheduled, vec![d.id]);
+    let before = store_now(&*s).await;
+    let c = of(&done, "lk1");
+    assert_eq!(
+        s.complete(&[dref(&c, 0, 3)]).await.expect("complete"),
+        vec![c.id]
+    );
+    let x = of(&dead, "lk1");
+    let moved = s
+        .dead_letter(&[DeadLetterRequest {
+            id: x.id,
+            lane: x.lane,
+            epoch: 0,
+            attempts: 8,
+            last_error: "HTTP 410 from endpoint".into(),
+        }])
+        .await
+        .expect("dead letter");
+    assert_eq!(moved, vec![x.id]);
+    // lk2's deliveries end otherwise, so a lookup mixing events shows.
+    let other: Vec<DeliveryRef> = [&pending, &done]
+        .iter()
+        .map(|h| dref(&of(h, "lk2"), 0, 1))
+        .collect();
+    assert_eq!(s.complete(&other).await.expect("complete").len(), 2);
+    let after = store_now(&*s).await + chrono::Duration::microseconds(1);
+
+    let got = s
+        .lookup_event("lk1")
+        .await
+        .expect("lookup")
+        .expect("stored");
+    assert_eq!(got.published_at, fresh.published_at);
+    assert_eq!(got.payload_bytes, payload.len() as u64);
+    let entry = |handler: &Handler| -> HandlerDelivery {
+        got.handlers
+            .iter()
+            .find(|e| e.handler_id == handler.id)
+            .unwrap_or_else(|| panic!("{} listed: {got:?}", handler.name))
+            .clone()
+    };
+    assert_eq!(got.handlers.len(), 3, "{got:?}");
+    assert_eq!(
+        entry(&pending),
+        HandlerDelivery {
+            handler_id: pending.id.clone(),
+            handler_name: Some("pending".into()),
+            state: DeliveryState::Pending {
+                attempts: 2,
+                due_at: due,
+                last_error: Some("HTTP 503 from endpoint".into()),
+            },
+        }
+    );
+    let e = entry(&done);
+    assert_eq!(e.handler_name.as_deref(), Some("done"));
+    match e.state {
+        DeliveryState::Completed {
+            completed_at,
+            attempts,
+        } => {
+            assert_eq!(attempts, 3);
+            assert!(
+                before <= completed_at && completed_at <= after,
+                "completed at {completed_at}, between {before} and {after}"
+            );
+        }
+        other => panic!("done: {other:?}"),
+    }
+    let e = entry(&dead);
+    assert_eq!(e.handler_name.as_deref(), Some("dead"));
+    match e.state {
+        DeliveryState::DeadLettered {
+            failed_at,
+            attempts,
+            last_error,
+        } => {
+            assert_eq!(
+                (attempts, last_error.as_str()),
+                (8, "HTTP 410 from endpoint")
+            );
+            assert!(
+                before <= failed_at && failed_at <= after,
+                "failed at {failed_at}, between {before} and {after}"
+            );
+        }
+        other => panic!("dead: {other:?}"),
+    }
+
+    // A deleted handler's completions stay, without a name; its dead
+    // letters go with it.
+    s.delete_handler(&done.id).await.expect("delete");
+    s.delete_handler(&dead.id).await.expect("delete");
+    let got = s
+        .lookup_event("lk1")
+        .await
+        .expect("lookup")
+        .expect("stored");
+    let listed: Vec<(&str, Option<&str>)> = got
+        .handlers
+        .iter()
+        .map(|e| (e.handler_id.as_str(), e.handler_name.as_deref()))
+        .collect();
+    let mut want = vec![
+        (pending.id.as_str(), Some("pending")),
+        (done.id.as_str(), None),
+    ];
+    want.sort();
+    assert_eq!(listed, want);
 }

@@ -141,6 +141,9 @@ impl Store for Wrapped {
     async fn counts(&self) -> Result<StoreCounts> {
         self.inner.counts().await
     }
+    async fn lookup_event(&self, id: &str) -> Result<Option<EventLookup>> {
+        self.inner.lookup_event(id).await
+    }
     async fn ping(&self) -> Result<()> {
         self.inner.ping().await
     }

@@ -411,3 +411,98 @@ pub(super) async fn counts(s: &MongoStore) -> Result<StoreCounts> {
         dead_letters,
     })
 }
+
+/// Reads the event and its records inside the caller's snapshot
+/// transaction (see [`Store::lookup_event`] for the indexes used; the
+/// payload is read to measure it).
+pub(super) async fn lookup_event(
+    s: &MongoStore,
+    session: &mut ClientSession,
+    id: &str,
+) -> TxnResult<Option<EventLookup>> {
+    let Some(e) = s
+        .coll(names::EVENTS)
+        .find_one(doc! { "_id": id })
+        .session(&mut *session)
+        .await?
+    else {
+        return Ok(None);
+    };
+    let payload_bytes = e
+        .get_binary_generic("payload")
+        .map_err(|err| StoreError::Database(format!("events.payload: {err}")))?
+        .len();
+    let columns = (
+        get_string(&e, "type")?,
+        get_opt_string(&e, "key")?,
+        get_int(&e, "lane")?,
+        get_opt_int(&e, "seq")?,
+        from_micros(get_int(&e, "published_at")?),
+        i64::try_from(payload_bytes).unwrap_or(i64::MAX),
+    );
+    let mut event = crate::common::event_lookup(id, columns)?;
+    let lane = event.lane;
+    let reads = [
+        (
+            "pending",
+            names::DELIVERIES,
+            doc! { "lane": i32::from(lane), "event_id": id },
+            "due_at",
+        ),
+        (
+            "completed",
+            names::COMPLETIONS,
+            doc! { "event_id": id },
+            "completed_at",
+        ),
+        (
+            "dead_lettered",
+            names::DEAD_LETTERS,
+            doc! { "event_id": id },
+            "failed_at",
+        ),
+    ];
+    let mut records = Vec::new();
+    for (kind, coll, filter, at) in reads {
+        let docs: Vec<Document> = s
+            .coll(coll)
+            .find(filter)
+            .session(&mut *session)
+            .await?
+            .stream(&mut *session)
+            .try_collect()
+            .await?;
+        for d in &docs {
+            let state = crate::common::delivery_state(
+                kind,
+                to_u32(get_int(d, "attempts")?),
+                from_micros(get_int(d, at)?),
+                get_opt_string(d, "last_error")?,
+            )?;
+            records.push((get_string(d, "handler_id")?, state));
+        }
+    }
+    let mut ids: Vec<&str> = records.iter().map(|(h, _)| h.as_str()).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    let mut names_of = std::collections::HashMap::new();
+    if !ids.is_empty() {
+        let handlers: Vec<Document> = s
+            .coll(names::HANDLERS)
+            .find(doc! { "_id": { "$in": ids } })
+            .projection(doc! { "name": 1 })
+            .session(&mut *session)
+            .await?
+            .stream(&mut *session)
+            .try_collect()
+            .await?;
+        for h in &handlers {
+            names_of.insert(get_string(h, "_id")?, get_string(h, "name")?);
+        }
+    }
+    for (handler_id, state) in records {
+        let name = names_of.get(&handler_id).cloned();
+        event.add(handler_id, name, state);
+    }
+    Ok(Some(event))
+}

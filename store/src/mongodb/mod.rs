@@ -751,6 +751,10 @@ impl Store for MongoStore {
         catalog::counts(self).await
     }
 
+    async fn lookup_event(&self, id: &str) -> Result<Option<EventLookup>> {
+        in_transaction!(self, |sess| catalog::lookup_event(self, sess, id))
+    }
+
     async fn now(&self) -> Result<chrono::DateTime<chrono::Utc>> {
         Ok(chrono::Utc::now())
     }

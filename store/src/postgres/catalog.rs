@@ -425,3 +425,44 @@ pub(super) async fn counts(pool: &PgPool) -> Result<StoreCounts> {
         dead_letters,
     })
 }
+
+pub(super) async fn lookup_event(pool: &PgPool, id: &str) -> Result<Option<EventLookup>> {
+    type EventRow = (String, Option<String>, i32, Option<i64>, DateTime<Utc>, i64);
+    let row: Option<EventRow> = sqlx::query_as(
+        "SELECT type, key, lane, seq, published_at, octet_length(payload)::bigint \
+         FROM events WHERE id = $1",
+    )
+    .bind(id)
+    .fetch_optional(pool)
+    .await
+    .map_err(map_err)?;
+    let Some((event_type, key, lane, seq, published_at, size)) = row else {
+        return Ok(None);
+    };
+    let columns = (event_type, key, i64::from(lane), seq, published_at, size);
+    let mut event = crate::common::event_lookup(id, columns)?;
+    // A completion is written after its event's publish, on the same
+    // server clock; the minute only bounds the BRIN range scan.
+    let since = published_at - chrono::Duration::minutes(1);
+    type RecordRow = (
+        String,
+        String,
+        Option<String>,
+        i32,
+        DateTime<Utc>,
+        Option<String>,
+    );
+    let rows: Vec<RecordRow> = sqlx::query_as(include_str!("sql/lookup_event.sql"))
+        .bind(id)
+        .bind(lane)
+        .bind(since)
+        .fetch_all(pool)
+        .await
+        .map_err(map_err)?;
+    for (kind, handler_id, name, attempts, at, last_error) in rows {
+        let attempts = to_u32(i64::from(attempts));
+        let state = crate::common::delivery_state(&kind, attempts, at, last_error)?;
+        event.add(handler_id, name, state);
+    }
+    Ok(Some(event))
+}

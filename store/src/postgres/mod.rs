@@ -559,6 +559,10 @@ impl Store for PgStore {
         catalog::counts(&self.pool).await
     }
 
+    async fn lookup_event(&self, id: &str) -> Result<Option<EventLookup>> {
+        catalog::lookup_event(&self.pool, id).await
+    }
+
     async fn now(&self) -> Result<chrono::DateTime<chrono::Utc>> {
         sqlx::query_scalar("SELECT now()")
             .fetch_one(&self.pool)

@@ -310,3 +310,32 @@ pub(super) async fn mark_handler_failing(
     .rows_affected();
     crate::common::handler_found(n, id)
 }
+
+pub(super) async fn lookup_event(pool: &SqlitePool, id: &str) -> Result<Option<EventLookup>> {
+    type EventRow = (String, Option<String>, i64, Option<i64>, i64, i64);
+    let row: Option<EventRow> = sqlx::query_as(
+        "SELECT type, key, lane, seq, published_at, length(payload) FROM events WHERE id = ?1",
+    )
+    .bind(id)
+    .fetch_optional(pool)
+    .await
+    .map_err(map_err)?;
+    let Some((event_type, key, lane, seq, published_at, size)) = row else {
+        return Ok(None);
+    };
+    let columns = (event_type, key, lane, seq, from_micros(published_at), size);
+    let mut event = crate::common::event_lookup(id, columns)?;
+    type RecordRow = (String, String, Option<String>, i64, i64, Option<String>);
+    let rows: Vec<RecordRow> = sqlx::query_as(include_str!("sql/lookup_event.sql"))
+        .bind(id)
+        .bind(lane)
+        .fetch_all(pool)
+        .await
+        .map_err(map_err)?;
+    for (kind, handler_id, name, attempts, at, last_error) in rows {
+        let at = from_micros(at);
+        let state = crate::common::delivery_state(&kind, to_u32(attempts), at, last_error)?;
+        event.add(handler_id, name, state);
+    }
+    Ok(Some(event))
+}

@@ -465,6 +465,10 @@ impl Store for SqliteStore {
         catalog::counts(&self.pool).await
     }
 
+    async fn lookup_event(&self, id: &str) -> Result<Option<EventLookup>> {
+        catalog::lookup_event(&self.pool, id).await
+    }
+
     async fn now(&self) -> Result<chrono::DateTime<chrono::Utc>> {
         Ok(chrono::Utc::now())
     }
