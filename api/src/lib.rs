@@ -64,6 +64,7 @@ pub mod events;
 pub mod extract;
 pub mod handlers;
 mod health;
+mod lookup;
 pub mod openapi;
 mod recovery;
 mod routes;

@@ -57,6 +57,7 @@ use crate::handlers::{
     HANDLER_ID_PATTERN,
 };
 use crate::health::Status;
+use crate::lookup::EventView;
 use crate::recovery::{RecoverRequest, Recovered};
 use crate::routes::{Operation, ROUTES};
 use crate::{ClusterView, JoinRequest, RemoveRequest};
@@ -143,6 +144,16 @@ fn handler_id() -> RefOr<Schema> {
         .into()
 }
 
+/// An event id: 1 to 128 printable ASCII characters.
+fn event_id() -> RefOr<Schema> {
+    ObjectBuilder::new()
+        .schema_type(Type::String)
+        .min_length(Some(1))
+        .max_length(Some(lanebus_store::MAX_EVENT_ID_LEN))
+        .pattern(Some("^[!-~]{1,128}$"))
+        .into()
+}
+
 fn text(format_hint: &'static str) -> RefOr<Schema> {
     ObjectBuilder::new()
         .schema_type(Type::String)
@@ -175,6 +186,31 @@ fn describe(op: Operation, s: &mut Schemas) -> Described {
                     StatusCode::ACCEPTED,
                     "the batch is stored",
                     json(s.of::<PublishAnswer>()),
+                ),
+            )
+        },
+        Operation::GetEvent => Described {
+            parameters: vec![path_id(
+                "event id (1 to 128 printable ASCII characters); any other value is \
+                 `404 not_found`",
+                event_id(),
+            )],
+            ..d(
+                "events",
+                "Look up an event and its deliveries",
+                "The event (type, key, sequence, lane, publish time, payload size) and, per \
+                 handler with a pending delivery, a completion or a dead letter of it, where the \
+                 delivery stands: `pending` (failed attempts so far, next attempt time, last \
+                 error), `completed` (when, after how many attempts) or `dead_lettered` (when, \
+                 attempts, last error), with the handler's name while it exists. \
+                 `404 not_found` when the event is not stored: never published, or pruned past \
+                 the retention period (default 24 h after its last completion) together with \
+                 its completions. A read only: pending deliveries are found among the event's \
+                 lane's rows, completions in the log since its publish, dead letters by event.",
+                (
+                    StatusCode::OK,
+                    "the event and its deliveries",
+                    json(s.of::<EventView>()),
                 ),
             )
         },

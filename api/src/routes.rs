@@ -19,13 +19,15 @@ use axum::routing::{delete, get, patch, post, MethodRouter};
 use axum::Router;
 
 use crate::error::{error_response, ApiError, ErrorCode};
-use crate::{admin, events, handlers, health, openapi, recovery, ui, ApiState};
+use crate::{admin, events, handlers, health, lookup, openapi, recovery, ui, ApiState};
 
 /// What a route does; one variant per (method, path).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Operation {
     /// `POST /v1/events`: publish a batch of events (202).
     PublishEvents,
+    /// `GET /v1/events/{id}`: an event and its delivery state per handler.
+    GetEvent,
     /// `POST /v1/handlers`: register a handler (201).
     CreateHandler,
     /// `GET /v1/handlers`: list handlers.
@@ -111,6 +113,7 @@ impl Operation {
     pub fn id(self) -> &'static str {
         match self {
             Operation::PublishEvents => "publishEvents",
+            Operation::GetEvent => "getEvent",
             Operation::CreateHandler => "createHandler",
             Operation::ListHandlers => "listHandlers",
             Operation::GetHandler => "getHandler",
@@ -173,8 +176,10 @@ impl Operation {
             ]
             .concat(),
             // `invalid_parameter`: a path segment that does not decode
-            // (`%FF`); `not_found` also for an id that is no handler id.
-            Operation::GetHandler
+            // (`%FF`); `not_found` also for an id that is no handler id
+            // (no event id).
+            Operation::GetEvent
+            | Operation::GetHandler
             | Operation::DeleteHandler
             | Operation::EnableHandler
             | Operation::DisableHandler => {
@@ -249,6 +254,7 @@ impl Operation {
     fn method_router(self) -> MethodRouter<ApiState> {
         match self {
             Operation::PublishEvents => post(events::publish),
+            Operation::GetEvent => get(lookup::get),
             Operation::CreateHandler => post(handlers::create),
             Operation::ListHandlers => get(handlers::list),
             Operation::GetHandler => get(handlers::get),
@@ -301,6 +307,7 @@ const fn spec(method: Method, path: &'static str, operation: Operation) -> Route
 /// Every path the API serves (docs/design.md section 4), in one place.
 pub const ROUTES: &[RouteSpec] = &[
     spec(Method::POST, "/v1/events", Operation::PublishEvents),
+    spec(Method::GET, "/v1/events/{id}", Operation::GetEvent),
     spec(Method::POST, "/v1/handlers", Operation::CreateHandler),
     spec(Method::GET, "/v1/handlers", Operation::ListHandlers),
     spec(Method::GET, "/v1/handlers/{id}", Operation::GetHandler),

@@ -372,6 +372,140 @@ async fn every_route_in_the_table_is_served(app: TestApp) {
     }
 }
 
+/// `GET /v1/events/{id}`: pending (after a failed attempt), completed and
+/// dead-lettered deliveries of one event, and 404 for an unknown id or one
+/// that is no event id.
+async fn event_lookup_shows_each_handlers_delivery(app: TestApp) {
+    use lanebus_store::{DeadLetterRequest, DeliveryRef, Reschedule};
+    let waiting = app.create_handler("waiting", &["order.*"]).await;
+    let done = app.create_handler("done", &["order.*"]).await;
+    let dead = app.create_handler("dead", &["order.paid"]).await;
+    app.create_handler("unrelated", &["user.*"]).await;
+    let res = app
+        .post(
+            "/v1/events",
+            json!({"events": [{"id": "ord-7", "type": "order.paid", "key": "o7", "payload": {"total": 12}}]}),
+        )
+        .await;
+    assert_eq!(res.status, StatusCode::ACCEPTED, "{res:?}");
+    let store = &app.store;
+    let lane = lane_of_event(Some("o7"), "", store.lanes());
+    assert!(store.fence(lane, "test", 1).await.expect("fence"));
+    let claimed = store
+        .claim(&[LaneClaim {
+            lane,
+            epoch: 1,
+            after: Default::default(),
+            limit: 100,
+        }])
+        .await
+        .expect("claim");
+    let of = |handler: &str| {
+        claimed[0]
+            .deliveries
+            .iter()
+            .find(|d| d.handler_id == handler)
+            .expect("delivery")
+            .clone()
+    };
+    let published_at = of(&waiting).published_at;
+    let due = chrono::DateTime::from_timestamp(4_102_444_800, 0).expect("2100-01-01");
+    let w = of(&waiting);
+    let r = Reschedule {
+        id: w.id,
+        lane,
+        epoch: 1,
+        attempts: 1,
+        due_at: due,
+        last_error: "HTTP 500".into(),
+    };
+    assert_eq!(store.reschedule(&[r]).await.expect("reschedule").len(), 1);
+    let d = of(&done);
+    let r = DeliveryRef {
+        id: d.id,
+        lane,
+        epoch: 1,
+        attempts: 2,
+    };
+    assert_eq!(store.complete(&[r]).await.expect("complete").len(), 1);
+    let x = of(&dead);
+    let r = DeadLetterRequest {
+        id: x.id,
+        lane,
+        epoch: 1,
+        attempts: 3,
+        last_error: "HTTP 404".into(),
+    };
+    assert_eq!(store.dead_letter(&[r]).await.expect("dead letter").len(), 1);
+
+    let res = app.get("/v1/events/ord-7").await;
+    assert_eq!(res.status, StatusCode::OK, "{res:?}");
+    let mut body = res.json.clone();
+    let time = |v: &Value| {
+        chrono::DateTime::parse_from_rfc3339(v.as_str().expect("a time"))
+            .expect("RFC 3339")
+            .with_timezone(&chrono::Utc)
+    };
+    assert_eq!(time(&body["published_at"]), published_at);
+    for h in body["handlers"].as_array_mut().expect("handlers") {
+        let field = match h["state"].as_str() {
+            Some("pending") => "next_attempt_at",
+            Some("completed") => "completed_at",
+            _ => "failed_at",
+        };
+        let at = time(&h[field]);
+        if field == "next_attempt_at" {
+            assert_eq!(at, due);
+        } else {
+            assert!(at >= published_at, "{h}");
+        }
+        h[field] = json!("checked");
+    }
+    body["published_at"] = json!("checked");
+    let mut want = json!({
+        "id": "ord-7", "type": "order.paid", "key": "o7", "seq": 1, "lane": lane,
+        "published_at": "checked", "payload_bytes": r#"{"total":12}"#.len(),
+        "handlers": [
+            {"handler_id": waiting, "handler_name": "waiting", "state": "pending",
+             "attempts": 1, "next_attempt_at": "checked", "last_error": "HTTP 500",
+             "completed_at": null, "failed_at": null},
+            {"handler_id": done, "handler_name": "done", "state": "completed",
+             "attempts": 2, "next_attempt_at": null, "last_error": null,
+             "completed_at": "checked", "failed_at": null},
+            {"handler_id": dead, "handler_name": "dead", "state": "dead_lettered",
+             "attempts": 3, "next_attempt_at": null, "last_error": "HTTP 404",
+             "completed_at": null, "failed_at": "checked"},
+        ]
+    });
+    // Entries come by handler id; handler ids are UUIDv7s in creation
+    // order, but sort to not depend on it.
+    want["handlers"]
+        .as_array_mut()
+        .expect("handlers")
+        .sort_by_key(|h| h["handler_id"].as_str().unwrap_or_default().to_owned());
+    assert_eq!(body, want);
+
+    for path in [
+        "/v1/events/ord-8",
+        "/v1/events/%20spaced",
+        "/v1/events/ord%FF",
+    ] {
+        let res = app.get(path).await;
+        let code = if path.ends_with("%FF") {
+            "invalid_parameter"
+        } else {
+            "not_found"
+        };
+        assert_eq!(res.json["error"]["code"], code, "{path}: {res:?}");
+    }
+    let res = app.get("/v1/events/ord-8").await;
+    assert_eq!(res.status, StatusCode::NOT_FOUND);
+    assert_eq!(
+        res.json["error"]["message"],
+        "event \"ord-8\" not found: never published, or pruned past the retention period"
+    );
+}
+
 async fn health_and_metrics(app: TestApp) {
     let res = app.get("/healthz").await;
     assert_eq!(
@@ -410,6 +544,7 @@ on_every_backend!(
     dead_letters_list_page_and_replay,
     every_route_in_the_table_is_served,
     health_and_metrics,
+    event_lookup_shows_each_handlers_delivery,
 );
 
 fn lane(lane: u16, owner: Option<&str>) -> LaneView {
@@ -605,6 +740,7 @@ async fn catalog_reads_of_a_stalled_store_are_503() {
             for path in [
                 "/v1/handlers",
                 "/v1/handlers/hdl_0123456789abcdef0123456789abcdef",
+                "/v1/events/evt_1",
                 "/admin/handlers",
                 "/readyz",
             ] {

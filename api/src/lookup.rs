@@ -1,0 +1,191 @@
+//! `GET /v1/events/{id}`: an event and the state of its delivery to each
+//! handler ("why didn't my webhook arrive?").
+//!
+//! ```text
+//! GET /v1/events/{id}
+//!   200 {"id", "type", "key", "seq", "lane", "published_at", "payload_bytes",
+//!        "handlers": [{"handler_id", "handler_name", "state", "attempts",
+//!                      "next_attempt_at", "last_error", "completed_at", "failed_at"}]}
+//!   404 not_found: no such event stored (never published, or pruned past
+//!       retention with its completions)
+//! ```
+//!
+//! A read of [`Store::lookup_event`](lanebus_store::Store::lookup_event)
+//! (its docs give each backend's cost), bounded like the other reads: a
+//! store that does not answer within 2 s is `503 store_unavailable`.
+
+use axum::extract::State;
+use chrono::{DateTime, Utc};
+use lanebus_store::{rules, DeliveryState, EventLookup, HandlerDelivery, Lane};
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use crate::error::{ApiError, ErrorCode};
+use crate::extract::Path;
+use crate::ApiState;
+
+/// An event and its deliveries, per handler.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct EventView {
+    /// Event id.
+    #[schema(example = "evt_42")]
+    pub id: String,
+    /// Event type.
+    #[serde(rename = "type")]
+    #[schema(example = "issues.opened")]
+    pub event_type: String,
+    /// Ordering key; `null` when unkeyed.
+    pub key: Option<String>,
+    /// Position of the event within its key (1, 2, ...); `null` when unkeyed.
+    pub seq: Option<i64>,
+    /// Lane of the event.
+    pub lane: Lane,
+    /// Publish time (RFC 3339).
+    #[schema(value_type = String, format = DateTime)]
+    pub published_at: DateTime<Utc>,
+    /// Payload size, in bytes.
+    pub payload_bytes: u64,
+    /// One entry per handler with a pending delivery, a completion or a
+    /// dead letter of the event, by handler id. A handler the event's type
+    /// matched that is missing here had no delivery created (its routes
+    /// changed after the publish), or was deleted with its pending
+    /// deliveries and dead letters.
+    pub handlers: Vec<HandlerDeliveryView>,
+}
+
+/// Where a delivery stands.
+#[derive(Debug, Clone, Copy, Serialize, ToSchema, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum DeliveryStateName {
+    /// Waiting for its next attempt, or in flight.
+    Pending,
+    /// Delivered.
+    Completed,
+    /// Out of attempts: a dead letter (replayable).
+    DeadLettered,
+}
+
+/// The delivery of the event to one handler. A pending delivery after a
+/// completion or dead letter (a replay, a recovery) is shown as pending;
+/// otherwise the latest completion or dead letter.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct HandlerDeliveryView {
+    /// Handler id.
+    #[schema(pattern = "^hdl_[0-9a-f]{32}$")]
+    pub handler_id: String,
+    /// The handler's name; `null` when the handler no longer exists.
+    pub handler_name: Option<String>,
+    /// Where the delivery stands.
+    pub state: DeliveryStateName,
+    /// Attempts made: failed ones so far when `pending`, all (the
+    /// successful one included) when `completed`.
+    pub attempts: u32,
+    /// `pending`: earliest time of the next attempt (RFC 3339); `null`
+    /// otherwise.
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub next_attempt_at: Option<DateTime<Utc>>,
+    /// Error of the last failed attempt (`pending`, `dead_lettered`);
+    /// `null` when none failed or `completed`.
+    pub last_error: Option<String>,
+    /// `completed`: when (RFC 3339); `null` otherwise.
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub completed_at: Option<DateTime<Utc>>,
+    /// `dead_lettered`: when (RFC 3339); `null` otherwise.
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub failed_at: Option<DateTime<Utc>>,
+}
+
+impl From<HandlerDelivery> for HandlerDeliveryView {
+    fn from(h: HandlerDelivery) -> Self {
+        let HandlerDelivery {
+            handler_id,
+            handler_name,
+            state,
+        } = h;
+        let view = |state, attempts, last_error| HandlerDeliveryView {
+            handler_id,
+            handler_name,
+            state,
+            attempts,
+            next_attempt_at: None,
+            last_error,
+            completed_at: None,
+            failed_at: None,
+        };
+        match state {
+            DeliveryState::Pending {
+                attempts,
+                due_at,
+                last_error,
+            } => HandlerDeliveryView {
+                next_attempt_at: Some(due_at),
+                ..view(DeliveryStateName::Pending, attempts, last_error)
+            },
+            DeliveryState::Completed {
+                completed_at,
+                attempts,
+            } => HandlerDeliveryView {
+                completed_at: Some(completed_at),
+                ..view(DeliveryStateName::Completed, attempts, None)
+            },
+            DeliveryState::DeadLettered {
+                failed_at,
+                attempts,
+                last_error,
+            } => HandlerDeliveryView {
+                failed_at: Some(failed_at),
+                ..view(DeliveryStateName::DeadLettered, attempts, Some(last_error))
+            },
+        }
+    }
+}
+
+impl From<EventLookup> for EventView {
+    fn from(e: EventLookup) -> Self {
+        // Destructured so a new store field is a compile error here.
+        let EventLookup {
+            id,
+            event_type,
+            key,
+            seq,
+            lane,
+            published_at,
+            payload_bytes,
+            handlers,
+        } = e;
+        EventView {
+            id,
+            event_type,
+            key,
+            seq,
+            lane,
+            published_at,
+            payload_bytes,
+            handlers: handlers.into_iter().map(Into::into).collect(),
+        }
+    }
+}
+
+/// Handler of `GET /v1/events/{id}`. An id that breaks the event id rule
+/// ([`rules::event::id`]) names no event: `404 not_found` without a store
+/// call, as for an unknown one.
+pub(crate) async fn get(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+) -> Result<axum::Json<EventView>, ApiError> {
+    let not_found = || {
+        let shown: String = id.chars().take(128).collect();
+        ApiError::new(
+            ErrorCode::NotFound,
+            format!(
+                "event {shown:?} not found: never published, or pruned past the retention period"
+            ),
+        )
+    };
+    if rules::event::id(&id).is_err() {
+        return Err(not_found());
+    }
+    let store = &state.store;
+    let found = crate::health::bounded(store.backend(), store.lookup_event(&id)).await??;
+    found.map(|e| axum::Json(e.into())).ok_or_else(not_found)
+}
