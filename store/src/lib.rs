@@ -980,7 +980,8 @@ pub trait Store: Send + Sync + 'static {
     /// completions) past the retention period, so the two cannot be told
     /// apart. Reads only, and no index was added for it (the dispatch path
     /// writes nothing more); the cost per backend:
-    /// - the event: its primary key;
+    /// - the event: its primary key (MongoDB reads the payload to measure
+    ///   it; the SQL backends measure it in the statement);
     /// - pending: the event's lane's delivery rows (claim index on the
     ///   lane; no event index on deliveries);
     /// - completions: PostgreSQL, those completed since a minute before the
