@@ -107,6 +107,9 @@ async fn killed_and_restarted(backend: Backend) -> anyhow::Result<()> {
     child.kill()?; // SIGKILL
     let kill_ms = rx.now_ms();
     child.wait()?;
+    if backend == Backend::Mongodb {
+        end_dead_transactions(&db.url).await?;
+    }
     ensure!(
         cut,
         "the first life delivered only {} of {}",
@@ -171,6 +174,22 @@ async fn killed_and_restarted(backend: Backend) -> anyhow::Result<()> {
     );
     let _ = std::fs::remove_dir_all(&dir);
     db.drop_db().await;
+    Ok(())
+}
+
+/// Aborts the killed node's open transaction, if the kill cut one. mongod
+/// does so after `transactionLifetimeLimitSeconds` (60 s) with a background
+/// reaper, and until then the second life's fence (a plain write to the
+/// lane documents that transaction wrote) waits. The test server reaps only
+/// when a transaction is next touched, which the fence never does, so it
+/// would wait for ever: `killAllSessions` (a real admin command, the same
+/// on mongod) ends the dead process's sessions and their transactions now.
+async fn end_dead_transactions(url: &str) -> anyhow::Result<()> {
+    let client = mongodb::Client::with_uri_str(url).await?;
+    client
+        .database("admin")
+        .run_command(mongodb::bson::doc! { "killAllSessions": [] })
+        .await?;
     Ok(())
 }
 
