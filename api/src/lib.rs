@@ -153,10 +153,9 @@ pub struct JoinRequest {
     /// Its HTTP API address, `IP:PORT` or `HOST:PORT`.
     pub http_addr: String,
     /// Its lease settings. A member refuses (`409`) settings other than
-    /// its own: the leader reassigns a node's lanes after the leader's
-    /// lease plus margin, so a node with a longer lease would still start
-    /// attempts after its lanes moved. Absent (a node older than this
-    /// field): not checked.
+    /// its own, and a request without them: the leader reassigns a node's
+    /// lanes after the leader's lease plus margin, so a node with a longer
+    /// lease would still start attempts after its lanes moved.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease: Option<LeaseSettings>,
 }

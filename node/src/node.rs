@@ -486,7 +486,16 @@ impl NodeView for NodeState {
             .cluster
             .as_ref()
             .ok_or(ClusterChangeError::NotClustered)?;
-        if let (Some(theirs), Some(ours)) = (req.lease, self.lease.as_ref().map(lease_settings)) {
+        if let Some(ours) = self.lease.as_ref().map(lease_settings) {
+            let Some(theirs) = req.lease else {
+                return Err(ClusterChangeError::Refused(format!(
+                    "the join request carries no lease settings (a node older than this one, or \
+                     a request made by hand): add \"lease\": {{\"lease_ms\": {}, \
+                     \"renew_interval_ms\": {}, \"margin_ms\": {}}} if node {} runs the \
+                     cluster's settings ({ours})",
+                    ours.lease_ms, ours.renew_interval_ms, ours.margin_ms, req.id
+                )));
+            };
             if theirs != ours {
                 return Err(ClusterChangeError::Refused(format!(
                     "lease settings differ: this cluster runs {ours}, node {} was started with {theirs}; \

@@ -983,6 +983,18 @@ async fn a_node_with_other_lease_settings_is_refused_at_join() {
         text.contains("lease settings") && text.contains("3000") && text.contains("1500"),
         "the refusal names both settings: {text}"
     );
+    // A request without the settings (an older node, or by hand) too.
+    let r = reqwest::Client::new()
+        .post(format!("{}/admin/cluster/join", first.url(1)))
+        .json(&serde_json::json!({"id": 3, "raft_addr": "127.0.0.1:9", "http_addr": "127.0.0.1:9"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 409);
+    let body = r.text().await.unwrap();
+    assert!(body.contains("no lease settings"), "{body}");
+    let v = first.get_json(1, "/admin/cluster").await.unwrap();
+    assert_eq!(v["nodes"].as_array().map_or(0, Vec::len), 1);
     let _ = second.stop(2, Duration::from_secs(5));
     let _ = first.stop(1, Duration::from_secs(5));
     let _ = std::fs::remove_dir_all(&dir);
