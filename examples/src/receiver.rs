@@ -9,11 +9,13 @@
 //! lane owner (docs/design.md invariant 3), with the same id.
 //!
 //! It also refuses a deposed owner's late request with the fencing token:
-//! per lane (`lanebus-lane`) it keeps the highest `lanebus-epoch` it saw,
-//! and answers a lower one `409`. Epochs only grow per lane, so only an
-//! owner that lost the lane (a process paused past its lease) sends one;
-//! its attempt's outcome is refused by the store too, and the new owner
-//! delivers the event.
+//! per lane (`lanebus-lane`) it keeps the highest `lanebus-epoch` of a new,
+//! verified request, and answers a lower one `409`. Epochs only grow per
+//! lane of one store, so only an owner that lost the lane (a process
+//! paused past its lease) sends one; its attempt's outcome is refused by
+//! the store too, and the new owner delivers the event. One inbox serves
+//! one lanebus store: epochs of another store (or of a recreated one)
+//! start again at 1.
 //!
 //! | answer | when |
 //! | --- | --- |
@@ -96,6 +98,12 @@ async fn receive(
             StatusCode::UNAUTHORIZED,
             Json(serde_json::json!({"error": "signature or timestamp does not verify"})),
         );
+    }
+    // A repeat of an accepted id is answered as one, whatever its epoch:
+    // only a new id may move the lane's epoch (the fencing headers are not
+    // signed, so a replayed request must not raise it).
+    if inbox.seen.lock().expect("not poisoned").contains(id) {
+        return (StatusCode::OK, Json(serde_json::json!({"duplicate": true})));
     }
     let lane = header("lanebus-lane").and_then(|v| v.parse::<u16>().ok());
     let epoch = header("lanebus-epoch").and_then(|v| v.parse::<i64>().ok());

@@ -151,5 +151,18 @@ async fn receiver_verifies_signed_webhooks_and_refuses_forged_ones() {
         "a newer owner"
     );
     assert_eq!(fenced("msg_5", 7, 3).await.unwrap().status(), 409);
-    assert_eq!(inbox.events().len(), 4);
+    // A replay of an accepted request with its (unsigned) epoch raised is a
+    // duplicate and does not move the lane's epoch.
+    let replayed = fenced("msg_4", 7, 99).await.unwrap();
+    assert_eq!(replayed.status(), 200);
+    assert_eq!(
+        replayed.json::<serde_json::Value>().await.unwrap()["duplicate"],
+        true
+    );
+    assert_eq!(
+        fenced("msg_6", 7, 4).await.unwrap().status(),
+        200,
+        "the lane's epoch is still 4"
+    );
+    assert_eq!(inbox.events().len(), 5);
 }
