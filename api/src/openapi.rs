@@ -192,7 +192,8 @@ fn describe(op: Operation, s: &mut Schemas) -> Described {
         Operation::GetEvent => Described {
             parameters: vec![path_id(
                 "event id (1 to 128 printable ASCII characters); any other value is \
-                 `404 not_found`",
+                 `404 not_found`, except a path that is not UTF-8 once percent-decoded \
+                 (`400 invalid_parameter`, as on every path)",
                 event_id(),
             )],
             ..d(
