@@ -488,6 +488,10 @@ impl NodeView for NodeState {
             .ok_or(ClusterChangeError::NotClustered)?;
         if let Some(ours) = self.lease.as_ref().map(lease_settings) {
             let Some(theirs) = req.lease else {
+                tracing::warn!(
+                    node = req.id,
+                    "join refused: the request carries no lease settings"
+                );
                 return Err(ClusterChangeError::Refused(format!(
                     "the join request carries no lease settings (a node older than this one, or \
                      a request made by hand): add \"lease\": {{\"lease_ms\": {}, \
@@ -497,6 +501,7 @@ impl NodeView for NodeState {
                 )));
             };
             if theirs != ours {
+                tracing::warn!(node = req.id, ours = %ours, theirs = %theirs, "join refused: lease settings differ");
                 return Err(ClusterChangeError::Refused(format!(
                     "lease settings differ: this cluster runs {ours}, node {} was started with {theirs}; \
                      start it with the cluster's settings (a longer lease than the leader's would let \
