@@ -912,6 +912,18 @@ impl Cluster {
         self.inner.releasing.subscribe()
     }
 
+    /// Whether this node is a recorded member of the cluster's state.
+    pub fn is_member(&self) -> bool {
+        let inner = &self.inner;
+        inner
+            .sm
+            .current()
+            .data
+            .state
+            .members
+            .contains_key(&inner.me())
+    }
+
     /// Whether this node is a recorded member and holds a valid lease (what
     /// `GET /readyz` means by "joined").
     pub fn joined(&self) -> bool {

@@ -980,6 +980,9 @@ async fn assignment(
     if o.bootstrap {
         bootstrap(c).await?;
     }
+    if !o.bootstrap && o.join.is_none() {
+        tokio::spawn(warn_if_never_admitted(c.clone()));
+    }
     if let Some(url) = &o.join {
         tokio::spawn(join_loop(
             url.clone(),
@@ -1053,6 +1056,25 @@ async fn bootstrap(cluster: &Cluster) -> Result<(), NodeError> {
             }
             Err(e) => return Err(e.into()),
         }
+    }
+}
+
+/// How long a node restarted from its data dir, without `--join`, may take
+/// to find itself in the cluster's state before it says it is not there.
+const ADMITTED_WITHIN: Duration = Duration::from_secs(30);
+
+/// Logs at WARN when a node started from its data dir without `--join` is
+/// no member after [`ADMITTED_WITHIN`]: its data dir holds Raft state, but
+/// it was never admitted (a refused join), so it would wait for ever.
+async fn warn_if_never_admitted(c: Arc<Cluster>) {
+    tokio::time::sleep(ADMITTED_WITHIN).await;
+    if !c.is_member() {
+        tracing::warn!(
+            after_s = ADMITTED_WITHIN.as_secs(),
+            "this node is not a member of the cluster: its data dir holds Raft state, but no \
+             join was ever accepted (a refused join?); start it with --join URL and the \
+             cluster's settings"
+        );
     }
 }
 

@@ -995,6 +995,22 @@ async fn a_node_with_other_lease_settings_is_refused_at_join() {
     assert!(body.contains("no lease settings"), "{body}");
     let v = first.get_json(1, "/admin/cluster").await.unwrap();
     assert_eq!(v["nodes"].as_array().map_or(0, Vec::len), 1);
+    // Restarted from its data dir without --join, the refused node says it
+    // is no member rather than waiting silently.
+    second.stop(2, Duration::from_secs(5)).unwrap();
+    second.spawn(2, Start::Restart).unwrap();
+    let log = other.join("node-2.2.log");
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while !std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .contains("not a member of the cluster")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the restarted node did not say it is no member"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     let _ = second.stop(2, Duration::from_secs(5));
     let _ = first.stop(1, Duration::from_secs(5));
     let _ = std::fs::remove_dir_all(&dir);
