@@ -302,7 +302,11 @@ impl PgStore {
     /// connections keep their settings: give them [`SESSION_DEFAULTS`]
     /// (`options` of `PgConnectOptions`) as [`PgStore::connect`] does, or
     /// claims may spend hundreds of milliseconds compiling on a large backlog
-    /// and a statement may wait without bound.
+    /// and a statement may wait without bound. Group writes of
+    /// [`Store::publish`] use up to two connections of their own, opened
+    /// with the pool's connect options (URL, `options`, TLS) but not its
+    /// `after_connect` hook: a setting the store's tables depend on (such
+    /// as `search_path`) belongs in the connect options.
     ///
     /// # Errors
     /// As [`PgStore::connect`].
