@@ -36,7 +36,9 @@ async fn real_input_ten_fold(backend: Backend) -> anyhow::Result<()> {
     let t0 = Instant::now();
     api.publish(&json, 100).await?;
     let published = t0.elapsed();
-    let arrived = rx.wait_accepted(exp.len(), Duration::from_secs(180)).await;
+    // A deadline, not a speed bound: the MongoDB test server (Python) took
+    // 208 s alone for this run here, and more beside other work.
+    let arrived = rx.wait_accepted(exp.len(), Duration::from_secs(600)).await;
     let secs = t0.elapsed().as_secs_f64();
     let v = rx.verdict(&exp);
     ensure!(

@@ -776,10 +776,21 @@ async fn orphans_gone(
     .await?;
     ensure!(c.completions == 0 && c.dead_letters == 0, "{c:?}");
     ensure!(rx.requests().is_empty(), "a deleted handler was sent to");
-    let metrics = Api::new(&node.base_url()).metrics().await?;
+    // The counter moves once the store answered the discard, a moment
+    // after the rows are gone.
     let line = format!("lanebus_orphan_deliveries_discarded_total{{handler=\"{handler_id}\"}} {n}");
-    ensure!(metrics.contains(&line), "no {line:?} in the metrics");
-    Ok(())
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let metrics = Api::new(&node.base_url()).metrics().await?;
+        if metrics.contains(&line) {
+            return Ok(());
+        }
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "no {line:?} in the metrics 30 s after the orphans were gone"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// The race itself: a publish that read the handler before the delete and
