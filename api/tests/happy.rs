@@ -713,6 +713,12 @@ mod stalled {
         async fn lookup_event(&self, _: &str) -> Result<Option<EventLookup>> {
             pending().await
         }
+        async fn handler_deliveries(
+            &self,
+            _: &HandlerDeliveriesQuery,
+        ) -> Result<Vec<HandlerDeliveryItem>> {
+            pending().await
+        }
         async fn ping(&self) -> Result<()> {
             pending().await
         }

@@ -17,8 +17,8 @@ use chrono::{DateTime, TimeZone, Utc};
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mongodb"))]
 pub(crate) use crate::rules::validate_secret;
 use crate::{
-    generate_event_id, lane_of_event, rules, DeliveryState, EventLookup, Lane, NewEvent, Result,
-    StoreError,
+    generate_event_id, lane_of_event, rules, DeliveryState, EventLookup, HandlerDeliveryItem, Lane,
+    NewEvent, Result, StoreError,
 };
 
 /// Most events accepted in one publish call ([`rules::event::MAX_BATCH`]).
@@ -228,6 +228,91 @@ pub(crate) fn delivery_state(
             )))
         }
     })
+}
+
+/// A [`HandlerDeliveryItem`] from its columns: `id` the delivery or
+/// dead-letter id, `lane` as stored (`None`: its event is pruned).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn delivery_item(
+    event_id: String,
+    event_type: Option<String>,
+    key: Option<String>,
+    seq: Option<i64>,
+    lane: Option<i64>,
+    id: Option<i64>,
+    state: DeliveryState,
+) -> Result<HandlerDeliveryItem> {
+    let lane = lane
+        .map(|l| {
+            Lane::try_from(l).map_err(|_| StoreError::Database(format!("lane {l} out of range")))
+        })
+        .transpose()?;
+    Ok(HandlerDeliveryItem {
+        event_id,
+        event_type,
+        key,
+        seq,
+        lane,
+        id,
+        state,
+    })
+}
+
+/// A pending delivery's or dead letter's row, as the SQL backends read
+/// it: `(kind, id, event id, type, key, seq, lane, attempts, time, last
+/// error)`, `T` the backend's time column.
+pub(crate) type RecordRow<T> = (
+    String,
+    i64,
+    String,
+    Option<String>,
+    Option<String>,
+    Option<i64>,
+    i64,
+    i64,
+    T,
+    Option<String>,
+);
+
+/// The items of [`RecordRow`]s, `time` converting the time column.
+pub(crate) fn record_items<T>(
+    rows: Vec<RecordRow<T>>,
+    time: impl Fn(T) -> DateTime<Utc>,
+) -> Result<Vec<HandlerDeliveryItem>> {
+    rows.into_iter()
+        .map(
+            |(kind, id, event, ty, key, seq, lane, attempts, at, error)| {
+                let state = delivery_state(&kind, to_u32(attempts), time(at), error)?;
+                delivery_item(event, ty, key, seq, Some(lane), Some(id), state)
+            },
+        )
+        .collect()
+}
+
+/// The id bound of a pending or dead page: ids below it.
+pub(crate) fn id_before(after: &Option<crate::DeliveriesCursor>) -> Result<i64> {
+    match after {
+        None => Ok(i64::MAX),
+        Some(crate::DeliveriesCursor::Id(id)) => Ok(*id),
+        Some(other) => Err(StoreError::Invalid(format!(
+            "cursor {other:?} does not page pending deliveries or dead letters"
+        ))),
+    }
+}
+
+/// The cursor of a completed page as `(completed_at, event_id)`.
+pub(crate) fn completed_before(
+    after: &Option<crate::DeliveriesCursor>,
+) -> Result<Option<(DateTime<Utc>, String)>> {
+    match after {
+        None => Ok(None),
+        Some(crate::DeliveriesCursor::Completed { at, event_id }) => {
+            Ok(Some((*at, event_id.clone())))
+        }
+        Some(other) => Err(StoreError::Invalid(format!(
+            "cursor {other:?} does not page completions"
+        ))),
+    }
 }
 
 #[cfg(test)]

@@ -760,6 +760,87 @@ impl EventLookup {
     }
 }
 
+/// Which of a handler's deliveries [`Store::handler_deliveries`] lists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeliveryListState {
+    /// Pending deliveries (waiting, due or in flight), by delivery id.
+    Pending,
+    /// Dead letters, by dead-letter id.
+    Dead,
+    /// Completions, by completion time.
+    Completed,
+}
+
+/// Where a page of [`Store::handler_deliveries`] starts: strictly after
+/// (older than) the last item of the previous page
+/// ([`HandlerDeliveryItem::cursor`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DeliveriesCursor {
+    /// Pending or dead: items with a smaller delivery or dead-letter id.
+    Id(i64),
+    /// Completed: items completed before `at`, or at `at` with a smaller
+    /// event id.
+    Completed {
+        /// Completion time of the last item.
+        at: DateTime<Utc>,
+        /// Event id of the last item.
+        event_id: String,
+    },
+}
+
+/// A page request of [`Store::handler_deliveries`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HandlerDeliveriesQuery {
+    /// The handler (an unknown one has no items).
+    pub handler_id: String,
+    /// Which records.
+    pub state: DeliveryListState,
+    /// Only events of this ordering key.
+    pub key: Option<String>,
+    /// Start after this item; `None`: the newest.
+    pub after: Option<DeliveriesCursor>,
+    /// Most items to return (at least 1).
+    pub limit: u32,
+    /// `Completed` only: completions before this time are not read (the
+    /// retention window's start; older ones are pruned or about to be).
+    pub completed_since: DateTime<Utc>,
+}
+
+/// One item of [`Store::handler_deliveries`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HandlerDeliveryItem {
+    /// Event id.
+    pub event_id: String,
+    /// Event type; `None` only for a completion whose event was pruned.
+    pub event_type: Option<String>,
+    /// Ordering key.
+    pub key: Option<String>,
+    /// Position of the event within its key; `None` when unkeyed.
+    pub seq: Option<i64>,
+    /// Lane of the event; `None` only for a completion whose event was
+    /// pruned.
+    pub lane: Option<Lane>,
+    /// Pending: the delivery id; dead: the dead-letter id (for replay);
+    /// completed: `None` (completions have no id).
+    pub id: Option<i64>,
+    /// The record: pending, completed or dead-lettered.
+    pub state: DeliveryState,
+}
+
+impl HandlerDeliveryItem {
+    /// The cursor of the page that follows this item.
+    pub fn cursor(&self) -> DeliveriesCursor {
+        match (&self.state, self.id) {
+            (DeliveryState::Completed { completed_at, .. }, _) => DeliveriesCursor::Completed {
+                at: *completed_at,
+                event_id: self.event_id.clone(),
+            },
+            (_, id) => DeliveriesCursor::Id(id.unwrap_or(0)),
+        }
+    }
+}
+
 /// Which wake-up mechanism a store offers.
 #[derive(Debug)]
 pub enum Wakeups {
@@ -994,6 +1075,44 @@ pub trait Store: Send + Sync + 'static {
     /// # Errors
     /// [`StoreError::Unavailable`]/[`StoreError::Timeout`]/[`StoreError::Database`].
     async fn lookup_event(&self, id: &str) -> Result<Option<EventLookup>>;
+
+    /// One page of a handler's deliveries in one state, newest first: at
+    /// most `q.limit` items after `q.after`, only events of `q.key` when
+    /// set. Empty for an unknown handler (callers check it). Reads only, no
+    /// index of its own (the dispatch path writes nothing more); the cost
+    /// per state and backend, `n` being the limit:
+    /// - `Pending`, by delivery id descending. PostgreSQL and SQLite: a
+    ///   backward walk of the primary key filtered by handler (and key),
+    ///   which stops at the `n`-th match: it reads every other handler's
+    ///   pending rows newer than that match, and the whole table when the
+    ///   handler has fewer than `n` (no handler index on deliveries).
+    ///   MongoDB: the handler's pending deliveries through index
+    ///   `by_handler` and a sort, or the `_id` index walked backward as
+    ///   above, whichever the planner picks; its delivery ids are `(lane
+    ///   position, lane)`, so the order is newest first within a lane, only
+    ///   roughly across lanes.
+    /// - `Dead`, by dead-letter id descending: index `(handler_id, id)`
+    ///   walked backward (every backend); a key filter reads the handler's
+    ///   dead letters newer than the `n`-th match.
+    /// - `Completed`, by `(completed_at, event_id)` descending, from
+    ///   `q.completed_since` on. PostgreSQL: BRIN range scans of
+    ///   `completed_at` over windows going back from the cursor (1 minute,
+    ///   then doubling) until `n` items or `completed_since`: each reads
+    ///   every handler's completions in its window, so a page costs about
+    ///   the completions since its `n`-th item (up to twice), and the whole
+    ///   retention window for a handler with fewer. MongoDB: index
+    ///   `retention` (`completed_at`) walked backward, filtered by handler:
+    ///   the completions since the `n`-th match. SQLite: a scan of the
+    ///   completion log (retention keeps it short) and a sort.
+    /// - the event's type, key, sequence and lane (completed; type also for
+    ///   pending and dead): the event's primary key per item.
+    ///
+    /// # Errors
+    /// [`StoreError::Unavailable`]/[`StoreError::Timeout`]/[`StoreError::Database`].
+    async fn handler_deliveries(
+        &self,
+        q: &HandlerDeliveriesQuery,
+    ) -> Result<Vec<HandlerDeliveryItem>>;
 
     /// Checks that the store answers (for `/readyz`).
     async fn ping(&self) -> Result<()>;

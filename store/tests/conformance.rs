@@ -407,6 +407,7 @@ conformance!(
     retention_counts_from_the_last_completion,
     prune_passes_over_many_kept_events,
     lookup_event_shows_each_handlers_delivery_state,
+    handler_deliveries_page_newest_first_per_state,
 );
 
 // ---------------------------------------------------------------------------
@@ -4173,4 +4174,225 @@ async fn lookup_event_shows_each_handlers_delivery_state(h: &dyn Harness) {
     ];
     want.sort();
     assert_eq!(listed, want);
+}
+
+/// Every page of `handler_deliveries` with `limit` 2, following the
+/// cursors; each page but the last is full.
+async fn all_pages(s: &dyn Store, q: &HandlerDeliveriesQuery) -> Vec<HandlerDeliveryItem> {
+    let mut q = HandlerDeliveriesQuery {
+        limit: 2,
+        ..q.clone()
+    };
+    let mut all = Vec::new();
+    loop {
+        let page = s.handler_deliveries(&q).await.expect("page");
+        assert!(page.len() <= 2, "{page:?}");
+        let full = page.len() == 2;
+        q.after = page.last().map(HandlerDeliveryItem::cursor);
+        all.extend(page);
+        if !full {
+            return all;
+        }
+        assert!(all.len() <= 100, "cursor does not move: {all:?}");
+    }
+}
+
+async fn handler_deliveries_page_newest_first_per_state(h: &dyn Harness) {
+    let s = h.store();
+    let mine = handler(&*s, "mine", &["d.*"]).await;
+    let other = handler(&*s, "other", &["d.*"]).await;
+    // Two keys of one lane, so delivery ids follow the publish order on
+    // every backend (MongoDB's are lane positions).
+    let lane = lane_of_event(Some("ka"), "", s.lanes());
+    let kb = (0..10_000)
+        .map(|i| format!("kb{i}"))
+        .find(|k| lane_of_event(Some(k), "", s.lanes()) == lane)
+        .expect("a second key of the lane");
+    let keys: Vec<&str> = (0..9)
+        .map(|i| if i % 2 == 0 { "ka" } else { kb.as_str() })
+        .collect();
+    for (i, key) in keys.iter().enumerate() {
+        let id = format!("e{}", i + 1);
+        s.publish(vec![ev(Some(&id), "d.made", Some(key))])
+            .await
+            .expect("publish");
+    }
+    let ds = claim_all(&*s).await;
+    assert_eq!(ds.len(), 18, "nine events to two handlers");
+    let of = |h: &Handler, n: usize| -> Delivery {
+        let event = format!("e{n}");
+        ds.iter()
+            .find(|d| d.handler_id == h.id && d.event_id == event)
+            .expect("delivery")
+            .clone()
+    };
+    // e1..e3 dead, e4..e6 completed (one call each, so in order), e7..e9
+    // pending (e8 after a failed attempt), for both handlers.
+    for n in 1..=3 {
+        for h in [&mine, &other] {
+            let d = of(h, n);
+            let req = DeadLetterRequest {
+                id: d.id,
+                lane: d.lane,
+                epoch: 0,
+                attempts: n as u32,
+                last_error: format!("HTTP 50{n}"),
+            };
+            assert_eq!(s.dead_letter(&[req]).await.expect("dead"), vec![d.id]);
+        }
+    }
+    let before = store_now(&*s).await;
+    for n in 4..=6 {
+        for h in [&mine, &other] {
+            let d = of(h, n);
+            let done = s.complete(&[dref(&d, 0, n as u32)]).await;
+            assert_eq!(done.expect("complete"), vec![d.id]);
+        }
+    }
+    let due = DateTime::from_timestamp_micros(
+        (Utc::now() + chrono::Duration::seconds(90)).timestamp_micros(),
+    )
+    .expect("time");
+    for h in [&mine, &other] {
+        let d = of(h, 8);
+        let r = Reschedule {
+            id: d.id,
+            lane: d.lane,
+            epoch: 0,
+            attempts: 2,
+            due_at: due,
+            last_error: "HTTP 429".into(),
+        };
+        assert_eq!(s.reschedule(&[r]).await.expect("reschedule"), vec![d.id]);
+    }
+    let after = store_now(&*s).await + chrono::Duration::microseconds(1);
+
+    let query = |state, key: Option<&str>| HandlerDeliveriesQuery {
+        handler_id: mine.id.clone(),
+        state,
+        key: key.map(Into::into),
+        after: None,
+        limit: 100,
+        completed_since: before - chrono::Duration::hours(1),
+    };
+    let events = |items: &[HandlerDeliveryItem]| -> Vec<String> {
+        items.iter().map(|i| i.event_id.clone()).collect()
+    };
+    let names = |ns: &[usize]| -> Vec<String> { ns.iter().map(|n| format!("e{n}")).collect() };
+
+    let pending = all_pages(&*s, &query(DeliveryListState::Pending, None)).await;
+    assert_eq!(events(&pending), names(&[9, 8, 7]));
+    for (item, n) in pending.iter().zip([9, 8, 7]) {
+        let d = of(&mine, n);
+        let state = if n == 8 {
+            DeliveryState::Pending {
+                attempts: 2,
+                due_at: due,
+                last_error: Some("HTTP 429".into()),
+            }
+        } else {
+            DeliveryState::Pending {
+                attempts: 0,
+                due_at: d.due_at,
+                last_error: None,
+            }
+        };
+        let want = HandlerDeliveryItem {
+            event_id: format!("e{n}"),
+            event_type: Some("d.made".into()),
+            key: Some(keys[n - 1].into()),
+            seq: d.seq,
+            lane: Some(lane),
+            id: Some(d.id),
+            state,
+        };
+        assert_eq!(item, &want);
+    }
+
+    let dead = all_pages(&*s, &query(DeliveryListState::Dead, None)).await;
+    assert_eq!(events(&dead), names(&[3, 2, 1]));
+    for (item, n) in dead.iter().zip([3u32, 2, 1]) {
+        assert_eq!(
+            (item.event_type.as_deref(), item.lane, item.key.as_deref()),
+            (Some("d.made"), Some(lane), Some(keys[n as usize - 1]))
+        );
+        match &item.state {
+            DeliveryState::DeadLettered {
+                failed_at,
+                attempts,
+                last_error,
+            } => {
+                assert_eq!((*attempts, last_error.clone()), (n, format!("HTTP 50{n}")));
+                assert!(*failed_at <= after, "{item:?}");
+            }
+            other => panic!("dead: {other:?}"),
+        }
+    }
+    let ids: Vec<i64> = dead.iter().map(|i| i.id.expect("dead letter id")).collect();
+    assert!(ids.windows(2).all(|w| w[0] > w[1]), "{ids:?}");
+    let listed = s
+        .list_dead_letters(&DeadLetterFilter {
+            handler_id: Some(mine.id.clone()),
+            after_id: None,
+            limit: 100,
+        })
+        .await
+        .expect("dead letters");
+    let mut known: Vec<i64> = listed.iter().map(|d| d.id).collect();
+    known.reverse();
+    assert_eq!(ids, known, "the dead-letter ids, for replay");
+
+    let completed = all_pages(&*s, &query(DeliveryListState::Completed, None)).await;
+    assert_eq!(events(&completed), names(&[6, 5, 4]));
+    let mut last = after;
+    for (item, n) in completed.iter().zip([6u32, 5, 4]) {
+        assert_eq!(
+            (item.event_type.as_deref(), item.lane, item.id, item.seq),
+            (Some("d.made"), Some(lane), None, of(&mine, n as usize).seq)
+        );
+        match item.state {
+            DeliveryState::Completed {
+                completed_at,
+                attempts,
+            } => {
+                assert_eq!(attempts, n);
+                assert!(before <= completed_at && completed_at <= last, "{item:?}");
+                last = completed_at;
+            }
+            ref other => panic!("completed: {other:?}"),
+        }
+    }
+    // Completions before `completed_since` are not read.
+    let late = HandlerDeliveriesQuery {
+        completed_since: after,
+        ..query(DeliveryListState::Completed, None)
+    };
+    assert_eq!(s.handler_deliveries(&late).await.expect("page"), vec![]);
+
+    // The key filter, on each state (an exactly full last page included).
+    let ka = |state| query(state, Some("ka"));
+    let got = all_pages(&*s, &ka(DeliveryListState::Pending)).await;
+    assert_eq!(events(&got), names(&[9, 7]));
+    let got = all_pages(&*s, &ka(DeliveryListState::Dead)).await;
+    assert_eq!(events(&got), names(&[3, 1]));
+    let got = all_pages(&*s, &ka(DeliveryListState::Completed)).await;
+    assert_eq!(events(&got), names(&[5]));
+    let got = all_pages(&*s, &query(DeliveryListState::Completed, Some(&kb))).await;
+    assert_eq!(events(&got), names(&[6, 4]));
+
+    // The other handler's rows are its own; an unknown handler has none.
+    let theirs = HandlerDeliveriesQuery {
+        handler_id: other.id.clone(),
+        ..query(DeliveryListState::Pending, None)
+    };
+    let got = all_pages(&*s, &theirs).await;
+    assert_eq!(events(&got), names(&[9, 8, 7]));
+    let ids: Vec<Option<i64>> = got.iter().map(|i| i.id).collect();
+    let want: Vec<Option<i64>> = [9, 8, 7].iter().map(|&n| Some(of(&other, n).id)).collect();
+    assert_eq!(ids, want);
+    let nobody = HandlerDeliveriesQuery {
+        handler_id: "hdl_00000000000000000000000000000000".into(),
+        ..query(DeliveryListState::Dead, None)
+    };
+    assert_eq!(s.handler_deliveries(&nobody).await.expect("page"), vec![]);
 }

@@ -144,6 +144,12 @@ impl Store for Wrapped {
     async fn lookup_event(&self, id: &str) -> Result<Option<EventLookup>> {
         self.inner.lookup_event(id).await
     }
+    async fn handler_deliveries(
+        &self,
+        q: &HandlerDeliveriesQuery,
+    ) -> Result<Vec<HandlerDeliveryItem>> {
+        self.inner.handler_deliveries(q).await
+    }
     async fn ping(&self) -> Result<()> {
         self.inner.ping().await
     }

@@ -319,21 +319,10 @@ pub(super) async fn list_dead_letters(
             "pipeline": [ { "$project": { "type": 1 } } ], "as": "event",
         } },
     ];
-    let docs: Vec<Document> = s
-        .coll(names::DEAD_LETTERS)
-        .aggregate(pipeline)
-        .await
-        .map_err(map_err)?
-        .try_collect()
-        .await
-        .map_err(map_err)?;
+    let docs = aggregate(s, names::DEAD_LETTERS, pipeline).await?;
     docs.iter()
         .map(|d| {
-            let event_type = d
-                .get_array("event")
-                .ok()
-                .and_then(|a| a.first())
-                .and_then(|e| e.as_document())
+            let event_type = joined_event(d)
                 .and_then(|e| e.get_str("type").ok())
                 .unwrap_or_default()
                 .to_string();
@@ -505,4 +494,126 @@ pub(super) async fn lookup_event(
         event.add(handler_id, name, state);
     }
     Ok(Some(event))
+}
+
+/// See [`Store::handler_deliveries`]: one aggregation per page, the
+/// records in their order and limit, then their events (`$lookup` by
+/// primary key; after the limit unless the key filter needs the event).
+pub(super) async fn handler_deliveries(
+    s: &MongoStore,
+    q: &HandlerDeliveriesQuery,
+) -> Result<Vec<HandlerDeliveryItem>> {
+    let limit = i64::from(q.limit.max(1));
+    let (coll, mut m, sort, at) = match q.state {
+        DeliveryListState::Pending | DeliveryListState::Dead => {
+            let before = crate::common::id_before(&q.after)?;
+            let m = doc! { "handler_id": &q.handler_id, "_id": { "$lt": before } };
+            let (coll, at) = if q.state == DeliveryListState::Pending {
+                (names::DELIVERIES, "due_at")
+            } else {
+                (names::DEAD_LETTERS, "failed_at")
+            };
+            (coll, m, doc! { "_id": -1 }, at)
+        }
+        DeliveryListState::Completed => {
+            let since = to_micros(q.completed_since);
+            let mut m = doc! { "completed_at": { "$gte": since }, "handler_id": &q.handler_id };
+            if let Some((at, event_id)) = crate::common::completed_before(&q.after)? {
+                let at = to_micros(at);
+                m.insert(
+                    "$or",
+                    vec![
+                        doc! { "completed_at": { "$lt": at } },
+                        doc! { "completed_at": at, "event_id": { "$lt": event_id } },
+                    ],
+                );
+            }
+            let sort = doc! { "completed_at": -1, "event_id": -1 };
+            (names::COMPLETIONS, m, sort, "completed_at")
+        }
+    };
+    let completed = q.state == DeliveryListState::Completed;
+    let lookup = doc! { "$lookup": {
+        "from": names::EVENTS, "localField": "event_id", "foreignField": "_id",
+        "pipeline": [ { "$project": { "type": 1, "key": 1, "seq": 1, "lane": 1 } } ],
+        "as": "event",
+    } };
+    let mut pipeline = Vec::new();
+    match (&q.key, completed) {
+        (Some(key), true) => {
+            pipeline.extend([
+                doc! { "$match": m },
+                doc! { "$sort": sort },
+                lookup,
+                doc! { "$match": { "event.key": key } },
+                doc! { "$limit": limit },
+            ]);
+        }
+        (key, _) => {
+            if let Some(key) = key {
+                m.insert("key", key);
+            }
+            pipeline.extend([
+                doc! { "$match": m },
+                doc! { "$sort": sort },
+                doc! { "$limit": limit },
+                lookup,
+            ]);
+        }
+    }
+    let docs = aggregate(s, coll, pipeline).await?;
+    docs.iter()
+        .map(|d| {
+            let event = joined_event(d);
+            let attempts = to_u32(get_int(d, "attempts")?);
+            let time = from_micros(get_int(d, at)?);
+            let (id, key, seq, lane, state) = if completed {
+                let (key, seq, lane) = match event {
+                    Some(e) => (
+                        get_opt_string(e, "key")?,
+                        get_opt_int(e, "seq")?,
+                        Some(get_int(e, "lane")?),
+                    ),
+                    None => (None, None, None),
+                };
+                let state = crate::common::delivery_state("completed", attempts, time, None)?;
+                (None, key, seq, lane, state)
+            } else {
+                let kind = if q.state == DeliveryListState::Pending {
+                    "pending"
+                } else {
+                    "dead_lettered"
+                };
+                let error = get_opt_string(d, "last_error")?;
+                let state = crate::common::delivery_state(kind, attempts, time, error)?;
+                let (key, seq) = (get_opt_string(d, "key")?, get_opt_int(d, "seq")?);
+                let lane = Some(get_int(d, "lane")?);
+                (Some(get_int(d, "_id")?), key, seq, lane, state)
+            };
+            let event_type = event
+                .and_then(|e| e.get_str("type").ok())
+                .map(str::to_owned);
+            let event_id = get_string(d, "event_id")?;
+            crate::common::delivery_item(event_id, event_type, key, seq, lane, id, state)
+        })
+        .collect()
+}
+
+/// Runs an aggregation on `coll` outside a transaction.
+async fn aggregate(s: &MongoStore, coll: &str, pipeline: Vec<Document>) -> Result<Vec<Document>> {
+    s.coll(coll)
+        .aggregate(pipeline)
+        .await
+        .map_err(map_err)?
+        .try_collect()
+        .await
+        .map_err(map_err)
+}
+
+/// The event a `$lookup` into `event` found, if any (none once pruned).
+fn joined_event(d: &Document) -> Option<&Document> {
+    d.get_array("event")
+        .ok()
+        .and_then(|a| a.first())
+        .and_then(|e| e.as_document())
 }

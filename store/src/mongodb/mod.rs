@@ -755,6 +755,13 @@ impl Store for MongoStore {
         in_transaction!(self, |sess| catalog::lookup_event(self, sess, id))
     }
 
+    async fn handler_deliveries(
+        &self,
+        q: &HandlerDeliveriesQuery,
+    ) -> Result<Vec<HandlerDeliveryItem>> {
+        catalog::handler_deliveries(self, q).await
+    }
+
     async fn now(&self) -> Result<chrono::DateTime<chrono::Utc>> {
         Ok(chrono::Utc::now())
     }

@@ -466,3 +466,85 @@ pub(super) async fn lookup_event(pool: &PgPool, id: &str) -> Result<Option<Event
     }
     Ok(Some(event))
 }
+
+pub(super) async fn handler_deliveries(
+    pool: &PgPool,
+    q: &HandlerDeliveriesQuery,
+) -> Result<Vec<HandlerDeliveryItem>> {
+    let pending = match q.state {
+        DeliveryListState::Pending => true,
+        DeliveryListState::Dead => false,
+        DeliveryListState::Completed => return handler_completions(pool, q).await,
+    };
+    let rows: Vec<crate::common::RecordRow<DateTime<Utc>>> =
+        sqlx::query_as(include_str!("sql/handler_records.sql"))
+            .bind(&q.handler_id)
+            .bind(crate::common::id_before(&q.after)?)
+            .bind(&q.key)
+            .bind(i64::from(q.limit.max(1)))
+            .bind(pending)
+            .fetch_all(pool)
+            .await
+            .map_err(map_err)?;
+    crate::common::record_items(rows, |t| t)
+}
+
+/// Completions newest first over windows going back from the cursor (see
+/// [`Store::handler_deliveries`]): the BRIN index narrows a range scan by
+/// time, not by handler, so each window costs its rows of every handler.
+async fn handler_completions(
+    pool: &PgPool,
+    q: &HandlerDeliveriesQuery,
+) -> Result<Vec<HandlerDeliveryItem>> {
+    type Row = (
+        String,
+        Option<String>,
+        Option<String>,
+        Option<i64>,
+        Option<i32>,
+        i32,
+        DateTime<Utc>,
+    );
+    let cursor = crate::common::completed_before(&q.after)?;
+    let top = match &cursor {
+        Some((at, _)) => *at,
+        None => sqlx::query_scalar("SELECT now()")
+            .fetch_one(pool)
+            .await
+            .map_err(map_err)?,
+    };
+    let (cursor_at, cursor_event) = cursor.unzip();
+    let want = q.limit.max(1) as usize;
+    let mut items = Vec::new();
+    let mut end: Option<DateTime<Utc>> = None;
+    let mut width = chrono::Duration::minutes(1);
+    loop {
+        let start = (top - width).max(q.completed_since);
+        let rows: Vec<Row> = sqlx::query_as(include_str!("sql/handler_completed.sql"))
+            .bind(&q.handler_id)
+            .bind(start)
+            .bind(end)
+            .bind(cursor_at)
+            .bind(&cursor_event)
+            .bind(&q.key)
+            .bind((want - items.len()) as i64)
+            .fetch_all(pool)
+            .await
+            .map_err(map_err)?;
+        for (event_id, ty, key, seq, lane, attempts, at) in rows {
+            let state = DeliveryState::Completed {
+                completed_at: at,
+                attempts: to_u32(i64::from(attempts)),
+            };
+            let lane = lane.map(i64::from);
+            items.push(crate::common::delivery_item(
+                event_id, ty, key, seq, lane, None, state,
+            )?);
+        }
+        if items.len() >= want || start <= q.completed_since {
+            return Ok(items);
+        }
+        end = Some(start);
+        width = width * 2;
+    }
+}

@@ -567,6 +567,13 @@ impl Store for PgStore {
         catalog::lookup_event(&self.pool, id).await
     }
 
+    async fn handler_deliveries(
+        &self,
+        q: &HandlerDeliveriesQuery,
+    ) -> Result<Vec<HandlerDeliveryItem>> {
+        catalog::handler_deliveries(&self.pool, q).await
+    }
+
     async fn now(&self) -> Result<chrono::DateTime<chrono::Utc>> {
         sqlx::query_scalar("SELECT now()")
             .fetch_one(&self.pool)

@@ -339,3 +339,63 @@ pub(super) async fn lookup_event(pool: &SqlitePool, id: &str) -> Result<Option<E
     }
     Ok(Some(event))
 }
+
+pub(super) async fn handler_deliveries(
+    pool: &SqlitePool,
+    q: &HandlerDeliveriesQuery,
+) -> Result<Vec<HandlerDeliveryItem>> {
+    let pending = match q.state {
+        DeliveryListState::Pending => true,
+        DeliveryListState::Dead => false,
+        DeliveryListState::Completed => return handler_completions(pool, q).await,
+    };
+    let rows: Vec<crate::common::RecordRow<i64>> =
+        sqlx::query_as(include_str!("sql/handler_records.sql"))
+            .bind(&q.handler_id)
+            .bind(crate::common::id_before(&q.after)?)
+            .bind(&q.key)
+            .bind(i64::from(q.limit.max(1)))
+            .bind(pending)
+            .fetch_all(pool)
+            .await
+            .map_err(map_err)?;
+    crate::common::record_items(rows, from_micros)
+}
+
+async fn handler_completions(
+    pool: &SqlitePool,
+    q: &HandlerDeliveriesQuery,
+) -> Result<Vec<HandlerDeliveryItem>> {
+    type Row = (
+        String,
+        Option<String>,
+        Option<String>,
+        Option<i64>,
+        Option<i64>,
+        i64,
+        i64,
+    );
+    let (at, event_id) = match crate::common::completed_before(&q.after)? {
+        Some((at, event_id)) => (to_micros(at), event_id),
+        None => (i64::MAX, String::new()),
+    };
+    let rows: Vec<Row> = sqlx::query_as(include_str!("sql/handler_completed.sql"))
+        .bind(&q.handler_id)
+        .bind(to_micros(q.completed_since))
+        .bind(at)
+        .bind(event_id)
+        .bind(&q.key)
+        .bind(i64::from(q.limit.max(1)))
+        .fetch_all(pool)
+        .await
+        .map_err(map_err)?;
+    rows.into_iter()
+        .map(|(event_id, ty, key, seq, lane, attempts, at)| {
+            let state = DeliveryState::Completed {
+                completed_at: from_micros(at),
+                attempts: to_u32(attempts),
+            };
+            crate::common::delivery_item(event_id, ty, key, seq, lane, None, state)
+        })
+        .collect()
+}

@@ -469,6 +469,13 @@ impl Store for SqliteStore {
         catalog::lookup_event(&self.pool, id).await
     }
 
+    async fn handler_deliveries(
+        &self,
+        q: &HandlerDeliveriesQuery,
+    ) -> Result<Vec<HandlerDeliveryItem>> {
+        catalog::handler_deliveries(&self.pool, q).await
+    }
+
     async fn now(&self) -> Result<chrono::DateTime<chrono::Utc>> {
         Ok(chrono::Utc::now())
     }
