@@ -56,6 +56,7 @@ use utoipa::ToSchema;
 
 mod admin;
 pub mod auth;
+mod deliveries;
 /// The SSRF guard, kept with the handler rules in the store crate (the
 /// delivery path checks it at each send).
 pub use lanebus_store::egress;

@@ -95,6 +95,59 @@ pub struct HandlerDeliveryView {
     pub failed_at: Option<DateTime<Utc>>,
 }
 
+/// The state fields of a delivery record as the API shows them: `(state,
+/// attempts, next_attempt_at, last_error, completed_at, failed_at)`, the
+/// fields that do not apply `None`.
+pub(crate) type StateFields = (
+    DeliveryStateName,
+    u32,
+    Option<DateTime<Utc>>,
+    Option<String>,
+    Option<DateTime<Utc>>,
+    Option<DateTime<Utc>>,
+);
+
+/// The [`StateFields`] of a record.
+pub(crate) fn state_fields(state: DeliveryState) -> StateFields {
+    match state {
+        DeliveryState::Pending {
+            attempts,
+            due_at,
+            last_error,
+        } => (
+            DeliveryStateName::Pending,
+            attempts,
+            Some(due_at),
+            last_error,
+            None,
+            None,
+        ),
+        DeliveryState::Completed {
+            completed_at,
+            attempts,
+        } => (
+            DeliveryStateName::Completed,
+            attempts,
+            None,
+            None,
+            Some(completed_at),
+            None,
+        ),
+        DeliveryState::DeadLettered {
+            failed_at,
+            attempts,
+            last_error,
+        } => (
+            DeliveryStateName::DeadLettered,
+            attempts,
+            None,
+            Some(last_error),
+            None,
+            Some(failed_at),
+        ),
+    }
+}
+
 impl From<HandlerDelivery> for HandlerDeliveryView {
     fn from(h: HandlerDelivery) -> Self {
         let HandlerDelivery {
@@ -102,40 +155,17 @@ impl From<HandlerDelivery> for HandlerDeliveryView {
             handler_name,
             state,
         } = h;
-        let view = |state, attempts, last_error| HandlerDeliveryView {
+        let (state, attempts, next_attempt_at, last_error, completed_at, failed_at) =
+            state_fields(state);
+        HandlerDeliveryView {
             handler_id,
             handler_name,
             state,
             attempts,
-            next_attempt_at: None,
+            next_attempt_at,
             last_error,
-            completed_at: None,
-            failed_at: None,
-        };
-        match state {
-            DeliveryState::Pending {
-                attempts,
-                due_at,
-                last_error,
-            } => HandlerDeliveryView {
-                next_attempt_at: Some(due_at),
-                ..view(DeliveryStateName::Pending, attempts, last_error)
-            },
-            DeliveryState::Completed {
-                completed_at,
-                attempts,
-            } => HandlerDeliveryView {
-                completed_at: Some(completed_at),
-                ..view(DeliveryStateName::Completed, attempts, None)
-            },
-            DeliveryState::DeadLettered {
-                failed_at,
-                attempts,
-                last_error,
-            } => HandlerDeliveryView {
-                failed_at: Some(failed_at),
-                ..view(DeliveryStateName::DeadLettered, attempts, Some(last_error))
-            },
+            completed_at,
+            failed_at,
         }
     }
 }

@@ -50,6 +50,7 @@ use crate::admin::{
     BulkReplay, ClusterChanged, DeadLetterPage, DeadLetterQuery, HandlerSummaries, LaneList,
     Replayed,
 };
+use crate::deliveries::{DeliveriesPage, DeliveriesQuery};
 use crate::error::{ErrorBody, ErrorCode};
 use crate::events::{PublishAnswer, PublishRequest};
 use crate::handlers::{
@@ -343,6 +344,33 @@ fn describe(op: Operation, s: &mut Schemas) -> Described {
                  (`already_pending`); completions whose event was pruned are counted as \
                  `pruned`.",
                 (StatusCode::OK, "recovered", json(s.of::<Recovered>())),
+            )
+        },
+        Operation::ListHandlerDeliveries => Described {
+            parameters: [
+                vec![path_id("handler id (`hdl_` + 32 hex digits)", handler_id())],
+                DeliveriesQuery::into_params(|| Some(ParameterIn::Query)),
+            ]
+            .concat(),
+            ..d(
+                "handlers",
+                "List a handler's deliveries",
+                "One state at a time (`pending`, the default; `dead`; `completed`), newest first, \
+                 a page at a time: pass `next_after` as `after` for the next page (`null` on the \
+                 last). `key` keeps one ordering key's events. Pending deliveries come by \
+                 delivery id, dead letters by dead-letter id, completions by completion time \
+                 within the node's retention period. A read only, without an index of its own: \
+                 pending deliveries walk the delivery ids backward past other handlers' rows \
+                 (the whole table when the handler has fewer than `limit`); dead letters use \
+                 their handler index; completions are read by time (on PostgreSQL every \
+                 handler's completions since the page's last item). Unknown query parameters, \
+                 a bad `state`, `limit` or `after` are `400 invalid_parameter`; an unknown \
+                 handler `404 not_found`.",
+                (
+                    StatusCode::OK,
+                    "one page of deliveries",
+                    json(s.of::<DeliveriesPage>()),
+                ),
             )
         },
         Operation::ListDeadLetters => Described {

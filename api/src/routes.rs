@@ -19,7 +19,7 @@ use axum::routing::{delete, get, patch, post, MethodRouter};
 use axum::Router;
 
 use crate::error::{error_response, ApiError, ErrorCode};
-use crate::{admin, events, handlers, health, lookup, openapi, recovery, ui, ApiState};
+use crate::{admin, deliveries, events, handlers, health, lookup, openapi, recovery, ui, ApiState};
 
 /// What a route does; one variant per (method, path).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,6 +48,9 @@ pub enum Operation {
     /// `POST /v1/handlers/{id}/secret/rotate`: a new signing secret, the old
     /// one signing too for a grace period.
     RotateHandlerSecret,
+    /// `GET /v1/handlers/{id}/deliveries`: a handler's deliveries in one
+    /// state, newest first, paged.
+    ListHandlerDeliveries,
     /// `POST /v1/handlers/{id}/recover`: deliver again the events completed
     /// for a handler since a time (marked `lanebus-replay: true`).
     RecoverHandler,
@@ -123,6 +126,7 @@ impl Operation {
             Operation::UpdateHandler => "updateHandler",
             Operation::RotateHandlerSecret => "rotateHandlerSecret",
             Operation::RecoverHandler => "recoverHandler",
+            Operation::ListHandlerDeliveries => "listHandlerDeliveries",
             Operation::ListDeadLetters => "listDeadLetters",
             Operation::ReplayDeadLetter => "replayDeadLetter",
             Operation::ReplayDeadLetters => "replayDeadLetters",
@@ -191,7 +195,9 @@ impl Operation {
                 &STORE,
             ]
             .concat(),
-            Operation::ListDeadLetters | Operation::ReplayDeadLetter => {
+            Operation::ListHandlerDeliveries
+            | Operation::ListDeadLetters
+            | Operation::ReplayDeadLetter => {
                 [&[E::InvalidParameter, E::NotFound][..], &STORE].concat()
             }
             Operation::ReplayDeadLetters => [
@@ -248,6 +254,7 @@ impl Operation {
             .map_or("", |r| r.path);
         (path.starts_with("/v1/") || path.starts_with("/admin/"))
             && self != Operation::ListDeadLetters
+            && self != Operation::ListHandlerDeliveries
     }
 
     /// The axum handler serving this operation.
@@ -264,6 +271,7 @@ impl Operation {
             Operation::UpdateHandler => patch(handlers::update),
             Operation::RotateHandlerSecret => post(handlers::rotate_secret),
             Operation::RecoverHandler => post(recovery::recover),
+            Operation::ListHandlerDeliveries => get(deliveries::list),
             Operation::ListDeadLetters => get(admin::list_dead_letters),
             Operation::ReplayDeadLetter => post(admin::replay_one),
             Operation::ReplayDeadLetters => post(admin::replay_bulk),
@@ -331,6 +339,11 @@ pub const ROUTES: &[RouteSpec] = &[
         Method::POST,
         "/v1/handlers/{id}/secret/rotate",
         Operation::RotateHandlerSecret,
+    ),
+    spec(
+        Method::GET,
+        "/v1/handlers/{id}/deliveries",
+        Operation::ListHandlerDeliveries,
     ),
     spec(
         Method::POST,

@@ -506,6 +506,192 @@ async fn event_lookup_shows_each_handlers_delivery(app: TestApp) {
     );
 }
 
+/// `GET /v1/handlers/{id}/deliveries`: each state newest first with its
+/// fields, paging by `next_after`, the key filter, another handler's rows
+/// apart, and the 400s and 404s.
+async fn handler_deliveries_page_each_state(app: TestApp) {
+    use lanebus_store::{DeadLetterRequest, DeliveryRef};
+    let mine = app.create_handler("mine", &["order.*"]).await;
+    let other = app.create_handler("other", &["order.*"]).await;
+    for (id, key) in [("ord-1", "o1"), ("ord-2", "o2"), ("ord-3", "o1")] {
+        let res = app
+            .post(
+                "/v1/events",
+                json!({"events": [{"id": id, "type": "order.paid", "key": key, "payload": {}}]}),
+            )
+            .await;
+        assert_eq!(res.status, StatusCode::ACCEPTED, "{res:?}");
+    }
+    let store = &app.store;
+    let mut lanes: Vec<u16> = ["o1", "o2"]
+        .iter()
+        .map(|k| lane_of_event(Some(k), "", store.lanes()))
+        .collect();
+    lanes.dedup();
+    let mut claims = Vec::new();
+    for &lane in &lanes {
+        assert!(store.fence(lane, "test", 1).await.expect("fence"));
+        claims.push(LaneClaim {
+            lane,
+            epoch: 1,
+            after: Default::default(),
+            limit: 100,
+        });
+    }
+    let claimed: Vec<_> = store
+        .claim(&claims)
+        .await
+        .expect("claim")
+        .into_iter()
+        .flat_map(|b| b.deliveries)
+        .collect();
+    let of = |event: &str| {
+        claimed
+            .iter()
+            .find(|d| d.handler_id == mine && d.event_id == event)
+            .expect("delivery")
+            .clone()
+    };
+    let x = of("ord-1");
+    let r = DeadLetterRequest {
+        id: x.id,
+        lane: x.lane,
+        epoch: 1,
+        attempts: 4,
+        last_error: "HTTP 404".into(),
+    };
+    assert_eq!(store.dead_letter(&[r]).await.expect("dead letter").len(), 1);
+    let d = of("ord-2");
+    let r = DeliveryRef {
+        id: d.id,
+        lane: d.lane,
+        epoch: 1,
+        attempts: 2,
+    };
+    assert_eq!(store.complete(&[r]).await.expect("complete").len(), 1);
+    let p = of("ord-3");
+    let base = format!("/v1/handlers/{mine}/deliveries");
+
+    let res = app.get(&base).await;
+    assert_eq!(res.status, StatusCode::OK, "{res:?}");
+    let at = p
+        .due_at
+        .to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true);
+    let want = json!({"deliveries": [
+        {"event_id": "ord-3", "type": "order.paid", "key": "o1", "seq": 2, "lane": p.lane,
+         "state": "pending", "attempts": 0, "next_attempt_at": at, "last_error": null,
+         "completed_at": null, "failed_at": null, "dead_letter_id": null}
+    ], "next_after": null});
+    let mut got = res.json.clone();
+    let due = chrono::DateTime::parse_from_rfc3339(
+        got["deliveries"][0]["next_attempt_at"]
+            .as_str()
+            .expect("time"),
+    )
+    .expect("RFC 3339");
+    assert_eq!(due, p.due_at);
+    got["deliveries"][0]["next_attempt_at"] = json!(at);
+    assert_eq!(got, want);
+
+    let res = app.get(&format!("{base}?state=dead")).await;
+    assert_eq!(res.status, StatusCode::OK, "{res:?}");
+    let dead = &res.json["deliveries"];
+    assert_eq!(dead.as_array().map(Vec::len), Some(1), "{res:?}");
+    let dl = store
+        .list_dead_letters(&lanebus_store::DeadLetterFilter {
+            handler_id: Some(mine.clone()),
+            after_id: None,
+            limit: 10,
+        })
+        .await
+        .expect("dead letters");
+    assert_eq!(
+        (
+            &dead[0]["event_id"],
+            &dead[0]["state"],
+            &dead[0]["attempts"],
+            &dead[0]["last_error"],
+            &dead[0]["dead_letter_id"],
+            &dead[0]["seq"]
+        ),
+        (
+            &json!("ord-1"),
+            &json!("dead_lettered"),
+            &json!(4),
+            &json!("HTTP 404"),
+            &json!(dl[0].id),
+            &json!(1)
+        )
+    );
+    assert!(dead[0]["failed_at"].is_string() && dead[0]["next_attempt_at"].is_null());
+
+    let res = app.get(&format!("{base}?state=completed&limit=1000")).await;
+    assert_eq!(res.status, StatusCode::OK, "{res:?}");
+    let done = &res.json["deliveries"];
+    assert_eq!(done.as_array().map(Vec::len), Some(1), "{res:?}");
+    assert_eq!(
+        (
+            &done[0]["event_id"],
+            &done[0]["state"],
+            &done[0]["attempts"],
+            &done[0]["key"],
+            &done[0]["dead_letter_id"]
+        ),
+        (
+            &json!("ord-2"),
+            &json!("completed"),
+            &json!(2),
+            &json!("o2"),
+            &Value::Null
+        )
+    );
+    assert!(done[0]["completed_at"].is_string(), "{res:?}");
+
+    // The other handler: three pending, two pages of two; then one key.
+    let theirs = format!("/v1/handlers/{other}/deliveries");
+    let events = |res: &common::Res| -> Vec<String> {
+        res.json["deliveries"]
+            .as_array()
+            .expect("deliveries")
+            .iter()
+            .map(|d| d["event_id"].as_str().unwrap_or_default().to_owned())
+            .collect()
+    };
+    let first = app.get(&format!("{theirs}?state=pending&limit=2")).await;
+    assert_eq!(events(&first), ["ord-3", "ord-2"], "{first:?}");
+    let after = first.json["next_after"]
+        .as_str()
+        .expect("a cursor")
+        .to_owned();
+    let second = app.get(&format!("{theirs}?limit=2&after={after}")).await;
+    assert_eq!(events(&second), ["ord-1"], "{second:?}");
+    assert_eq!(second.json["next_after"], Value::Null);
+    let keyed = app.get(&format!("{theirs}?key=o1")).await;
+    assert_eq!(events(&keyed), ["ord-3", "ord-1"], "{keyed:?}");
+
+    let unknown = "/v1/handlers/hdl_0123456789abcdef0123456789abcdef/deliveries";
+    for (path, status, code) in [
+        (format!("{base}?limit=0"), 400, "invalid_parameter"),
+        (format!("{base}?limit=1001"), 400, "invalid_parameter"),
+        (format!("{base}?state=failed"), 400, "invalid_parameter"),
+        (format!("{base}?after=%21%21"), 400, "invalid_parameter"),
+        (
+            format!("{base}?state=dead&after={after}"),
+            400,
+            "invalid_parameter",
+        ),
+        (format!("{base}?page=2"), 400, "invalid_parameter"),
+        (format!("{base}?key=a%00b"), 400, "invalid_parameter"),
+        (format!("{base}?key="), 400, "invalid_parameter"),
+        (unknown.to_owned(), 404, "not_found"),
+        ("/v1/handlers/nope/deliveries".to_owned(), 404, "not_found"),
+    ] {
+        let res = app.get(&path).await;
+        assert_eq!(res.status.as_u16(), status, "{path}: {res:?}");
+        assert_eq!(res.json["error"]["code"], code, "{path}: {res:?}");
+    }
+}
+
 async fn health_and_metrics(app: TestApp) {
     let res = app.get("/healthz").await;
     assert_eq!(
@@ -545,6 +731,7 @@ on_every_backend!(
     every_route_in_the_table_is_served,
     health_and_metrics,
     event_lookup_shows_each_handlers_delivery,
+    handler_deliveries_page_each_state,
 );
 
 fn lane(lane: u16, owner: Option<&str>) -> LaneView {
@@ -747,6 +934,7 @@ async fn catalog_reads_of_a_stalled_store_are_503() {
                 "/v1/handlers",
                 "/v1/handlers/hdl_0123456789abcdef0123456789abcdef",
                 "/v1/events/evt_1",
+                "/v1/handlers/hdl_0123456789abcdef0123456789abcdef/deliveries",
                 "/admin/handlers",
                 "/readyz",
             ] {
