@@ -1098,9 +1098,11 @@ pub trait Store: Send + Sync + 'static {
     ///   `q.completed_since` on. PostgreSQL: BRIN range scans of
     ///   `completed_at` over windows going back from the cursor (1 minute,
     ///   then doubling) until `n` items or `completed_since`: each reads
-    ///   every handler's completions in its window, so a page costs about
-    ///   the completions since its `n`-th item (up to twice), and the whole
-    ///   retention window for a handler with fewer. MongoDB: index
+    ///   every handler's completions in its window (and the block ranges
+    ///   BRIN has not summarized yet, the newest until autosummarize or a
+    ///   vacuum), so a page costs about the completions since its `n`-th
+    ///   item (up to twice), and the whole retention window for a handler
+    ///   with fewer. MongoDB: index
     ///   `retention` (`completed_at`) walked backward, filtered by handler:
     ///   the completions since the `n`-th match. SQLite: a scan of the
     ///   completion log (retention keeps it short) and a sort.
