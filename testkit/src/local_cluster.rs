@@ -425,28 +425,32 @@ pub fn repeats(log: &[Received], events_ms: &[f64]) -> Repeats {
             .collect(),
         earlier: Earlier::Observed,
     };
-    let causes = FaultWindows {
-        events_ms,
-        epochs: accepted.iter().map(|r| epoch(r)).collect(),
-    };
-    let found = invariants::repeats(&model, &causes);
+    // Every repeat comes back unattributed; each is then explained here, once.
+    let found = invariants::repeats(&model, &NoCause);
     let mut out = Repeats {
-        repeated: found.by_cause.values().sum::<usize>() + found.unattributed.len(),
+        repeated: found.unattributed.len(),
         unexplained: Vec::new(),
     };
-    for x in &found.unattributed {
-        out.unexplained.push(format!(
-            "{} {} accepted with no event in between: {} then {}",
-            accepted[x.q].handler,
-            accepted[x.q].event_id,
-            describe(accepted[x.prev]),
-            describe(accepted[x.q])
-        ));
-    }
-    // At most one repeat per (handler, key) across each event.
     let mut per_slot: HashMap<(&str, &str, usize), u32> = HashMap::new();
-    for (x, i) in causes.cuts(&model) {
-        let r = accepted[x.q];
+    for x in &found.unattributed {
+        let (prev, r) = (accepted[x.prev], accepted[x.q]);
+        if matches!((epoch(prev), epoch(r)), (Some(a), Some(b)) if b < a) {
+            continue; // a deposed owner's late request
+        }
+        let cut = events_ms
+            .iter()
+            .position(|&e| prev.arrived_ms < e + IN_AIR_MS && r.arrived_ms > e);
+        let Some(i) = cut else {
+            out.unexplained.push(format!(
+                "{} {} accepted with no event in between: {} then {}",
+                r.handler,
+                r.event_id,
+                describe(prev),
+                describe(r)
+            ));
+            continue;
+        };
+        // At most one repeat per (handler, key) across each event.
         let Some(key) = r.key.as_deref() else {
             continue;
         };
@@ -462,51 +466,12 @@ pub fn repeats(log: &[Received], events_ms: &[f64]) -> Repeats {
     out
 }
 
-/// Causes of [`repeats`]: a fault between two acceptances, or a lower
-/// epoch (indices of `epochs` are those of the model's hand-overs).
-struct FaultWindows<'a> {
-    events_ms: &'a [f64],
-    epochs: Vec<Option<i64>>,
-}
+/// Attributes nothing: [`repeats`] explains each repeat itself.
+struct NoCause;
 
-impl FaultWindows<'_> {
-    /// The event between hand-overs `prev` and `q`, if any.
-    fn cut(&self, m: &Model, prev: usize, q: usize) -> Option<usize> {
-        let (a, b) = (m.observed[prev].arrived_ms, m.observed[q].arrived_ms);
-        self.events_ms
-            .iter()
-            .position(|&e| a < e + IN_AIR_MS && b > e)
-    }
-
-    fn deposed(&self, prev: usize, q: usize) -> bool {
-        matches!((self.epochs[prev], self.epochs[q]), (Some(a), Some(b)) if b < a)
-    }
-
-    /// The repeats explained by an event (not by a lower epoch), with the
-    /// event's index.
-    fn cuts(&self, m: &Model) -> Vec<(invariants::Repeat, usize)> {
-        struct All;
-        impl Causes for All {
-            fn repeat(&self, _: &Model, _: &invariants::Repeat) -> Option<Cause> {
-                None
-            }
-            fn rewind(&self, _: &Model, _: &invariants::Repeat) -> bool {
-                false
-            }
-        }
-        invariants::repeats(m, &All)
-            .unattributed
-            .into_iter()
-            .filter(|x| !self.deposed(x.prev, x.q))
-            .filter_map(|x| Some((x, self.cut(m, x.prev, x.q)?)))
-            .collect()
-    }
-}
-
-impl Causes for FaultWindows<'_> {
-    fn repeat(&self, m: &Model, x: &invariants::Repeat) -> Option<Cause> {
-        (self.deposed(x.prev, x.q) || self.cut(m, x.prev, x.q).is_some())
-            .then_some(Cause::OwnerChange)
+impl Causes for NoCause {
+    fn repeat(&self, _: &Model, _: &invariants::Repeat) -> Option<Cause> {
+        None
     }
 
     fn rewind(&self, _: &Model, _: &invariants::Repeat) -> bool {
