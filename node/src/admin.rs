@@ -12,65 +12,30 @@
 //!   remove --id N                 POST /admin/cluster/remove
 //! ```
 //!
-//! `--node` (or `LANEBUS_NODE`, or `node` in the `--config` TOML file) is
-//! any node's base URL, `http://127.0.0.1:8080` by default. `--token` (or
-//! `LANEBUS_TOKEN`, or `token` in the file) is sent as `Authorization:
-//! Bearer`, for nodes that ask for an admin token. `--output json` prints
-//! the API's JSON answer as it came; `table` (the default) a table for
-//! people. A handler is named by id (`hdl_...`) or by name.
-//!
-//! Exit status: 0, or 1 with `error: ...` on stderr when the node cannot be
-//! reached or answers an error (its `code` and `message` are printed). A
-//! closed standard output (`| head`) ends the command quietly.
+//! The flags `--node`, `--token`, `--output`, `--config` and the exit
+//! status are those of every API command ([`crate::client`]). A handler is
+//! named by id (`hdl_...`) or by name.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::io::Write as _;
 use std::process::ExitCode;
-use std::time::Duration;
 
-use anyhow::{bail, Context as _};
-use clap::{ArgGroup, Args, Subcommand, ValueEnum};
-use serde::{Deserialize, Serialize};
+use anyhow::bail;
+use clap::{ArgGroup, Args, Subcommand};
 use serde_json::Value;
 
-use crate::config;
+use crate::client::{
+    cells, emit, grid, handlers_table, one_line, text, with_newline, Output, Remote,
+};
 
 /// `lanebus admin ...`.
-#[derive(Debug, Args, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Args)]
 pub struct AdminArgs {
     /// What to do.
     #[command(subcommand)]
-    #[serde(skip)]
     command: Option<AdminCommand>,
-    /// TOML config file (keys `node`, `token`; unknown keys are an error).
-    #[arg(long, global = true, env = "LANEBUS_ADMIN_CONFIG")]
-    #[serde(skip)]
-    config: Option<std::path::PathBuf>,
-    /// Base URL of any node's HTTP API [default: http://127.0.0.1:8080].
-    #[arg(long, global = true, env = "LANEBUS_NODE")]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    node: Option<String>,
-    /// Admin token, sent as `Authorization: Bearer TOKEN` (for nodes that
-    /// require one).
-    #[arg(long, global = true, env = "LANEBUS_TOKEN", hide_env_values = true)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    token: Option<String>,
-    /// `table` for people, `json` for the API's answer as it came.
-    #[arg(long, global = true, value_enum, default_value_t = Output::Table)]
-    #[serde(skip)]
-    output: Output,
-}
-
-/// Output format.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum)]
-pub enum Output {
-    /// A table.
-    #[default]
-    Table,
-    /// The API's JSON, unchanged.
-    Json,
+    #[command(flatten)]
+    remote: Remote,
 }
 
 #[derive(Debug, Clone, Subcommand)]
@@ -132,133 +97,16 @@ enum DeadLetters {
     },
 }
 
-/// A node's admin API.
-struct Client {
-    base: String,
-    token: Option<String>,
-    http: reqwest::Client,
-}
-
-impl Client {
-    /// Sends `method path` (with a JSON `body`); the answer's text when it
-    /// is a success, else the API's error code and message.
-    async fn call(
-        &self,
-        method: reqwest::Method,
-        path: &str,
-        body: Option<Value>,
-    ) -> anyhow::Result<String> {
-        let url = format!("{}{path}", self.base);
-        let mut req = self.http.request(method.clone(), &url);
-        if let Some(t) = &self.token {
-            req = req.bearer_auth(t);
-        }
-        if let Some(b) = body {
-            req = req.json(&b);
-        }
-        let resp = req.send().await.map_err(|e| {
-            let why = if e.is_timeout() {
-                "no answer in time".to_string()
-            } else if e.is_connect() {
-                "connection failed".to_string()
-            } else {
-                "request failed".to_string()
-            };
-            anyhow::anyhow!(
-                "cannot reach the node at {} ({why}: {}); is a node running there? Pass --node URL or set LANEBUS_NODE",
-                self.base,
-                root_cause(&e)
-            )
-        })?;
-        let status = resp.status();
-        let text = resp
-            .text()
-            .await
-            .with_context(|| format!("{method} {url}: answer cut off"))?;
-        if status.is_success() {
-            return Ok(text);
-        }
-        let detail = match serde_json::from_str::<Value>(&text) {
-            Ok(v) if v["error"]["code"].is_string() => format!(
-                "{}: {}",
-                v["error"]["code"].as_str().unwrap_or_default(),
-                v["error"]["message"].as_str().unwrap_or_default()
-            ),
-            _ => text.chars().take(500).collect(),
-        };
-        bail!("{method} {url} answered {status}: {detail}")
-    }
-
-    async fn get(&self, path: &str) -> anyhow::Result<String> {
-        self.call(reqwest::Method::GET, path, None).await
-    }
-
-    async fn post(&self, path: &str, body: Option<Value>) -> anyhow::Result<String> {
-        self.call(reqwest::Method::POST, path, body).await
-    }
-
-    /// A handler's id from its id or name.
-    async fn handler_id(&self, handler: &str) -> anyhow::Result<String> {
-        if handler.starts_with("hdl_") {
-            return Ok(handler.to_string());
-        }
-        let list: Value = serde_json::from_str(&self.get("/v1/handlers").await?)?;
-        let matches: Vec<&str> = list["handlers"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter(|h| h["name"] == handler)
-            .filter_map(|h| h["id"].as_str())
-            .collect();
-        match matches.as_slice() {
-            [id] => Ok(id.to_string()),
-            [] => bail!("no handler named {handler:?} (give its id hdl_... or its name)"),
-            _ => bail!(
-                "{} handlers are named {handler:?}: give the id ({})",
-                matches.len(),
-                matches.join(", ")
-            ),
-        }
-    }
-}
-
-fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut cur = e;
-    while let Some(next) = cur.source() {
-        cur = next;
-    }
-    cur.to_string()
-}
-
 /// Runs `lanebus admin ...`.
 ///
 /// # Errors
 /// A bad config file, an unreachable node, an error answer.
 pub async fn run(args: AdminArgs) -> anyhow::Result<ExitCode> {
-    lanebus_node::webhook::install_crypto_provider();
     let Some(command) = args.command.clone() else {
         bail!("lanebus admin needs a command: lanes, cluster, handlers, dead-letters, disable, enable or remove (see --help)");
     };
-    let output = args.output;
-    let file = args.config.clone();
-    let args: AdminArgs = config::layered(&args, file.as_deref())?;
-    let base = args
-        .node
-        .unwrap_or_else(|| "http://127.0.0.1:8080".to_string())
-        .trim_end_matches('/')
-        .to_string();
-    if !base.starts_with("http://") && !base.starts_with("https://") {
-        bail!("--node must be a URL such as http://127.0.0.1:8080, got {base:?}");
-    }
-    let client = Client {
-        base,
-        token: args.token.filter(|t| !t.is_empty()),
-        http: reqwest::Client::builder()
-            .connect_timeout(Duration::from_secs(5))
-            .timeout(Duration::from_secs(60))
-            .build()
-            .context("http client")?,
-    };
+    let output = args.remote.output;
+    let client = args.remote.client()?;
     let (text, table): (String, fn(&Value) -> String) = match &command {
         AdminCommand::Lanes => (client.get("/admin/lanes").await?, lanes_table),
         AdminCommand::Cluster => (client.get("/admin/cluster").await?, cluster_table),
@@ -347,36 +195,7 @@ pub async fn run(args: AdminArgs) -> anyhow::Result<ExitCode> {
             return emit(&out);
         }
     };
-    let out = match output {
-        Output::Json => with_newline(text),
-        Output::Table => {
-            let body: Value = serde_json::from_str(&text)
-                .with_context(|| format!("{}: the answer is not JSON", client.base))?;
-            table(&body)
-        }
-    };
-    emit(&out)
-}
-
-fn with_newline(mut s: String) -> String {
-    if !s.ends_with('\n') {
-        s.push('\n');
-    }
-    s
-}
-
-/// Writes `out` to standard output; a closed pipe (`| head`) is not an
-/// error.
-fn emit(out: &str) -> anyhow::Result<ExitCode> {
-    let mut stdout = std::io::stdout().lock();
-    match stdout
-        .write_all(out.as_bytes())
-        .and_then(|()| stdout.flush())
-    {
-        Ok(()) => Ok(ExitCode::SUCCESS),
-        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(ExitCode::SUCCESS),
-        Err(e) => Err(e).context("cannot write to standard output"),
-    }
+    client.print(output, text, table)
 }
 
 /// Lanes grouped per owner and state: how many, their epochs, backlog and
@@ -463,14 +282,6 @@ fn ranges(lanes: &[i64], max: usize) -> String {
     out
 }
 
-fn text(v: &Value) -> String {
-    match v {
-        Value::Null => "-".to_string(),
-        Value::String(s) => s.clone(),
-        other => other.to_string(),
-    }
-}
-
 fn cluster_table(body: &Value) -> String {
     let mut out = format!(
         "answered by {}, leader {}, term {}\n",
@@ -504,76 +315,28 @@ fn cluster_table(body: &Value) -> String {
     out
 }
 
-fn handlers_table(body: &Value) -> String {
-    let exact = body["dead_letters_exact"] != false;
-    let mut out = format!(
-        "{:<36} {:<16} {:<18} {:<10} {:>12} {:<24} {}\n",
-        "ID", "NAME", "STATE", "RATE", "DEAD_LETTERS", "EVENT_TYPES", "URL"
-    );
-    for h in body["handlers"].as_array().into_iter().flatten() {
-        let types: Vec<&str> = h["event_types"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|t| t.as_str())
-            .collect();
-        let dead = format!(
-            "{}{}",
-            if exact { "" } else { ">=" },
-            text(&h["dead_letters"])
-        );
-        // "disabled (gone)"; "enabled, failing" while attempts fail.
-        let state = match (&h["state_reason"], &h["failing_since"]) {
-            (r, _) if h["state"] == "disabled" && r.is_string() => {
-                format!("disabled ({})", text(r))
-            }
-            (_, f) if f.is_string() => format!("{}, failing", text(&h["state"])),
-            _ => text(&h["state"]),
-        };
-        let rate = match h["rate_limit"]["per_second"].as_u64() {
-            Some(n) => format!("{n}/s"),
-            None => "-".into(),
-        };
-        let _ = writeln!(
-            out,
-            "{:<36} {:<16} {:<18} {:<10} {:>12} {:<24} {}",
-            text(&h["id"]),
-            text(&h["name"]),
-            state,
-            rate,
-            dead,
-            types.join(","),
-            text(&h["url"])
-        );
-    }
-    out
-}
-
 fn dead_letters_table(body: &Value) -> String {
-    let mut out = format!(
-        "{:>8} {:<36} {:<30} {:<20} {:<16} {:>5} {:>8} {:<25} {}\n",
-        "ID", "HANDLER", "EVENT", "TYPE", "KEY", "SEQ", "ATTEMPTS", "FAILED_AT", "LAST_ERROR"
-    );
-    for d in body["dead_letters"].as_array().into_iter().flatten() {
-        let error: String = text(&d["last_error"])
-            .chars()
-            .map(|c| if c.is_control() { ' ' } else { c })
-            .take(80)
-            .collect();
-        let _ = writeln!(
-            out,
-            "{:>8} {:<36} {:<30} {:<20} {:<16} {:>5} {:>8} {:<25} {}",
-            text(&d["id"]),
-            text(&d["handler_id"]),
-            text(&d["event_id"]),
-            text(&d["event_type"]),
-            text(&d["key"]),
-            text(&d["seq"]),
-            text(&d["attempts"]),
-            text(&d["failed_at"]),
-            error
-        );
-    }
+    let rows = body["dead_letters"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|d| {
+            let fields = [
+                "id",
+                "handler_id",
+                "event_id",
+                "event_type",
+                "key",
+                "seq",
+                "attempts",
+                "failed_at",
+            ];
+            let mut row = cells(d, &fields);
+            row.push(one_line(&d["last_error"], 80));
+            row
+        });
+    let header = "ID HANDLER EVENT TYPE KEY SEQ ATTEMPTS FAILED_AT LAST_ERROR";
+    let mut out = grid(header, &[-8, 36, 30, 20, 16, -5, -8, 25, 0], rows);
     if let Some(next) = body["next_after"].as_i64() {
         let _ = writeln!(out, "more: --after {next}");
     }
@@ -617,7 +380,7 @@ mod tests {
     }
 
     #[test]
-    fn cluster_handlers_and_dead_letters_tables() {
+    fn cluster_and_dead_letters_tables() {
         let c = serde_json::json!({"node_id": "2", "leader": "1", "term": 4, "nodes": [
             {"id": "1", "raft_addr": "127.0.0.1:9080", "http_addr": "127.0.0.1:8080", "voter": true, "alive": true, "lanes": 128},
             {"id": "2", "raft_addr": null, "http_addr": null, "voter": false, "alive": false, "lanes": 0}]});
@@ -625,30 +388,6 @@ mod tests {
         assert!(t.starts_with("answered by 2, leader 1, term 4\n"), "{t}");
         assert!(t.lines().nth(2).unwrap().contains("leader"), "{t}");
         assert!(t.lines().nth(3).unwrap().contains(" NO "), "{t}");
-        let h = serde_json::json!({"dead_letters_exact": false, "handlers": [
-            {"id": "hdl_1", "name": "a", "url": "http://x", "event_types": ["a.*", "b"], "state": "enabled",
-             "state_reason": null, "failing_since": null, "rate_limit": null, "dead_letters": 3},
-            {"id": "hdl_2", "name": "b", "url": "http://y", "event_types": ["*"], "state": "disabled",
-             "state_reason": "gone", "failing_since": null, "rate_limit": {"per_second": 5, "burst": 5}, "dead_letters": 0},
-            {"id": "hdl_3", "name": "c", "url": "http://z", "event_types": ["*"], "state": "enabled",
-             "state_reason": null, "failing_since": "2026-01-01T00:00:00Z", "rate_limit": null, "dead_letters": 0}]});
-        let t = handlers_table(&h);
-        assert!(t.contains(">=3") && t.contains("a.*,b"), "{t}");
-        let row = |id: &str| {
-            t.lines()
-                .find(|l| l.starts_with(id))
-                .expect("row")
-                .to_owned()
-        };
-        assert!(
-            row("hdl_1 ").contains(" enabled ") && row("hdl_1 ").contains(" - "),
-            "{t}"
-        );
-        assert!(
-            row("hdl_2 ").contains("disabled (gone)") && row("hdl_2 ").contains(" 5/s "),
-            "{t}"
-        );
-        assert!(row("hdl_3 ").contains("enabled, failing"), "{t}");
         let d = serde_json::json!({"next_after": 9, "dead_letters": [
             {"id": 9, "handler_id": "hdl_1", "event_id": "e", "event_type": "t", "key": null, "seq": null,
              "attempts": 2, "last_error": "HTTP 500\nbody", "failed_at": "2026-01-01T00:00:00Z"}]});

@@ -10,6 +10,11 @@
 //! lanebus demo [--store URL] [--events N] [--keys K] [--data PATH]
 //! lanebus admin [--node URL] [--token T] [--output table|json]
 //!               lanes | cluster | handlers | dead-letters list|replay | remove --id N
+//! lanebus events [--node URL] [--token T] [--output table|json]
+//!               get ID | publish --type T [--key K] --data JSON|@FILE|-
+//! lanebus handlers [--node URL] [--token T] [--output table|json]
+//!               list | get H | create NAME --url URL --route T | delete H
+//!               | deliveries H [--state pending|dead|completed]
 //! ```
 //!
 //! Configuration is layered: defaults, then the TOML file of `--config`
@@ -22,6 +27,8 @@
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod admin;
+mod api_cli;
+mod client;
 mod config;
 mod demo;
 
@@ -72,6 +79,11 @@ enum Command {
     /// A running node's admin API: lanes, cluster, handlers (disable,
     /// enable), dead letters (list, replay), planned removal.
     Admin(admin::AdminArgs),
+    /// Events: publish one, or see where its deliveries stand (`get`).
+    Events(api_cli::EventsArgs),
+    /// Handlers: create, list, get, delete, and a handler's deliveries
+    /// (pending, dead, completed).
+    Handlers(api_cli::HandlersArgs),
 }
 
 #[derive(Debug, Args)]
@@ -121,6 +133,8 @@ fn main() -> ExitCode {
             Command::Migrate(args) => migrate(args).await,
             Command::Demo(args) => demo::run(args).await,
             Command::Admin(args) => admin::run(args).await,
+            Command::Events(args) => api_cli::events(args).await,
+            Command::Handlers(args) => api_cli::handlers(args).await,
         }
     });
     match result {

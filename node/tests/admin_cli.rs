@@ -17,47 +17,22 @@ use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context as _};
-use common::{start_node, Api, Backend, TestDb};
+use common::{start_node, stderr, stdout, Api, Backend, TestDb};
 use lanebus_testkit::local_cluster::{free_port, LocalCluster, Start};
 use lanebus_testkit::receiver::{Action, Receiver, Rule};
 use serde_json::Value;
 
 /// `lanebus admin ARGS` with no `LANEBUS_*` variable but `env`.
 async fn admin(args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<Output> {
-    let mut c = tokio::process::Command::new(env!("CARGO_BIN_EXE_lanebus"));
-    c.arg("admin").args(args);
-    for (k, _) in std::env::vars() {
-        if k.starts_with("LANEBUS_") {
-            c.env_remove(k);
-        }
-    }
-    c.envs(env.iter().copied());
-    Ok(c.output().await?)
+    common::cli(&[&["admin"], args].concat(), env, None).await
 }
 
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-/// Runs `admin` and wants success; its standard output.
 async fn ok(args: &[&str]) -> anyhow::Result<String> {
-    let o = admin(args, &[]).await?;
-    ensure!(
-        o.status.success(),
-        "lanebus admin {args:?}: {}\n{}",
-        o.status,
-        stderr(&o)
-    );
-    Ok(stdout(&o))
+    common::cli_ok(&[&["admin"], args].concat()).await
 }
 
 async fn json(args: &[&str]) -> anyhow::Result<Value> {
-    let out = ok(args).await?;
-    serde_json::from_str(&out).with_context(|| format!("{args:?} printed {out}"))
+    common::cli_json(&[&["admin"], args].concat()).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

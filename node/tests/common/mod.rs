@@ -155,6 +155,62 @@ impl TestDb {
     }
 }
 
+/// `lanebus ARGS` as a user runs it: no `LANEBUS_*` variable but `env`,
+/// `stdin` (or nothing) on its standard input.
+pub async fn cli(
+    args: &[&str],
+    env: &[(&str, &str)],
+    stdin: Option<&[u8]>,
+) -> anyhow::Result<std::process::Output> {
+    use tokio::io::AsyncWriteExt as _;
+    let mut c = tokio::process::Command::new(env!("CARGO_BIN_EXE_lanebus"));
+    c.args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    for (k, _) in std::env::vars() {
+        if k.starts_with("LANEBUS_") {
+            c.env_remove(k);
+        }
+    }
+    c.envs(env.iter().copied());
+    let mut child = c.spawn()?;
+    let mut input = child.stdin.take().context("stdin")?;
+    if let Some(bytes) = stdin {
+        input.write_all(bytes).await?;
+    }
+    drop(input);
+    Ok(child.wait_with_output().await?)
+}
+
+/// A command's standard output, as text.
+pub fn stdout(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// A command's standard error, as text.
+pub fn stderr(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Runs [`cli`] and wants success; its standard output.
+pub async fn cli_ok(args: &[&str]) -> anyhow::Result<String> {
+    let o = cli(args, &[], None).await?;
+    anyhow::ensure!(
+        o.status.success(),
+        "lanebus {args:?}: {}\n{}",
+        o.status,
+        stderr(&o)
+    );
+    Ok(stdout(&o))
+}
+
+/// Runs [`cli`] and wants success and JSON on standard output.
+pub async fn cli_json(args: &[&str]) -> anyhow::Result<Value> {
+    let out = cli_ok(args).await?;
+    serde_json::from_str(&out).with_context(|| format!("{args:?} printed {out}"))
+}
+
 /// Node options for tests: short retries and polls.
 pub fn test_options(url: &str) -> NodeOptions {
     let mut o = NodeOptions::new("test-1", StoreSource::Url(url.to_string()));
