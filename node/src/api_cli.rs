@@ -409,7 +409,7 @@ fn event_table(body: &Value) -> String {
     out.push('\n');
     let rows = handlers.iter().map(|h| {
         let mut row = cells(h, &["handler_id", "handler_name", "state", "attempts"]);
-        row.extend([when(h), one_line(&h["last_error"], 80)]);
+        row.extend([when(h), one_line(&h["last_error"], 160)]);
         row
     });
     let header = "HANDLER NAME STATE ATTEMPTS WHEN LAST_ERROR";
@@ -425,7 +425,7 @@ fn deliveries_table(body: &Value) -> String {
         if !d["dead_letter_id"].is_null() {
             row[4] = format!("{} #{}", row[4], text(&d["dead_letter_id"]));
         }
-        row.extend([when(d), one_line(&d["last_error"], 80)]);
+        row.extend([when(d), one_line(&d["last_error"], 160)]);
         row
     });
     let header = "EVENT TYPE KEY SEQ STATE ATTEMPTS WHEN LAST_ERROR";
