@@ -159,6 +159,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             epoch: 1,
             attempts: 8,
             last_error: "503 from http://127.0.0.1:9/hook".into(),
+            failure: None,
         })
         .collect();
     store.dead_letter(&dead).await?;

@@ -114,6 +114,7 @@ pub(crate) fn state_fields(state: DeliveryState) -> StateFields {
             attempts,
             due_at,
             last_error,
+            ..
         } => (
             DeliveryStateName::Pending,
             attempts,
@@ -137,6 +138,7 @@ pub(crate) fn state_fields(state: DeliveryState) -> StateFields {
             failed_at,
             attempts,
             last_error,
+            ..
         } => (
             DeliveryStateName::DeadLettered,
             attempts,

@@ -418,6 +418,7 @@ async fn event_lookup_shows_each_handlers_delivery(app: TestApp) {
         attempts: 1,
         due_at: due,
         last_error: "HTTP 500".into(),
+        failure: None,
     };
     assert_eq!(store.reschedule(&[r]).await.expect("reschedule").len(), 1);
     let d = of(&done);
@@ -435,6 +436,7 @@ async fn event_lookup_shows_each_handlers_delivery(app: TestApp) {
         epoch: 1,
         attempts: 3,
         last_error: "HTTP 404".into(),
+        failure: None,
     };
     assert_eq!(store.dead_letter(&[r]).await.expect("dead letter").len(), 1);
 
@@ -559,6 +561,7 @@ async fn handler_deliveries_page_each_state(app: TestApp) {
         epoch: 1,
         attempts: 4,
         last_error: "HTTP 404".into(),
+        failure: None,
     };
     assert_eq!(store.dead_letter(&[r]).await.expect("dead letter").len(), 1);
     let d = of("ord-2");

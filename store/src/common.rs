@@ -17,8 +17,8 @@ use chrono::{DateTime, TimeZone, Utc};
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mongodb"))]
 pub(crate) use crate::rules::validate_secret;
 use crate::{
-    generate_event_id, lane_of_event, rules, DeliveryState, EventLookup, HandlerDeliveryItem, Lane,
-    NewEvent, Result, StoreError,
+    generate_event_id, lane_of_event, rules, DeliveryState, EventLookup, FailedAttempt,
+    HandlerDeliveryItem, Lane, NewEvent, Result, StoreError,
 };
 
 /// Most events accepted in one publish call ([`rules::event::MAX_BATCH`]).
@@ -206,12 +206,14 @@ pub(crate) fn delivery_state(
     attempts: u32,
     at: DateTime<Utc>,
     last_error: Option<String>,
+    attempt_log: Vec<FailedAttempt>,
 ) -> Result<DeliveryState> {
     Ok(match kind {
         "pending" => DeliveryState::Pending {
             attempts,
             due_at: at,
             last_error,
+            attempt_log,
         },
         "completed" => DeliveryState::Completed {
             completed_at: at,
@@ -221,6 +223,7 @@ pub(crate) fn delivery_state(
             failed_at: at,
             attempts,
             last_error: last_error.unwrap_or_default(),
+            attempt_log,
         },
         other => {
             return Err(StoreError::Database(format!(
@@ -228,6 +231,27 @@ pub(crate) fn delivery_state(
             )))
         }
     })
+}
+
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+/// An attempt log as the SQL backends store it: a JSON array of
+/// [`FailedAttempt`]s (NULL: empty).
+pub(crate) fn attempt_log(json: Option<&str>) -> Result<Vec<FailedAttempt>> {
+    json.map_or(Ok(Vec::new()), |j| {
+        serde_json::from_str(j).map_err(|e| {
+            StoreError::Database(format!("attempt_log is not a list of attempts: {e}"))
+        })
+    })
+}
+
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+/// A failed attempt as the SQL backends bind it: its JSON object, or NULL.
+pub(crate) fn failure_json(f: Option<&FailedAttempt>) -> Result<Option<String>> {
+    f.map(|f| {
+        serde_json::to_string(f)
+            .map_err(|e| StoreError::Database(format!("failed attempt to JSON: {e}")))
+    })
+    .transpose()
 }
 
 /// A [`HandlerDeliveryItem`] from its columns: `id` the delivery or
@@ -260,7 +284,7 @@ pub(crate) fn delivery_item(
 
 /// A pending delivery's or dead letter's row, as the SQL backends read
 /// it: `(kind, id, event id, type, key, seq, lane, attempts, time, last
-/// error)`, `T` the backend's time column.
+/// error, attempt log JSON)`, `T` the backend's time column.
 pub(crate) type RecordRow<T> = (
     String,
     i64,
@@ -272,6 +296,7 @@ pub(crate) type RecordRow<T> = (
     i64,
     T,
     Option<String>,
+    Option<String>,
 );
 
 /// The items of [`RecordRow`]s, `time` converting the time column.
@@ -281,8 +306,9 @@ pub(crate) fn record_items<T>(
 ) -> Result<Vec<HandlerDeliveryItem>> {
     rows.into_iter()
         .map(
-            |(kind, id, event, ty, key, seq, lane, attempts, at, error)| {
-                let state = delivery_state(&kind, to_u32(attempts), time(at), error)?;
+            |(kind, id, event, ty, key, seq, lane, attempts, at, error, log)| {
+                let log = attempt_log(log.as_deref())?;
+                let state = delivery_state(&kind, to_u32(attempts), time(at), error, log)?;
                 delivery_item(event, ty, key, seq, Some(lane), Some(id), state)
             },
         )

@@ -517,6 +517,105 @@ pub struct DeliveryRef {
     pub attempts: u32,
 }
 
+/// Failed attempts a delivery's attempt log keeps: the last ones, older
+/// ones dropped as new ones come ([`FailedAttempt`]).
+pub const ATTEMPT_LOG_LEN: usize = 5;
+
+/// Bytes of a response body a [`FailedAttempt`] keeps, at most: the first
+/// 1 KiB ([`FailedAttempt::body_prefix`]).
+pub const ATTEMPT_BODY_BYTES: usize = 1024;
+
+/// Why an attempt failed when it got no HTTP status, or lost the response
+/// body after one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttemptError {
+    /// The connection was refused (nothing listens at the address).
+    Refused,
+    /// The connection was reset or closed before the answer was complete.
+    Reset,
+    /// No complete answer within the handler's timeout (or the connect
+    /// timeout).
+    Timeout,
+    /// The host name did not resolve.
+    Dns,
+    /// The TLS handshake or certificate check failed.
+    Tls,
+    /// The SSRF guard refused the target address or URL scheme.
+    SsrfGuard,
+    /// An in-process handler returned an error.
+    Handler,
+    /// Anything else (a bad URL, a protocol error, the node shutting down).
+    Other,
+}
+
+impl AttemptError {
+    /// The name in the API and in stored attempt logs (`ssrf_guard`, ...).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AttemptError::Refused => "refused",
+            AttemptError::Reset => "reset",
+            AttemptError::Timeout => "timeout",
+            AttemptError::Dns => "dns",
+            AttemptError::Tls => "tls",
+            AttemptError::SsrfGuard => "ssrf_guard",
+            AttemptError::Handler => "handler",
+            AttemptError::Other => "other",
+        }
+    }
+}
+
+/// One failed attempt of a delivery, as its attempt log keeps it (the last
+/// [`ATTEMPT_LOG_LEN`], oldest first). Written only with the reschedule or
+/// dead letter that records the failure: a successful attempt writes none.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FailedAttempt {
+    /// Attempt number (1 for the first).
+    pub attempt: u32,
+    /// When the attempt started.
+    pub at: DateTime<Utc>,
+    /// HTTP status of the answer; `None` when none came.
+    pub status: Option<u16>,
+    /// Transport error, when no status came or the body was cut after one.
+    pub error: Option<AttemptError>,
+    /// Time from the start of the attempt to its outcome, in milliseconds.
+    pub duration_ms: u64,
+    /// The first bytes of the response body ([`FailedAttempt::body_prefix`]),
+    /// or of an in-process handler's error message; `None` when empty.
+    pub body: Option<String>,
+}
+
+impl FailedAttempt {
+    /// The text kept of a response body: its first [`ATTEMPT_BODY_BYTES`]
+    /// bytes at most, cut back to the start of a UTF-8 character, decoded
+    /// as lossy UTF-8 (an invalid byte becomes U+FFFD, so the text may
+    /// exceed the byte count). `None` for an empty body.
+    pub fn body_prefix(body: &[u8]) -> Option<String> {
+        if body.is_empty() {
+            return None;
+        }
+        let mut end = body.len().min(ATTEMPT_BODY_BYTES);
+        if end < body.len() {
+            // Back off continuation bytes (10xxxxxx): at most three.
+            let mut back = 0;
+            while back < 3 && end > 0 && body[end] & 0xC0 == 0x80 {
+                end -= 1;
+                back += 1;
+            }
+        }
+        Some(String::from_utf8_lossy(&body[..end]).into_owned())
+    }
+
+    /// Appends `self` to an attempt log, keeping its last
+    /// [`ATTEMPT_LOG_LEN`] entries.
+    pub fn push_onto(self, log: &mut Vec<FailedAttempt>) {
+        log.push(self);
+        if log.len() > ATTEMPT_LOG_LEN {
+            log.drain(..log.len() - ATTEMPT_LOG_LEN);
+        }
+    }
+}
+
 /// A failed attempt to record: next try at `due_at`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reschedule {
@@ -532,6 +631,9 @@ pub struct Reschedule {
     pub due_at: DateTime<Utc>,
     /// Error of the last attempt.
     pub last_error: String,
+    /// The failed attempt for the delivery's attempt log (appended, the
+    /// last [`ATTEMPT_LOG_LEN`] kept); `None` leaves the log as it is.
+    pub failure: Option<FailedAttempt>,
 }
 
 /// A delivery that exhausted its retry policy.
@@ -547,6 +649,9 @@ pub struct DeadLetterRequest {
     pub attempts: u32,
     /// Error of the last attempt.
     pub last_error: String,
+    /// The last failed attempt: appended to the delivery's attempt log,
+    /// which the dead letter keeps; `None`: the log as it is.
+    pub failure: Option<FailedAttempt>,
 }
 
 /// A stored dead letter.
@@ -693,6 +798,9 @@ pub enum DeliveryState {
         due_at: DateTime<Utc>,
         /// Error of the last failed attempt, if any.
         last_error: Option<String>,
+        /// The last failed attempts, oldest first ([`ATTEMPT_LOG_LEN`]).
+        #[serde(default)]
+        attempt_log: Vec<FailedAttempt>,
     },
     /// Delivered.
     Completed {
@@ -709,6 +817,9 @@ pub enum DeliveryState {
         attempts: u32,
         /// Error of the last attempt.
         last_error: String,
+        /// The last failed attempts, oldest first ([`ATTEMPT_LOG_LEN`]).
+        #[serde(default)]
+        attempt_log: Vec<FailedAttempt>,
     },
 }
 
@@ -905,11 +1016,18 @@ pub trait Store: Send + Sync + 'static {
     /// deleted then.
     async fn discard(&self, refs: &[DeliveryRef]) -> Result<Vec<i64>>;
 
-    /// Records failed attempts (attempt count, next due time, last error).
-    /// Returns the ids actually updated.
+    /// Records failed attempts (attempt count, next due time, last error)
+    /// and appends each [`Reschedule::failure`] to its delivery's attempt
+    /// log, keeping the last [`ATTEMPT_LOG_LEN`], in the same statement (or
+    /// document replacement): a failed attempt costs no write more than
+    /// before. Returns the ids actually updated.
     async fn reschedule(&self, items: &[Reschedule]) -> Result<Vec<i64>>;
 
-    /// Moves deliveries to the dead letters. Returns the ids actually moved.
+    /// Moves deliveries to the dead letters, each with its delivery's
+    /// attempt log and [`DeadLetterRequest::failure`] appended (the last
+    /// [`ATTEMPT_LOG_LEN`]). A completion keeps no attempt log (its
+    /// attempt count says how many were made); a replayed dead letter is a
+    /// fresh delivery with an empty log. Returns the ids actually moved.
     async fn dead_letter(&self, items: &[DeadLetterRequest]) -> Result<Vec<i64>>;
 
     /// Registers a handler. Its routes are validated by [`route::validate_pattern`].
@@ -1191,4 +1309,51 @@ pub fn generate_handler_id() -> String {
 /// A new event id: a UUIDv7 (hyphenated).
 pub fn generate_event_id() -> String {
     uuid::Uuid::now_v7().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_body_prefix_is_cut_on_a_character_boundary() {
+        assert_eq!(FailedAttempt::body_prefix(b""), None);
+        assert_eq!(FailedAttempt::body_prefix(b"oops").as_deref(), Some("oops"));
+        // 1,023 ASCII bytes, then a 3-byte character across the limit:
+        // the whole character goes.
+        let mut body = vec![b'a'; ATTEMPT_BODY_BYTES - 1];
+        body.extend_from_slice("€ and more".as_bytes());
+        let kept = FailedAttempt::body_prefix(&body).expect("kept");
+        assert_eq!(kept.len(), ATTEMPT_BODY_BYTES - 1);
+        assert!(kept.bytes().all(|b| b == b'a'));
+        // Exactly the limit, ending on a whole character: kept whole.
+        let mut body = vec![b'a'; ATTEMPT_BODY_BYTES - 3];
+        body.extend_from_slice("€".as_bytes());
+        body.extend_from_slice(b"tail");
+        let kept = FailedAttempt::body_prefix(&body).expect("kept");
+        assert_eq!(kept.len(), ATTEMPT_BODY_BYTES);
+        assert!(kept.ends_with('€'));
+        // Bytes that are not UTF-8 become U+FFFD.
+        let kept = FailedAttempt::body_prefix(b"\xff\xfebin").expect("kept");
+        assert_eq!(kept, "\u{FFFD}\u{FFFD}bin");
+    }
+
+    #[test]
+    fn an_attempt_log_keeps_the_last_entries() {
+        let entry = |attempt| FailedAttempt {
+            attempt,
+            at: DateTime::<Utc>::default(),
+            status: Some(500),
+            error: None,
+            duration_ms: 1,
+            body: None,
+        };
+        let mut log = Vec::new();
+        for n in 1..=7 {
+            entry(n).push_onto(&mut log);
+        }
+        let kept: Vec<u32> = log.iter().map(|f| f.attempt).collect();
+        let first = 8 - ATTEMPT_LOG_LEN as u32;
+        assert_eq!(kept, (first..=7).collect::<Vec<_>>());
+    }
 }

@@ -408,6 +408,7 @@ conformance!(
     prune_passes_over_many_kept_events,
     lookup_event_shows_each_handlers_delivery_state,
     handler_deliveries_page_newest_first_per_state,
+    attempt_log_keeps_the_last_failed_attempts,
 );
 
 // ---------------------------------------------------------------------------
@@ -932,6 +933,7 @@ async fn fencing_makes_a_stale_owner_change_nothing(h: &dyn Harness) {
         attempts: 5,
         due_at: Utc::now() + chrono::Duration::hours(1),
         last_error: "stale".into(),
+        failure: None,
     };
     assert!(s
         .reschedule(&[resched])
@@ -944,6 +946,7 @@ async fn fencing_makes_a_stale_owner_change_nothing(h: &dyn Harness) {
         epoch: 1,
         attempts: 8,
         last_error: "stale".into(),
+        failure: None,
     };
     assert!(s
         .dead_letter(&[dead])
@@ -1092,6 +1095,7 @@ async fn reschedule_records_the_failed_attempt(h: &dyn Harness) {
         attempts: 3,
         due_at: due,
         last_error: "HTTP 500 from endpoint".into(),
+        failure: None,
     };
     assert_eq!(
         s.reschedule(&[r]).await.expect("reschedule"),
@@ -1148,6 +1152,7 @@ async fn dead_letters_are_listed_and_replayed(h: &dyn Harness) {
             epoch: 0,
             attempts: 8,
             last_error: format!("boom {}", d.event_id),
+            failure: None,
         })
         .collect();
     let mut moved = s.dead_letter(&reqs).await.expect("dead letter");
@@ -2571,6 +2576,7 @@ mod postgres_only {
                 epoch: 1,
                 attempts: 3,
                 last_error: "boom".into(),
+                failure: None,
             }])
             .await
             .expect("dead letter");
@@ -3348,6 +3354,7 @@ mod mongodb_only {
                         epoch: 1,
                         attempts: 8,
                         last_error: "stale".into(),
+                        failure: None,
                     }])
                     .await;
                 (done, dead)
@@ -3604,6 +3611,7 @@ async fn dead_letter_each(s: &dyn Store, ds: &[&Delivery]) {
                 epoch: 0,
                 attempts: 1,
                 last_error: "boom".into(),
+                failure: None,
             }])
             .await
             .expect("dead letter");
@@ -3796,6 +3804,7 @@ async fn retention_counts_from_the_last_completion(h: &dyn Harness) {
         attempts: 5,
         due_at: Utc::now(),
         last_error: "HTTP 500".into(),
+        failure: None,
     };
     assert_eq!(s.reschedule(&[r]).await.expect("reschedule").len(), 1);
     s.complete(&[dref(by("late"), 0, 1), dref(by("retried"), 0, 6)])
@@ -4044,7 +4053,8 @@ async fn lookup_event_shows_each_handlers_delivery_state(h: &dyn Harness) {
             DeliveryState::Pending {
                 attempts: 0,
                 due_at: d.due_at,
-                last_error: None
+                last_error: None,
+                attempt_log: vec![],
             },
             "{entry:?}"
         );
@@ -4062,6 +4072,7 @@ async fn lookup_event_shows_each_handlers_delivery_state(h: &dyn Harness) {
             attempts: 2,
             due_at: due,
             last_error: "HTTP 503 from endpoint".into(),
+            failure: None,
         }])
         .await
         .expect("reschedule");
@@ -4080,6 +4091,7 @@ async fn lookup_event_shows_each_handlers_delivery_state(h: &dyn Harness) {
             epoch: 0,
             attempts: 8,
             last_error: "HTTP 410 from endpoint".into(),
+            failure: None,
         }])
         .await
         .expect("dead letter");
@@ -4116,6 +4128,7 @@ async fn lookup_event_shows_each_handlers_delivery_state(h: &dyn Harness) {
                 attempts: 2,
                 due_at: due,
                 last_error: Some("HTTP 503 from endpoint".into()),
+                attempt_log: vec![],
             },
         }
     );
@@ -4141,6 +4154,7 @@ async fn lookup_event_shows_each_handlers_delivery_state(h: &dyn Harness) {
             failed_at,
             attempts,
             last_error,
+            ..
         } => {
             assert_eq!(
                 (attempts, last_error.as_str()),
@@ -4237,6 +4251,7 @@ async fn handler_deliveries_page_newest_first_per_state(h: &dyn Harness) {
                 epoch: 0,
                 attempts: n as u32,
                 last_error: format!("HTTP 50{n}"),
+                failure: None,
             };
             assert_eq!(s.dead_letter(&[req]).await.expect("dead"), vec![d.id]);
         }
@@ -4262,6 +4277,7 @@ async fn handler_deliveries_page_newest_first_per_state(h: &dyn Harness) {
             attempts: 2,
             due_at: due,
             last_error: "HTTP 429".into(),
+            failure: None,
         };
         assert_eq!(s.reschedule(&[r]).await.expect("reschedule"), vec![d.id]);
     }
@@ -4289,12 +4305,14 @@ async fn handler_deliveries_page_newest_first_per_state(h: &dyn Harness) {
                 attempts: 2,
                 due_at: due,
                 last_error: Some("HTTP 429".into()),
+                attempt_log: vec![],
             }
         } else {
             DeliveryState::Pending {
                 attempts: 0,
                 due_at: d.due_at,
                 last_error: None,
+                attempt_log: vec![],
             }
         };
         let want = HandlerDeliveryItem {
@@ -4321,6 +4339,7 @@ async fn handler_deliveries_page_newest_first_per_state(h: &dyn Harness) {
                 failed_at,
                 attempts,
                 last_error,
+                ..
             } => {
                 assert_eq!((*attempts, last_error.clone()), (n, format!("HTTP 50{n}")));
                 assert!(*failed_at <= after, "{item:?}");
@@ -4395,4 +4414,231 @@ async fn handler_deliveries_page_newest_first_per_state(h: &dyn Harness) {
         ..query(DeliveryListState::Dead, None)
     };
     assert_eq!(s.handler_deliveries(&nobody).await.expect("page"), vec![]);
+}
+
+fn failed(
+    attempt: u32,
+    status: Option<u16>,
+    error: Option<AttemptError>,
+    body: &str,
+) -> FailedAttempt {
+    FailedAttempt {
+        attempt,
+        at: DateTime::from_timestamp_micros(1_780_000_000_000_000 + i64::from(attempt))
+            .expect("time"),
+        status,
+        error,
+        duration_ms: u64::from(attempt) * 10,
+        body: FailedAttempt::body_prefix(body.as_bytes()),
+    }
+}
+
+/// The attempt log of `handler`'s record of `event`, as a lookup shows it.
+async fn lookup_log(
+    s: &dyn Store,
+    event: &str,
+    handler: &Handler,
+) -> (DeliveryState, Vec<FailedAttempt>) {
+    let got = s
+        .lookup_event(event)
+        .await
+        .expect("lookup")
+        .expect("stored");
+    let state = got
+        .handlers
+        .into_iter()
+        .find(|e| e.handler_id == handler.id)
+        .unwrap_or_else(|| panic!("{} listed", handler.name))
+        .state;
+    let log = match &state {
+        DeliveryState::Pending { attempt_log, .. }
+        | DeliveryState::DeadLettered { attempt_log, .. } => attempt_log.clone(),
+        DeliveryState::Completed { .. } => Vec::new(),
+    };
+    (state, log)
+}
+
+/// The attempt log of the only item of `handler`'s deliveries in `state`.
+async fn listed_log(
+    s: &dyn Store,
+    handler: &Handler,
+    state: DeliveryListState,
+) -> Vec<FailedAttempt> {
+    let items = s
+        .handler_deliveries(&HandlerDeliveriesQuery {
+            handler_id: handler.id.clone(),
+            state,
+            key: None,
+            after: None,
+            limit: 10,
+            completed_since: DateTime::from_timestamp_micros(0).expect("time"),
+        })
+        .await
+        .expect("page");
+    assert_eq!(items.len(), 1, "{items:?}");
+    match &items[0].state {
+        DeliveryState::Pending { attempt_log, .. }
+        | DeliveryState::DeadLettered { attempt_log, .. } => attempt_log.clone(),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// An event to three handlers: one succeeds at once, one fails twice (a
+/// 500 with a body, then a refused connection) and then succeeds, one
+/// fails until it is a dead letter. Each failure rides on its reschedule
+/// or dead letter; the log keeps the last ATTEMPT_LOG_LEN, the dead letter
+/// keeps its delivery's, a completion none.
+async fn attempt_log_keeps_the_last_failed_attempts(h: &dyn Harness) {
+    let s = h.store();
+    let ok = handler(&*s, "ok", &["a.*"]).await;
+    let flaky = handler(&*s, "flaky", &["a.*"]).await;
+    let dead = handler(&*s, "dead", &["a.*"]).await;
+    s.publish(vec![ev(Some("al1"), "a.log", Some("k"))])
+        .await
+        .expect("publish");
+    let ds = claim_all(&*s).await;
+    let of = |handler: &Handler| -> Delivery {
+        ds.iter()
+            .find(|d| d.handler_id == handler.id)
+            .expect("delivery")
+            .clone()
+    };
+    let resched = |d: &Delivery, attempts: u32, failure: Option<FailedAttempt>| Reschedule {
+        id: d.id,
+        lane: d.lane,
+        epoch: 0,
+        attempts,
+        due_at: Utc::now(),
+        last_error: format!("attempt {attempts} failed"),
+        failure,
+    };
+
+    // Succeeds at once: a completion, no attempt log.
+    assert_eq!(
+        s.complete(&[dref(&of(&ok), 0, 1)])
+            .await
+            .expect("complete")
+            .len(),
+        1
+    );
+    let (state, log) = lookup_log(&*s, "al1", &ok).await;
+    assert!(
+        matches!(state, DeliveryState::Completed { attempts: 1, .. }),
+        "{state:?}"
+    );
+    assert_eq!(log, vec![]);
+
+    // Fails twice: a 500 with a body (multi-byte text past 1 KiB, cut on
+    // a character boundary), then a refused connection.
+    let long = format!(
+        "{{\"error\":\"database down\",\"detail\":\"{}\"}}",
+        "é".repeat(600)
+    );
+    let first = failed(1, Some(500), None, &long);
+    let body = first.body.clone().expect("body");
+    assert!(
+        body.len() <= ATTEMPT_BODY_BYTES && body.len() > ATTEMPT_BODY_BYTES - 4,
+        "{}",
+        body.len()
+    );
+    assert!(long.starts_with(&body) && !body.contains('\u{FFFD}'));
+    let second = failed(2, None, Some(AttemptError::Refused), "");
+    let d = of(&flaky);
+    assert_eq!(
+        s.reschedule(&[resched(&d, 1, Some(first.clone()))])
+            .await
+            .expect("reschedule"),
+        vec![d.id]
+    );
+    let (state, log) = lookup_log(&*s, "al1", &flaky).await;
+    assert!(
+        matches!(state, DeliveryState::Pending { attempts: 1, .. }),
+        "{state:?}"
+    );
+    assert_eq!(log, vec![first.clone()]);
+    assert_eq!(
+        s.reschedule(&[resched(&d, 2, Some(second.clone()))])
+            .await
+            .expect("reschedule"),
+        vec![d.id]
+    );
+    // A reschedule without a failure leaves the log as it is.
+    assert_eq!(
+        s.reschedule(&[resched(&d, 2, None)])
+            .await
+            .expect("reschedule"),
+        vec![d.id]
+    );
+    let (state, log) = lookup_log(&*s, "al1", &flaky).await;
+    assert!(
+        matches!(state, DeliveryState::Pending { attempts: 2, .. }),
+        "{state:?}"
+    );
+    assert_eq!(log, vec![first.clone(), second.clone()]);
+    assert_eq!(log[0].status, Some(500));
+    assert_eq!(log[1].error, Some(AttemptError::Refused));
+    assert_eq!(
+        listed_log(&*s, &flaky, DeliveryListState::Pending).await,
+        vec![first, second]
+    );
+    // A claim still reads the delivery (the log is not part of it).
+    let again = claim_all(&*s).await;
+    assert_eq!(again.iter().filter(|x| x.id == d.id).count(), 1);
+    assert_eq!(
+        s.complete(&[dref(&d, 0, 3)]).await.expect("complete"),
+        vec![d.id]
+    );
+    let (state, log) = lookup_log(&*s, "al1", &flaky).await;
+    assert!(
+        matches!(state, DeliveryState::Completed { attempts: 3, .. }),
+        "{state:?}"
+    );
+    assert_eq!(log, vec![]);
+
+    // Fails seven times: the pending log keeps the last ATTEMPT_LOG_LEN,
+    // and so does the dead letter, the last failure appended.
+    let x = of(&dead);
+    let all: Vec<FailedAttempt> = (1..=7)
+        .map(|n| failed(n, Some(500 + n as u16), None, &format!("busy {n}")))
+        .collect();
+    for f in &all[..6] {
+        let r = resched(&x, f.attempt, Some(f.clone()));
+        assert_eq!(s.reschedule(&[r]).await.expect("reschedule"), vec![x.id]);
+    }
+    let (_, log) = lookup_log(&*s, "al1", &dead).await;
+    assert_eq!(log, all[6 - ATTEMPT_LOG_LEN..6].to_vec());
+    let moved = s
+        .dead_letter(&[DeadLetterRequest {
+            id: x.id,
+            lane: x.lane,
+            epoch: 0,
+            attempts: 7,
+            last_error: "http 507".into(),
+            failure: Some(all[6].clone()),
+        }])
+        .await
+        .expect("dead letter");
+    assert_eq!(moved, vec![x.id]);
+    let (state, log) = lookup_log(&*s, "al1", &dead).await;
+    assert!(
+        matches!(state, DeliveryState::DeadLettered { attempts: 7, .. }),
+        "{state:?}"
+    );
+    assert_eq!(log, all[7 - ATTEMPT_LOG_LEN..].to_vec());
+    assert_eq!(listed_log(&*s, &dead, DeliveryListState::Dead).await, log);
+    assert_eq!(log.last().map(|f| f.body.as_deref()), Some(Some("busy 7")));
+
+    // A replayed dead letter is a fresh delivery with an empty log.
+    assert_eq!(
+        s.replay_dead_letters(&[], Some(&dead.id))
+            .await
+            .expect("replay"),
+        1
+    );
+    let (state, log) = lookup_log(&*s, "al1", &dead).await;
+    assert!(
+        matches!(state, DeliveryState::Pending { attempts: 0, .. }),
+        "{state:?}"
+    );
+    assert_eq!(log, vec![]);
 }

@@ -94,7 +94,6 @@ where
         .await
         .expect("upgrade to 5 and later");
     assert_eq!(store.counts().await.expect("counts").deliveries, 5);
-    drop(store);
     let (version,): (String,) =
         sqlx::query_as("SELECT value FROM meta WHERE key = 'schema_version'")
             .fetch_one(pool)
@@ -103,7 +102,58 @@ where
     let version: i64 = version.parse().expect("a number");
     assert!(version >= 5, "schema version {version} after the upgrade");
     let after: Vec<Row> = sqlx::query_as(read).fetch_all(pool).await.expect("rows");
+    attempt_log_after_upgrade(&*store).await;
     (before, after)
+}
+
+/// Schema 6 (SQLite) and 7 (PostgreSQL) add the attempt log: a delivery
+/// stored before reads with an empty one and keeps a failure recorded
+/// after the upgrade.
+async fn attempt_log_after_upgrade(store: &dyn lanebus_store::Store) {
+    use lanebus_store::{AttemptError, DeliveryState, FailedAttempt, LaneClaim, Reschedule};
+    let log_of = |state: &DeliveryState| match state {
+        DeliveryState::Pending { attempt_log, .. } => attempt_log.clone(),
+        other => panic!("not pending: {other:?}"),
+    };
+    let lookup = || async {
+        let e = store.lookup_event("evt_retry_1").await.expect("lookup");
+        log_of(&e.expect("stored").handlers[0].state)
+    };
+    assert_eq!(lookup().await, vec![]);
+    let claim = LaneClaim {
+        lane: 0,
+        epoch: 0,
+        after: Default::default(),
+        limit: 10,
+    };
+    let batch = store.claim(&[claim]).await.expect("claim");
+    let d = batch[0]
+        .deliveries
+        .iter()
+        .find(|d| d.event_id == "evt_retry_1")
+        .expect("pending");
+    let failure = FailedAttempt {
+        attempt: 2,
+        at: chrono::Utc::now(),
+        status: None,
+        error: Some(AttemptError::Timeout),
+        duration_ms: 5000,
+        body: None,
+    };
+    let r = Reschedule {
+        id: d.id,
+        lane: 0,
+        epoch: 0,
+        attempts: 2,
+        due_at: chrono::Utc::now(),
+        last_error: "timeout after 5000 ms".into(),
+        failure: Some(failure.clone()),
+    };
+    assert_eq!(
+        store.reschedule(&[r]).await.expect("reschedule"),
+        vec![d.id]
+    );
+    assert_eq!(lookup().await, vec![failure]);
 }
 
 #[tokio::test]

@@ -242,6 +242,7 @@ impl TestApp {
                 epoch: 1,
                 attempts: 3,
                 last_error: "boom".into(),
+                failure: None,
             })
             .collect();
         self.store.dead_letter(&dead).await.expect("dead letter");

@@ -254,6 +254,7 @@ impl KeyHandler {
                     attempts: attempt,
                     due_at,
                     last_error: error,
+                    failure: None,
                 })
             }
             Decision::Disable { error } => {
@@ -266,6 +267,7 @@ impl KeyHandler {
                     attempts: attempt,
                     due_at: Utc::now(),
                     last_error: format!("{error} (handler disabled)"),
+                    failure: None,
                 })
             }
             Decision::DeadLetter { error } => {
@@ -277,6 +279,7 @@ impl KeyHandler {
                     epoch,
                     attempts: attempt,
                     last_error: error,
+                    failure: None,
                 })
             }
         };

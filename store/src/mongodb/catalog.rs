@@ -7,8 +7,8 @@ use chrono::Utc;
 use futures::TryStreamExt;
 
 use super::{
-    error_code, get_int, get_lane, get_opt_int, get_opt_string, get_string, map_err, names,
-    MongoStore, TxnResult,
+    error_code, get_attempt_log, get_int, get_lane, get_opt_int, get_opt_string, get_string,
+    map_err, names, MongoStore, TxnResult,
 };
 use crate::common::{from_micros, to_micros, to_u32};
 use crate::*;
@@ -467,6 +467,7 @@ pub(super) async fn lookup_event(
                 to_u32(get_int(d, "attempts")?),
                 from_micros(get_int(d, at)?),
                 get_opt_string(d, "last_error")?,
+                get_attempt_log(d)?,
             )?;
             records.push((get_string(d, "handler_id")?, state));
         }
@@ -576,7 +577,8 @@ pub(super) async fn handler_deliveries(
                     ),
                     None => (None, None, None),
                 };
-                let state = crate::common::delivery_state("completed", attempts, time, None)?;
+                let state =
+                    crate::common::delivery_state("completed", attempts, time, None, Vec::new())?;
                 (None, key, seq, lane, state)
             } else {
                 let kind = if q.state == DeliveryListState::Pending {
@@ -585,7 +587,8 @@ pub(super) async fn handler_deliveries(
                     "dead_lettered"
                 };
                 let error = get_opt_string(d, "last_error")?;
-                let state = crate::common::delivery_state(kind, attempts, time, error)?;
+                let log = get_attempt_log(d)?;
+                let state = crate::common::delivery_state(kind, attempts, time, error, log)?;
                 let (key, seq) = (get_opt_string(d, "key")?, get_opt_int(d, "seq")?);
                 let lane = Some(get_int(d, "lane")?);
                 (Some(get_int(d, "_id")?), key, seq, lane, state)

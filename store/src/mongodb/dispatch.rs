@@ -15,8 +15,8 @@ use futures::{StreamExt, TryStreamExt};
 
 use super::publish::{bump, delivery_doc, lane_counter};
 use super::{
-    get_int, get_lane, get_opt_int, get_opt_string, get_string, map_err, names, MongoStore,
-    TxnResult, FULL_BATCH,
+    appended_log, get_int, get_lane, get_opt_int, get_opt_string, get_string, map_err, names,
+    MongoStore, TxnResult, FULL_BATCH,
 };
 use crate::common::{from_micros, to_micros, to_u32};
 use crate::*;
@@ -96,6 +96,8 @@ pub(super) async fn claim(
                 doc! { "$match": { "lane": i32::from(c.lane), "pos": { "$gt": c.after.pos } } },
                 doc! { "$sort": { "pos": 1 } },
                 doc! { "$limit": i64::from(c.limit) },
+                // Not needed to attempt a delivery.
+                doc! { "$project": { "attempt_log": 0 } },
                 doc! { "$addFields": { "slot": *slot as i64 } },
             ];
             if n == 0 {
@@ -372,9 +374,10 @@ pub(super) async fn reschedule(
             d.insert("attempts", i64::from(r.attempts));
             d.insert("due_at", to_micros(r.due_at));
             d.insert("last_error", r.last_error.as_str());
-            d
+            d.insert("attempt_log", appended_log(&d, r.failure.as_ref())?);
+            Ok(d)
         })
-        .collect();
+        .collect::<Result<_>>()?;
     s.coll(names::DELIVERIES)
         .insert_many(replaced)
         .session(&mut *session)
@@ -427,7 +430,7 @@ pub(super) async fn dead_letter(
         .map(|(id, d)| {
             let r = by_id[&id];
             next += 1;
-            doc! {
+            Ok(doc! {
                 "_id": next,
                 "handler_id": d.get("handler_id").cloned().unwrap_or(Bson::Null),
                 "event_id": d.get("event_id").cloned().unwrap_or(Bson::Null),
@@ -437,9 +440,10 @@ pub(super) async fn dead_letter(
                 "attempts": i64::from(r.attempts),
                 "last_error": r.last_error.as_str(),
                 "failed_at": now,
-            }
+                "attempt_log": appended_log(&d, r.failure.as_ref())?,
+            })
         })
-        .collect();
+        .collect::<Result<_>>()?;
     s.coll(names::DEAD_LETTERS)
         .insert_many(letters)
         .session(&mut *session)

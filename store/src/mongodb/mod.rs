@@ -18,10 +18,20 @@
 //!  handlers     {_id: "hdl_…", seq, name, url, event_types, …, state}
 //!  events       {_id: event id, type, key, lane, seq, payload, published_at}
 //!  deliveries   {_id: pos << 16 | lane, lane, pos, handler_id, event_id,
-//!                key, seq, attempts, due_at, last_error}   index (lane, pos)
+//!                key, seq, attempts, due_at, last_error,
+//!                attempt_log?}                             index (lane, pos)
 //!  completions  {event_id, handler_id, attempts, completed_at}  append-only
 //!  dead_letters {_id: n, handler_id, event_id, lane, key, seq, attempts,
-//!                last_error, failed_at}
+//!                last_error, failed_at, attempt_log?}
+//! ```
+//!
+//! `attempt_log`: the last failed attempts of a delivery
+//! ([`FailedAttempt`]s, oldest first, at most [`ATTEMPT_LOG_LEN`]), set by
+//! the reschedule or dead letter that records a failure (absent until one
+//! failed; claims do not read it). A field that may be absent needs no
+//! migration: documents written before it read as an empty log.
+//!
+//! ```text
 //! ```
 //!
 //! Times are Int64 microseconds since the Unix epoch (BSON dates have
@@ -563,6 +573,31 @@ pub(crate) fn opt_str(v: Option<&str>) -> Bson {
 /// Optional integer as BSON (`null` when absent).
 pub(crate) fn opt_i64(v: Option<i64>) -> Bson {
     v.map_or(Bson::Null, Bson::Int64)
+}
+
+/// Reads a document's attempt log (field `attempt_log`: absent or null is
+/// empty).
+pub(crate) fn get_attempt_log(d: &Document) -> Result<Vec<FailedAttempt>> {
+    match d.get("attempt_log") {
+        None | Some(Bson::Null) => Ok(Vec::new()),
+        Some(v) => ::mongodb::bson::from_bson(v.clone()).map_err(|e| {
+            StoreError::Database(format!(
+                "field \"attempt_log\" is not a list of attempts: {e}"
+            ))
+        }),
+    }
+}
+
+/// A delivery document's attempt log with `failure` appended (the last
+/// [`ATTEMPT_LOG_LEN`] kept), as BSON; the log as it is for `None`.
+pub(crate) fn appended_log(d: &Document, failure: Option<&FailedAttempt>) -> Result<Bson> {
+    let Some(f) = failure else {
+        return Ok(d.get("attempt_log").cloned().unwrap_or(Bson::Null));
+    };
+    let mut log = get_attempt_log(d)?;
+    f.clone().push_onto(&mut log);
+    ::mongodb::bson::to_bson(&log)
+        .map_err(|e| StoreError::Database(format!("attempt log to BSON: {e}")))
 }
 
 /// Delivery id of position `pos` in `lane`: unique, never reused.

@@ -451,6 +451,7 @@ pub(super) async fn lookup_event(pool: &PgPool, id: &str) -> Result<Option<Event
         i32,
         DateTime<Utc>,
         Option<String>,
+        Option<String>,
     );
     let rows: Vec<RecordRow> = sqlx::query_as(include_str!("sql/lookup_event.sql"))
         .bind(id)
@@ -459,9 +460,10 @@ pub(super) async fn lookup_event(pool: &PgPool, id: &str) -> Result<Option<Event
         .fetch_all(pool)
         .await
         .map_err(map_err)?;
-    for (kind, handler_id, name, attempts, at, last_error) in rows {
+    for (kind, handler_id, name, attempts, at, last_error, log) in rows {
         let attempts = to_u32(i64::from(attempts));
-        let state = crate::common::delivery_state(&kind, attempts, at, last_error)?;
+        let log = crate::common::attempt_log(log.as_deref())?;
+        let state = crate::common::delivery_state(&kind, attempts, at, last_error, log)?;
         event.add(handler_id, name, state);
     }
     Ok(Some(event))

@@ -246,6 +246,7 @@ pub(super) async fn reschedule(pool: &PgPool, items: &[Reschedule]) -> Result<Ve
     let attempts: Vec<i32> = items.iter().map(|r| i32_of(r.attempts)).collect();
     let due: Vec<DateTime<Utc>> = items.iter().map(|r| r.due_at).collect();
     let errors: Vec<&str> = items.iter().map(|r| r.last_error.as_str()).collect();
+    let failures = failures(items.iter().map(|r| r.failure.as_ref()))?;
     let mut out: Vec<i64> = sqlx::query_scalar(include_str!("sql/reschedule.sql"))
         .bind(&ids)
         .bind(&lanes)
@@ -253,6 +254,8 @@ pub(super) async fn reschedule(pool: &PgPool, items: &[Reschedule]) -> Result<Ve
         .bind(&attempts)
         .bind(&due)
         .bind(&errors)
+        .bind(&failures)
+        .bind(ATTEMPT_LOG_LEN as i32)
         .fetch_all(pool)
         .await
         .map_err(map_err)?;
@@ -267,15 +270,26 @@ pub(super) async fn dead_letter(pool: &PgPool, items: &[DeadLetterRequest]) -> R
     let epochs: Vec<i64> = items.iter().map(|r| r.epoch).collect();
     let attempts: Vec<i32> = items.iter().map(|r| i32_of(r.attempts)).collect();
     let errors: Vec<&str> = items.iter().map(|r| r.last_error.as_str()).collect();
+    let failures = failures(items.iter().map(|r| r.failure.as_ref()))?;
     sqlx::query_scalar(include_str!("sql/dead_letter.sql"))
         .bind(&ids)
         .bind(&lanes)
         .bind(&epochs)
         .bind(&attempts)
         .bind(&errors)
+        .bind(&failures)
+        .bind(ATTEMPT_LOG_LEN as i32)
         .fetch_all(pool)
         .await
         .map_err(map_err)
+}
+
+/// The failed attempts of a batch as JSON texts (NULL: none), bound as
+/// `text[]` and cast to `jsonb[]` in the statement.
+fn failures<'a>(
+    items: impl Iterator<Item = Option<&'a FailedAttempt>>,
+) -> Result<Vec<Option<String>>> {
+    items.map(crate::common::failure_json).collect()
 }
 
 pub(super) async fn replay_dead_letters(

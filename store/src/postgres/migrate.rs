@@ -17,6 +17,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../migrations/postgres/0004_late_completions.sql"),
     include_str!("../../migrations/postgres/0005_held_backfill.sql"),
     include_str!("../../migrations/postgres/0006_claim_txid.sql"),
+    include_str!("../../migrations/postgres/0007_attempt_log.sql"),
 ];
 
 /// Applies pending migrations in one transaction (idempotent; safe while

@@ -325,16 +325,24 @@ pub(super) async fn lookup_event(pool: &SqlitePool, id: &str) -> Result<Option<E
     };
     let columns = (event_type, key, lane, seq, from_micros(published_at), size);
     let mut event = crate::common::event_lookup(id, columns)?;
-    type RecordRow = (String, String, Option<String>, i64, i64, Option<String>);
+    type RecordRow = (
+        String,
+        String,
+        Option<String>,
+        i64,
+        i64,
+        Option<String>,
+        Option<String>,
+    );
     let rows: Vec<RecordRow> = sqlx::query_as(include_str!("sql/lookup_event.sql"))
         .bind(id)
         .bind(lane)
         .fetch_all(pool)
         .await
         .map_err(map_err)?;
-    for (kind, handler_id, name, attempts, at, last_error) in rows {
-        let at = from_micros(at);
-        let state = crate::common::delivery_state(&kind, to_u32(attempts), at, last_error)?;
+    for (kind, handler_id, name, attempts, at, last_error, log) in rows {
+        let (at, log) = (from_micros(at), crate::common::attempt_log(log.as_deref())?);
+        let state = crate::common::delivery_state(&kind, to_u32(attempts), at, last_error, log)?;
         event.add(handler_id, name, state);
     }
     Ok(Some(event))

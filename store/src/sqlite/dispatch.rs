@@ -185,7 +185,16 @@ pub(super) async fn reschedule(
     conn: &mut SqliteConnection,
     items: &[Reschedule],
 ) -> Result<Vec<i64>> {
-    let rows: Vec<(i64, Lane, Epoch, u32, i64, &str)> = first_by_id(items, |r| r.id)
+    type Row<'a> = (
+        i64,
+        Lane,
+        Epoch,
+        u32,
+        i64,
+        &'a str,
+        Option<&'a FailedAttempt>,
+    );
+    let rows: Vec<Row> = first_by_id(items, |r| r.id)
         .into_iter()
         .map(|r| {
             (
@@ -195,11 +204,13 @@ pub(super) async fn reschedule(
                 r.attempts,
                 to_micros(r.due_at),
                 r.last_error.as_str(),
+                r.failure.as_ref(),
             )
         })
         .collect();
     let mut ids: Vec<i64> = sqlx::query_scalar(include_str!("sql/reschedule.sql"))
         .bind(json(&rows)?)
+        .bind(ATTEMPT_LOG_LEN as i64)
         .fetch_all(&mut *conn)
         .await
         .map_err(map_err)?;
@@ -211,14 +222,26 @@ pub(super) async fn dead_letter(
     conn: &mut SqliteConnection,
     items: &[DeadLetterRequest],
 ) -> Result<Vec<i64>> {
-    let rows: Vec<(i64, Lane, Epoch, u32, &str)> = first_by_id(items, |r| r.id)
+    type Row<'a> = (i64, Lane, Epoch, u32, &'a str, Option<&'a FailedAttempt>);
+    let rows: Vec<Row> = first_by_id(items, |r| r.id)
         .into_iter()
-        .map(|r| (r.id, r.lane, r.epoch, r.attempts, r.last_error.as_str()))
+        .map(|r| {
+            let failure = r.failure.as_ref();
+            (
+                r.id,
+                r.lane,
+                r.epoch,
+                r.attempts,
+                r.last_error.as_str(),
+                failure,
+            )
+        })
         .collect();
     let rows = json(&rows)?;
     sqlx::query(include_str!("sql/dead_letter_insert.sql"))
         .bind(&rows)
         .bind(to_micros(Utc::now()))
+        .bind(ATTEMPT_LOG_LEN as i64)
         .execute(&mut *conn)
         .await
         .map_err(map_err)?;

@@ -4,15 +4,17 @@
 -- by handler (no handler index on deliveries), up to the $4-th match. Dead
 -- letters: index dead_letters_handler (handler_id, id) walked backward.
 SELECT r.kind, r.id, r.event_id, e.type, r.key, r.seq, r.lane::bigint, r.attempts::bigint, r.at,
-       r.last_error
+       r.last_error, r.attempt_log::text
 FROM (
-    (SELECT 'pending' AS kind, id, event_id, key, seq, lane, attempts, due_at AS at, last_error
+    (SELECT 'pending' AS kind, id, event_id, key, seq, lane, attempts, due_at AS at, last_error,
+            attempt_log
      FROM deliveries
      WHERE $5 AND handler_id = $1 AND id < $2 AND ($3::text IS NULL OR key = $3::text)
      ORDER BY id DESC
      LIMIT $4)
     UNION ALL
-    (SELECT 'dead_lettered', id, event_id, key, seq, lane, attempts, failed_at, last_error
+    (SELECT 'dead_lettered', id, event_id, key, seq, lane, attempts, failed_at, last_error,
+            attempt_log
      FROM dead_letters
      WHERE NOT $5 AND handler_id = $1 AND id < $2 AND ($3::text IS NULL OR key = $3::text)
      ORDER BY id DESC

@@ -1,15 +1,16 @@
 -- ?1 event id, ?2 its lane. Pending deliveries: the lane's rows (index
 -- deliveries_claim); completions: a scan of the log; dead letters: index
 -- dead_letters_event. One statement, so one snapshot.
-SELECT r.kind, r.handler_id, h.name AS handler_name, r.attempts, r.at, r.last_error
+SELECT r.kind, r.handler_id, h.name AS handler_name, r.attempts, r.at, r.last_error,
+       r.attempt_log
 FROM (
-    SELECT 'pending' AS kind, handler_id, attempts, due_at AS at, last_error
+    SELECT 'pending' AS kind, handler_id, attempts, due_at AS at, last_error, attempt_log
     FROM deliveries WHERE lane = ?2 AND event_id = ?1
     UNION ALL
-    SELECT 'completed', handler_id, attempts, completed_at, NULL
+    SELECT 'completed', handler_id, attempts, completed_at, NULL, NULL
     FROM completions WHERE event_id = ?1
     UNION ALL
-    SELECT 'dead_lettered', handler_id, attempts, failed_at, last_error
+    SELECT 'dead_lettered', handler_id, attempts, failed_at, last_error, attempt_log
     FROM dead_letters WHERE event_id = ?1
 ) r
 LEFT JOIN handlers h ON h.id = r.handler_id
