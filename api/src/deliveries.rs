@@ -5,7 +5,9 @@
 //! GET /v1/handlers/{id}/deliveries?state=pending|dead|completed&key=&after=&limit=
 //!   200 {"deliveries": [{"event_id", "type", "key", "seq", "lane", "state",
 //!                        "attempts", "next_attempt_at", "last_error",
-//!                        "completed_at", "failed_at", "dead_letter_id"}],
+//!                        "completed_at", "failed_at", "dead_letter_id",
+//!                        "attempt_log": [{"attempt", "at", "status", "error",
+//!                                         "duration_ms", "body"}]}],
 //!        "next_after": cursor | null}
 //!   400 invalid_parameter: unknown parameter, bad state or key, limit
 //!       outside 1..=1000, an `after` that is no cursor of this state
@@ -34,7 +36,7 @@ use utoipa::{IntoParams, ToSchema};
 use crate::error::{ApiError, ErrorCode};
 use crate::extract::{Path, Query};
 use crate::handlers::{check_handler_id, not_found};
-use crate::lookup::{state_fields, DeliveryStateName};
+use crate::lookup::{state_fields, AttemptView, DeliveryStateName};
 use crate::ApiState;
 
 /// Default page size.
@@ -106,6 +108,9 @@ pub(crate) struct DeliveryItemView {
     /// `dead_lettered`: the dead-letter id (for
     /// `POST /admin/dead-letters/{id}/replay`).
     dead_letter_id: Option<i64>,
+    /// The last failed attempts (at most 5), oldest first: `pending` and
+    /// `dead_lettered`; empty when none failed, and when `completed`.
+    attempt_log: Vec<AttemptView>,
 }
 
 impl From<HandlerDeliveryItem> for DeliveryItemView {
@@ -120,7 +125,7 @@ impl From<HandlerDeliveryItem> for DeliveryItemView {
             id,
             state,
         } = i;
-        let (state, attempts, next_attempt_at, last_error, completed_at, failed_at) =
+        let (state, attempts, next_attempt_at, last_error, completed_at, failed_at, attempt_log) =
             state_fields(state);
         DeliveryItemView {
             event_id,
@@ -135,6 +140,7 @@ impl From<HandlerDeliveryItem> for DeliveryItemView {
             completed_at,
             failed_at,
             dead_letter_id: id.filter(|_| state == DeliveryStateName::DeadLettered),
+            attempt_log,
         }
     }
 }

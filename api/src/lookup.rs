@@ -5,7 +5,9 @@
 //! GET /v1/events/{id}
 //!   200 {"id", "type", "key", "seq", "lane", "published_at", "payload_bytes",
 //!        "handlers": [{"handler_id", "handler_name", "state", "attempts",
-//!                      "next_attempt_at", "last_error", "completed_at", "failed_at"}]}
+//!                      "next_attempt_at", "last_error", "completed_at", "failed_at",
+//!                      "attempt_log": [{"attempt", "at", "status", "error",
+//!                                       "duration_ms", "body"}]}]}
 //!   404 not_found: no such event stored (never published, or pruned past
 //!       retention with its completions)
 //! ```
@@ -16,7 +18,9 @@
 
 use axum::extract::State;
 use chrono::{DateTime, Utc};
-use lanebus_store::{rules, DeliveryState, EventLookup, HandlerDelivery, Lane};
+use lanebus_store::{
+    rules, AttemptError, DeliveryState, EventLookup, FailedAttempt, HandlerDelivery, Lane,
+};
 use serde::Serialize;
 use utoipa::ToSchema;
 
@@ -65,6 +69,90 @@ pub enum DeliveryStateName {
     DeadLettered,
 }
 
+/// Transport error class of a failed attempt, as the API names it
+/// ([`AttemptError`] has what each means; docs/api.md, "Attempt log").
+#[derive(Debug, Clone, Copy, Serialize, ToSchema, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum AttemptErrorName {
+    /// `refused`.
+    Refused,
+    /// `reset`.
+    Reset,
+    /// `timeout`.
+    Timeout,
+    /// `dns`.
+    Dns,
+    /// `tls`.
+    Tls,
+    /// `ssrf_guard`.
+    SsrfGuard,
+    /// `handler` (in-process).
+    Handler,
+    /// `other`.
+    Other,
+}
+
+impl From<AttemptError> for AttemptErrorName {
+    fn from(e: AttemptError) -> Self {
+        match e {
+            AttemptError::Refused => AttemptErrorName::Refused,
+            AttemptError::Reset => AttemptErrorName::Reset,
+            AttemptError::Timeout => AttemptErrorName::Timeout,
+            AttemptError::Dns => AttemptErrorName::Dns,
+            AttemptError::Tls => AttemptErrorName::Tls,
+            AttemptError::SsrfGuard => AttemptErrorName::SsrfGuard,
+            AttemptError::Handler => AttemptErrorName::Handler,
+            AttemptError::Other => AttemptErrorName::Other,
+        }
+    }
+}
+
+/// One failed attempt of a delivery. A delivery keeps its last 5
+/// (`lanebus_store::ATTEMPT_LOG_LEN`); nothing is kept of a successful
+/// attempt.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct AttemptView {
+    /// Attempt number (1 for the first).
+    pub attempt: u32,
+    /// When the attempt started (RFC 3339).
+    #[schema(value_type = String, format = DateTime)]
+    pub at: DateTime<Utc>,
+    /// HTTP status of the answer; `null` when none came.
+    #[schema(minimum = 100, maximum = 999)]
+    pub status: Option<u16>,
+    /// Transport error class: when no status came, or the body was cut
+    /// after one; `null` otherwise.
+    pub error: Option<AttemptErrorName>,
+    /// From the start of the attempt to its outcome, in milliseconds.
+    pub duration_ms: u64,
+    /// The first 1,024 bytes of the response body (cut back to a UTF-8
+    /// character boundary, invalid bytes replaced by U+FFFD), or an
+    /// in-process handler's error message; `null` when empty.
+    pub body: Option<String>,
+}
+
+impl From<FailedAttempt> for AttemptView {
+    fn from(f: FailedAttempt) -> Self {
+        // Destructured so a new store field is a compile error here.
+        let FailedAttempt {
+            attempt,
+            at,
+            status,
+            error,
+            duration_ms,
+            body,
+        } = f;
+        AttemptView {
+            attempt,
+            at,
+            status,
+            error: error.map(Into::into),
+            duration_ms,
+            body,
+        }
+    }
+}
+
 /// The delivery of the event to one handler. A pending delivery after a
 /// completion or dead letter (a replay, a recovery) is shown as pending;
 /// otherwise the latest completion or dead letter.
@@ -93,11 +181,15 @@ pub struct HandlerDeliveryView {
     /// `dead_lettered`: when (RFC 3339); `null` otherwise.
     #[schema(value_type = Option<String>, format = DateTime)]
     pub failed_at: Option<DateTime<Utc>>,
+    /// The last failed attempts (at most 5), oldest first: `pending` and
+    /// `dead_lettered`; empty when none failed, and when `completed`
+    /// (`attempts` says how many were made).
+    pub attempt_log: Vec<AttemptView>,
 }
 
 /// The state fields of a delivery record as the API shows them: `(state,
-/// attempts, next_attempt_at, last_error, completed_at, failed_at)`, the
-/// fields that do not apply `None`.
+/// attempts, next_attempt_at, last_error, completed_at, failed_at,
+/// attempt_log)`, the fields that do not apply `None` (or empty).
 pub(crate) type StateFields = (
     DeliveryStateName,
     u32,
@@ -105,7 +197,12 @@ pub(crate) type StateFields = (
     Option<String>,
     Option<DateTime<Utc>>,
     Option<DateTime<Utc>>,
+    Vec<AttemptView>,
 );
+
+fn views(log: Vec<FailedAttempt>) -> Vec<AttemptView> {
+    log.into_iter().map(Into::into).collect()
+}
 
 /// The [`StateFields`] of a record.
 pub(crate) fn state_fields(state: DeliveryState) -> StateFields {
@@ -114,7 +211,7 @@ pub(crate) fn state_fields(state: DeliveryState) -> StateFields {
             attempts,
             due_at,
             last_error,
-            ..
+            attempt_log,
         } => (
             DeliveryStateName::Pending,
             attempts,
@@ -122,6 +219,7 @@ pub(crate) fn state_fields(state: DeliveryState) -> StateFields {
             last_error,
             None,
             None,
+            views(attempt_log),
         ),
         DeliveryState::Completed {
             completed_at,
@@ -133,12 +231,13 @@ pub(crate) fn state_fields(state: DeliveryState) -> StateFields {
             None,
             Some(completed_at),
             None,
+            Vec::new(),
         ),
         DeliveryState::DeadLettered {
             failed_at,
             attempts,
             last_error,
-            ..
+            attempt_log,
         } => (
             DeliveryStateName::DeadLettered,
             attempts,
@@ -146,6 +245,7 @@ pub(crate) fn state_fields(state: DeliveryState) -> StateFields {
             Some(last_error),
             None,
             Some(failed_at),
+            views(attempt_log),
         ),
     }
 }
@@ -157,7 +257,7 @@ impl From<HandlerDelivery> for HandlerDeliveryView {
             handler_name,
             state,
         } = h;
-        let (state, attempts, next_attempt_at, last_error, completed_at, failed_at) =
+        let (state, attempts, next_attempt_at, last_error, completed_at, failed_at, attempt_log) =
             state_fields(state);
         HandlerDeliveryView {
             handler_id,
@@ -168,6 +268,7 @@ impl From<HandlerDelivery> for HandlerDeliveryView {
             last_error,
             completed_at,
             failed_at,
+            attempt_log,
         }
     }
 }

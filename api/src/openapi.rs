@@ -203,8 +203,10 @@ fn describe(op: Operation, s: &mut Schemas) -> Described {
                 "The event (type, key, sequence, lane, publish time, payload size) and, per \
                  handler with a pending delivery, a completion or a dead letter of it, where the \
                  delivery stands: `pending` (failed attempts so far, next attempt time, last \
-                 error), `completed` (when, after how many attempts) or `dead_lettered` (when, \
-                 attempts, last error), with the handler's name while it exists. \
+                 error, attempt log), `completed` (when, after how many attempts) or \
+                 `dead_lettered` (when, attempts, last error, attempt log), with the handler's \
+                 name while it exists. The attempt log holds the last 5 failed attempts: HTTP \
+                 status or transport error class, duration, the first 1 KiB of the body. \
                  `404 not_found` when the event is not stored: never published, or pruned past \
                  the retention period (default 24 h after its last completion) together with \
                  its completions. A read only: pending deliveries are found among the event's \
@@ -359,7 +361,9 @@ fn describe(op: Operation, s: &mut Schemas) -> Described {
                  a page at a time: pass `next_after` as `after` for the next page (`null` on the \
                  last). `key` keeps one ordering key's events. Pending deliveries come by \
                  delivery id, dead letters by dead-letter id, completions by completion time \
-                 within the node's retention period. A read only, without an index of its own: \
+                 within the node's retention period. Pending deliveries and dead letters show \
+                 their attempt log (the last 5 failed attempts). A read only, without an index \
+                 of its own: \
                  pending deliveries walk the delivery ids backward past other handlers' rows \
                  (the whole table when the handler has fewer than `limit`); dead letters use \
                  their handler index; completions are read by time (on PostgreSQL every \

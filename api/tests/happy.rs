@@ -410,6 +410,7 @@ async fn event_lookup_shows_each_handlers_delivery(app: TestApp) {
     };
     let published_at = of(&waiting).published_at;
     let due = chrono::DateTime::from_timestamp(4_102_444_800, 0).expect("2100-01-01");
+    let at = chrono::DateTime::from_timestamp(1_780_000_000, 250_000_000).expect("time");
     let w = of(&waiting);
     let r = Reschedule {
         id: w.id,
@@ -418,7 +419,14 @@ async fn event_lookup_shows_each_handlers_delivery(app: TestApp) {
         attempts: 1,
         due_at: due,
         last_error: "HTTP 500".into(),
-        failure: None,
+        failure: Some(lanebus_store::FailedAttempt {
+            attempt: 1,
+            at,
+            status: Some(500),
+            error: None,
+            duration_ms: 31,
+            body: Some("{\"error\":\"database down\"}".into()),
+        }),
     };
     assert_eq!(store.reschedule(&[r]).await.expect("reschedule").len(), 1);
     let d = of(&done);
@@ -436,7 +444,14 @@ async fn event_lookup_shows_each_handlers_delivery(app: TestApp) {
         epoch: 1,
         attempts: 3,
         last_error: "HTTP 404".into(),
-        failure: None,
+        failure: Some(lanebus_store::FailedAttempt {
+            attempt: 3,
+            at,
+            status: None,
+            error: Some(lanebus_store::AttemptError::SsrfGuard),
+            duration_ms: 0,
+            body: None,
+        }),
     };
     assert_eq!(store.dead_letter(&[r]).await.expect("dead letter").len(), 1);
 
@@ -470,13 +485,18 @@ async fn event_lookup_shows_each_handlers_delivery(app: TestApp) {
         "handlers": [
             {"handler_id": waiting, "handler_name": "waiting", "state": "pending",
              "attempts": 1, "next_attempt_at": "checked", "last_error": "HTTP 500",
-             "completed_at": null, "failed_at": null},
+             "completed_at": null, "failed_at": null,
+             "attempt_log": [{"attempt": 1, "at": "2026-05-28T20:26:40.250Z", "status": 500,
+                              "error": null, "duration_ms": 31,
+                              "body": "{\"error\":\"database down\"}"}]},
             {"handler_id": done, "handler_name": "done", "state": "completed",
              "attempts": 2, "next_attempt_at": null, "last_error": null,
-             "completed_at": "checked", "failed_at": null},
+             "completed_at": "checked", "failed_at": null, "attempt_log": []},
             {"handler_id": dead, "handler_name": "dead", "state": "dead_lettered",
              "attempts": 3, "next_attempt_at": null, "last_error": "HTTP 404",
-             "completed_at": null, "failed_at": "checked"},
+             "completed_at": null, "failed_at": "checked",
+             "attempt_log": [{"attempt": 3, "at": "2026-05-28T20:26:40.250Z", "status": null,
+                              "error": "ssrf_guard", "duration_ms": 0, "body": null}]},
         ]
     });
     // Entries come by handler id; handler ids are UUIDv7s in creation
@@ -561,7 +581,14 @@ async fn handler_deliveries_page_each_state(app: TestApp) {
         epoch: 1,
         attempts: 4,
         last_error: "HTTP 404".into(),
-        failure: None,
+        failure: Some(lanebus_store::FailedAttempt {
+            attempt: 4,
+            at: chrono::DateTime::from_timestamp(1_780_000_000, 0).expect("time"),
+            status: Some(404),
+            error: None,
+            duration_ms: 12,
+            body: Some("no such route".into()),
+        }),
     };
     assert_eq!(store.dead_letter(&[r]).await.expect("dead letter").len(), 1);
     let d = of("ord-2");
@@ -583,7 +610,7 @@ async fn handler_deliveries_page_each_state(app: TestApp) {
     let want = json!({"deliveries": [
         {"event_id": "ord-3", "type": "order.paid", "key": "o1", "seq": 2, "lane": p.lane,
          "state": "pending", "attempts": 0, "next_attempt_at": at, "last_error": null,
-         "completed_at": null, "failed_at": null, "dead_letter_id": null}
+         "completed_at": null, "failed_at": null, "dead_letter_id": null, "attempt_log": []}
     ], "next_after": null});
     let mut got = res.json.clone();
     let due = chrono::DateTime::parse_from_rfc3339(
@@ -627,6 +654,11 @@ async fn handler_deliveries_page_each_state(app: TestApp) {
         )
     );
     assert!(dead[0]["failed_at"].is_string() && dead[0]["next_attempt_at"].is_null());
+    assert_eq!(
+        dead[0]["attempt_log"],
+        json!([{"attempt": 4, "at": "2026-05-28T20:26:40Z", "status": 404, "error": null,
+                "duration_ms": 12, "body": "no such route"}])
+    );
 
     let res = app.get(&format!("{base}?state=completed&limit=1000")).await;
     assert_eq!(res.status, StatusCode::OK, "{res:?}");
@@ -649,6 +681,7 @@ async fn handler_deliveries_page_each_state(app: TestApp) {
         )
     );
     assert!(done[0]["completed_at"].is_string(), "{res:?}");
+    assert_eq!(done[0]["attempt_log"], json!([]));
 
     // The other handler: three pending, two pages of two; then one key.
     let theirs = format!("/v1/handlers/{other}/deliveries");
