@@ -15,13 +15,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use lanebus_store::{Delivery, Handler as HandlerConfig, HandlerState};
+use lanebus_store::{
+    AttemptError, Delivery, FailedAttempt, Handler as HandlerConfig, HandlerState,
+};
 use tokio::sync::Semaphore;
 
 use crate::assignment::{OwnerTie, Start};
 use crate::catalog::HandlerCatalog;
 use crate::retry::AttemptOutcome;
-use crate::webhook::WebhookSender;
+use crate::webhook::{AttemptDetail, WebhookSender};
 
 /// URL prefix of in-process handlers: `http://inproc.invalid/NAME`.
 pub const IN_PROCESS_PREFIX: &str = "http://inproc.invalid/";
@@ -93,6 +95,9 @@ pub enum NotAttempted {
 pub struct Sent {
     /// What the handler answered.
     pub outcome: AttemptOutcome,
+    /// The attempt's entry for the delivery's attempt log when it failed;
+    /// `None` when it was delivered.
+    pub failure: Option<FailedAttempt>,
     /// Keeps the attempt counted in the per-lane count
     /// ([`Dispatcher::lane_attempts_in_flight`]): hold it until the
     /// outcome is stored, then drop it.
@@ -279,11 +284,13 @@ impl Dispatcher {
     ) -> Result<Sent, NotAttempted> {
         let semaphore = self.semaphore(handler);
         let Ok(permit) = semaphore.acquire_owned().await else {
+            let detail = AttemptDetail::error(AttemptError::Other);
             return Ok(Sent {
                 outcome: AttemptOutcome::Failed {
                     error: "node shutting down".into(),
                     retry_after: None,
                 },
+                failure: Some(failed_attempt(attempt, chrono::Utc::now(), 0, detail)),
                 counted: AttemptGuard::enter(&self.in_flight, delivery.lane),
             });
         };
@@ -299,10 +306,19 @@ impl Dispatcher {
                 // this check finds the attempt counted.
                 let counted = AttemptGuard::enter(&self.in_flight, delivery.lane);
                 match tie.start(Duration::from_millis(h.timeout_ms)) {
-                    Start::Go => Ok(Sent {
-                        outcome: self.hand_over(&h, delivery, attempt).await,
-                        counted,
-                    }),
+                    Start::Go => {
+                        let at = chrono::Utc::now();
+                        let started = std::time::Instant::now();
+                        let (outcome, detail) = self.hand_over(&h, delivery, attempt).await;
+                        let ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+                        let failure = (outcome != AttemptOutcome::Delivered)
+                            .then(|| failed_attempt(attempt, at, ms, detail));
+                        Ok(Sent {
+                            outcome,
+                            failure,
+                            counted,
+                        })
+                    }
                     Start::Wait => Err(NotAttempted::Paused),
                     Start::Lost => Err(NotAttempted::OwnerGone),
                 }
@@ -326,37 +342,68 @@ impl Dispatcher {
             };
         };
         let _counted = AttemptGuard::enter(&self.in_flight, delivery.lane);
-        self.hand_over(handler, delivery, attempt).await
+        self.hand_over(handler, delivery, attempt).await.0
     }
 
-    /// The hand-over itself, the permit already held.
+    /// The hand-over itself, the permit already held: the outcome and, for
+    /// a failure, what its attempt log keeps (an in-process handler's
+    /// error: class `handler`, its message as the body).
     async fn hand_over(
         &self,
         handler: &HandlerConfig,
         delivery: &Delivery,
         attempt: u32,
-    ) -> AttemptOutcome {
+    ) -> (AttemptOutcome, AttemptDetail) {
         if let Some(name) = in_process_name(&handler.url) {
             let Some(h) = self.in_process.get(name) else {
-                return AttemptOutcome::Failed {
+                let failed = AttemptOutcome::Failed {
                     error: format!("no in-process handler named {name:?} on this node"),
                     retry_after: None,
                 };
+                return (failed, AttemptDetail::error(AttemptError::Other));
             };
             let timeout = Duration::from_millis(handler.timeout_ms.max(1));
             return match tokio::time::timeout(timeout, h.handle(delivery)).await {
-                Ok(Ok(())) => AttemptOutcome::Delivered,
-                Ok(Err(e)) => AttemptOutcome::Failed {
-                    error: e.message,
-                    retry_after: e.retry_after,
-                },
-                Err(_) => AttemptOutcome::Failed {
-                    error: format!("timeout after {} ms", handler.timeout_ms),
-                    retry_after: None,
-                },
+                Ok(Ok(())) => (AttemptOutcome::Delivered, AttemptDetail::default()),
+                Ok(Err(e)) => {
+                    let detail = AttemptDetail {
+                        body: FailedAttempt::body_prefix(e.message.as_bytes()),
+                        ..AttemptDetail::error(AttemptError::Handler)
+                    };
+                    let failed = AttemptOutcome::Failed {
+                        error: e.message,
+                        retry_after: e.retry_after,
+                    };
+                    (failed, detail)
+                }
+                Err(_) => {
+                    let failed = AttemptOutcome::Failed {
+                        error: format!("timeout after {} ms", handler.timeout_ms),
+                        retry_after: None,
+                    };
+                    (failed, AttemptDetail::error(AttemptError::Timeout))
+                }
             };
         }
         self.webhook.send(handler, delivery, attempt).await
+    }
+}
+
+/// The attempt log entry of failed attempt number `attempt`, started at
+/// `at`, after `duration_ms`.
+pub fn failed_attempt(
+    attempt: u32,
+    at: chrono::DateTime<chrono::Utc>,
+    duration_ms: u64,
+    detail: AttemptDetail,
+) -> FailedAttempt {
+    FailedAttempt {
+        attempt,
+        at,
+        status: detail.status,
+        error: detail.error,
+        duration_ms,
+        body: detail.body,
     }
 }
 
@@ -579,6 +626,73 @@ mod tests {
         );
         assert_eq!(dispatcher.attempts_in_flight(), 0);
         assert_eq!(dispatcher.lane_attempts_in_flight(0), 0);
+    }
+
+    /// Fails its first call, then takes every delivery.
+    struct FailOnce {
+        calls: AtomicUsize,
+    }
+
+    #[async_trait]
+    impl Handler for FailOnce {
+        async fn handle(&self, _: &Delivery) -> Result<(), HandlerError> {
+            if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                return Err(HandlerError::new("inventory service down"));
+            }
+            Ok(())
+        }
+    }
+
+    /// A failed attempt carries its attempt log entry (an in-process
+    /// handler's error: class `handler`, its message as the body); a
+    /// successful one carries none, so nothing is written for it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn only_a_failed_attempt_carries_an_attempt_log_entry() {
+        let store = lanebus_store::open("sqlite::memory:").await.expect("store");
+        let h = store
+            .create_handler(in_process_handler("once", 1))
+            .await
+            .expect("handler");
+        let catalog = HandlerCatalog::new(store.clone());
+        catalog.reload_fresh().await.expect("reload");
+        let mut in_process: HashMap<String, Arc<dyn Handler>> = HashMap::new();
+        let once = Arc::new(FailOnce {
+            calls: AtomicUsize::new(0),
+        });
+        in_process.insert("once".into(), once);
+        let dispatcher = Dispatcher::new(
+            WebhookSender::new(lanebus_store::egress::EgressPolicy::default()).expect("sender"),
+            in_process,
+            store.lanes(),
+        );
+        let config = catalog.get(&h.id).expect("cached");
+        let tie = OwnerTie::new(0, 1, crate::assignment::WorkGate::default());
+        let d = delivery(1, &h.id);
+        let first = dispatcher
+            .attempt_checked(&catalog, &tie, &config, &d, 1)
+            .await
+            .expect("sent");
+        assert!(
+            matches!(first.outcome, AttemptOutcome::Failed { .. }),
+            "{first:?}"
+        );
+        let f = first.failure.clone().expect("a log entry");
+        assert_eq!(
+            (f.attempt, f.status, f.error, f.body.as_deref()),
+            (
+                1,
+                None,
+                Some(AttemptError::Handler),
+                Some("inventory service down")
+            )
+        );
+        drop(first);
+        let second = dispatcher
+            .attempt_checked(&catalog, &tie, &config, &d, 2)
+            .await
+            .expect("sent");
+        assert_eq!(second.outcome, AttemptOutcome::Delivered);
+        assert_eq!(second.failure, None, "a success has no log entry");
     }
 
     /// An attempt waiting for its handler's permit when its lane owner

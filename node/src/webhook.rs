@@ -55,7 +55,7 @@ use base64::Engine as _;
 use chrono::{DateTime, SecondsFormat, Utc};
 use hmac::{Hmac, Mac};
 use lanebus_store::egress::{EgressPolicy, Refused};
-use lanebus_store::{Delivery, Handler as HandlerConfig};
+use lanebus_store::{AttemptError, Delivery, FailedAttempt, Handler as HandlerConfig};
 use sha2::Sha256;
 
 use crate::retry::{parse_retry_after, AttemptOutcome};
@@ -226,6 +226,29 @@ pub fn classify(status: u16, retry_after: Option<&str>, now: SystemTime) -> Atte
     }
 }
 
+/// What a failed attempt's log entry keeps besides its number, time and
+/// duration ([`FailedAttempt`]): the HTTP status, the transport error
+/// class, the first bytes of the response body. Empty for a success.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AttemptDetail {
+    /// HTTP status of the answer, if one came.
+    pub status: Option<u16>,
+    /// Transport error class, if the attempt got no answer or lost its body.
+    pub error: Option<AttemptError>,
+    /// [`FailedAttempt::body_prefix`] of the response body (non-2xx only).
+    pub body: Option<String>,
+}
+
+impl AttemptDetail {
+    /// A failure without an HTTP answer.
+    pub fn error(class: AttemptError) -> Self {
+        AttemptDetail {
+            error: Some(class),
+            ..AttemptDetail::default()
+        }
+    }
+}
+
 /// Sends webhooks over one pooled HTTP client (keep-alive, no redirects, no
 /// proxy), to the addresses its [`EgressPolicy`] allows (the SSRF guard).
 #[derive(Clone)]
@@ -306,13 +329,16 @@ impl WebhookSender {
     }
 
     /// Makes attempt number `attempt` (1, 2, ...) of `delivery` to the webhook
-    /// of `handler`, within the handler's `timeout_ms`.
+    /// of `handler`, within the handler's `timeout_ms`; for a failed attempt,
+    /// also what its attempt log keeps ([`AttemptDetail`]; the first
+    /// [`ATTEMPT_BODY_BYTES`](lanebus_store::ATTEMPT_BODY_BYTES) of the
+    /// body of a non-2xx answer are kept while it is drained).
     pub async fn send(
         &self,
         handler: &HandlerConfig,
         delivery: &Delivery,
         attempt: u32,
-    ) -> AttemptOutcome {
+    ) -> (AttemptOutcome, AttemptDetail) {
         let body = build_body(
             &delivery.event_type,
             delivery.published_at,
@@ -323,19 +349,21 @@ impl WebhookSender {
         let signature = match signature_header(handler, &delivery.event_id, sent_at, &body) {
             Ok(s) => s,
             Err(e) => {
-                return AttemptOutcome::Failed {
+                let failed = AttemptOutcome::Failed {
                     error: e.to_string(),
                     retry_after: None,
-                }
+                };
+                return (failed, AttemptDetail::error(AttemptError::Other));
             }
         };
         let url = match self.target(&handler.url) {
             Ok(u) => u,
-            Err(error) => {
-                return AttemptOutcome::Failed {
+            Err((class, error)) => {
+                let failed = AttemptOutcome::Failed {
                     error,
                     retry_after: None,
-                }
+                };
+                return (failed, AttemptDetail::error(class));
             }
         };
         let mut req = self
@@ -361,40 +389,66 @@ impl WebhookSender {
         let mut resp = match req.body(body).send().await {
             Ok(r) => r,
             Err(e) => {
-                return AttemptOutcome::Failed {
+                let failed = AttemptOutcome::Failed {
                     error: transport_error(&e, handler.timeout_ms),
                     retry_after: None,
-                }
+                };
+                return (failed, AttemptDetail::error(error_class(&e)));
             }
         };
         let status = resp.status().as_u16();
+        let success = (200..300).contains(&status);
         let retry_after = resp
             .headers()
             .get(reqwest::header::RETRY_AFTER)
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
+        // The start of a failure's body, for its attempt log.
+        let mut kept: Vec<u8> = Vec::new();
         let mut drained = 0;
         while drained < MAX_DRAIN_BYTES {
             match resp.chunk().await {
-                Ok(Some(c)) => drained += c.len(),
+                Ok(Some(c)) => {
+                    drained += c.len();
+                    if !success && kept.len() <= lanebus_store::ATTEMPT_BODY_BYTES {
+                        let room = lanebus_store::ATTEMPT_BODY_BYTES + 1 - kept.len();
+                        kept.extend_from_slice(&c[..c.len().min(room)]);
+                    }
+                }
                 Ok(None) => break,
-                Err(e) if (200..300).contains(&status) => {
+                Err(e) if success => {
                     // The status counts: the handler answered 2xx.
                     tracing::debug!(error = %e, "response body cut short after 2xx");
                     break;
                 }
                 Err(e) => {
-                    return AttemptOutcome::Failed {
+                    let failed = AttemptOutcome::Failed {
                         error: format!(
                             "http {status}, then {}",
                             transport_error(&e, handler.timeout_ms)
                         ),
                         retry_after: None,
-                    }
+                    };
+                    let detail = AttemptDetail {
+                        status: Some(status),
+                        error: Some(error_class(&e)),
+                        body: FailedAttempt::body_prefix(&kept),
+                    };
+                    return (failed, detail);
                 }
             }
         }
-        classify(status, retry_after.as_deref(), SystemTime::now())
+        let outcome = classify(status, retry_after.as_deref(), SystemTime::now());
+        let detail = if success {
+            AttemptDetail::default()
+        } else {
+            AttemptDetail {
+                status: Some(status),
+                error: None,
+                body: FailedAttempt::body_prefix(&kept),
+            }
+        };
+        (outcome, detail)
     }
 }
 
@@ -403,12 +457,16 @@ impl WebhookSender {
     /// `http` or `https`, and a literal IP address allowed by the policy
     /// (names are checked by [`GuardedResolver`] when connecting, since
     /// reqwest does not resolve literal addresses).
-    fn target(&self, raw: &str) -> Result<reqwest::Url, String> {
-        let url = reqwest::Url::parse(raw).map_err(|e| format!("url {raw:?}: {e}"))?;
+    fn target(&self, raw: &str) -> Result<reqwest::Url, (AttemptError, String)> {
+        let url = reqwest::Url::parse(raw)
+            .map_err(|e| (AttemptError::Other, format!("url {raw:?}: {e}")))?;
         if !matches!(url.scheme(), "http" | "https") {
-            return Err(format!(
-                "refused by the ssrf guard: url scheme {:?} is not http or https",
-                url.scheme()
+            return Err((
+                AttemptError::SsrfGuard,
+                format!(
+                    "refused by the ssrf guard: url scheme {:?} is not http or https",
+                    url.scheme()
+                ),
             ));
         }
         let literal = match url.host() {
@@ -417,9 +475,10 @@ impl WebhookSender {
             _ => None,
         };
         if let Some(ip) = literal {
-            self.policy
-                .check_ip(ip)
-                .map_err(|e| format!("refused by the ssrf guard: the url points to {e}"))?;
+            self.policy.check_ip(ip).map_err(|e| {
+                let error = format!("refused by the ssrf guard: the url points to {e}");
+                (AttemptError::SsrfGuard, error)
+            })?;
         }
         Ok(url)
     }
@@ -448,6 +507,56 @@ fn transport_error(e: &reqwest::Error, timeout_ms: u64) -> String {
     msg
 }
 
+/// The class of a transport error ([`AttemptError`]), from the error and
+/// its causes: the SSRF guard's refusal, then the I/O error kind (refused,
+/// reset, timed out), a rustls error (TLS), the connector's `dns error`,
+/// hyper's closed connection (reset).
+fn error_class(e: &reqwest::Error) -> AttemptError {
+    if e.is_timeout() {
+        return AttemptError::Timeout;
+    }
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(s) = source {
+        if s.downcast_ref::<Refused>().is_some() {
+            return AttemptError::SsrfGuard;
+        }
+        if s.downcast_ref::<rustls::Error>().is_some() {
+            return AttemptError::Tls;
+        }
+        if let Some(io) = s.downcast_ref::<std::io::Error>() {
+            use std::io::ErrorKind as K;
+            // An io::Error's source() skips the error it wraps: look at it.
+            if let Some(inner) = io.get_ref() {
+                if inner.downcast_ref::<Refused>().is_some() {
+                    return AttemptError::SsrfGuard;
+                }
+                if inner.downcast_ref::<rustls::Error>().is_some() {
+                    return AttemptError::Tls;
+                }
+            }
+            match io.kind() {
+                K::ConnectionRefused => return AttemptError::Refused,
+                K::ConnectionReset | K::ConnectionAborted | K::BrokenPipe | K::UnexpectedEof => {
+                    return AttemptError::Reset
+                }
+                K::TimedOut => return AttemptError::Timeout,
+                _ => {}
+            }
+        }
+        let msg = s.to_string();
+        if msg == "dns error" || msg.starts_with("dns error:") {
+            return AttemptError::Dns;
+        }
+        if msg.contains("connection closed before message completed")
+            || msg.contains("connection reset")
+        {
+            return AttemptError::Reset;
+        }
+        source = s.source();
+    }
+    AttemptError::Other
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -460,6 +569,26 @@ mod tests {
     const TS: i64 = 1614265330;
     const PAYLOAD: &[u8] = br#"{"test": 2432232314}"#;
     const EXPECTED: &str = "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=";
+
+    /// A fresh delivery of event `evt_1` (payload `{}`) to `handler_id`.
+    fn test_delivery(handler_id: &str) -> Delivery {
+        Delivery {
+            id: 1,
+            lane: 0,
+            epoch: 1,
+            handler_id: handler_id.into(),
+            event_id: "evt_1".into(),
+            event_type: "a.b".into(),
+            key: None,
+            seq: None,
+            attempts: 0,
+            due_at: Utc::now(),
+            last_error: None,
+            payload: bytes::Bytes::from_static(b"{}"),
+            published_at: Utc::now(),
+            replay: false,
+        }
+    }
 
     /// `with_source_ip` binds every connection to the given local address:
     /// the receiver sees it as the peer (Linux routes all of 127.0.0.0/8 to
@@ -491,30 +620,62 @@ mod tests {
             "created_at": "2026-01-01T00:00:00Z",
         }))
         .unwrap();
-        let delivery = Delivery {
-            id: 1,
-            lane: 0,
-            epoch: 1,
-            handler_id: handler.id.clone(),
-            event_id: "evt_1".into(),
-            event_type: "a.b".into(),
-            key: None,
-            seq: None,
-            attempts: 0,
-            due_at: Utc::now(),
-            last_error: None,
-            payload: bytes::Bytes::from_static(b"{}"),
-            published_at: Utc::now(),
-            replay: false,
-        };
+        let delivery = test_delivery(&handler.id);
         let sender = WebhookSender::with_source_ip(
             EgressPolicy::allow_loopback(),
             Some([127, 0, 0, 7].into()),
         )
         .unwrap();
-        let out = sender.send(&handler, &delivery, 1).await;
+        let (out, detail) = sender.send(&handler, &delivery, 1).await;
         assert!(matches!(out, AttemptOutcome::Delivered), "{out:?}");
+        assert_eq!(detail, AttemptDetail::default(), "a success keeps nothing");
         assert_eq!(peer.await.unwrap().ip().to_string(), "127.0.0.7");
+    }
+
+    /// Transport failures are classed for the attempt log: the SSRF
+    /// guard's refusal, a refused connection, a timeout.
+    #[tokio::test]
+    async fn transport_failures_are_classed() {
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let silent_port = silent.local_addr().unwrap().port();
+        // Accepts and never answers.
+        let _hold = tokio::spawn(async move {
+            let mut socks = Vec::new();
+            while let Ok((sock, _)) = silent.accept().await {
+                socks.push(sock);
+            }
+        });
+        let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let closed_port = closed.local_addr().unwrap().port();
+        drop(closed);
+        let delivery = test_delivery("hdl_x");
+        let handler = |port: u16| {
+            lanebus_store::Handler::registered(
+                "hdl_x".into(),
+                lanebus_store::NewHandler {
+                    name: "n".into(),
+                    url: format!("http://127.0.0.1:{port}/hook"),
+                    event_types: vec!["*".into()],
+                    max_attempts: 1,
+                    timeout_ms: 300,
+                    max_in_flight: 1,
+                    secret: SECRET.into(),
+                    rate_limit: None,
+                },
+                Utc::now(),
+            )
+        };
+        let guarded = WebhookSender::new(EgressPolicy::default()).unwrap();
+        let open = WebhookSender::new(EgressPolicy::allow_loopback()).unwrap();
+        for (sender, port, class) in [
+            (&guarded, closed_port, AttemptError::SsrfGuard),
+            (&open, closed_port, AttemptError::Refused),
+            (&open, silent_port, AttemptError::Timeout),
+        ] {
+            let (out, detail) = sender.send(&handler(port), &delivery, 1).await;
+            assert!(matches!(out, AttemptOutcome::Failed { .. }), "{out:?}");
+            assert_eq!(detail, AttemptDetail::error(class), "{out:?}");
+        }
     }
 
     #[test]

@@ -5,6 +5,8 @@
 mod common;
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context as _};
@@ -489,6 +491,236 @@ async fn deleted_handler_drops_its_deliveries(backend: Backend) -> anyhow::Resul
     node.shutdown().await?;
     db.drop_db().await;
     Ok(())
+}
+
+/// A webhook endpoint on a raw socket, one connection per attempt: the
+/// first gets a `500` with `body`, the second is closed unanswered (the
+/// request read), the third waits for `release` and then gets a `200`.
+/// Returns its URL and the number of connections so far.
+async fn flaky_endpoint(
+    body: String,
+    release: Arc<tokio::sync::Notify>,
+) -> anyhow::Result<(String, Arc<AtomicUsize>)> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}/hook/flaky", listener.local_addr()?);
+    let seen = Arc::new(AtomicUsize::new(0));
+    let count = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            let n = count.fetch_add(1, Ordering::SeqCst) + 1;
+            let (body, release) = (body.clone(), release.clone());
+            tokio::spawn(async move {
+                // The request: headers, then content-length bytes.
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 8192];
+                loop {
+                    let Ok(k) = sock.read(&mut chunk).await else {
+                        return;
+                    };
+                    if k == 0 {
+                        return;
+                    }
+                    buf.extend_from_slice(&chunk[..k]);
+                    let text = String::from_utf8_lossy(&buf).to_lowercase();
+                    if let Some(end) = text.find("\r\n\r\n") {
+                        let len = text[..end]
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .and_then(|v| v.trim().parse::<usize>().ok())
+                            .unwrap_or(0);
+                        if buf.len() >= end + 4 + len {
+                            break;
+                        }
+                    }
+                }
+                let answer = match n {
+                    1 => format!(
+                        "HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n\
+                         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        body.len()
+                    ),
+                    2 => return, // closed without an answer
+                    _ => {
+                        release.notified().await;
+                        "HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n".into()
+                    }
+                };
+                let _ = sock.write_all(answer.as_bytes()).await;
+                let _ = sock.shutdown().await;
+            });
+        }
+    });
+    Ok((url, seen))
+}
+
+/// The attempt log through a real node (Done when of #14): an event to
+/// three handlers; `ok` takes it at once, `flaky` fails twice (a 500 with
+/// a long body, then a connection closed unanswered) and then takes it,
+/// `dead` (nobody listening, 2 attempts) ends a dead letter.
+/// `GET /v1/events/{id}` and the deliveries listings show each state with
+/// its failed attempts; a success adds no entry.
+async fn attempt_log_shows_the_failed_attempts(backend: Backend) -> anyhow::Result<()> {
+    let db = TestDb::new(backend, "attempt_log").await?;
+    let rx = Receiver::start().await?;
+    let release = Arc::new(tokio::sync::Notify::new());
+    // A JSON error body past 1 KiB, multi-byte characters across the cut.
+    let body = format!(
+        r#"{{"error":"database down","detail":"{}"}}"#,
+        "ü".repeat(700)
+    );
+    let (flaky_url, connections) = flaky_endpoint(body.clone(), release.clone()).await?;
+    let node = start_node(&db.url).await?;
+    let api = Api::new(&node.base_url());
+    let ok = api.create_handler("ok", &rx.url("ok"), &["*"], 5).await?;
+    rx.set_secret("ok", &ok.secret);
+    let flaky = api.create_handler("flaky", &flaky_url, &["*"], 5).await?;
+    let dead = api
+        .create_handler("dead", "http://127.0.0.1:9/hook/dead", &["*"], 2)
+        .await?;
+    let event = serde_json::json!({"id": "evt-log-1", "type": "order.paid", "key": "o1", "payload": {"n": 1}});
+    api.publish(&[event], 1).await?;
+
+    let handler_of = |v: &Value, id: &str| -> Value {
+        v["handlers"]
+            .as_array()
+            .and_then(|hs| hs.iter().find(|h| h["handler_id"] == id))
+            .cloned()
+            .unwrap_or(Value::Null)
+    };
+    // Until flaky's third attempt is on the wire and the others are done.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let view = loop {
+        let (status, v) = api.get("/v1/events/evt-log-1").await?;
+        ensure!(status == 200, "lookup answered {status} {v}");
+        let states: Vec<Value> = [&ok.id, &flaky.id, &dead.id]
+            .iter()
+            .map(|id| handler_of(&v, id)["state"].clone())
+            .collect();
+        if connections.load(Ordering::SeqCst) >= 3
+            && states == ["completed", "pending", "dead_lettered"]
+            && handler_of(&v, &flaky.id)["attempts"] == 2
+        {
+            break v;
+        }
+        ensure!(Instant::now() < deadline, "states {states:?}: {v}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+
+    let done = handler_of(&view, &ok.id);
+    ensure!(
+        done["attempts"] == 1 && done["attempt_log"] == serde_json::json!([]),
+        "{done}"
+    );
+
+    let pending = handler_of(&view, &flaky.id);
+    let log = pending["attempt_log"].as_array().context("flaky log")?;
+    ensure!(log.len() == 2, "two failed attempts: {pending}");
+    let kept = log[0]["body"].as_str().context("first body")?;
+    ensure!(
+        (
+            log[0]["attempt"].clone(),
+            log[0]["status"].clone(),
+            log[0]["error"].clone()
+        ) == (1.into(), 500.into(), Value::Null),
+        "{}",
+        log[0]
+    );
+    ensure!(
+        body.starts_with(kept) && kept.len() > 1020 && kept.len() <= 1024,
+        "body prefix of {} bytes: {kept}",
+        kept.len()
+    );
+    ensure!(
+        (
+            log[1]["attempt"].clone(),
+            log[1]["status"].clone(),
+            log[1]["error"].clone(),
+            log[1]["body"].clone()
+        ) == (2.into(), Value::Null, "reset".into(), Value::Null),
+        "{}",
+        log[1]
+    );
+    for f in log {
+        ensure!(f["duration_ms"].is_u64() && f["at"].is_string(), "{f}");
+    }
+    let (status, listed) = api
+        .get(&format!("/v1/handlers/{}/deliveries", flaky.id))
+        .await?;
+    ensure!(status == 200, "{listed}");
+    ensure!(
+        listed["deliveries"][0]["attempt_log"] == pending["attempt_log"],
+        "{listed}"
+    );
+
+    let letter = handler_of(&view, &dead.id);
+    let log = letter["attempt_log"].as_array().context("dead log")?;
+    let seen: Vec<(Value, Value, Value)> = log
+        .iter()
+        .map(|f| {
+            (
+                f["attempt"].clone(),
+                f["status"].clone(),
+                f["error"].clone(),
+            )
+        })
+        .collect();
+    ensure!(
+        seen == [
+            (1.into(), Value::Null, "refused".into()),
+            (2.into(), Value::Null, "refused".into())
+        ],
+        "{letter}"
+    );
+    let (status, listed) = api
+        .get(&format!("/v1/handlers/{}/deliveries?state=dead", dead.id))
+        .await?;
+    ensure!(status == 200, "{listed}");
+    ensure!(
+        listed["deliveries"][0]["attempt_log"] == letter["attempt_log"],
+        "{listed}"
+    );
+
+    // The third attempt succeeds: a completion after 3 attempts, no log.
+    release.notify_one();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (_, v) = api.get("/v1/events/evt-log-1").await?;
+        let h = handler_of(&v, &flaky.id);
+        if h["state"] == "completed" {
+            ensure!(
+                h["attempts"] == 3 && h["attempt_log"] == serde_json::json!([]),
+                "{h}"
+            );
+            break;
+        }
+        ensure!(Instant::now() < deadline, "flaky not completed: {h}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    node.shutdown().await?;
+    db.drop_db().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attempt_log_shows_the_failed_attempts_sqlite() {
+    attempt_log_shows_the_failed_attempts(Backend::Sqlite)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attempt_log_shows_the_failed_attempts_postgres() {
+    attempt_log_shows_the_failed_attempts(Backend::Postgres)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attempt_log_shows_the_failed_attempts_mongodb() {
+    attempt_log_shows_the_failed_attempts(Backend::Mongodb)
+        .await
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -55,8 +55,8 @@ use std::time::Duration;
 use actix::prelude::*;
 use chrono::Utc;
 use lanebus_store::{
-    DeadLetterRequest, Delivery, DeliveryRef, Epoch, Handler as HandlerConfig, HandlerState,
-    Reschedule,
+    AttemptError, DeadLetterRequest, Delivery, DeliveryRef, Epoch, FailedAttempt,
+    Handler as HandlerConfig, HandlerState, Reschedule,
 };
 
 use super::lane_owner::{LaneOwner, Parked, Retrying, Settled, SettledOutcome};
@@ -66,9 +66,10 @@ use super::store_actor::{
 };
 use crate::assignment::{OwnerTie, Start, GATE_RECHECK};
 use crate::catalog::HandlerCatalog;
-use crate::handler::{AttemptGuard, Dispatcher, NotAttempted};
+use crate::handler::{failed_attempt, AttemptGuard, Dispatcher, NotAttempted};
 use crate::metrics;
 use crate::retry::{decide, due_at, AttemptOutcome, Decision, RetryPolicy};
+use crate::webhook::AttemptDetail;
 
 /// Command: attempt this delivery (the head of the key) until it settles.
 #[derive(Debug, Message)]
@@ -180,8 +181,8 @@ impl KeyHandler {
                 .await
         });
         ctx.spawn(send.into_actor(self).map(move |joined, act, ctx| {
-            let (outcome, counted) = match joined {
-                Ok(Ok(sent)) => (sent.outcome, Some(sent.counted)),
+            let (outcome, counted, failure) = match joined {
+                Ok(Ok(sent)) => (sent.outcome, Some(sent.counted), sent.failure),
                 Ok(Err(NotAttempted::OwnerGone)) => return ctx.stop(),
                 Ok(Err(NotAttempted::HandlerDeleted)) => return act.gone(delivery, ctx),
                 Ok(Err(NotAttempted::HandlerDisabled)) => return act.park(delivery),
@@ -199,20 +200,27 @@ impl KeyHandler {
                         retry_after: None,
                     },
                     None,
+                    Some(failed_attempt(
+                        attempt,
+                        Utc::now(),
+                        0,
+                        AttemptDetail::error(AttemptError::Other),
+                    )),
                 ),
             };
-            act.decided(delivery, handler, attempt, outcome, counted, ctx);
+            act.decided(delivery, handler, attempt, (outcome, failure), counted, ctx);
         }));
     }
 
-    /// Records the outcome of an attempt; `counted` keeps the attempt in
-    /// its lane's count until the store answered.
+    /// Records the outcome of an attempt (with its attempt log entry when
+    /// it failed); `counted` keeps the attempt in its lane's count until
+    /// the store answered.
     fn decided(
         &mut self,
         delivery: Delivery,
         handler: Arc<HandlerConfig>,
         attempt: u32,
-        outcome: AttemptOutcome,
+        (outcome, failure): (AttemptOutcome, Option<FailedAttempt>),
         counted: Option<AttemptGuard>,
         ctx: &mut Context<Self>,
     ) {
@@ -254,7 +262,7 @@ impl KeyHandler {
                     attempts: attempt,
                     due_at,
                     last_error: error,
-                    failure: None,
+                    failure,
                 })
             }
             Decision::Disable { error } => {
@@ -267,7 +275,7 @@ impl KeyHandler {
                     attempts: attempt,
                     due_at: Utc::now(),
                     last_error: format!("{error} (handler disabled)"),
-                    failure: None,
+                    failure,
                 })
             }
             Decision::DeadLetter { error } => {
@@ -279,7 +287,7 @@ impl KeyHandler {
                     epoch,
                     attempts: attempt,
                     last_error: error,
-                    failure: None,
+                    failure,
                 })
             }
         };
