@@ -46,7 +46,9 @@ pub struct EventIn {
         example = "evt_42"
     )]
     pub id: Option<String>,
-    /// Dotted event type such as `issues.opened`.
+    /// Dotted event type such as `issues.opened`. Types starting with
+    /// `lanebus.` are reserved for lanebus's operational events (`422
+    /// invalid_event`).
     #[serde(rename = "type")]
     #[schema(
         min_length = 1,

@@ -34,6 +34,9 @@
 //! ([`HandlerCatalog::set_auto_disable_after`], default
 //! [`DEFAULT_AUTO_DISABLE_AFTER`], 5 days) disables the handler with reason
 //! `failing`, like a `410` does with reason `gone`. The catalog writes it.
+//!
+//! Failed attempts of ordinary events also tell `lanebus.handler.failing`
+//! ([`HandlerCatalog::record_attempt`], [`crate::operational`]).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -45,6 +48,7 @@ use lanebus_store::{Handler as HandlerConfig, HandlerState, Store, StoreError};
 use tokio::sync::{watch, Mutex, Notify};
 
 use crate::auto_disable::{self, Step, Written};
+use crate::operational::FailingTold;
 
 /// Default auto-disable period: a handler failing without a success for 5
 /// days is disabled (issue #4).
@@ -57,6 +61,8 @@ pub struct HandlerCatalog {
     /// Per handler: the auto-disable change last asked for, and the
     /// catalog entry it was asked for against.
     failing_written: std::sync::Mutex<Written>,
+    /// Per handler, the hour of its run of failures told last.
+    failing_told: std::sync::Mutex<FailingTold>,
     store: Arc<dyn Store>,
     handlers: RwLock<Arc<HashMap<String, Arc<HandlerConfig>>>>,
     /// Number of the last reload started (under `lock`).
@@ -77,6 +83,7 @@ impl HandlerCatalog {
         HandlerCatalog {
             auto_disable_after_ms: AtomicU64::new(DEFAULT_AUTO_DISABLE_AFTER.as_millis() as u64),
             failing_written: std::sync::Mutex::default(),
+            failing_told: std::sync::Mutex::default(),
             store,
             handlers: RwLock::new(Arc::new(HashMap::new())),
             started: AtomicU64::new(0),
@@ -86,6 +93,11 @@ impl HandlerCatalog {
             version: watch::channel(0).0,
             changed: Notify::new(),
         }
+    }
+
+    /// The store the catalog reads.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
     }
 
     /// The handler with this id, as of the last reload.
@@ -178,10 +190,56 @@ impl HandlerCatalog {
         Duration::from_millis(self.auto_disable_after_ms.load(Ordering::SeqCst))
     }
 
+    /// Records the outcome of an attempt to deliver an event of type
+    /// `event_type`: [`record_outcome`](Self::record_outcome), and for a
+    /// failure of an ordinary (not operational) event, the
+    /// `lanebus.handler.failing` event of its hour of the handler's run of
+    /// failures ([`crate::operational`]).
+    pub fn record_attempt(self: &Arc<Self>, handler_id: &str, event_type: &str, success: bool) {
+        let tell = !success && !lanebus_store::operational::is_operational(event_type);
+        if tell {
+            if let Some(h) = self.get(handler_id) {
+                if let Some(since) = h.failing_since {
+                    self.tell_failing(&h, since, chrono::Utc::now());
+                }
+            }
+        }
+        self.record(handler_id, success, tell);
+    }
+
     /// Records an attempt's outcome for auto-disable (see the module docs):
     /// cheap when nothing is to be written; store writes run in a spawned
     /// task (needs a tokio runtime).
     pub fn record_outcome(self: &Arc<Self>, handler_id: &str, success: bool) {
+        self.record(handler_id, success, false);
+    }
+
+    /// Publishes (in a spawned task) the `lanebus.handler.failing` event of
+    /// `h`'s run of failures started at `since`, for a failure at `now`,
+    /// unless this node told that hour already.
+    fn tell_failing(
+        self: &Arc<Self>,
+        h: &HandlerConfig,
+        since: chrono::DateTime<chrono::Utc>,
+        now: chrono::DateTime<chrono::Utc>,
+    ) {
+        let due = self
+            .failing_told
+            .lock()
+            .expect("not poisoned")
+            .due(&h.id, since, now);
+        if let Some(hour) = due {
+            let event = lanebus_store::operational::failing(h, since, hour, now);
+            let store = self.store.clone();
+            tokio::spawn(async move {
+                lanebus_store::operational::publish(store.as_ref(), event).await
+            });
+        }
+    }
+
+    /// [`record_outcome`](Self::record_outcome); `tell`: a failure that
+    /// marks the start of a run tells it once the mark is written.
+    fn record(self: &Arc<Self>, handler_id: &str, success: bool, tell: bool) {
         let Some(h) = self.get(handler_id) else {
             return;
         };
@@ -206,6 +264,15 @@ impl HandlerCatalog {
         if let Step::Mark { failing } = step {
             tokio::spawn(async move {
                 match me.store.mark_handler_failing(&id, failing, now).await {
+                    Ok(()) if failing && tell => {
+                        me.changed.notify_one();
+                        // The mark as stored (another node's may have won).
+                        if let Ok(h) = me.store.get_handler(&id).await {
+                            if let Some(since) = h.failing_since {
+                                me.tell_failing(&h, since, now);
+                            }
+                        }
+                    }
                     Ok(()) => me.changed.notify_one(),
                     Err(e) => {
                         tracing::debug!(handler = %id, error = %e, "could not record the handler's failure run")

@@ -30,6 +30,7 @@ pub mod clock;
 pub mod handler;
 pub mod metrics;
 pub mod node;
+pub mod operational;
 pub mod ordering;
 pub mod rate;
 pub mod retention;

@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context as _};
-use common::{start_node, test_options, Api, Backend, TestDb};
+use common::{fail_always, start_node, test_options, Api, Backend, TestDb};
 use lanebus_node::webhook;
 use lanebus_store::{HandlerState, NewEvent, NewHandler, Store};
 use lanebus_testkit::receiver::{Action, Expected, Receiver, Rule};
@@ -65,18 +65,6 @@ fn expected_of(handler: &str, events: &[Value]) -> Vec<Expected> {
             key: e["key"].as_str().map(str::to_owned),
         })
         .collect()
-}
-
-/// Makes the receiver answer `500` to every request of `handler`.
-fn fail_always(rx: &Receiver, handler: &str) {
-    rx.add_rule(Rule {
-        handler: Some(handler.into()),
-        key: None,
-        action: Action::Status {
-            status: 500,
-            retry_after: None,
-        },
-    });
 }
 
 async fn state_of(api: &Api, id: &str) -> anyhow::Result<String> {

@@ -54,6 +54,19 @@ impl PublishPlan {
     /// missing ids, computes lanes and drops ids repeated within the batch.
     pub fn new(events: Vec<NewEvent>, lanes: u16) -> Result<Self> {
         rules::event::batch(&events, Utc::now())?;
+        Ok(Self::checked(events, lanes))
+    }
+
+    /// As [`new`](Self::new), for lanebus's own operational events
+    /// ([`rules::event::operational_batch`]).
+    #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mongodb"))]
+    pub fn operational(events: Vec<NewEvent>, lanes: u16) -> Result<Self> {
+        rules::event::operational_batch(&events, Utc::now())?;
+        Ok(Self::checked(events, lanes))
+    }
+
+    /// The plan of a batch whose events passed their rules.
+    fn checked(events: Vec<NewEvent>, lanes: u16) -> Self {
         let mut seen = HashSet::with_capacity(events.len());
         let mut ids = Vec::with_capacity(events.len());
         let mut fresh = Vec::with_capacity(events.len());
@@ -77,11 +90,11 @@ impl PublishPlan {
                 deliver_at: e.deliver_at,
             });
         }
-        Ok(PublishPlan {
+        PublishPlan {
             ids,
             fresh,
             duplicates,
-        })
+        }
     }
 
     #[cfg(any(feature = "sqlite", feature = "mongodb"))]

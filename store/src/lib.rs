@@ -75,6 +75,7 @@ pub use common::MAX_BATCH;
 mod group;
 pub use group::{GroupStats, GROUP_EVENTS, GROUP_PAYLOAD_BYTES};
 pub mod egress;
+pub mod operational;
 mod state;
 pub use state::change_state;
 pub mod lane;
@@ -987,6 +988,27 @@ pub trait Store: Send + Sync + 'static {
     /// [`StoreError::Invalid`] for an event breaking [`NewEvent::validate`]
     /// (nothing is written); [`StoreError::Unavailable`]/[`StoreError::Timeout`]/[`StoreError::Database`].
     async fn publish(&self, events: Vec<NewEvent>) -> Result<PublishOutcome>;
+
+    /// Publishes lanebus's own operational events ([`operational`]) as
+    /// [`publish`](Self::publish) does (one transaction, group commit,
+    /// idempotent ids), with the reverse type rule: every event's type must
+    /// start with the reserved `lanebus.` prefix, which `publish` refuses.
+    /// Only lanebus itself calls it.
+    ///
+    /// Provided: refuses everything, for stores (wrappers, test doubles)
+    /// that do not publish operational events.
+    ///
+    /// # Errors
+    /// [`StoreError::Invalid`] for an event breaking
+    /// [`rules::event::check_operational`] (nothing is written);
+    /// [`StoreError::Unavailable`]/[`StoreError::Timeout`]/[`StoreError::Database`].
+    async fn publish_operational(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
+        let _ = events;
+        Err(StoreError::Invalid(format!(
+            "the {} store does not publish operational events",
+            self.backend()
+        )))
+    }
 
     /// Raises `lane`'s epoch to `epoch` and records `owner`, if the stored
     /// epoch is lower. Returns `true` when the caller now holds `epoch`.

@@ -2,7 +2,11 @@
 //!
 //! A route is an exact event type (`issues.opened`) or a prefix pattern
 //! ending in `*` (`issues.*`, `inv*`, `*`): the pattern `p*` matches every type
-//! that starts with `p`.
+//! that starts with `p`, except the reserved `lanebus.` types (lanebus's
+//! operational events, [`crate::operational`]): only a route that itself
+//! starts with `lanebus.` matches those (`lanebus.*`, `lanebus.handler.*`,
+//! `lanebus.handler.disabled`), so `*` and other catch-alls do not receive
+//! them unasked.
 
 use crate::Result;
 
@@ -24,10 +28,14 @@ pub fn validate_pattern(p: &str) -> Result<()> {
     Ok(crate::rules::route::pattern(p)?)
 }
 
-/// Whether `pattern` matches `event_type`.
+/// Whether `pattern` matches `event_type` (see the module docs for the
+/// reserved `lanebus.` types).
 pub fn matches(pattern: &str, event_type: &str) -> bool {
+    use crate::rules::event::is_reserved;
     match pattern.strip_suffix('*') {
-        Some(prefix) => event_type.starts_with(prefix),
+        Some(prefix) => {
+            event_type.starts_with(prefix) && (!is_reserved(event_type) || is_reserved(pattern))
+        }
         None => pattern == event_type,
     }
 }
@@ -49,5 +57,17 @@ mod tests {
         assert!(!matches("issues.*", "issue_comment.created"));
         assert!(matches("push", "push"));
         assert!(!matches("push", "push.x"));
+    }
+
+    #[test]
+    fn only_lanebus_routes_match_lanebus_types() {
+        let t = "lanebus.handler.disabled";
+        for p in ["lanebus.*", "lanebus.handler.*", t, "lanebus.h*"] {
+            assert!(matches(p, t), "{p}");
+        }
+        for p in ["*", "l*", "lanebus*", "lanebus.delivery.*"] {
+            assert!(!matches(p, t), "{p}");
+        }
+        assert!(matches("lane*", "lanes.x"), "ordinary types as before");
     }
 }

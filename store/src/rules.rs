@@ -9,7 +9,7 @@
 //! | entity | field | rule |
 //! | --- | --- | --- |
 //! | event | `id` | 1 to 128 printable ASCII characters without spaces |
-//! | event | `type` | 1 to 128 characters of `[A-Za-z0-9._:/-]` |
+//! | event | `type` | 1 to 128 characters of `[A-Za-z0-9._:/-]`; not starting with `lanebus.` (reserved for the operational events lanebus publishes itself, [`crate::operational`]) |
 //! | event | `key` | 1 to 256 bytes, no control characters |
 //! | event | `payload` | at most 1 MiB, nested at most 128 deep |
 //! | event | `deliver_at` | at most 7 days ahead |
@@ -60,6 +60,8 @@ pub enum Rule {
     Depth,
     /// A time too far ahead.
     Horizon,
+    /// A name reserved for lanebus itself (the `lanebus.` event types).
+    Reserved,
 }
 
 /// A broken rule: which field, which kind of rule, and a message for
@@ -259,7 +261,35 @@ pub mod event {
         Ok(())
     }
 
-    /// Checks one event, field by field, at `now`.
+    /// Prefix of the event types lanebus publishes itself (its operational
+    /// events, [`crate::operational`]); no one else may publish them.
+    pub const RESERVED_PREFIX: &str = "lanebus.";
+
+    /// Whether `t` is an event type under [`RESERVED_PREFIX`].
+    pub fn is_reserved(t: &str) -> bool {
+        t.starts_with(RESERVED_PREFIX)
+    }
+
+    /// Checks that an event type is not reserved ([`RESERVED_PREFIX`]).
+    ///
+    /// # Errors
+    /// [`Rule::Reserved`] on `type`, naming the type.
+    pub fn unreserved(t: &str) -> Result<(), Broken> {
+        if is_reserved(t) {
+            return Err(Broken::new(
+                "type",
+                Rule::Reserved,
+                format!(
+                    "event type {t:?} is reserved: types starting with {RESERVED_PREFIX:?} are \
+                     lanebus's own operational events"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks one event, field by field, at `now`; its type must not be
+    /// reserved ([`unreserved`]).
     ///
     /// # Errors
     /// The first [`Broken`] rule, naming the field.
@@ -268,6 +298,36 @@ pub mod event {
             id(v)?;
         }
         route::event_type(&e.event_type)?;
+        unreserved(&e.event_type)?;
+        fields(e, now)
+    }
+
+    /// Checks one of lanebus's own operational events at `now`: as
+    /// [`check`], but its type must be reserved ([`is_reserved`]).
+    ///
+    /// # Errors
+    /// The first [`Broken`] rule, naming the field.
+    pub fn check_operational(e: &NewEvent, now: DateTime<Utc>) -> Result<(), Broken> {
+        if let Some(v) = &e.id {
+            id(v)?;
+        }
+        route::event_type(&e.event_type)?;
+        if !is_reserved(&e.event_type) {
+            return Err(Broken::new(
+                "type",
+                Rule::Form,
+                format!(
+                    "event type {:?} is no operational event type (those start with \
+                     {RESERVED_PREFIX:?})",
+                    e.event_type
+                ),
+            ));
+        }
+        fields(e, now)
+    }
+
+    /// The rules of key, payload and delivery time.
+    fn fields(e: &NewEvent, now: DateTime<Utc>) -> Result<(), Broken> {
         if let Some(k) = &e.key {
             key(k)?;
         }
@@ -300,9 +360,26 @@ pub mod event {
     /// # Errors
     /// The first [`Broken`] rule.
     pub fn batch(events: &[NewEvent], now: DateTime<Utc>) -> Result<(), Broken> {
+        batch_with(events, now, check)
+    }
+
+    /// As [`batch`], for lanebus's own operational events
+    /// ([`check_operational`]).
+    ///
+    /// # Errors
+    /// The first [`Broken`] rule.
+    pub fn operational_batch(events: &[NewEvent], now: DateTime<Utc>) -> Result<(), Broken> {
+        batch_with(events, now, check_operational)
+    }
+
+    fn batch_with(
+        events: &[NewEvent],
+        now: DateTime<Utc>,
+        each: fn(&NewEvent, DateTime<Utc>) -> Result<(), Broken>,
+    ) -> Result<(), Broken> {
         batch_len(events.len())?;
         for (i, e) in events.iter().enumerate() {
-            check(e, now).map_err(|b| b.within(&format!("events[{i}]")))?;
+            each(e, now).map_err(|b| b.within(&format!("events[{i}]")))?;
         }
         Ok(())
     }
@@ -859,6 +936,34 @@ mod tests {
         let b = event::batch(&many, now).unwrap_err();
         assert_eq!((b.field.as_str(), b.rule), ("events", Rule::Length));
         assert!(event::batch(&many[1..], now).is_ok());
+    }
+
+    /// Only lanebus publishes `lanebus.` types: every other way in is
+    /// refused, and its own path takes nothing else.
+    #[test]
+    fn the_lanebus_prefix_is_reserved() {
+        let now = chrono::Utc::now();
+        let mut e = ev(None, Some("k"));
+        e.event_type = "lanebus.handler.disabled".into();
+        let b = event::check(&e, now).unwrap_err();
+        assert_eq!((b.field.as_str(), b.rule), ("type", Rule::Reserved));
+        assert!(b.message.contains("reserved"), "{b}");
+        assert!(e.validate().is_err());
+        assert!(event::check_operational(&e, now).is_ok());
+        let b = event::batch(&[ev(None, None), e.clone()], now).unwrap_err();
+        assert_eq!(b.field, "events[1].type");
+        assert!(event::operational_batch(&[e.clone()], now).is_ok());
+        // Its other rules hold for lanebus too.
+        e.key = Some(String::new());
+        assert_eq!(event::check_operational(&e, now).unwrap_err().field, "key");
+        // Near misses are ordinary types.
+        for t in ["lanebus", "lanebusx.y", "my.lanebus.x", "Lanebus.x"] {
+            let mut e = ev(None, None);
+            e.event_type = t.into();
+            assert!(e.validate().is_ok(), "{t}");
+            let b = event::operational_batch(&[e], now).unwrap_err();
+            assert_eq!(b.field, "events[0].type", "{t}");
+        }
     }
 
     #[test]

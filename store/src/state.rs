@@ -1,13 +1,15 @@
-//! Enabling and disabling a handler, counted and logged once: the one step
-//! of every enable and disable (the API's, a `410 Gone` answer's, the
-//! node's auto-disable).
+//! Enabling and disabling a handler, counted, logged and told once (its
+//! operational event, [`crate::operational`]): the one step of every enable
+//! and disable (the API's, a `410 Gone` answer's, the node's auto-disable).
 //!
 //! | metric | type | labels | incremented by |
 //! | --- | --- | --- | --- |
 //! | `lanebus_handlers_disabled_total` | counter | `handler`, `reason` | enabled handlers disabled by [`change_state`] |
 //! | `lanebus_handlers_enabled_total` | counter | | disabled handlers enabled by [`change_state`] |
 
-use crate::{HandlerState, StateChange, Store, StoreError};
+use chrono::Utc;
+
+use crate::{operational, HandlerState, StateChange, Store, StoreError};
 
 /// Sets handler `id` to `to`, recording `reason` in its `state_reason`
 /// (`api`: an operator; `gone`: a `410` answer; `failing`: the node's
@@ -16,7 +18,11 @@ use crate::{HandlerState, StateChange, Store, StoreError};
 /// setting the same state, on this node or any other, exactly one changed
 /// it: that one is counted, in `lanebus_handlers_disabled_total{handler,
 /// reason}` or `lanebus_handlers_enabled_total`, and logged. Setting the
-/// state a handler already has counts and logs nothing.
+/// state a handler already has counts and logs nothing. Then publishes the
+/// change's operational event (`lanebus.handler.disabled` or `.enabled`,
+/// [`operational::state_changed`]; again, same id, when the change was
+/// made less than an hour ago) before answering, so changes made one after
+/// the other are told in their order.
 ///
 /// # Errors
 /// The store's: [`StoreError::NotFound`] if there is no such handler.
@@ -33,7 +39,15 @@ pub async fn change_state(
             HandlerState::Disabled => handler_disabled(id, reason),
         }
     }
+    tell_state_change(store, &change).await;
     Ok(change)
+}
+
+/// Publishes the operational event of `change` (see [`change_state`]).
+async fn tell_state_change(store: &dyn Store, change: &StateChange) {
+    if let Some(e) = operational::state_changed(&change.handler, change.changed(), Utc::now()) {
+        operational::publish(store, e).await;
+    }
 }
 
 /// A handler was enabled (`was` is its state before).

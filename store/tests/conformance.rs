@@ -409,6 +409,7 @@ conformance!(
     lookup_event_shows_each_handlers_delivery_state,
     handler_deliveries_page_newest_first_per_state,
     attempt_log_keeps_the_last_failed_attempts,
+    operational_types_are_reserved_and_routed_apart,
 );
 
 // ---------------------------------------------------------------------------
@@ -4641,4 +4642,73 @@ async fn attempt_log_keeps_the_last_failed_attempts(h: &dyn Harness) {
         "{state:?}"
     );
     assert_eq!(log, vec![]);
+}
+
+/// The `lanebus.` types are lanebus's own (operational events): `publish`
+/// and `publish_in` refuse them, storing nothing; `publish_operational`
+/// takes only them, idempotently by id; only routes that start with
+/// `lanebus.` receive them (not `*`).
+async fn operational_types_are_reserved_and_routed_apart(h: &dyn Harness) {
+    let s = h.store();
+    let all = handler(&*s, "all", &["*"]).await;
+    let ops = handler(&*s, "ops", &["lanebus.*"]).await;
+    let exact = handler(&*s, "exact", &["lanebus.handler.disabled"]).await;
+    let near = handler(&*s, "near", &["lanebus*"]).await;
+    let op = ev(Some("lbop_1"), "lanebus.handler.disabled", Some(&all.id));
+
+    let err = s.publish(vec![op.clone()]).await.expect_err("reserved");
+    assert!(
+        matches!(&err, StoreError::Invalid(m) if m.contains("reserved")),
+        "{err}"
+    );
+    let err = h
+        .publish_in_many(vec![vec![op.clone()]], true)
+        .await
+        .expect_err("reserved in the caller's transaction too");
+    assert!(matches!(&err, StoreError::Invalid(_)), "{err}");
+    let err = s
+        .publish_operational(vec![ev(Some("o1"), "orders.placed", None)])
+        .await
+        .expect_err("only operational types");
+    assert!(matches!(&err, StoreError::Invalid(_)), "{err}");
+    assert_eq!(counts(&*s).await, StoreCounts::default(), "nothing stored");
+
+    let out = s
+        .publish_operational(vec![op.clone()])
+        .await
+        .expect("operational publish");
+    assert_eq!((out.accepted, out.duplicates), (1, 0));
+    let out = s.publish_operational(vec![op]).await.expect("again");
+    assert_eq!(
+        (out.accepted, out.duplicates),
+        (0, 1),
+        "same id: stored once"
+    );
+    s.publish(vec![ev(Some("n1"), "lanebusx.y", None)])
+        .await
+        .expect("a near miss is an ordinary type");
+
+    let ds = claim_all(&*s).await;
+    let mut got: Vec<(&str, &str)> = ds
+        .iter()
+        .map(|d| {
+            let name = [&all, &ops, &exact, &near]
+                .into_iter()
+                .find(|x| x.id == d.handler_id)
+                .map_or("?", |x| x.name.as_str());
+            (d.event_id.as_str(), name)
+        })
+        .collect();
+    got.sort_unstable();
+    assert_eq!(
+        got,
+        vec![
+            ("lbop_1", "exact"),
+            ("lbop_1", "ops"),
+            ("n1", "all"),
+            ("n1", "near"),
+        ]
+    );
+    let d = ds.iter().find(|d| d.event_id == "lbop_1").expect("claimed");
+    assert_eq!((d.key.as_deref(), d.seq), (Some(all.id.as_str()), Some(1)));
 }

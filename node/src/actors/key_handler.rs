@@ -233,9 +233,11 @@ impl KeyHandler {
             &outcome,
             rand::random::<f64>(),
         );
-        self.deps
-            .catalog
-            .record_outcome(&handler.id, matches!(decision, Decision::Complete));
+        self.deps.catalog.record_attempt(
+            &handler.id,
+            &delivery.event_type,
+            matches!(decision, Decision::Complete),
+        );
         let record = match decision {
             Decision::Complete => {
                 metrics::delivery_outcome(&handler.id, "completed");
@@ -319,7 +321,14 @@ impl KeyHandler {
             match res {
                 Ok(true) => match record {
                     Record::Complete(_) => act.settle(id, SettledOutcome::Completed, ctx),
-                    Record::DeadLetter(_) => act.settle(id, SettledOutcome::DeadLettered, ctx),
+                    Record::DeadLetter(r) => {
+                        crate::operational::tell_dead_letter(
+                            act.deps.catalog.store(),
+                            &delivery,
+                            &r,
+                        );
+                        act.settle(id, SettledOutcome::DeadLettered, ctx)
+                    }
                     Record::Reschedule(r) => {
                         delivery.attempts = r.attempts;
                         delivery.due_at = r.due_at;

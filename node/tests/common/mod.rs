@@ -224,6 +224,18 @@ pub fn test_options(url: &str) -> NodeOptions {
     o
 }
 
+/// Makes the receiver answer `500` to every request of `handler`.
+pub fn fail_always(rx: &lanebus_testkit::receiver::Receiver, handler: &str) {
+    rx.add_rule(lanebus_testkit::receiver::Rule {
+        handler: Some(handler.into()),
+        key: None,
+        action: lanebus_testkit::receiver::Action::Status {
+            status: 500,
+            retry_after: None,
+        },
+    });
+}
+
 /// Starts a node on `url` with [`test_options`].
 pub async fn start_node(url: &str) -> anyhow::Result<NodeHandle> {
     Ok(lanebus_node::start(test_options(url)).await?)

@@ -45,6 +45,9 @@ impl Store for Wrapped {
     async fn publish(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
         self.inner.publish(events).await
     }
+    async fn publish_operational(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
+        self.inner.publish_operational(events).await
+    }
     async fn fence(&self, lane: Lane, owner: &str, epoch: Epoch) -> Result<bool> {
         self.inner.fence(lane, owner, epoch).await
     }

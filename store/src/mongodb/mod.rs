@@ -627,6 +627,11 @@ impl Store for MongoStore {
         self.group.publish(self, plan).await
     }
 
+    async fn publish_operational(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
+        let plan = PublishPlan::operational(events, self.lanes)?;
+        self.group.publish(self, plan).await
+    }
+
     async fn fence(&self, lane: Lane, owner: &str, epoch: Epoch) -> Result<bool> {
         dispatch::fence(self, lane, owner, epoch).await
     }

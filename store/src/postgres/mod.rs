@@ -434,6 +434,11 @@ impl Store for PgStore {
         self.group.publish(self, plan).await
     }
 
+    async fn publish_operational(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
+        let plan = PublishPlan::operational(events, self.lanes)?;
+        self.group.publish(self, plan).await
+    }
+
     async fn fence(&self, lane: Lane, owner: &str, epoch: Epoch) -> Result<bool> {
         dispatch::fence(&self.pool, lane, owner, epoch).await
     }

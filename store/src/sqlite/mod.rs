@@ -274,6 +274,11 @@ impl Store for SqliteStore {
         self.group.publish(self, plan).await
     }
 
+    async fn publish_operational(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
+        let plan = PublishPlan::operational(events, self.lanes)?;
+        self.group.publish(self, plan).await
+    }
+
     async fn fence(&self, lane: Lane, owner: &str, epoch: Epoch) -> Result<bool> {
         let (_guard, mut tx) = self.begin_write().await?;
         let held = dispatch::fence(&mut tx, lane, owner, epoch).await?;

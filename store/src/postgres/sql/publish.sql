@@ -50,7 +50,9 @@ ev AS (
 ),
 dl AS (
     -- One delivery per handler whose route matches: the exact type, or a
-    -- pattern ending in '*' whose prefix starts the type. Disabled handlers
+    -- pattern ending in '*' whose prefix starts the type (a reserved
+    -- 'lanebus.' type only for a pattern starting with 'lanebus.' too:
+    -- route.rs). Disabled handlers
     -- count too (their deliveries are kept until they are enabled). Matched
     -- here so handlers registered by other nodes count without a cache.
     -- Inserted in sequence order so a key's delivery ids follow its
@@ -69,7 +71,9 @@ dl AS (
     JOIN handlers h
       ON EXISTS (
             SELECT 1 FROM unnest(h.event_types) AS p
-            WHERE p = n.type OR (right(p, 1) = '*' AND starts_with(n.type, left(p, -1)))
+            WHERE p = n.type
+               OR (right(p, 1) = '*' AND starts_with(n.type, left(p, -1))
+                   AND (NOT starts_with(n.type, 'lanebus.') OR starts_with(p, 'lanebus.')))
          )
     ORDER BY n.seq, n.id, h.pos
     RETURNING 1

@@ -3,7 +3,8 @@
 -- that per key the delivery ids follow the sequence numbers. Routes are
 -- matched here, in SQL, so a handler registered by another process is
 -- seen without a cache: exact type, or a pattern ending in '*' whose prefix
--- starts the type. ?1: JSON array of [event id, deliver_at (µs) or null]
+-- starts the type (a reserved 'lanebus.' type only for a pattern that starts
+-- with 'lanebus.' too: route.rs). ?1: JSON array of [event id, deliver_at (µs) or null]
 -- for the new events in batch order; ?2: due_at (µs) of those without.
 INSERT INTO deliveries (lane, handler_id, event_id, key, seq, attempts, due_at, held)
 SELECT e.lane, h.id, e.id, e.key, e.seq, 0, coalesce(json_extract(b.value, '$[1]'), ?2),
@@ -14,6 +15,7 @@ JOIN handlers h ON EXISTS (
         SELECT 1 FROM json_each(h.event_types) AS p
         WHERE p.value = e.type
            OR (substr(p.value, -1) = '*'
-               AND substr(e.type, 1, length(p.value) - 1) = substr(p.value, 1, length(p.value) - 1))
+               AND substr(e.type, 1, length(p.value) - 1) = substr(p.value, 1, length(p.value) - 1)
+               AND (substr(e.type, 1, 8) <> 'lanebus.' OR substr(p.value, 1, 8) = 'lanebus.'))
     )
 ORDER BY b.key, h.rowid
