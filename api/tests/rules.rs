@@ -122,6 +122,15 @@ fn cases() -> Vec<Case> {
             "events[0].type",
         ),
         bad("empty type", event(json!({"type": ""})), "events[0].type"),
+        bad(
+            "type reserved for operational events",
+            event(json!({"type": "lanebus.handler.disabled"})),
+            "events[0].type",
+        ),
+        ok(
+            "type near the reserved prefix",
+            event(json!({"type": "lanebusx.a"})),
+        ),
         ok("key of 256", event(json!({"key": "k".repeat(256)}))),
         bad(
             "key of 257",
