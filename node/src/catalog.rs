@@ -144,9 +144,10 @@ impl HandlerCatalog {
         self.get(id)
     }
 
-    /// Sets a handler's state in the store (a `410 Gone` disables it) and
-    /// reloads the catalog, so this node's lanes see the change at once.
-    /// Returns the handler as stored.
+    /// Sets a handler's state in the store by hand (reason `api`, like
+    /// [`set_state_because`](Self::set_state_because): counted, logged and
+    /// told) and reloads the catalog, so this node's lanes see the change
+    /// at once. Returns the handler as stored.
     ///
     /// # Errors
     /// The store's error ([`StoreError::NotFound`] if the handler is gone).
@@ -155,16 +156,15 @@ impl HandlerCatalog {
         id: &str,
         state: HandlerState,
     ) -> Result<HandlerConfig, StoreError> {
-        let handler = self.store.set_handler_state(id, state).await?;
-        self.reload_fresh().await?;
-        Ok(handler)
+        Ok(self.set_state_because(id, state, "api").await?.handler)
     }
 
-    /// As [`set_state`](Self::set_state), recording `reason` (`gone`,
-    /// `failing`, ...) in the handler's `state_reason`, through
+    /// Sets a handler's state in the store, recording `reason` (`gone`,
+    /// `failing`, `api`) in the handler's `state_reason`, through
     /// [`lanebus_store::change_state`]: a disable is counted
     /// (`lanebus_handlers_disabled_total{reason}`) and logged only by the
-    /// call that changed the state ([`StateChange::changed`]).
+    /// call that changed the state ([`StateChange::changed`]), and its
+    /// operational event published; then reloads the catalog.
     ///
     /// # Errors
     /// The store's error ([`StoreError::NotFound`] if the handler is gone).

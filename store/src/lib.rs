@@ -1066,6 +1066,8 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// Provided: [`change_handler_state`](Self::change_handler_state) with
     /// the reason `api`.
+    /// Publishes no operational event ([`operational`]): the node's
+    /// enables and disables go through [`change_state`], which does.
     ///
     /// # Errors
     /// [`StoreError::NotFound`] if absent.
