@@ -1066,8 +1066,10 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// Provided: [`change_handler_state`](Self::change_handler_state) with
     /// the reason `api`.
-    /// Publishes no operational event ([`operational`]): the node's
-    /// enables and disables go through [`change_state`], which does.
+    /// Publishes the change's operational event as
+    /// [`change_handler_state`](Self::change_handler_state) does; the
+    /// node's enables and disables go through [`change_state`], which also
+    /// counts and logs them.
     ///
     /// # Errors
     /// [`StoreError::NotFound`] if absent.
@@ -1082,7 +1084,10 @@ pub trait Store: Send + Sync + 'static {
     /// the state it had before, read in the same atomic step as the write
     /// (a row lock, the write transaction, or one `findOneAndUpdate`): of
     /// concurrent calls setting the same state, on any node, exactly one
-    /// sees [`StateChange::changed`].
+    /// sees [`StateChange::changed`]. The call that changed the state
+    /// also publishes the change's operational event
+    /// ([`operational::state_changed`]): SQLite and PostgreSQL in the same
+    /// transaction, MongoDB right after its single-document update.
     ///
     /// # Errors
     /// [`StoreError::NotFound`] if absent.

@@ -18,21 +18,30 @@
 //!
 //! # One event per transition
 //!
-//! Each event is published after the store recorded its transition, under
-//! an id derived from the transition, so publishing it again (a retried
-//! call, several nodes seeing the same hour of failures) stores nothing new
-//! (idempotent publish, within the retention period):
+//! Each event has an id derived from its transition, so publishing it
+//! again (a retried call, several nodes seeing the same hour of failures)
+//! stores nothing new (idempotent publish, within the retention period):
 //! - state changes: `lbop_<handler>_<state>_<µs of state_changed_at>`;
 //! - failing: `lbop_<handler>_failing_<µs of failing_since>_<hour>`;
 //! - dead letters: `lbop_<handler>_dead_<delivery id>` (delivery ids are
 //!   never reused; a replayed dead letter is a new delivery).
 //!
-//! The publish is not in the transition's transaction: a process that
-//! stops between the two loses the event (the transition itself is kept:
-//! the handler's state, its dead letters). A state change asked again
-//! within [`REPUBLISH_WITHIN`] of the transition (a retried API call)
-//! publishes it again under the same id, which closes that gap for callers
-//! that retry.
+//! Where it is published, per transition and backend:
+//! - state changes, by [`Store::change_handler_state`] itself: SQLite and
+//!   PostgreSQL in the state change's own transaction, so the change and
+//!   its event commit together; MongoDB right after its single-document
+//!   `findOneAndUpdate` (no transaction to share). [`crate::change_state`]
+//!   publishes it again after (a duplicate; the event where MongoDB's
+//!   publish failed);
+//! - failing and dead letters, every backend: by the node after the store
+//!   recorded the failing mark or the dead letter.
+//!
+//! Published after its transition, an event is lost if the process stops
+//! between the two (the transition itself is kept: the handler's state,
+//! its dead letters). A state change asked again within
+//! [`REPUBLISH_WITHIN`] of the transition (a retried API call) publishes
+//! it again under the same id, which closes that gap for callers that
+//! retry.
 //!
 //! # No feedback
 //!

@@ -21,8 +21,9 @@ use crate::{operational, HandlerState, StateChange, Store, StoreError};
 /// state a handler already has counts and logs nothing. Then publishes the
 /// change's operational event (`lanebus.handler.disabled` or `.enabled`,
 /// [`operational::state_changed`]; again, same id, when the change was
-/// made less than an hour ago) before answering, so changes made one after
-/// the other are told in their order.
+/// made less than an hour ago; the store's call published it already, so
+/// this is a duplicate unless that publish failed) before answering, so
+/// changes made one after the other are told in their order.
 ///
 /// # Errors
 /// The store's: [`StoreError::NotFound`] if there is no such handler.

@@ -410,6 +410,7 @@ conformance!(
     handler_deliveries_page_newest_first_per_state,
     attempt_log_keeps_the_last_failed_attempts,
     operational_types_are_reserved_and_routed_apart,
+    state_changes_tell_their_operational_event_once,
 );
 
 // ---------------------------------------------------------------------------
@@ -584,7 +585,11 @@ async fn publish_delivers_once_per_matching_handler(h: &dyn Harness) {
     assert_eq!(e2.lane, lane_of_event(None, "e2", s.lanes()));
 
     let c = counts(&*s).await;
-    assert_eq!((c.events, c.deliveries), (4, 12));
+    assert_eq!(
+        (c.events, c.deliveries),
+        (5, 12),
+        "4 published, 1 operational event of the disable (no handler routes to it)"
+    );
 
     // Re-enabled, the handler keeps what it got while disabled, and gets
     // later events.
@@ -4711,4 +4716,81 @@ async fn operational_types_are_reserved_and_routed_apart(h: &dyn Harness) {
     );
     let d = ds.iter().find(|d| d.event_id == "lbop_1").expect("claimed");
     assert_eq!((d.key.as_deref(), d.seq), (Some(all.id.as_str()), Some(1)));
+}
+
+/// Every enable and disable stores its operational event once, keyed by
+/// the handler, in the order of the changes: a repeated call and
+/// concurrent calls add nothing. `change_handler_state` alone tells it
+/// (the SQL backends in the state change's own transaction, MongoDB right
+/// after its single-document update); `change_state` tells it again, a
+/// duplicate.
+async fn state_changes_tell_their_operational_event_once(h: &dyn Harness) {
+    use lanebus_store::operational;
+    let s = h.store();
+    let ops = handler(&*s, "ops", &["lanebus.*"]).await;
+    let target = handler(&*s, "orders", &["orders.*"]).await;
+    let id_of = |c: &StateChange| {
+        operational::state_changed(&c.handler, true, Utc::now())
+            .and_then(|e| e.id)
+            .expect("an id")
+    };
+
+    let off = change_state(&*s, &target.id, HandlerState::Disabled, "api")
+        .await
+        .expect("disable");
+    assert!(off.changed());
+    let again = change_state(&*s, &target.id, HandlerState::Disabled, "gone")
+        .await
+        .expect("disable again");
+    assert!(!again.changed());
+    assert_eq!(counts(&*s).await.events, 1, "one event for one change");
+    let told = s
+        .lookup_event(&id_of(&off))
+        .await
+        .expect("lookup")
+        .expect("the disable is told");
+    assert_eq!(told.event_type, operational::HANDLER_DISABLED);
+    assert_eq!(told.key.as_deref(), Some(target.id.as_str()));
+    assert_eq!(told.handlers.len(), 1, "to ops only");
+    assert_eq!(told.handlers[0].handler_id, ops.id);
+
+    let on = s
+        .change_handler_state(&target.id, HandlerState::Enabled, "api")
+        .await
+        .expect("enable");
+    assert!(
+        s.lookup_event(&id_of(&on)).await.expect("lookup").is_some(),
+        "told by the state change itself"
+    );
+    // Told (again: a duplicate where it was) by the one step of changes.
+    change_state(&*s, &target.id, HandlerState::Enabled, "api")
+        .await
+        .expect("enable again");
+    assert_eq!(counts(&*s).await.events, 2);
+
+    let (a, b) = tokio::join!(
+        change_state(&*s, &target.id, HandlerState::Disabled, "gone"),
+        change_state(&*s, &target.id, HandlerState::Disabled, "gone"),
+    );
+    let (a, b) = (a.expect("disable"), b.expect("disable"));
+    assert!(a.changed() != b.changed(), "exactly one changed it");
+    assert_eq!(counts(&*s).await.events, 3, "concurrent calls tell once");
+
+    let mut told: Vec<(i64, String)> = claim_all(&*s)
+        .await
+        .into_iter()
+        .map(|d| {
+            assert_eq!(d.handler_id, ops.id);
+            (d.seq.expect("keyed"), d.event_type)
+        })
+        .collect();
+    told.sort_unstable();
+    assert_eq!(
+        told,
+        vec![
+            (1, operational::HANDLER_DISABLED.to_owned()),
+            (2, operational::HANDLER_ENABLED.to_owned()),
+            (3, operational::HANDLER_DISABLED.to_owned()),
+        ]
+    );
 }

@@ -692,6 +692,14 @@ impl Store for MongoStore {
     ) -> Result<StateChange> {
         let was = catalog::change_handler_state(self, id, state, reason).await?;
         let handler = catalog::get_handler(self, id).await?;
+        // The change's operational event, right after the single-document
+        // update (no transaction to share; a failure is logged by publish).
+        if let Some(e) = (was != handler.state)
+            .then(|| crate::operational::state_changed(&handler, true, chrono::Utc::now()))
+            .flatten()
+        {
+            crate::operational::publish(self, e).await;
+        }
         Ok(StateChange { handler, was })
     }
 

@@ -104,12 +104,16 @@ pub(super) async fn get_handler(pool: &PgPool, id: &str) -> Result<Handler> {
     handler_from_row(&row)
 }
 
+/// Also publishes a change's operational event in its transaction
+/// ([`crate::operational::state_changed`]); returns what that publish did,
+/// for the wake-up after the commit.
 pub(super) async fn change_handler_state(
     pool: &PgPool,
     id: &str,
     state: HandlerState,
     reason: &str,
-) -> Result<StateChange> {
+    lanes: u16,
+) -> Result<(StateChange, Option<PublishOutcome>)> {
     // The row lock orders concurrent changes: each reads the state the one
     // before it left, so exactly one of two disables sees `enabled`.
     let mut tx = pool.begin().await.map_err(map_err)?;
@@ -134,11 +138,20 @@ pub(super) async fn change_handler_state(
     .await
     .map_err(map_err)?;
     let handler = handler_from_row(&row)?;
+    let was = HandlerState::parse(&was);
+    let mut told = None;
+    if let Some(e) = (was != handler.state)
+        .then(|| crate::operational::state_changed(&handler, true, Utc::now()))
+        .flatten()
+    {
+        let plan = crate::common::PublishPlan::operational(vec![e], lanes)?;
+        let (outcome, _) = super::publish::publish_in(&mut tx, plan)
+            .await
+            .map_err(super::publish::final_error)?;
+        told = Some(outcome);
+    }
     tx.commit().await.map_err(map_err)?;
-    Ok(StateChange {
-        handler,
-        was: HandlerState::parse(&was),
-    })
+    Ok((StateChange { handler, was }, told))
 }
 
 /// Read, merge, check, write: one transaction holding the row lock.

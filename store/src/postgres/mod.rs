@@ -496,7 +496,14 @@ impl Store for PgStore {
         state: HandlerState,
         reason: &str,
     ) -> Result<StateChange> {
-        catalog::change_handler_state(&self.pool, id, state, reason).await
+        let (change, told) =
+            catalog::change_handler_state(&self.pool, id, state, reason, self.lanes).await?;
+        if let Some(told) = told {
+            if let Err(e) = self.wake_after_commit(&told).await {
+                tracing::debug!(error = %e, "no wake-up for an operational event; claimed at the next poll");
+            }
+        }
+        Ok(change)
     }
 
     async fn update_handler(&self, id: &str, patch: &HandlerPatch) -> Result<Handler> {

@@ -363,6 +363,14 @@ impl Store for SqliteStore {
         let was = catalog::get_handler(&mut *tx, id).await?.state;
         catalog::change_handler_state(&mut tx, id, state, reason).await?;
         let handler = catalog::get_handler(&mut *tx, id).await?;
+        // The change's operational event, in its transaction.
+        if let Some(e) = (was != handler.state)
+            .then(|| crate::operational::state_changed(&handler, true, chrono::Utc::now()))
+            .flatten()
+        {
+            let plan = PublishPlan::operational(vec![e], self.lanes)?;
+            publish::publish_in(&mut tx, plan).await?;
+        }
         tx.commit().await.map_err(map_err)?;
         Ok(StateChange { handler, was })
     }
