@@ -1,6 +1,7 @@
 //! The operator's view: `/openapi.json` (the router and the document agree),
 //! the dashboard at `/ui/` (page, assets, content types) and
-//! `GET /admin/handlers` (state and dead-letter counts, no secrets).
+//! `GET /admin/handlers` (state and dead-letter counts, no secrets) and
+//! `GET /admin/handlers/{id}/activity` (the node's samples).
 
 mod common;
 
@@ -232,7 +233,40 @@ async fn handler_summaries_count_dead_letters_without_secrets(app: TestApp) {
     );
 }
 
+/// The node's samples for an existing handler, with the window's shape;
+/// `404` for an unknown or malformed id, `400` for a query parameter.
+async fn handler_activity_answers_the_nodes_samples(app: TestApp) {
+    let id = app.create_handler("plotted", &["a.*"]).await;
+    let res = app.get(&format!("/admin/handlers/{id}/activity")).await;
+    assert_eq!(res.status, StatusCode::OK, "{res:?}");
+    assert_eq!(
+        res.json,
+        json!({"node_id": "n1", "handler_id": id, "interval_s": 10, "window_s": 900,
+               "samples": [{"at": "2026-12-01T00:00:00Z", "seconds": 10.0, "deliveries": 5,
+                            "failures": 1, "deliveries_per_s": 0.5, "failures_per_s": 0.1,
+                            "p99_attempt_ms": 12.5}]})
+    );
+    assert_eq!(
+        serde_json::to_value(common::stub_activity()).expect("json"),
+        res.json["samples"][0]
+    );
+    for path in [
+        "/admin/handlers/hdl_00000000000000000000000000000000/activity".to_owned(),
+        "/admin/handlers/nope/activity".to_owned(),
+    ] {
+        let res = app.get(&path).await;
+        assert_eq!(res.status, StatusCode::NOT_FOUND, "{path}: {res:?}");
+        assert_eq!(res.json["error"]["code"], "not_found");
+    }
+    let res = app
+        .get(&format!("/admin/handlers/{id}/activity?window=60"))
+        .await;
+    assert_eq!(res.status, StatusCode::BAD_REQUEST, "{res:?}");
+    assert_eq!(res.json["error"]["code"], "invalid_parameter");
+}
+
 on_every_backend!(
+    handler_activity_answers_the_nodes_samples,
     openapi_document_and_router_agree,
     dashboard_page_references_its_assets_with_their_types,
     handler_summaries_count_dead_letters_without_secrets,
