@@ -42,8 +42,10 @@
 //!
 //! `GET /ui/` serves a small operator's dashboard (module [`ui`]): the lane
 //! grid coloured by owner, the nodes and the handlers, polled every second
-//! from `/admin/lanes`, `/admin/cluster` and `/admin/handlers`. Its HTML, CSS
-//! and script are embedded in the binary; it fetches nothing else.
+//! from `/admin/lanes`, `/admin/cluster` and `/admin/handlers`; an event
+//! looked up by id, and a handler's page with its deliveries and plots of
+//! its last 15 minutes on this node (`/admin/handlers/{id}/activity`). Its
+//! HTML, CSS and script are embedded in the binary; it fetches nothing else.
 
 #![warn(missing_docs)]
 

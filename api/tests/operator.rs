@@ -121,7 +121,7 @@ async fn dashboard_page_references_its_assets_with_their_types(app: TestApp) {
     }
     let assets: Vec<&String> = refs
         .iter()
-        .filter(|r| !r.starts_with("..") && !r.starts_with("data:"))
+        .filter(|r| !r.starts_with("..") && !r.starts_with("data:") && !r.starts_with('#'))
         .collect();
     let expected: BTreeSet<&str> = ["dashboard.css", "dashboard.js"].into();
     assert_eq!(
@@ -159,7 +159,8 @@ async fn dashboard_page_references_its_assets_with_their_types(app: TestApp) {
 }
 
 /// The ids the script looks up exist in the page, and the script fetches
-/// only this node's admin paths, which are in the route table.
+/// only this node's paths, which are in the route table (a template's
+/// `${...}` stands for a path parameter; its query is left out).
 #[test]
 fn dashboard_script_and_page_fit_together() {
     let html = ui::INDEX.body;
@@ -176,19 +177,31 @@ fn dashboard_script_and_page_fit_together() {
     }
     assert!(ids >= 8, "{ids}");
     let mut fetched = 0;
-    for (i, _) in js.match_indices("get(\"") {
-        let rest = &js[i + 5..];
-        let target = &rest[..rest.find('"').expect("closing quote")];
-        let path = target.strip_prefix("..").expect("relative to /ui/");
-        assert!(
-            ROUTES
-                .iter()
-                .any(|r| r.method == Method::GET && r.path == path),
-            "{path} is not a GET route"
-        );
-        fetched += 1;
+    for quote in ['"', '`'] {
+        for (i, _) in js.match_indices(&format!("get({quote}")) {
+            let rest = &js[i + 5..];
+            let target = &rest[..rest.find(quote).expect("closing quote")];
+            let target = target.split('?').next().unwrap_or_default();
+            let mut path = String::new();
+            let mut parts = target.split("${");
+            path.push_str(parts.next().unwrap_or_default());
+            for part in parts {
+                let (_, after) = part.split_once('}').expect("end of ${...}");
+                path.push_str("{id}");
+                path.push_str(after);
+            }
+            let path = path.strip_prefix("..").expect("relative to /ui/");
+            assert!(
+                ROUTES
+                    .iter()
+                    .any(|r| r.method == Method::GET && r.path == path),
+                "{path} is not a GET route"
+            );
+            fetched += 1;
+        }
     }
-    assert_eq!(fetched, 3);
+    // The three polled paths, the event, the deliveries, the activity.
+    assert_eq!(fetched, 6);
     // The grid cells carry what a browser test asserts on.
     for attr in ["data-lane", "`lane-${i}`", "dataset.owner", "dataset.epoch"] {
         assert!(js.contains(attr), "{attr}");
