@@ -445,6 +445,7 @@ impl Drop for AttemptGuard {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use lanebus_store::Epoch;
     use tokio::sync::Notify;
 
     /// Counts calls and holds each until released.
@@ -500,7 +501,7 @@ mod tests {
         Delivery {
             id,
             lane,
-            epoch: 1,
+            epoch: Epoch(1),
             handler_id: handler_id.into(),
             event_id: format!("e{id}"),
             event_type: "t.x".into(),
@@ -564,7 +565,11 @@ mod tests {
             config,
         } = gated().await;
 
-        let tie = Arc::new(OwnerTie::new(0, 1, crate::assignment::WorkGate::default()));
+        let tie = Arc::new(OwnerTie::new(
+            0,
+            Epoch(1),
+            crate::assignment::WorkGate::default(),
+        ));
         let (d1, c1, h1, t1) = (
             dispatcher.clone(),
             catalog.clone(),
@@ -666,7 +671,7 @@ mod tests {
             store.lanes(),
         );
         let config = catalog.get(&h.id).expect("cached");
-        let tie = OwnerTie::new(0, 1, crate::assignment::WorkGate::default());
+        let tie = OwnerTie::new(0, Epoch(1), crate::assignment::WorkGate::default());
         let d = delivery(1, &h.id);
         let first = dispatcher
             .attempt_checked(&catalog, &tie, &config, &d, 1)
@@ -710,7 +715,7 @@ mod tests {
         let ties = [0, 1].map(|lane| {
             Arc::new(OwnerTie::new(
                 lane,
-                1,
+                Epoch(1),
                 crate::assignment::WorkGate::default(),
             ))
         });

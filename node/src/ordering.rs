@@ -819,6 +819,7 @@ fn due(d: &Delivery) -> DateTime<Utc> {
 mod tests {
     use super::*;
     use chrono::Duration;
+    use lanebus_store::Epoch;
 
     fn t0() -> DateTime<Utc> {
         DateTime::parse_from_rfc3339("2026-01-01T00:00:00Z")
@@ -830,7 +831,7 @@ mod tests {
         Delivery {
             id,
             lane: 0,
-            epoch: 1,
+            epoch: Epoch(1),
             handler_id: handler.into(),
             event_id: format!("evt_{id}"),
             event_type: "issues.opened".into(),

@@ -560,6 +560,7 @@ fn error_class(e: &reqwest::Error) -> AttemptError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use lanebus_store::Epoch;
 
     // Test vector of the Standard Webhooks reference libraries
     // (standard-webhooks/libraries, `python/tests/test_webhooks.py` and the
@@ -575,7 +576,7 @@ mod tests {
         Delivery {
             id: 1,
             lane: 0,
-            epoch: 1,
+            epoch: Epoch(1),
             handler_id: handler_id.into(),
             event_id: "evt_1".into(),
             event_type: "a.b".into(),
