@@ -76,7 +76,7 @@ pub enum Room {
 }
 
 /// Whether this node may hand work over right now, and until when: checked
-/// by lane owners before dispatching and by key handlers before every
+/// by lane owners before dispatching and by key runners before every
 /// attempt. In a cluster it is [`Cluster::work_until`] (lease valid by this
 /// node's clock, and after a lapse the Raft log applied up to the renewal
 /// that ended it): after a pause (SIGSTOP) the actors' timers may fire
@@ -162,7 +162,7 @@ pub enum Start {
 }
 
 /// What binds the attempts of one lane owner to it, from the owner's claim
-/// until their outcomes are stored: shared by the owner, its key handlers
+/// until their outcomes are stored: shared by the owner, its key runners
 /// and their attempts. An attempt asks [`OwnerTie::start`] right before it
 /// is sent (once it holds its handler's permit), after it was counted in
 /// the dispatcher's per-lane count

@@ -25,7 +25,7 @@
 //!
 //! # Auto-disable
 //!
-//! Key handlers report every attempt's outcome ([`HandlerCatalog::record_outcome`]);
+//! Key runners report every attempt's outcome ([`HandlerCatalog::record_outcome`]);
 //! [`crate::auto_disable`] decides what it changes: the start of a run of
 //! failures kept in the store
 //! ([`Handler::failing_since`](lanebus_store::Handler::failing_since)), set

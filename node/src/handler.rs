@@ -6,7 +6,7 @@
 //! the node starts (docs/design.md section 7); every other URL is a webhook. The
 //! `.invalid` top-level domain is reserved (RFC 2606) and never resolves, so
 //! such a handler cannot be sent over the network by a node that lacks it:
-//! those attempts fail and end as dead letters, with the reason kept. Both go through the same key handlers, ordering, retries and
+//! those attempts fail and end as dead letters, with the reason kept. Both go through the same key runners, ordering, retries and
 //! dead letters: only the final hand-over differs.
 
 use std::collections::HashMap;

@@ -6,7 +6,7 @@
 //!    ├─ StoreActor                       (system arbiter)
 //!    ├─ LaneSupervisor                   (system arbiter): assignment watch →
 //!    │    start/stop/drain lane owners (plan_lanes); hears when they stopped
-//!    ├─ LaneOwner × owned lanes          (system arbiter) ── KeyHandler × keys with work
+//!    ├─ LaneOwner × owned lanes          (system arbiter) ── KeyRunner × keys with work
 //!    ├─ cluster member (openraft, --cluster mode): leases, lane table
 //!    ├─ store wake-ups → Wake to every lane owner
 //!    └─ tokio workers: axum HTTP API, webhook requests, catalog refresh

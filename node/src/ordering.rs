@@ -13,7 +13,7 @@
 //!                  └── rows of trimmed slots/handlers are left in the store
 //!   next_ready(now) ◀── head of each keyed slot, if nothing of that slot is in flight
 //!                       and head.due_at <= now; unkeyed: up to the handler's limit
-//!   retrying(id) ── the key handler recorded a failed attempt of in-flight `id`
+//!   retrying(id) ── the key runner recorded a failed attempt of in-flight `id`
 //!   settled(id)  ── after the store acknowledged the completion or dead letter
 //!   trim / release ── bounded memory without holding up other keys (below)
 //! ```
@@ -32,7 +32,7 @@
 //!   Claims are numbered by [`LaneQueue::begin_claim`] for this reason, and
 //!   answered in the order they were issued (the owner has one at a time).
 //! - A key whose head waits (for its `due_at`, or in a retry inside its
-//!   key handler) blocks only that key, also when its backlog is larger than
+//!   key runner) blocks only that key, also when its backlog is larger than
 //!   the lane's buffer (next section).
 //!
 //! # Bounded memory without head-of-line blocking: trim and rescan
@@ -43,7 +43,7 @@
 //! stop the lane's other keys from being claimed. So when the buffer is full
 //! ([`LaneQueue::trim`]), the queue drops from memory (never from the store)
 //! what is *stalled*:
-//! - a keyed slot whose in-flight head is being retried (the key handler
+//! - a keyed slot whose in-flight head is being retried (the key runner
 //!   reported a failed attempt, [`LaneQueue::retrying`]): all of its queued
 //!   deliveries;
 //! - a keyed slot whose queued head is not due yet (a delayed delivery, or a
@@ -214,7 +214,7 @@ pub struct LaneQueue {
     cursor: ClaimCursor,
     /// Highest cursor reached.
     high_water: i64,
-    /// In-flight ids whose key handler reported a failed attempt.
+    /// In-flight ids whose key runner reported a failed attempt.
     retrying: HashSet<i64>,
     /// Slots and handlers whose rows are (partly) left in the store.
     trims: HashMap<TrimKey, Trim>,
@@ -787,7 +787,7 @@ impl LaneQueue {
         self.bytes
     }
 
-    /// Whether the slot has nothing queued or in flight (its key handler can go).
+    /// Whether the slot has nothing queued or in flight (its key runner can go).
     pub fn slot_idle(&self, slot: &SlotKey) -> bool {
         !self.slots.contains_key(slot)
     }

@@ -29,7 +29,7 @@
 //! transport error is a failed attempt; `429`/`503` with `Retry-After` set the
 //! next attempt's time (never sooner than the backoff's base delay, see
 //! [`crate::retry`]). `410 Gone` ([`AttemptOutcome::Gone`]) is a failed
-//! attempt that also disables the handler: the key handler records the
+//! attempt that also disables the handler: the key runner records the
 //! attempt, sets the handler `disabled` in the store, and its deliveries are
 //! kept without being attempted (on every node, once its catalog reloads)
 //! until `POST /v1/handlers/{id}/enable`. Redirects are not followed: a 3xx

@@ -2,9 +2,9 @@
 //!
 //! ```text
 //!  LaneOwner ──ClaimLane──┐                      ┌─ complete([...])     one call
-//!  KeyHandler ─Complete───┤  pending, per tick   ├─ reschedule([...])   one call
-//!  KeyHandler ─Reschedule─┼──────────────────────┼─ dead_letter([...])  one call
-//!  KeyHandler ─DeadLetter─┤  (size or interval)  ├─ discard([...])     one call
+//!  KeyRunner ──Complete───┤  pending, per tick   ├─ reschedule([...])   one call
+//!  KeyRunner ──Reschedule─┼──────────────────────┼─ dead_letter([...])  one call
+//!  KeyRunner ──DeadLetter─┤  (size or interval)  ├─ discard([...])     one call
 //!  LaneOwner ──Discard────┘                      └─ claim([lanes...])   one call
 //! ```
 //!
