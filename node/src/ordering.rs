@@ -585,19 +585,7 @@ impl LaneQueue {
         }
         let mut dropped = Vec::new();
         for (k, whole_handler) in plan {
-            let slot = self.slots.get_mut(&k).expect("planned");
-            let mut resume = ClaimCursor::at(i64::MAX);
-            for (_, d) in std::mem::take(&mut slot.pending) {
-                if let Some(h) = self.held.remove(&d.id) {
-                    resume = resume.earliest(&h.from);
-                    self.bytes -= h.size;
-                }
-                self.queued -= 1;
-                dropped.push(d.id);
-            }
-            if slot.in_flight.is_empty() {
-                self.slots.remove(&k);
-            }
+            let resume = self.drop_queued(&k, &mut dropped);
             let key = if whole_handler {
                 TrimKey::Handler(k.handler_id.clone())
             } else {
@@ -619,21 +607,7 @@ impl LaneQueue {
         // dropped whole, head included, and read again once the head is
         // due; its later deliveries stay behind it in the store (order).
         for (k, until) in waiting_heads {
-            let Some(slot) = self.slots.get_mut(&k) else {
-                continue;
-            };
-            let mut resume = ClaimCursor::at(i64::MAX);
-            for (_, d) in std::mem::take(&mut slot.pending) {
-                if let Some(h) = self.held.remove(&d.id) {
-                    resume = resume.earliest(&h.from);
-                    self.bytes -= h.size;
-                }
-                self.queued -= 1;
-                dropped.push(d.id);
-            }
-            if slot.in_flight.is_empty() {
-                self.slots.remove(&k);
-            }
+            let resume = self.drop_queued(&k, &mut dropped);
             self.trims
                 .entry(TrimKey::Slot(k))
                 .and_modify(|t| {
@@ -651,9 +625,7 @@ impl LaneQueue {
         // the earliest dropped one's cursor once the earliest is due. Unkeyed
         // deliveries have no order, so later rows of the slot are still taken.
         for k in not_due_unkeyed {
-            let Some(slot) = self.slots.get_mut(&k) else {
-                continue;
-            };
+            let slot = self.slots.get_mut(&k).expect("planned");
             let later: Vec<Pos> = slot
                 .pending
                 .iter()
@@ -662,9 +634,7 @@ impl LaneQueue {
                 .collect();
             for pos in later {
                 let d = slot.pending.remove(&pos).expect("listed");
-                let Some(h) = self.held.remove(&d.id) else {
-                    continue;
-                };
+                let h = self.held.remove(&d.id).expect("a queued delivery is held");
                 self.bytes -= h.size;
                 self.queued -= 1;
                 // No tombstone: the rescan at its time must take it again.
@@ -680,6 +650,27 @@ impl LaneQueue {
             }
         }
         dropped
+    }
+
+    /// Drops every queued delivery of the slot `k` from memory (their rows
+    /// stay in the store), adding their ids to `dropped`, and forgets the
+    /// slot if nothing of it is in flight. Returns the cursor from which a
+    /// claim returns them all again. `k` must be a slot with queued
+    /// deliveries (every queued delivery is held).
+    fn drop_queued(&mut self, k: &SlotKey, dropped: &mut Vec<i64>) -> ClaimCursor {
+        let slot = self.slots.get_mut(k).expect("planned");
+        let mut resume = ClaimCursor::at(i64::MAX);
+        for (_, d) in std::mem::take(&mut slot.pending) {
+            let h = self.held.remove(&d.id).expect("a queued delivery is held");
+            resume = resume.earliest(&h.from);
+            self.bytes -= h.size;
+            self.queued -= 1;
+            dropped.push(d.id);
+        }
+        if slot.in_flight.is_empty() {
+            self.slots.remove(k);
+        }
+        resume
     }
 
     /// Lifts the time condition of what [`trim`](Self::trim) dropped for
