@@ -10,7 +10,8 @@
 //! handlers, one with dead letters. The node view is a stub: 256 lanes over
 //! `n1`, `n2`, `n3`, a few with a backlog or in a non-active state; after 5
 //! seconds `n3` "dies" and its lanes move to the others (what the failover
-//! looks like on the page).
+//! looks like on the page). Every handler's plots show a made-up 15 minutes
+//! of attempts (a wave of deliveries, a burst of failures).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -77,6 +78,34 @@ impl NodeView for Preview {
 
     fn render_metrics(&self) -> String {
         String::new()
+    }
+
+    fn handler_activity(&self, _handler_id: &str) -> Vec<lanebus_api::ActivitySample> {
+        let now = chrono::Utc::now();
+        (0..90i64)
+            .map(|i| {
+                let x = i as f64;
+                let deliveries = (60.0 + 40.0 * (x / 9.0).sin()).round() as u64;
+                let failures = if (55..65).contains(&i) {
+                    12
+                } else {
+                    i as u64 % 3
+                };
+                lanebus_api::ActivitySample {
+                    at: now - chrono::Duration::seconds(10 * (90 - i)),
+                    seconds: 10.0,
+                    deliveries,
+                    failures,
+                    deliveries_per_s: deliveries as f64 / 10.0,
+                    failures_per_s: failures as f64 / 10.0,
+                    p99_attempt_ms: Some(if failures > 5 {
+                        950.0
+                    } else {
+                        40.0 + x % 7.0 * 3.0
+                    }),
+                }
+            })
+            .collect()
     }
 
     async fn cluster(&self) -> ClusterView {

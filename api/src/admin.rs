@@ -13,6 +13,7 @@
 //!        200 {"ok": true} | 409 conflict | 503 not_ready
 //! POST /admin/cluster/remove {"id"}            200 {"ok": true} | 409 | 503
 //! GET  /admin/handlers                        200 {"handlers": [...], "dead_letters_exact": bool}
+//! GET  /admin/handlers/{id}/activity          200 HandlerActivity | 404 not_found
 //! ```
 //!
 //! A replayed dead letter becomes a fresh delivery again (attempts reset);
@@ -25,6 +26,10 @@
 //! [`DEAD_LETTERS_COUNTED_MAX`] of them per call; past that the counts are
 //! lower bounds and `dead_letters_exact` is `false`. This bounds the cost of
 //! a poll whatever the dead-letter table holds.
+//!
+//! `GET /admin/handlers/{id}/activity` answers from the node's own counters
+//! ([`NodeView::handler_activity`](crate::NodeView::handler_activity)); the
+//! store is read only to tell an unknown handler (`404`).
 
 use std::collections::HashMap;
 
@@ -37,7 +42,10 @@ use utoipa::{IntoParams, ToSchema};
 use crate::error::{ApiError, ErrorCode};
 use crate::extract::{Json, Path, Query};
 use crate::handlers::{check_handler_id, not_found, HandlerStateView, RateLimitView};
-use crate::{ApiState, ClusterChangeError, ClusterView, JoinRequest, LaneView, RemoveRequest};
+use crate::{
+    ApiState, ClusterChangeError, ClusterView, HandlerActivity, JoinRequest, LaneView,
+    RemoveRequest, ACTIVITY_INTERVAL_S, ACTIVITY_WINDOW_S,
+};
 
 /// Default page size of `GET /admin/dead-letters`.
 pub const DEFAULT_PAGE: u32 = 100;
@@ -543,6 +551,23 @@ pub(crate) async fn handler_summaries(
             })
             .collect(),
         dead_letters_exact: exact,
+    }))
+}
+
+/// Handler of `GET /admin/handlers/{id}/activity`: `404 not_found` for an
+/// unknown handler (a read of the handler by id, bounded to 2 s like the
+/// catalog read of `GET /admin/handlers`), else this node's samples.
+pub(crate) async fn handler_activity(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+) -> Result<axum::Json<HandlerActivity>, ApiError> {
+    crate::handlers::existing(&state, &id).await?;
+    Ok(axum::Json(HandlerActivity {
+        node_id: state.node.node_id(),
+        samples: state.node.handler_activity(&id),
+        handler_id: id,
+        interval_s: ACTIVITY_INTERVAL_S,
+        window_s: ACTIVITY_WINDOW_S,
     }))
 }
 

@@ -533,14 +533,18 @@ pub(crate) async fn get(
     State(state): State<ApiState>,
     Path(id): Path<String>,
 ) -> Result<axum::Json<HandlerView>, ApiError> {
-    check_handler_id(&id)?;
+    Ok(axum::Json(existing(&state, &id).await?.into()))
+}
+
+/// The handler `id`, read within 2 s ([`crate::health::bounded`]): `404
+/// not_found` for an id that is no handler id or no handler's, `503` when
+/// the store does not answer in time.
+pub(crate) async fn existing(state: &ApiState, id: &str) -> Result<Handler, ApiError> {
+    check_handler_id(id)?;
     let store = &state.store;
-    Ok(axum::Json(
-        crate::health::bounded(store.backend(), store.get_handler(&id))
-            .await?
-            .map_err(|e| not_found(e, &id))?
-            .into(),
-    ))
+    crate::health::bounded(store.backend(), store.get_handler(id))
+        .await?
+        .map_err(|e| not_found(e, id))
 }
 
 /// Handler of `DELETE /v1/handlers/{id}`.

@@ -42,8 +42,10 @@
 //!
 //! `GET /ui/` serves a small operator's dashboard (module [`ui`]): the lane
 //! grid coloured by owner, the nodes and the handlers, polled every second
-//! from `/admin/lanes`, `/admin/cluster` and `/admin/handlers`. Its HTML, CSS
-//! and script are embedded in the binary; it fetches nothing else.
+//! from `/admin/lanes`, `/admin/cluster` and `/admin/handlers`; an event
+//! looked up by id, and a handler's page with its deliveries and plots of
+//! its last 15 minutes on this node (`/admin/handlers/{id}/activity`). Its
+//! HTML, CSS and script are embedded in the binary; it fetches nothing else.
 
 #![warn(missing_docs)]
 
@@ -206,6 +208,63 @@ pub enum ClusterChangeError {
     Refused(String),
 }
 
+/// Length of one [`ActivitySample`] (`GET /admin/handlers/{id}/activity`).
+pub const ACTIVITY_INTERVAL_S: u32 = 10;
+/// How far back `GET /admin/handlers/{id}/activity` reaches: 15 minutes,
+/// 90 samples of [`ACTIVITY_INTERVAL_S`].
+pub const ACTIVITY_WINDOW_S: u32 = 900;
+
+/// One handler's attempts on the answering node over the last 15 minutes:
+/// the body of `GET /admin/handlers/{id}/activity`, from the node's own
+/// counters (no store read but the handler's existence).
+///
+/// ```json
+/// {"node_id": "1", "handler_id": "hdl_...", "interval_s": 10, "window_s": 900,
+///  "samples": [{"at": "2026-12-02T01:00:00Z", "seconds": 10.0, "deliveries": 52,
+///               "failures": 3, "deliveries_per_s": 5.2, "failures_per_s": 0.3,
+///               "p99_attempt_ms": 41.9}]}
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct HandlerActivity {
+    /// Id of the node that answered: the samples count this node's attempts
+    /// only (each member counts the attempts of the lanes it owns; ask each
+    /// member for the cluster's total).
+    pub node_id: String,
+    /// The handler.
+    pub handler_id: String,
+    /// Length of a sample, in seconds (10).
+    pub interval_s: u32,
+    /// How far back the samples reach, in seconds (900).
+    pub window_s: u32,
+    /// Oldest first, one per interval since the node started (at most 90),
+    /// the last one being the interval under way; intervals without an
+    /// attempt are there with zeros.
+    pub samples: Vec<ActivitySample>,
+}
+
+/// One interval of a handler's attempts on one node (see [`HandlerActivity`]).
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct ActivitySample {
+    /// Start of the interval (RFC 3339).
+    #[schema(value_type = String, format = DateTime)]
+    pub at: chrono::DateTime<chrono::Utc>,
+    /// Seconds the sample covers: the interval's length, or for the
+    /// interval under way the time elapsed in it (at least 1).
+    pub seconds: f64,
+    /// Attempts that delivered (a 2xx, or an in-process handler's `Ok`).
+    pub deliveries: u64,
+    /// Attempts that failed (retried, dead-lettered or `410`).
+    pub failures: u64,
+    /// `deliveries / seconds`.
+    pub deliveries_per_s: f64,
+    /// `failures / seconds`.
+    pub failures_per_s: f64,
+    /// 99th percentile of the duration of every attempt of the interval
+    /// (delivered or failed), in milliseconds (hdrhistogram, 2 significant
+    /// digits); `null` without attempts.
+    pub p99_attempt_ms: Option<f64>,
+}
+
 /// What the API needs from the running node. Implemented by the node crate.
 #[async_trait]
 pub trait NodeView: Send + Sync + 'static {
@@ -254,6 +313,14 @@ pub trait NodeView: Send + Sync + 'static {
 
     /// Prometheus text exposition of the node's metrics.
     fn render_metrics(&self) -> String;
+
+    /// The handler's attempts on this node over the last 15 minutes
+    /// (`GET /admin/handlers/{id}/activity`'s samples, oldest first). The
+    /// default: none.
+    fn handler_activity(&self, handler_id: &str) -> Vec<ActivitySample> {
+        let _ = handler_id;
+        Vec::new()
+    }
 
     /// Adds a member (`POST /admin/cluster/join`), forwarded to the Raft
     /// leader. Idempotent for the same id and addresses. The default: not

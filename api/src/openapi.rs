@@ -61,7 +61,7 @@ use crate::health::Status;
 use crate::lookup::EventView;
 use crate::recovery::{RecoverRequest, Recovered};
 use crate::routes::{Operation, ROUTES};
-use crate::{ClusterView, JoinRequest, RemoveRequest};
+use crate::{ClusterView, HandlerActivity, JoinRequest, RemoveRequest};
 
 /// Media type of JSON bodies.
 const JSON: &str = "application/json";
@@ -474,6 +474,25 @@ fn describe(op: Operation, s: &mut Schemas) -> Described {
                 json(s.of::<HandlerSummaries>()),
             ),
         ),
+        Operation::HandlerActivity => Described {
+            parameters: vec![path_id("handler id (`hdl_` + 32 hex digits)", handler_id())],
+            ..d(
+                "handlers",
+                "A handler's attempts on this node, last 15 minutes",
+                "One sample per 10 s since the node started, at most 90 (15 minutes), oldest \
+                 first, the last being the interval under way: attempts delivered and failed, \
+                 their rates per second, and the 99th percentile of attempt durations. From \
+                 the answering node's own counters, kept in memory (lost on restart): each \
+                 member counts the attempts of the lanes it owns, so a cluster's total is the \
+                 sum over its members. The store is read only to tell an unknown handler \
+                 (`404 not_found`).",
+                (
+                    StatusCode::OK,
+                    "the handler's samples",
+                    json(s.of::<HandlerActivity>()),
+                ),
+            )
+        },
         Operation::Metrics => d(
             "operations",
             "Prometheus metrics",

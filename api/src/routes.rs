@@ -72,6 +72,9 @@ pub enum Operation {
     /// `GET /admin/handlers`: handlers with their state and dead-letter
     /// counts, without secrets (the dashboard's handler table).
     HandlerSummaries,
+    /// `GET /admin/handlers/{id}/activity`: the handler's attempts on this
+    /// node over the last 15 minutes (the dashboard's plots).
+    HandlerActivity,
     /// `GET /metrics`: Prometheus text.
     Metrics,
     /// `GET /healthz`: liveness.
@@ -135,6 +138,7 @@ impl Operation {
             Operation::JoinCluster => "joinCluster",
             Operation::RemoveNode => "removeNode",
             Operation::HandlerSummaries => "listHandlerSummaries",
+            Operation::HandlerActivity => "getHandlerActivity",
             Operation::Metrics => "metrics",
             Operation::Healthz => "healthz",
             Operation::Readyz => "readyz",
@@ -186,7 +190,8 @@ impl Operation {
             | Operation::GetHandler
             | Operation::DeleteHandler
             | Operation::EnableHandler
-            | Operation::DisableHandler => {
+            | Operation::DisableHandler
+            | Operation::HandlerActivity => {
                 [&[E::InvalidParameter, E::NotFound][..], &STORE].concat()
             }
             Operation::RecoverHandler => [
@@ -280,6 +285,7 @@ impl Operation {
             Operation::JoinCluster => post(admin::join),
             Operation::RemoveNode => post(admin::remove),
             Operation::HandlerSummaries => get(admin::handler_summaries),
+            Operation::HandlerActivity => get(admin::handler_activity),
             Operation::Metrics => get(health::metrics),
             Operation::Healthz => get(health::healthz),
             Operation::Readyz => get(health::readyz),
@@ -370,6 +376,11 @@ pub const ROUTES: &[RouteSpec] = &[
     spec(Method::POST, "/admin/cluster/join", Operation::JoinCluster),
     spec(Method::POST, "/admin/cluster/remove", Operation::RemoveNode),
     spec(Method::GET, "/admin/handlers", Operation::HandlerSummaries),
+    spec(
+        Method::GET,
+        "/admin/handlers/{id}/activity",
+        Operation::HandlerActivity,
+    ),
     spec(Method::GET, "/metrics", Operation::Metrics),
     spec(Method::GET, "/healthz", Operation::Healthz),
     spec(Method::GET, "/readyz", Operation::Readyz),

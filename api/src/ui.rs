@@ -8,6 +8,14 @@
 //!      ../admin/lanes     → 256-cell grid, one colour per owner
 //!      ../admin/cluster   → nodes: leader, liveness, lane counts
 //!      ../admin/handlers  → handlers: state, dead-letter counts
+//!  #event=ID (the search box)       ../v1/events/ID → per handler: state,
+//!                                   attempts, next attempt, last error, attempt log
+//!  #handler=ID&state=pending|dead|completed
+//!      ../v1/handlers/ID/deliveries?state=&after=&limit=50 (on open, tab,
+//!                                   page, refresh: not polled)
+//!      ../admin/handlers/ID/activity every 10 s → three inline SVG plots
+//!                                   (deliveries/s, failures/s, p99 ms; this
+//!                                   node's attempts)
 //! ```
 //!
 //! Constraints: nothing is fetched from anywhere but this node (the page's
@@ -24,7 +32,17 @@
 //! data-leader=... data-lanes=...>`; handler rows `<tr data-handler="ID"
 //! data-state=... data-dead-letters=...>`; `<body data-status>` is `loading`,
 //! then `ok`, or `error` while the node does not answer, and
-//! `data-updated` the time of the last good poll.
+//! `data-updated` the time of the last good poll; `data-view` is
+//! `overview`, `event` or `handler`, and `data-event` the id of the event
+//! last shown. The event's rows are `<tr data-event-handler="ID"
+//! data-state=... data-attempts=... data-attempt-log=N>`, a handler's
+//! deliveries `<tr data-delivery="EVENT_ID" data-state=... data-attempts=...
+//! data-attempt-log=N>` in `<table id="deliveries" data-loaded="STATE:PAGE">`
+//! (page 0 first); a delivery with failed attempts is followed by `<tr
+//! class="log-row">` holding its attempt log's rows `<tr data-attempt=N
+//! data-status=...>` (hidden until its `.log-toggle` button is pressed);
+//! each plot `<figure data-plot="deliveries|failures|p99" data-points=N
+//! data-nonzero=N data-max=...>`.
 //!
 //! To look at it without a cluster: `cargo run -p lanebus-api --example
 //! dashboard_preview` serves a made-up three-node cluster whose third node

@@ -1,6 +1,7 @@
 //! The operator's view: `/openapi.json` (the router and the document agree),
 //! the dashboard at `/ui/` (page, assets, content types) and
-//! `GET /admin/handlers` (state and dead-letter counts, no secrets).
+//! `GET /admin/handlers` (state and dead-letter counts, no secrets) and
+//! `GET /admin/handlers/{id}/activity` (the node's samples).
 
 mod common;
 
@@ -120,7 +121,7 @@ async fn dashboard_page_references_its_assets_with_their_types(app: TestApp) {
     }
     let assets: Vec<&String> = refs
         .iter()
-        .filter(|r| !r.starts_with("..") && !r.starts_with("data:"))
+        .filter(|r| !r.starts_with("..") && !r.starts_with("data:") && !r.starts_with('#'))
         .collect();
     let expected: BTreeSet<&str> = ["dashboard.css", "dashboard.js"].into();
     assert_eq!(
@@ -158,7 +159,8 @@ async fn dashboard_page_references_its_assets_with_their_types(app: TestApp) {
 }
 
 /// The ids the script looks up exist in the page, and the script fetches
-/// only this node's admin paths, which are in the route table.
+/// only this node's paths, which are in the route table (a template's
+/// `${...}` stands for a path parameter; its query is left out).
 #[test]
 fn dashboard_script_and_page_fit_together() {
     let html = ui::INDEX.body;
@@ -175,19 +177,31 @@ fn dashboard_script_and_page_fit_together() {
     }
     assert!(ids >= 8, "{ids}");
     let mut fetched = 0;
-    for (i, _) in js.match_indices("get(\"") {
-        let rest = &js[i + 5..];
-        let target = &rest[..rest.find('"').expect("closing quote")];
-        let path = target.strip_prefix("..").expect("relative to /ui/");
-        assert!(
-            ROUTES
-                .iter()
-                .any(|r| r.method == Method::GET && r.path == path),
-            "{path} is not a GET route"
-        );
-        fetched += 1;
+    for quote in ['"', '`'] {
+        for (i, _) in js.match_indices(&format!("get({quote}")) {
+            let rest = &js[i + 5..];
+            let target = &rest[..rest.find(quote).expect("closing quote")];
+            let target = target.split('?').next().unwrap_or_default();
+            let mut path = String::new();
+            let mut parts = target.split("${");
+            path.push_str(parts.next().unwrap_or_default());
+            for part in parts {
+                let (_, after) = part.split_once('}').expect("end of ${...}");
+                path.push_str("{id}");
+                path.push_str(after);
+            }
+            let path = path.strip_prefix("..").expect("relative to /ui/");
+            assert!(
+                ROUTES
+                    .iter()
+                    .any(|r| r.method == Method::GET && r.path == path),
+                "{path} is not a GET route"
+            );
+            fetched += 1;
+        }
     }
-    assert_eq!(fetched, 3);
+    // The three polled paths, the event, the deliveries, the activity.
+    assert_eq!(fetched, 6);
     // The grid cells carry what a browser test asserts on.
     for attr in ["data-lane", "`lane-${i}`", "dataset.owner", "dataset.epoch"] {
         assert!(js.contains(attr), "{attr}");
@@ -232,7 +246,40 @@ async fn handler_summaries_count_dead_letters_without_secrets(app: TestApp) {
     );
 }
 
+/// The node's samples for an existing handler, with the window's shape;
+/// `404` for an unknown or malformed id, `400` for a query parameter.
+async fn handler_activity_answers_the_nodes_samples(app: TestApp) {
+    let id = app.create_handler("plotted", &["a.*"]).await;
+    let res = app.get(&format!("/admin/handlers/{id}/activity")).await;
+    assert_eq!(res.status, StatusCode::OK, "{res:?}");
+    assert_eq!(
+        res.json,
+        json!({"node_id": "n1", "handler_id": id, "interval_s": 10, "window_s": 900,
+               "samples": [{"at": "2026-12-01T00:00:00Z", "seconds": 10.0, "deliveries": 5,
+                            "failures": 1, "deliveries_per_s": 0.5, "failures_per_s": 0.1,
+                            "p99_attempt_ms": 12.5}]})
+    );
+    assert_eq!(
+        serde_json::to_value(common::stub_activity()).expect("json"),
+        res.json["samples"][0]
+    );
+    for path in [
+        "/admin/handlers/hdl_00000000000000000000000000000000/activity".to_owned(),
+        "/admin/handlers/nope/activity".to_owned(),
+    ] {
+        let res = app.get(&path).await;
+        assert_eq!(res.status, StatusCode::NOT_FOUND, "{path}: {res:?}");
+        assert_eq!(res.json["error"]["code"], "not_found");
+    }
+    let res = app
+        .get(&format!("/admin/handlers/{id}/activity?window=60"))
+        .await;
+    assert_eq!(res.status, StatusCode::BAD_REQUEST, "{res:?}");
+    assert_eq!(res.json["error"]["code"], "invalid_parameter");
+}
+
 on_every_backend!(
+    handler_activity_answers_the_nodes_samples,
     openapi_document_and_router_agree,
     dashboard_page_references_its_assets_with_their_types,
     handler_summaries_count_dead_letters_without_secrets,

@@ -1,6 +1,9 @@
 // lanebus dashboard: polls the node's admin paths every second and draws the
-// lanes, nodes and handlers. Vanilla JavaScript, no dependencies, nothing
-// fetched but this node's own paths (relative, so a path prefix works).
+// lanes, nodes and handlers; `#event=ID` shows an event's deliveries per
+// handler, `#handler=ID&state=S` a handler's deliveries (paged) and plots of
+// its last 15 minutes on this node (inline SVG). Vanilla JavaScript, no
+// dependencies, nothing fetched but this node's own paths (relative, so a
+// path prefix works).
 // Untrusted strings go through textContent and attributes only.
 // On a node that requires tokens, an answer 401/403 shows a token field; the
 // token is kept in sessionStorage (this tab only) and sent as
@@ -280,6 +283,8 @@
   }
 
   function renderHandlers(h) {
+    handlers = new Map(h.handlers.map((x) => [x.id, x]));
+    if (view.name === "handler") renderHandlerMeta();
     const body = $("handlers").tBodies[0];
     body.replaceChildren();
     $("handlers-empty").hidden = h.handlers.length > 0;
@@ -291,7 +296,7 @@
         dl.append(el("a", count, { href: `../admin/dead-letters?handler_id=${encodeURIComponent(x.id)}` }));
       } else dl.textContent = count;
       tr.append(
-        el("th", x.name, { scope: "row" }),
+        cellLink("th", x.name, `#handler=${encodeURIComponent(x.id)}`, { scope: "row" }),
         el("td", x.id, { class: "mono" }),
         el("td", handlerState(x), { class: x.state === "enabled" ? "" : "disabled" }),
         el("td", x.event_types.join(", "), { class: "mono" }),
@@ -300,6 +305,363 @@
       body.append(tr);
     }
   }
+
+  // --- Event lookup and a handler's page -------------------------------
+
+  let handlers = new Map(); // id → summary, from the last poll
+  let view = { name: "overview" };
+  let plotTimer = null;
+  const PLOT_MS = 10_000;
+  const WINDOW_MS = 900_000;
+
+  function cellLink(tag, text, href, attrs) {
+    const c = el(tag, null, attrs);
+    c.append(el("a", text, { href }));
+    return c;
+  }
+
+  function time(iso) {
+    if (!iso) return "–";
+    return new Date(iso).toLocaleTimeString();
+  }
+
+  function timeEl(iso) {
+    const e = el("time", time(iso));
+    if (iso) {
+      e.setAttribute("datetime", iso);
+      e.title = iso;
+    }
+    return e;
+  }
+
+  const STATE_TEXT = { pending: "pending", completed: "completed", dead_lettered: "dead letter" };
+
+  // "next 12:00:01", "completed 12:00:02", "failed 12:00:03".
+  function whenCell(d) {
+    const td = el("td");
+    if (d.state === "pending") td.append("next ", timeEl(d.next_attempt_at));
+    else if (d.state === "completed") td.append("completed ", timeEl(d.completed_at));
+    else td.append("failed ", timeEl(d.failed_at));
+    return td;
+  }
+
+  // The attempt log (failed attempts, oldest first) of a delivery: a row
+  // under the delivery's, spanning the table, shown by the button in the
+  // attempts cell. `null` when nothing failed.
+  function logRow(d, span) {
+    const log = d.attempt_log || [];
+    if (log.length === 0) return null;
+    const row = el("tr", null, { class: "log-row" });
+    row.hidden = true;
+    const td = el("td", null, { colspan: String(span) });
+    const t = el("table", null, { class: "attempt-log" });
+    const head = el("tr");
+    for (const h of ["attempt", "at", "answer", "ms", "body (first 1 KB)"]) head.append(el("th", h, { scope: "col" }));
+    t.append(el("thead"), el("tbody"));
+    t.tHead.append(head);
+    for (const a of log) {
+      const answer = a.status != null ? `HTTP ${a.status}` : a.error || "–";
+      const tr = el("tr", null, { "data-attempt": String(a.attempt), "data-status": a.status == null ? "" : String(a.status) });
+      const at = el("td");
+      at.append(timeEl(a.at));
+      tr.append(el("td", a.attempt, { class: "num" }), at, el("td", answer), el("td", a.duration_ms, { class: "num" }), el("td", a.body || "", { class: "mono body" }));
+      t.tBodies[0].append(tr);
+    }
+    td.append(t);
+    row.append(td);
+    return row;
+  }
+
+  // The attempts count, with a button that shows `log` (logRow) when
+  // there is one.
+  function attemptsCell(d, log) {
+    const td = el("td", null, { class: "num" });
+    if (!log) {
+      td.textContent = String(d.attempts);
+      return td;
+    }
+    const b = el("button", `${d.attempts} · log of ${d.attempt_log.length} failed`, { type: "button", class: "log-toggle", "aria-expanded": "false" });
+    b.addEventListener("click", () => {
+      log.hidden = !log.hidden;
+      b.setAttribute("aria-expanded", String(!log.hidden));
+    });
+    td.append(b);
+    return td;
+  }
+
+  function showError(id, e) {
+    $(id).hidden = !e;
+    $(id).textContent = e ? e.message : "";
+  }
+
+  // The columns every delivery row ends with (deliveryRows); a table's own
+  // first columns are named in its data-columns.
+  const TAIL = [["State"], ["Attempts", "num"], ["Next attempt / settled"], ["Last error"]];
+  for (const id of ["event-handlers", "deliveries"]) {
+    const tr = el("tr");
+    for (const [name, cls] of [...$(id).dataset.columns.split(",").map((c) => [c]), ...TAIL]) {
+      tr.append(el("th", name, cls ? { scope: "col", class: cls } : { scope: "col" }));
+    }
+    $(id).tHead.append(tr);
+  }
+
+  // The rows of one delivery: `lead` cells, then TAIL's; then its attempt
+  // log's row, if any.
+  function deliveryRows(attrs, lead, d) {
+    const tr = el("tr", null, {
+      ...attrs,
+      "data-state": d.state,
+      "data-attempts": String(d.attempts),
+      "data-attempt-log": String((d.attempt_log || []).length),
+    });
+    const log = logRow(d, lead.length + TAIL.length);
+    tr.append(
+      ...lead,
+      el("td", STATE_TEXT[d.state] || d.state, { class: `state-${d.state}` }),
+      attemptsCell(d, log),
+      whenCell(d),
+      el("td", d.last_error || "–", { class: "error-text" }),
+    );
+    return log ? [tr, log] : [tr];
+  }
+
+  function renderEvent(ev) {
+    const meta = $("event-meta");
+    meta.replaceChildren();
+    const facts = [
+      ["type", ev.type],
+      ["key", ev.key == null ? "(none)" : ev.key],
+      ["sequence", ev.seq == null ? "–" : ev.seq],
+      ["lane", ev.lane],
+      ["published", new Date(ev.published_at).toLocaleString()],
+      ["payload", `${ev.payload_bytes} bytes`],
+    ];
+    for (const [k, v] of facts) meta.append(el("dt", k), el("dd", v));
+    const body = $("event-handlers").tBodies[0];
+    body.replaceChildren();
+    $("event-no-handlers").hidden = ev.handlers.length > 0;
+    for (const d of ev.handlers) {
+      const name = cellLink("th", d.handler_name || d.handler_id, `#handler=${encodeURIComponent(d.handler_id)}`, { scope: "row" });
+      body.append(...deliveryRows({ "data-event-handler": d.handler_id }, [name], d));
+    }
+  }
+
+  async function loadEvent() {
+    const id = view.id;
+    $("event-id").textContent = id;
+    try {
+      const ev = await get(`../v1/events/${encodeURIComponent(id)}`);
+      if (view.name !== "event" || view.id !== id) return;
+      showError("event-error", null);
+      renderEvent(ev);
+      document.body.dataset.event = id;
+    } catch (e) {
+      if (view.name !== "event" || view.id !== id) return;
+      $("event-meta").replaceChildren();
+      $("event-handlers").tBodies[0].replaceChildren();
+      showError("event-error", e);
+      document.body.dataset.event = "";
+    }
+  }
+
+  function renderHandlerMeta() {
+    const h = handlers.get(view.id);
+    $("handler-name").textContent = h ? h.name : "";
+    $("handler-meta").textContent = h
+      ? `${handlerState(h)} · routes ${h.event_types.join(", ")} · ${h.url} · dead letters ${h.dead_letters}`
+      : "";
+  }
+
+  function renderDeliveries(page) {
+    const body = $("deliveries").tBodies[0];
+    body.replaceChildren();
+    $("deliveries-empty").hidden = page.deliveries.length > 0;
+    for (const d of page.deliveries) {
+      const keySeq = d.key == null ? "–" : `${d.key}${d.seq == null ? "" : ` · ${d.seq}`}`;
+      const lead = [
+        cellLink("td", d.event_id, `#event=${encodeURIComponent(d.event_id)}`, { class: "mono" }),
+        el("td", d.type || "(pruned)", { class: "mono" }),
+        el("td", keySeq, { class: "mono" }),
+      ];
+      body.append(...deliveryRows({ "data-delivery": d.event_id }, lead, d));
+    }
+    const p = view.pages.length + 1;
+    $("page-info").textContent = `page ${p} · ${page.deliveries.length} ${page.deliveries.length === 1 ? "delivery" : "deliveries"}`;
+    $("page-newer").disabled = view.pages.length === 0;
+    $("page-older").disabled = page.next_after == null;
+  }
+
+  async function loadDeliveries() {
+    const v = view;
+    const q = new URLSearchParams({ state: v.state, limit: "50" });
+    if (v.after != null) q.set("after", v.after);
+    try {
+      const page = await get(`../v1/handlers/${encodeURIComponent(v.id)}/deliveries?${q}`);
+      if (view !== v) return;
+      showError("handler-error", null);
+      v.next = page.next_after;
+      renderDeliveries(page);
+      $("deliveries").dataset.loaded = `${v.state}:${v.pages.length}`;
+    } catch (e) {
+      if (view === v) showError("handler-error", e);
+    }
+  }
+
+  // One plot: a line over the last 15 minutes (a gap where there is no
+  // value), its largest value on the axis. Everything through attributes.
+  const SVG = "http://www.w3.org/2000/svg";
+  function svg(tag, attrs) {
+    const e = document.createElementNS(SVG, tag);
+    for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, String(v));
+    return e;
+  }
+
+  function fmt(v) {
+    if (v === 0) return "0";
+    if (v >= 100) return v.toFixed(0);
+    if (v >= 10) return v.toFixed(1);
+    return v.toPrecision(2);
+  }
+
+  function plot(name, title, unit, colour, samples, value, end) {
+    const W = 300, H = 110, L = 34, R = 4, T = 8, B = 18;
+    const pts = samples.map((s) => ({ t: Date.parse(s.at) + s.seconds * 500, v: value(s) }));
+    const vals = pts.filter((p) => p.v != null).map((p) => p.v);
+    const max = Math.max(0, ...vals);
+    const top = max > 0 ? max * 1.1 : 1;
+    const x = (t) => L + ((t - (end - WINDOW_MS)) / WINDOW_MS) * (W - L - R);
+    const y = (v) => T + (1 - v / top) * (H - T - B);
+    const fig = el("figure", null, {
+      class: "plot",
+      "data-plot": name,
+      "data-points": String(vals.length),
+      "data-nonzero": String(vals.filter((v) => v > 0).length),
+      "data-max": String(max),
+    });
+    const last = vals.length ? vals[vals.length - 1] : null;
+    fig.append(el("figcaption", `${title}: ${last == null ? "–" : fmt(last)} ${unit} now, max ${fmt(max)}`));
+    const s = svg("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": `${title} over the last 15 minutes, at most ${fmt(max)} ${unit}` });
+    s.append(
+      svg("line", { x1: L, y1: y(0), x2: W - R, y2: y(0), stroke: "#8a929c", "stroke-width": 1 }),
+      svg("line", { x1: L, y1: T, x2: L, y2: y(0), stroke: "#8a929c", "stroke-width": 1 }),
+      svg("line", { x1: L, y1: y(max || top), x2: W - R, y2: y(max || top), stroke: "#c9ced6", "stroke-dasharray": "3 3" }),
+    );
+    const label = (tx, ax, ay, anchor) => {
+      const t = svg("text", { x: ax, y: ay, "text-anchor": anchor, "font-size": 9, fill: "#4a5360" });
+      t.textContent = tx;
+      return t;
+    };
+    s.append(
+      label(fmt(max), L - 3, y(max || top) + 3, "end"),
+      label("0", L - 3, y(0) + 3, "end"),
+      label("−15 min", L, H - 4, "start"),
+      label("now", W - R, H - 4, "end"),
+    );
+    let d = "";
+    let pen = false;
+    for (const p of pts) {
+      if (p.v == null) {
+        pen = false;
+        continue;
+      }
+      d += `${pen ? "L" : "M"}${x(p.t).toFixed(1)} ${y(p.v).toFixed(1)} `;
+      pen = true;
+    }
+    if (d) s.append(svg("path", { d: d.trim(), fill: "none", stroke: colour, "stroke-width": 1.5, "stroke-linejoin": "round" }));
+    // A lone value between gaps gets a dot.
+    pts.forEach((p, i) => {
+      const alone = p.v != null && (pts[i - 1] === undefined || pts[i - 1].v == null) && (pts[i + 1] === undefined || pts[i + 1].v == null);
+      if (alone) s.append(svg("circle", { cx: x(p.t).toFixed(1), cy: y(p.v).toFixed(1), r: 2, fill: colour }));
+    });
+    fig.append(s);
+    return fig;
+  }
+
+  async function loadPlots() {
+    const v = view;
+    if (plotTimer !== null) clearTimeout(plotTimer);
+    plotTimer = null;
+    try {
+      const a = await get(`../admin/handlers/${encodeURIComponent(v.id)}/activity`);
+      if (view !== v) return;
+      const last = a.samples[a.samples.length - 1];
+      const end = last ? Date.parse(last.at) + last.seconds * 1000 : Date.now();
+      $("plots").replaceChildren(
+        plot("deliveries", "Deliveries", "/s", "#0b6b2b", a.samples, (s) => s.deliveries_per_s, end),
+        plot("failures", "Failures", "/s", "#a4161a", a.samples, (s) => s.failures_per_s, end),
+        plot("p99", "p99 attempt duration", "ms", "#0a58ca", a.samples, (s) => s.p99_attempt_ms, end),
+      );
+      $("plots-scope").textContent =
+        `Attempts made by node ${a.node_id} (the node serving this page), one sample per ${a.interval_s} s; ` +
+        "each node counts the attempts of the lanes it owns: open another node's dashboard (Nodes table) for its share.";
+      $("plots").dataset.updated = new Date().toISOString();
+    } catch (e) {
+      if (view === v) showError("handler-error", e);
+    }
+    if (view === v) plotTimer = setTimeout(loadPlots, PLOT_MS);
+  }
+
+  // Shows the view the location's hash names: "" (overview),
+  // "#event=ID" or "#handler=ID&state=pending|dead|completed".
+  function route() {
+    const q = new URLSearchParams(location.hash.slice(1));
+    const [event, handler, tab] = ["event", "handler", "state"].map((k) => q.get(k));
+    if (plotTimer !== null) clearTimeout(plotTimer);
+    plotTimer = null;
+    if (event) view = { name: "event", id: event };
+    else if (handler) {
+      const state = ["pending", "dead", "completed"].includes(tab) ? tab : "pending";
+      view = { name: "handler", id: handler, state, after: null, next: null, pages: [] };
+    } else view = { name: "overview" };
+    document.body.dataset.view = view.name;
+    $("view-overview").hidden = view.name !== "overview";
+    $("view-event").hidden = view.name !== "event";
+    $("view-handler").hidden = view.name !== "handler";
+    if (view.name === "event") {
+      $("lookup").value = view.id;
+      loadEvent();
+    } else if (view.name === "handler") {
+      $("handler-id").textContent = view.id;
+      renderHandlerMeta();
+      $("plots").replaceChildren();
+      $("deliveries").tBodies[0].replaceChildren();
+      delete $("deliveries").dataset.loaded;
+      for (const b of $("delivery-tabs").querySelectorAll("button")) {
+        const on = b.dataset.state === view.state;
+        b.setAttribute("aria-selected", String(on));
+        b.tabIndex = on ? 0 : -1;
+      }
+      loadDeliveries();
+      loadPlots();
+    }
+  }
+
+  $("lookup-form").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    const id = $("lookup").value.trim();
+    if (!id) return;
+    const hash = `#event=${encodeURIComponent(id)}`;
+    if (location.hash === hash) route();
+    else location.hash = hash;
+  });
+  $("event-refresh").addEventListener("click", () => loadEvent());
+  $("deliveries-refresh").addEventListener("click", () => loadDeliveries());
+  $("delivery-tabs").addEventListener("click", (ev) => {
+    const b = ev.target.closest("button[data-state]");
+    if (b && view.name === "handler") location.hash = `#handler=${encodeURIComponent(view.id)}&state=${b.dataset.state}`;
+  });
+  $("page-older").addEventListener("click", () => {
+    if (view.name !== "handler" || view.next == null) return;
+    view.pages.push(view.after);
+    view.after = view.next;
+    loadDeliveries();
+  });
+  $("page-newer").addEventListener("click", () => {
+    if (view.name !== "handler" || view.pages.length === 0) return;
+    view.after = view.pages.pop();
+    loadDeliveries();
+  });
+  window.addEventListener("hashchange", route);
 
   function setStatus(state, text) {
     document.body.dataset.status = state;
@@ -334,5 +696,6 @@
     }
   });
 
+  route();
   poll();
 })();

@@ -20,6 +20,7 @@ use lanebus_store::{
 };
 use tokio::sync::Semaphore;
 
+use crate::activity::HandlerActivity;
 use crate::assignment::{OwnerTie, Start};
 use crate::catalog::HandlerCatalog;
 use crate::retry::AttemptOutcome;
@@ -125,6 +126,8 @@ pub struct Dispatcher {
     /// Hand-overs under way on this node, whatever their lane's owner does
     /// meanwhile (see [`Dispatcher::attempts_in_flight`]).
     in_flight: Arc<AttemptCounter>,
+    /// Each handler's recent attempts on this node (the dashboard's plots).
+    activity: Arc<HandlerActivity>,
 }
 
 /// Attempts under way on a node, in all and per lane: each from the moment
@@ -185,7 +188,14 @@ impl Dispatcher {
             permits: Arc::default(),
             rates: Arc::default(),
             in_flight: Arc::new(AttemptCounter::new(lanes)),
+            activity: Arc::new(HandlerActivity::new(std::time::Instant::now())),
         }
+    }
+
+    /// Each handler's attempts on this node over the last 15 minutes
+    /// (counted by [`attempt_checked`](Self::attempt_checked)).
+    pub fn activity(&self) -> Arc<HandlerActivity> {
+        self.activity.clone()
     }
 
     /// Attempts being sent (or run, in process) by this node right now, or
@@ -242,6 +252,7 @@ impl Dispatcher {
             .lock()
             .expect("not poisoned")
             .retain(|id, _| known.contains_key(id));
+        self.activity.retain(|id| known.contains_key(id));
         self.rates
             .retain(|id| known.get(id).is_some_and(|h| h.rate_limit.is_some()));
     }
@@ -310,7 +321,14 @@ impl Dispatcher {
                         let at = chrono::Utc::now();
                         let started = std::time::Instant::now();
                         let (outcome, detail) = self.hand_over(&h, delivery, attempt).await;
-                        let ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+                        let took = started.elapsed();
+                        self.activity.record(
+                            &h.id,
+                            started + took,
+                            outcome == AttemptOutcome::Delivered,
+                            took,
+                        );
+                        let ms = u64::try_from(took.as_millis()).unwrap_or(u64::MAX);
                         let failure = (outcome != AttemptOutcome::Delivered)
                             .then(|| failed_attempt(attempt, at, ms, detail));
                         Ok(Sent {

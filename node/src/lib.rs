@@ -21,6 +21,7 @@
 
 #![warn(missing_docs)]
 
+pub mod activity;
 pub mod actors;
 pub mod assignment;
 pub mod auto_disable;

@@ -47,6 +47,7 @@ use lanebus_store::{Lane, Store, StoreError, Wakeups};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::sync::{oneshot, watch};
 
+use crate::activity::HandlerActivity;
 use crate::actors::lane_owner::{LaneDeps, StopLane, Wake};
 use crate::actors::lane_supervisor::{Apply, DrainBound, Owners, Shutdown};
 use crate::actors::{
@@ -313,6 +314,8 @@ pub struct NodeState {
     /// The dispatcher's count of attempts under way (the graceful stop gives
     /// the lease up only when its total is 0).
     attempts: Arc<AttemptCounter>,
+    /// The dispatcher's per-handler samples of recent attempts.
+    activity: Arc<HandlerActivity>,
 }
 
 impl NodeState {
@@ -460,6 +463,12 @@ impl NodeView for NodeState {
 
     fn handlers_changed(&self) {
         self.catalog.request_reload();
+    }
+
+    fn handler_activity(&self, handler_id: &str) -> Vec<lanebus_api::ActivitySample> {
+        use crate::clock::Clock as _;
+        let clock = crate::clock::SystemClock;
+        self.activity.samples(handler_id, clock.now(), clock.wall())
     }
 
     fn retention(&self) -> Option<Duration> {
@@ -806,6 +815,7 @@ async fn boot(
         lease: opts.cluster.as_ref().map(|c| c.lease),
         fenced_out: FencedOutLanes::default(),
         attempts: dispatcher.attempt_counter(),
+        activity: dispatcher.activity(),
     });
     tokio::spawn(crate::retention::run(
         store.clone(),

@@ -5,14 +5,24 @@
 //! the short leases of `cluster.rs`):
 //!
 //! 1. the page shows 256 lanes, every one active, over the three owners;
-//! 2. node 3 is SIGKILLed; within the failover bound (lease + margin + 2 s,
+//! 2. an event of type `push` looked up through the search box shows its
+//!    delivery to `all` completed and to `payments` (whose receiver always
+//!    answers 500) dead-lettered after 2 attempts, both failed attempts in
+//!    its attempt log with status 500;
+//! 3. `all`'s page (opened from the lookup) lists its completed deliveries,
+//!    50 a page, and the next page with other ones; its deliveries plot has
+//!    points above 0 (node 1's own attempts); `payments`' dead letters show
+//!    their attempt logs;
+//! 4. node 3 is SIGKILLed; within the failover bound (lease + margin + 2 s,
 //!    as in `cluster.rs`, plus the page's 1 s refresh) the page shows every
 //!    lane owned by nodes 1 and 2.
 //!
 //! The script (`node/tests/browser/dashboard.mjs`) reads everything from the
 //! page's `data-*` attributes and saves screenshots in
-//! `$CARGO_TARGET_TMPDIR/dashboard/` (`dashboard-three-nodes.png` is the one
-//! committed as `docs/dashboard.png`).
+//! `$CARGO_TARGET_TMPDIR/dashboard/` (`dashboard-three-nodes.png`,
+//! `dashboard-event.png` and `dashboard-handler.png` are committed as
+//! `docs/dashboard.png`, `docs/dashboard-event.png` and
+//! `docs/dashboard-handler.png`).
 //!
 //! Needs `scripts/test` (it runs `npm ci` in `node/tests/browser/` and
 //! exports `LANEBUS_TEST_NODEJS`) and `/usr/bin/chromium` (`apt-get install
@@ -90,6 +100,23 @@ async fn next_step(
     serde_json::from_str(&line).with_context(|| format!("browser script said: {line}"))
 }
 
+/// Next JSON line of the script, which must be step `name`; else its error.
+async fn expect_step(
+    lines: &mut tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+    name: &str,
+    timeout: Duration,
+    logs: &Path,
+) -> anyhow::Result<Value> {
+    let step = next_step(lines, timeout).await?;
+    ensure!(
+        step["step"] == name,
+        "{name}: {} (logs in {})",
+        step["error"].as_str().unwrap_or(&step.to_string()),
+        logs.display()
+    );
+    Ok(step)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dashboard_shows_three_owners_then_the_failover() -> anyhow::Result<()> {
     let (node_bin, chromium) = tools()?;
@@ -128,6 +155,7 @@ async fn dashboard_shows_three_owners_then_the_failover() -> anyhow::Result<()> 
     });
     let api = Api::new(&cluster.url(1));
     let mut n_handlers = 0;
+    let mut ids = std::collections::HashMap::new();
     for (name, routes, attempts) in [
         ("issues", vec!["issues.*"], 8),
         ("all", vec!["*"], 8),
@@ -137,10 +165,15 @@ async fn dashboard_shows_three_owners_then_the_failover() -> anyhow::Result<()> 
             .create_handler_timeout(name, &rx.url(name), &routes, attempts, LEASE_MS - 500)
             .await?;
         rx.set_secret(name, &h.secret);
+        ids.insert(name, h.id);
         n_handlers += 1;
     }
-    let (events, _) = real_events(&samples(), 300, 40, "dash");
+    let (events, tracked) = real_events(&samples(), 300, 40, "dash");
     api.publish(&events, 100).await?;
+    let push = tracked
+        .iter()
+        .find(|e| e.event_type == "push")
+        .context("the samples have no push event")?;
 
     let shots = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("dashboard");
     let bound = LEASE_MS + MARGIN_MS + 2_000 + PAGE_REFRESH_MS;
@@ -152,6 +185,9 @@ async fn dashboard_shows_three_owners_then_the_failover() -> anyhow::Result<()> 
         .arg("1,2,3")
         .arg("1,2")
         .arg(bound.to_string())
+        .arg(&push.id)
+        .arg(&ids["all"])
+        .arg(&ids["payments"])
         .env("LANEBUS_TEST_CHROMIUM", &chromium)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -162,13 +198,7 @@ async fn dashboard_shows_three_owners_then_the_failover() -> anyhow::Result<()> 
     let mut stdin = script.stdin.take().context("stdin")?;
     let mut lines = BufReader::new(script.stdout.take().context("stdout")?).lines();
 
-    let step = next_step(&mut lines, Duration::from_secs(120)).await?;
-    ensure!(
-        step["step"] == "balanced",
-        "before the kill: {} (logs in {})",
-        step["error"].as_str().unwrap_or(&step.to_string()),
-        dir.display()
-    );
+    let step = expect_step(&mut lines, "balanced", Duration::from_secs(120), &dir).await?;
     let counts: Vec<u64> = ["1", "2", "3"]
         .iter()
         .map(|o| step["owners"][o].as_u64().unwrap_or(0))
@@ -183,16 +213,83 @@ async fn dashboard_shows_three_owners_then_the_failover() -> anyhow::Result<()> 
         step["owners"], step["ms"], step["screenshot"]
     );
 
+    // The event lookup.
+    let step = expect_step(&mut lines, "lookup", Duration::from_secs(120), &dir).await?;
+    let rows = step["handlers"].as_array().context("handlers")?;
+    let row = |id: &str| rows.iter().find(|r| r["handler"] == id);
+    let all = row(&ids["all"]).context("no row for handler all")?;
+    ensure!(
+        all["state"] == "completed" && all["attempts"] == 1 && all["log"] == serde_json::json!([]),
+        "all: {all}"
+    );
+    let payments = row(&ids["payments"]).context("no row for handler payments")?;
+    ensure!(
+        payments["state"] == "dead_lettered"
+            && payments["attempts"] == 2
+            && payments["log"] == serde_json::json!([500, 500]),
+        "payments: {payments}"
+    );
+    ensure!(
+        row(&ids["issues"]).is_none() && rows.len() == 2,
+        "a push event matches all and payments only: {rows:?}"
+    );
+    println!(
+        "lookup of {} shows {}; screenshot {}",
+        push.id, step["handlers"], step["screenshot"]
+    );
+
+    // The handler's page.
+    let step = expect_step(&mut lines, "handler", Duration::from_secs(120), &dir).await?;
+    let first = step["first"].as_array().context("first")?;
+    let second: Vec<&str> = step["second"]
+        .as_array()
+        .context("second")?
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    ensure!(
+        first.len() == 50 && first.iter().all(|r| r[1] == "completed"),
+        "first page of all's completed deliveries: {first:?}"
+    );
+    ensure!(
+        !second.is_empty() && second.iter().all(|id| !first.iter().any(|r| r[0] == *id)),
+        "the second page repeats or is empty: {second:?}"
+    );
+    let plots = &step["plots"];
+    ensure!(
+        plots["deliveries"]["nonzero"].as_u64() > Some(0)
+            && plots["deliveries"]["paths"].as_u64() > Some(0)
+            && plots["p99"]["points"].as_u64() > Some(0)
+            && plots["failures"]["points"].as_u64() > Some(0),
+        "plots: {plots}"
+    );
+    let dead = step["dead"].as_array().context("dead")?;
+    ensure!(
+        !dead.is_empty()
+            && dead.iter().all(|d| d["state"] == "dead_lettered"
+                && d["attempts"] == 2
+                && d["log"] == serde_json::json!([500, 500])),
+        "payments' dead letters: {dead:?}"
+    );
+    println!(
+        "handler page: {} + {} completed deliveries on two pages, plots {plots}, {} dead letters of \
+         payments with their attempt logs; screenshot {}",
+        first.len(),
+        second.len(),
+        dead.len(),
+        step["screenshot"]
+    );
+
     cluster.kill(3)?;
     stdin.write_all(b"killed\n").await?;
     stdin.flush().await?;
-    let step = next_step(&mut lines, Duration::from_millis(bound + 30_000)).await?;
-    ensure!(
-        step["step"] == "failover",
-        "after SIGKILL of node 3: {} (logs in {})",
-        step["error"].as_str().unwrap_or(&step.to_string()),
-        dir.display()
-    );
+    let step = expect_step(
+        &mut lines,
+        "failover",
+        Duration::from_millis(bound + 30_000),
+        &dir,
+    )
+    .await?;
     let moved = step["ms"].as_u64().context("ms")?;
     ensure!(moved <= bound, "page showed the failover after {moved} ms");
     let status = tokio::time::timeout(Duration::from_secs(30), script.wait())

@@ -73,6 +73,23 @@ impl NodeView for StubNode {
     fn render_metrics(&self) -> String {
         "# TYPE lanebus_up gauge\nlanebus_up 1\n".into()
     }
+    /// One sample for any handler: [`stub_activity`].
+    fn handler_activity(&self, _handler_id: &str) -> Vec<lanebus_api::ActivitySample> {
+        vec![stub_activity()]
+    }
+}
+
+/// The sample [`StubNode`] answers for every handler.
+pub fn stub_activity() -> lanebus_api::ActivitySample {
+    lanebus_api::ActivitySample {
+        at: "2026-12-01T00:00:00Z".parse().expect("time"),
+        seconds: 10.0,
+        deliveries: 5,
+        failures: 1,
+        deliveries_per_s: 0.5,
+        failures_per_s: 0.1,
+        p99_attempt_ms: Some(12.5),
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
