@@ -18,7 +18,7 @@
 //! passes that check is sent to the deleted handler. Other nodes learn of
 //! the change at their next periodic reload, or earlier when the store
 //! refuses an attempt's result because the delivery's row is gone (the key
-//! handler reloads before the key's next delivery is handed out).
+//! runner reloads before the key's next delivery is handed out).
 //!
 //! Metric: `lanebus_handlers_disabled` (gauge), the disabled handlers in
 //! the catalog as of the last reload.

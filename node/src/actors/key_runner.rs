@@ -138,7 +138,7 @@ impl KeyRunner {
             // it (or of a drain) would not cover the handler's timeout: send
             // nothing. Ask again while the lane owner lives (a renewal makes
             // room again); once it is stopped (the lane moved) this key
-            // handler goes too, and the delivery stays in the store for the
+            // runner goes too, and the delivery stays in the store for the
             // next owner.
             if self.deps.owner.connected() {
                 ctx.run_later(GATE_RECHECK, move |act, ctx| {
