@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use async_trait::async_trait;
 use lanebus_api::{router, ApiState, ClusterNodeView, ClusterView, LaneView, Limits, NodeView};
-use lanebus_store::{DeadLetterRequest, Lane, LaneClaim, NewEvent, NewHandler};
+use lanebus_store::{DeadLetterRequest, Epoch, Lane, LaneClaim, NewEvent, NewHandler};
 
 struct Preview {
     started: Instant,
@@ -53,7 +53,7 @@ impl NodeView for Preview {
                 LaneView {
                     lane,
                     owner: (lane != 255).then(|| self.owner(lane).to_owned()),
-                    epoch: if moved { 2 } else { 1 },
+                    epoch: Epoch(if moved { 2 } else { 1 }),
                     state: match lane {
                         255 => "unassigned",
                         _ if lane % 41 == 7 => "starting",
@@ -170,11 +170,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .collect();
     store.publish(events).await?;
     let lane = lanebus_store::lane_of_event(Some("acct-1"), "", store.lanes());
-    store.fence(lane, "preview", 1).await?;
+    store.fence(lane, "preview", Epoch(1)).await?;
     let claimed = store
         .claim(&[LaneClaim {
             lane,
-            epoch: 1,
+            epoch: Epoch(1),
             after: Default::default(),
             limit: 10,
         }])
@@ -185,7 +185,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|d| DeadLetterRequest {
             id: d.id,
             lane,
-            epoch: 1,
+            epoch: Epoch(1),
             attempts: 8,
             last_error: "503 from http://127.0.0.1:9/hook".into(),
             failure: None,

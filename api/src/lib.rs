@@ -52,7 +52,7 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use lanebus_store::{Lane, Store};
+use lanebus_store::{Epoch, Lane, Store};
 use serde::Serialize;
 use utoipa::ToSchema;
 
@@ -89,8 +89,9 @@ pub struct LaneView {
     pub lane: Lane,
     /// Owning node id, if any.
     pub owner: Option<String>,
-    /// Current epoch.
-    pub epoch: i64,
+    /// Current epoch (a number, at most `i64::MAX`: what the store holds).
+    #[schema(value_type = i64)]
+    pub epoch: Epoch,
     /// `active`, `releasing`, `unassigned`, `fenced_out` (the store holds
     /// the lane for a process outside the cluster), `lease_lapsed` (assigned,
     /// but its owner's lease ran out: nobody works it until the owner renews

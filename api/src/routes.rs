@@ -262,7 +262,7 @@ impl Operation {
             && self != Operation::ListHandlerDeliveries
     }
 
-    /// The axum handler serving this operation.
+    /// The endpoint (axum method router) serving this operation.
     fn method_router(self) -> MethodRouter<ApiState> {
         match self {
             Operation::PublishEvents => post(events::publish),

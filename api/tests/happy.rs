@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use axum::http::{Method, StatusCode};
 use common::{run_configured, run_with, Backend, StubNode, TestApp, TEST_LIMITS};
 use lanebus_api::{LaneView, ROUTES};
-use lanebus_store::{lane_of_event, LaneClaim};
+use lanebus_store::{lane_of_event, Epoch, LaneClaim};
 use serde_json::{json, Value};
 
 async fn publish_returns_ids_and_counts(app: TestApp) {
@@ -120,12 +120,16 @@ async fn payload_is_stored_byte_for_byte(app: TestApp) {
         .await;
     assert_eq!(res.status, StatusCode::ACCEPTED, "{res:?}");
     let lane = lane_of_event(Some("raw"), "", app.store.lanes());
-    assert!(app.store.fence(lane, "test", 1).await.expect("fence"));
+    assert!(app
+        .store
+        .fence(lane, "test", Epoch(1))
+        .await
+        .expect("fence"));
     let batches = app
         .store
         .claim(&[LaneClaim {
             lane,
-            epoch: 1,
+            epoch: Epoch(1),
             after: Default::default(),
             limit: 10,
         }])
@@ -390,11 +394,11 @@ async fn event_lookup_shows_each_handlers_delivery(app: TestApp) {
     assert_eq!(res.status, StatusCode::ACCEPTED, "{res:?}");
     let store = &app.store;
     let lane = lane_of_event(Some("o7"), "", store.lanes());
-    assert!(store.fence(lane, "test", 1).await.expect("fence"));
+    assert!(store.fence(lane, "test", Epoch(1)).await.expect("fence"));
     let claimed = store
         .claim(&[LaneClaim {
             lane,
-            epoch: 1,
+            epoch: Epoch(1),
             after: Default::default(),
             limit: 100,
         }])
@@ -415,7 +419,7 @@ async fn event_lookup_shows_each_handlers_delivery(app: TestApp) {
     let r = Reschedule {
         id: w.id,
         lane,
-        epoch: 1,
+        epoch: Epoch(1),
         attempts: 1,
         due_at: due,
         last_error: "HTTP 500".into(),
@@ -433,7 +437,7 @@ async fn event_lookup_shows_each_handlers_delivery(app: TestApp) {
     let r = DeliveryRef {
         id: d.id,
         lane,
-        epoch: 1,
+        epoch: Epoch(1),
         attempts: 2,
     };
     assert_eq!(store.complete(&[r]).await.expect("complete").len(), 1);
@@ -441,7 +445,7 @@ async fn event_lookup_shows_each_handlers_delivery(app: TestApp) {
     let r = DeadLetterRequest {
         id: x.id,
         lane,
-        epoch: 1,
+        epoch: Epoch(1),
         attempts: 3,
         last_error: "HTTP 404".into(),
         failure: Some(lanebus_store::FailedAttempt {
@@ -552,10 +556,10 @@ async fn handler_deliveries_page_each_state(app: TestApp) {
     lanes.dedup();
     let mut claims = Vec::new();
     for &lane in &lanes {
-        assert!(store.fence(lane, "test", 1).await.expect("fence"));
+        assert!(store.fence(lane, "test", Epoch(1)).await.expect("fence"));
         claims.push(LaneClaim {
             lane,
-            epoch: 1,
+            epoch: Epoch(1),
             after: Default::default(),
             limit: 100,
         });
@@ -578,7 +582,7 @@ async fn handler_deliveries_page_each_state(app: TestApp) {
     let r = DeadLetterRequest {
         id: x.id,
         lane: x.lane,
-        epoch: 1,
+        epoch: Epoch(1),
         attempts: 4,
         last_error: "HTTP 404".into(),
         failure: Some(lanebus_store::FailedAttempt {
@@ -595,7 +599,7 @@ async fn handler_deliveries_page_each_state(app: TestApp) {
     let r = DeliveryRef {
         id: d.id,
         lane: d.lane,
-        epoch: 1,
+        epoch: Epoch(1),
         attempts: 2,
     };
     assert_eq!(store.complete(&[r]).await.expect("complete").len(), 1);
@@ -774,7 +778,7 @@ fn lane(lane: u16, owner: Option<&str>) -> LaneView {
     LaneView {
         lane,
         owner: owner.map(str::to_owned),
-        epoch: 4,
+        epoch: Epoch(4),
         state: if owner.is_some() {
             "active"
         } else {

@@ -18,7 +18,7 @@ use lanebus_node::{ClusterOptions, Handler, HandlerError, NodeHandle, NodeOption
 use lanebus_store::mongodb::MongoStore;
 use lanebus_store::postgres::PgStore;
 use lanebus_store::sqlite::SqliteStore;
-use lanebus_store::{Delivery, DeliveryRef, LaneClaim, NewEvent, NewHandler, Store};
+use lanebus_store::{Delivery, DeliveryRef, Epoch, LaneClaim, NewEvent, NewHandler, Store};
 use rand::{Rng as _, SeedableRng as _};
 use serde::{Deserialize, Serialize};
 use sqlx::{Connection as _, PgConnection};
@@ -540,7 +540,7 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
         }
         _ => None,
     };
-    let lane_table = |n: &Option<NodeHandle>| -> Vec<(u16, Option<u64>, u64)> {
+    let lane_table = |n: &Option<NodeHandle>| -> Vec<(u16, Option<u64>, Epoch)> {
         n.as_ref()
             .and_then(|n| n.state.cluster().map(|c| c.state().lanes))
             .unwrap_or_default()
@@ -999,7 +999,7 @@ async fn run_count(
                 let claims: Vec<LaneClaim> = (0..lanes)
                     .map(|lane| LaneClaim {
                         lane,
-                        epoch: 0,
+                        epoch: Epoch(0),
                         after: cursors[usize::from(lane)].clone(),
                         limit,
                     })
@@ -1021,7 +1021,7 @@ async fn run_count(
                         refs.push(DeliveryRef {
                             id: d.id,
                             lane: d.lane,
-                            epoch: 0,
+                            epoch: Epoch(0),
                             attempts: 1,
                         });
                     }

@@ -21,7 +21,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-use crate::NodeId;
+use crate::{Epoch, NodeId};
 
 /// Where a lane is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -43,7 +43,7 @@ pub struct LaneEntry {
     /// Current owner, if any.
     pub owner: Option<NodeId>,
     /// Fencing token: grows at every change of owner.
-    pub epoch: u64,
+    pub epoch: Epoch,
     /// Lifecycle state.
     pub state: LaneState,
 }
@@ -52,7 +52,7 @@ impl LaneEntry {
     /// A lane nobody owns yet, at epoch 0.
     pub const UNASSIGNED: LaneEntry = LaneEntry {
         owner: None,
-        epoch: 0,
+        epoch: Epoch::ZERO,
         state: LaneState::Unassigned,
     };
 }
@@ -67,7 +67,7 @@ pub enum Change {
         /// New owner.
         to: NodeId,
         /// New epoch (previous + 1).
-        epoch: u64,
+        epoch: Epoch,
     },
     /// The live owner `from` is asked to hand the lane over to `to`.
     Handover {
@@ -193,7 +193,7 @@ pub fn plan_draining(
         changes.push(Change::Assign {
             lane,
             to,
-            epoch: lanes[lane as usize].epoch + 1,
+            epoch: lanes[lane as usize].epoch.next(),
         });
     }
     for (lane, from) in surplus {
@@ -213,7 +213,7 @@ pub fn apply(lanes: &mut [LaneEntry], change: Change) {
             let e = &mut lanes[lane as usize];
             *e = LaneEntry {
                 owner: Some(to),
-                epoch: epoch.max(e.epoch + 1),
+                epoch: epoch.max(e.epoch.next()),
                 state: LaneState::Active,
             };
         }
@@ -241,7 +241,7 @@ pub fn apply_release(lanes: &mut [LaneEntry], lane: u16, from: NodeId) -> bool {
         (Some(owner), LaneState::Releasing { to }) if owner == from => {
             *e = LaneEntry {
                 owner: Some(to),
-                epoch: e.epoch + 1,
+                epoch: e.epoch.next(),
                 state: LaneState::Active,
             };
             true
@@ -283,7 +283,7 @@ mod tests {
         let mut lanes = vec![LaneEntry::UNASSIGNED; 256];
         settle(&mut lanes, &live(&[1]));
         assert_eq!(counts(&lanes)[&1], 256);
-        assert!(lanes.iter().all(|e| e.epoch == 1));
+        assert!(lanes.iter().all(|e| e.epoch == Epoch(1)));
 
         let changes = settle(&mut lanes, &live(&[1, 2, 3]));
         let c = counts(&lanes);
@@ -313,7 +313,7 @@ mod tests {
             match *c {
                 Change::Assign { lane, epoch, .. } => {
                     assert_eq!(before[lane as usize].owner, Some(2));
-                    assert_eq!(epoch, before[lane as usize].epoch + 1);
+                    assert_eq!(epoch, before[lane as usize].epoch.next());
                 }
                 _ => panic!("no live owner should lose a lane: {c:?}"),
             }
@@ -361,7 +361,7 @@ mod tests {
             lanes[lane as usize],
             LaneEntry {
                 owner: Some(to),
-                epoch: 2,
+                epoch: Epoch(2),
                 state: LaneState::Active
             }
         );
@@ -406,7 +406,7 @@ mod tests {
         let assigned: Vec<_> = changes
             .iter()
             .filter_map(|c| match *c {
-                Change::Assign { lane, to: 2, epoch } => Some((lane, epoch)),
+                Change::Assign { lane, to: 2, epoch } => Some((lane, epoch.0)),
                 _ => None,
             })
             .collect();

@@ -74,7 +74,7 @@ use crate::network::{
 };
 use crate::state::{Command, CommandResult, Releasing};
 use crate::storage::{self, Applied, LogStore, StateMachineStore};
-use crate::{NodeId, Raft, TypeConfig};
+use crate::{Epoch, NodeId, Raft, TypeConfig};
 
 /// Raft timing, in milliseconds. Elections must finish well within a lease,
 /// or a leader change costs every node its lanes.
@@ -315,7 +315,7 @@ pub struct LaneView {
     /// Owner, if any.
     pub owner: Option<NodeId>,
     /// Fencing epoch.
-    pub epoch: u64,
+    pub epoch: Epoch,
     /// Lifecycle state.
     pub state: LaneState,
     /// The owner's `lease_expires_in_ms` (see [`MemberView`]).
@@ -352,7 +352,7 @@ struct Inner {
     /// Origin of this node's monotonic milliseconds.
     base: Instant,
     holder: Mutex<HolderLease>,
-    owned: watch::Sender<BTreeMap<u16, u64>>,
+    owned: watch::Sender<BTreeMap<u16, Epoch>>,
     releasing: watch::Sender<BTreeMap<u16, Releasing>>,
     /// (term, instant) this node became leader, while it is.
     leader_since: Mutex<Option<(u64, Instant)>>,
@@ -878,7 +878,7 @@ impl Cluster {
     /// # Errors
     /// [`ClusterError::Refused`] if this node is not a member,
     /// [`ClusterError::Unavailable`], [`ClusterError::Raft`].
-    pub async fn refence(&self, lanes: Vec<(u16, u64, u64)>) -> Result<()> {
+    pub async fn refence(&self, lanes: Vec<(u16, Epoch, Epoch)>) -> Result<()> {
         self.command(Command::Refence {
             node: self.node_id(),
             lanes,
@@ -900,7 +900,7 @@ impl Cluster {
     /// Empty when the lease lapsed (even if Raft is unreachable: that is the
     /// point). The node starts a lane owner for each lane that appears, and
     /// stops (fences) those that disappear or change epoch.
-    pub fn owned_lanes(&self) -> watch::Receiver<BTreeMap<u16, u64>> {
+    pub fn owned_lanes(&self) -> watch::Receiver<BTreeMap<u16, Epoch>> {
         self.inner.owned.subscribe()
     }
 

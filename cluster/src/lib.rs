@@ -69,6 +69,7 @@ pub use cluster::{
     check_advertise_host, Cluster, ClusterConfig, ClusterError, ClusterView, LaneView, MemberView,
     RaftTiming,
 };
+pub use lanebus_types::Epoch;
 pub use lease::LeaseConfig;
 pub use network::{ClusterSecret, NetSwitch};
 pub use state::{Command, CommandResult, Releasing};

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::assignment::{self, Change, LaneEntry, LaneState};
-use crate::NodeId;
+use crate::{Epoch, NodeId};
 
 /// A cluster member as the state machine records it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -128,7 +128,7 @@ pub enum Command {
         /// The reporting owner.
         node: NodeId,
         /// `(lane, Raft epoch the owner holds, epoch found in the store)`.
-        lanes: Vec<(u16, u64, u64)>,
+        lanes: Vec<(u16, Epoch, Epoch)>,
     },
     /// A node stopping gracefully gives its lease up: it counts as not live
     /// (as if it never renewed) until its next renewal, so the leader moves
@@ -212,7 +212,7 @@ pub fn bump_restarted(lanes: &mut [LaneEntry], node: NodeId) -> usize {
     let mut n = 0;
     for e in lanes.iter_mut() {
         if e.owner == Some(node) && e.state == LaneState::Active {
-            e.epoch += 1;
+            e.epoch = e.epoch.next();
             n += 1;
         }
     }
@@ -222,14 +222,18 @@ pub fn bump_restarted(lanes: &mut [LaneEntry], node: NodeId) -> usize {
 /// [`Command::Refence`]: every `(lane, epoch, store_epoch)` that `node`
 /// still owns in state [`LaneState::Active`] at `epoch` moves to
 /// `max(epoch, store_epoch) + 1`. Returns how many lanes moved on.
-pub fn refence_lanes(lanes: &mut [LaneEntry], node: NodeId, report: &[(u16, u64, u64)]) -> usize {
+pub fn refence_lanes(
+    lanes: &mut [LaneEntry],
+    node: NodeId,
+    report: &[(u16, Epoch, Epoch)],
+) -> usize {
     let mut n = 0;
     for &(lane, epoch, store_epoch) in report {
         let Some(e) = lanes.get_mut(usize::from(lane)) else {
             continue;
         };
         if e.owner == Some(node) && e.state == LaneState::Active && e.epoch == epoch {
-            e.epoch = epoch.max(store_epoch) + 1;
+            e.epoch = epoch.max(store_epoch).next();
             n += 1;
         }
     }
@@ -389,9 +393,9 @@ impl ClusterState {
     /// lane is at `epoch - 1` (nothing moved it since), and its owner, if
     /// any, has applied no lease renewal after `planned_at` (it was judged
     /// dead on renewals up to then). `lane` must exist.
-    pub fn assign_premise_holds(&self, lane: u16, epoch: u64, planned_at: u64) -> bool {
+    pub fn assign_premise_holds(&self, lane: u16, epoch: Epoch, planned_at: u64) -> bool {
         let e = &self.lanes[usize::from(lane)];
-        e.epoch.checked_add(1) == Some(epoch)
+        e.epoch.0.checked_add(1) == Some(epoch.0)
             && e.owner.is_none_or(|owner| {
                 self.leases
                     .get(&owner)
@@ -400,7 +404,7 @@ impl ClusterState {
     }
 
     /// Lanes `node` owns in state [`LaneState::Active`], with their epochs.
-    pub fn active_lanes(&self, node: NodeId) -> BTreeMap<u16, u64> {
+    pub fn active_lanes(&self, node: NodeId) -> BTreeMap<u16, Epoch> {
         self.lanes
             .iter()
             .enumerate()
@@ -429,7 +433,7 @@ impl ClusterState {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Releasing {
     /// The lane's current epoch (still this node's while it drains).
-    pub epoch: u64,
+    pub epoch: Epoch,
     /// The next owner.
     pub to: NodeId,
 }
@@ -446,33 +450,35 @@ mod tests {
         for (lane, owner) in [(0u16, 1), (1, 1), (2, 2)] {
             s.lanes[usize::from(lane)] = LaneEntry {
                 owner: Some(owner),
-                epoch: 3,
+                epoch: Epoch(3),
                 state: LaneState::Active,
             };
         }
-        let report = vec![(0, 3, 3), (1, 2, 9), (2, 3, 5), (3, 0, 4), (99, 1, 1)];
+        let report = [(0, 3, 3), (1, 2, 9), (2, 3, 5), (3, 0, 4), (99, 1, 1)]
+            .map(|(l, e, s)| (l, Epoch(e), Epoch(s)))
+            .to_vec();
         let cmd = Command::Refence {
             node: 1,
             lanes: report,
         };
         assert!(s.apply(5, &cmd).ok);
         // Lane 0: store epoch equal to Raft's, one above both.
-        assert_eq!(s.lanes[0].epoch, 4);
+        assert_eq!(s.lanes[0].epoch, Epoch(4));
         // Lane 1: a stale report (Raft moved on from 2), lane 2 another
         // owner's, lane 3 unassigned, lane 99 unknown: all unchanged.
-        assert_eq!(s.lanes[1].epoch, 3);
-        assert_eq!(s.lanes[2].epoch, 3);
+        assert_eq!(s.lanes[1].epoch, Epoch(3));
+        assert_eq!(s.lanes[2].epoch, Epoch(3));
         assert_eq!(s.lanes[3], LaneEntry::UNASSIGNED);
         // The same report again bumps nothing (lane 0 is at 4 now).
         assert!(s.apply(6, &cmd).ok);
-        assert_eq!(s.lanes[0].epoch, 4);
+        assert_eq!(s.lanes[0].epoch, Epoch(4));
         // Store epoch above Raft's: one above the store's.
         let cmd = Command::Refence {
             node: 1,
-            lanes: vec![(1, 3, 9)],
+            lanes: vec![(1, Epoch(3), Epoch(9))],
         };
         assert!(s.apply(7, &cmd).ok);
-        assert_eq!(s.lanes[1].epoch, 10);
+        assert_eq!(s.lanes[1].epoch, Epoch(10));
         assert!(
             !s.apply(
                 8,
@@ -539,7 +545,7 @@ mod tests {
                 changes: vec![Change::Assign {
                     lane: 0,
                     to: 1,
-                    epoch: 1,
+                    epoch: Epoch(1),
                 }],
             },
         );
@@ -578,17 +584,17 @@ mod tests {
             Change::Assign {
                 lane: 0,
                 to: 1,
-                epoch: 1,
+                epoch: Epoch(1),
             },
             Change::Assign {
                 lane: 1,
                 to: 1,
-                epoch: 1,
+                epoch: Epoch(1),
             },
             Change::Assign {
                 lane: 2,
                 to: 2,
-                epoch: 1,
+                epoch: Epoch(1),
             },
             Change::Handover {
                 lane: 1,
@@ -599,15 +605,21 @@ mod tests {
         s.apply(3, &Command::Apply { changes });
         // The same process again (a retried proposal): nothing moves.
         assert!(s.apply(4, &inc("a")).ok);
-        assert_eq!(s.active_lanes(1), BTreeMap::from([(0, 1)]));
+        assert_eq!(s.active_lanes(1), BTreeMap::from([(0, Epoch(1))]));
         // Restarted: its active lane moves on, the releasing one and the
         // other node's lane do not.
         assert!(s.apply(5, &inc("b")).ok);
-        assert_eq!(s.active_lanes(1), BTreeMap::from([(0, 2)]));
-        assert_eq!(s.releasing_lanes(1)[&1], Releasing { epoch: 1, to: 2 });
-        assert_eq!(s.active_lanes(2), BTreeMap::from([(2, 1)]));
+        assert_eq!(s.active_lanes(1), BTreeMap::from([(0, Epoch(2))]));
+        assert_eq!(
+            s.releasing_lanes(1)[&1],
+            Releasing {
+                epoch: Epoch(1),
+                to: 2
+            }
+        );
+        assert_eq!(s.active_lanes(2), BTreeMap::from([(2, Epoch(1))]));
         assert!(s.apply(6, &inc("b")).ok);
-        assert_eq!(s.active_lanes(1), BTreeMap::from([(0, 2)]));
+        assert_eq!(s.active_lanes(1), BTreeMap::from([(0, Epoch(2))]));
     }
 
     #[test]
@@ -617,7 +629,7 @@ mod tests {
             Change::Assign {
                 lane: 1,
                 to: 1,
-                epoch: 1,
+                epoch: Epoch(1),
             },
             Change::Handover {
                 lane: 1,
@@ -626,10 +638,16 @@ mod tests {
             },
         ];
         s.apply(1, &Command::Apply { changes });
-        assert_eq!(s.releasing_lanes(1)[&1], Releasing { epoch: 1, to: 2 });
+        assert_eq!(
+            s.releasing_lanes(1)[&1],
+            Releasing {
+                epoch: Epoch(1),
+                to: 2
+            }
+        );
         assert!(!s.apply(2, &Command::Release { lane: 1, from: 2 }).ok);
         assert!(s.apply(3, &Command::Release { lane: 1, from: 1 }).ok);
-        assert_eq!(s.active_lanes(2), BTreeMap::from([(1, 2)]));
+        assert_eq!(s.active_lanes(2), BTreeMap::from([(1, Epoch(2))]));
         assert!(!s.apply(4, &Command::Release { lane: 9, from: 1 }).ok);
     }
 
@@ -676,7 +694,7 @@ mod tests {
             changes: vec![Change::Assign {
                 lane: 0,
                 to: 1,
-                epoch: 1,
+                epoch: Epoch(1),
             }],
         };
         assert!(s.apply(4, &first).ok);
@@ -686,7 +704,7 @@ mod tests {
             plan.contains(&Change::Assign {
                 lane: 0,
                 to: 2,
-                epoch: 2
+                epoch: Epoch(2)
             }),
             "{plan:?}"
         );
@@ -700,12 +718,15 @@ mod tests {
             s.lanes[0],
             LaneEntry {
                 owner: Some(1),
-                epoch: 1,
+                epoch: Epoch(1),
                 state: LaneState::Active
             },
             "the renewed owner keeps its lane and epoch"
         );
-        assert_eq!(s.active_lanes(2), BTreeMap::from([(1, 1), (2, 1)]));
+        assert_eq!(
+            s.active_lanes(2),
+            BTreeMap::from([(1, Epoch(1)), (2, Epoch(1))])
+        );
 
         // Planned at or after the renewal: node 1 is dead, the lane moves.
         let moved = Command::ApplyPlanned {
@@ -713,10 +734,16 @@ mod tests {
             planned_at: 7,
         };
         assert!(s.apply(8, &moved).ok);
-        assert_eq!(s.active_lanes(2), BTreeMap::from([(0, 2), (1, 1), (2, 1)]));
+        assert_eq!(
+            s.active_lanes(2),
+            BTreeMap::from([(0, Epoch(2)), (1, Epoch(1)), (2, Epoch(1))])
+        );
         // The same plan again: the lanes are past the planned epochs.
         assert!(s.apply(9, &moved).ok);
-        assert_eq!(s.active_lanes(2), BTreeMap::from([(0, 2), (1, 1), (2, 1)]));
+        assert_eq!(
+            s.active_lanes(2),
+            BTreeMap::from([(0, Epoch(2)), (1, Epoch(1)), (2, Epoch(1))])
+        );
     }
 
     #[test]

@@ -485,6 +485,69 @@ mod tests {
         }
     }
 
+    /// The Raft log and snapshots hold epochs as [`crate::Epoch`]; before it
+    /// they held `u64`. Data dirs written either way must read the same:
+    /// every carrier encodes to the same bytes and decodes across.
+    #[test]
+    fn epochs_encode_as_the_u64_they_replaced() {
+        use crate::assignment::{Change, LaneEntry, LaneState};
+        use crate::Epoch;
+
+        /// [`LaneEntry`] and [`Change::Assign`] (variant 0) as they were.
+        #[derive(Debug, PartialEq, Serialize, Deserialize)]
+        struct OldLaneEntry {
+            owner: Option<NodeId>,
+            epoch: u64,
+            state: LaneState,
+        }
+        #[derive(Debug, PartialEq, Serialize, Deserialize)]
+        enum OldChange {
+            Assign { lane: u16, to: NodeId, epoch: u64 },
+        }
+
+        fn same<N, O>(new: N, old: O)
+        where
+            N: Serialize + DeserializeOwned + PartialEq + Debug,
+            O: Serialize + DeserializeOwned + PartialEq + Debug,
+        {
+            let bytes = encode(&new).unwrap();
+            assert_eq!(bytes, encode(&old).unwrap(), "{new:?}");
+            assert_eq!(decode::<O>(&bytes).unwrap(), old);
+            assert_eq!(decode::<N>(&bytes).unwrap(), new);
+        }
+
+        let values = [0, 1, 250, 251, 65_536, 1 << 32, i64::MAX as u64, u64::MAX];
+        for v in values {
+            same(Epoch(v), v);
+            same(
+                LaneEntry {
+                    owner: Some(3),
+                    epoch: Epoch(v),
+                    state: LaneState::Releasing { to: 2 },
+                },
+                OldLaneEntry {
+                    owner: Some(3),
+                    epoch: v,
+                    state: LaneState::Releasing { to: 2 },
+                },
+            );
+            same(
+                Change::Assign {
+                    lane: 7,
+                    to: 1,
+                    epoch: Epoch(v),
+                },
+                OldChange::Assign {
+                    lane: 7,
+                    to: 1,
+                    epoch: v,
+                },
+            );
+            // `Command::Refence`'s report.
+            same(vec![(9u16, Epoch(v), Epoch(1))], vec![(9u16, v, 1u64)]);
+        }
+    }
+
     /// openraft's storage conformance suite against the redb store.
     #[test]
     fn openraft_storage_suite() -> StorageResult<()> {

@@ -75,7 +75,7 @@ async fn fourth_node_joins_by_handover_leaves_by_handover_and_all_restart() {
     .await;
     let owned4 = sb.node(4).c().owned_lanes().borrow().clone();
     for (lane, epoch) in &owned4 {
-        assert_eq!(*epoch, before[lane].1 + 1, "lane {lane}");
+        assert_eq!(*epoch, before[lane].1.next(), "lane {lane}");
     }
     wait_until(Duration::from_secs(10), "4 nodes balanced", || {
         balanced_over(&sb.node(1).view(), &[1, 2, 3, 4]) && views_agree(&sb)
@@ -116,7 +116,7 @@ async fn fourth_node_joins_by_handover_leaves_by_handover_and_all_restart() {
     let after = owners(&sb.node(1).view());
     for (lane, (owner, epoch)) in &before {
         if *owner == Some(4) {
-            assert_eq!(after[lane].1, epoch + 1, "lane {lane} handed over once");
+            assert_eq!(after[lane].1, epoch.next(), "lane {lane} handed over once");
         } else {
             assert_eq!(after[lane], (*owner, *epoch), "lane {lane} moved");
         }

@@ -1,5 +1,5 @@
 //! A node inside the application: in-process handlers on the same lanes,
-//! key handlers, retries and dead letters as webhooks (docs/design.md section
+//! key runners, retries and dead letters as webhooks (docs/design.md section
 //! 7), without an HTTP hop.
 //!
 //! A handler whose URL is `http://inproc.invalid/NAME` is served by the

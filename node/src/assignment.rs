@@ -76,7 +76,7 @@ pub enum Room {
 }
 
 /// Whether this node may hand work over right now, and until when: checked
-/// by lane owners before dispatching and by key handlers before every
+/// by lane owners before dispatching and by key runners before every
 /// attempt. In a cluster it is [`Cluster::work_until`] (lease valid by this
 /// node's clock, and after a lapse the Raft log applied up to the renewal
 /// that ended it): after a pause (SIGSTOP) the actors' timers may fire
@@ -162,7 +162,7 @@ pub enum Start {
 }
 
 /// What binds the attempts of one lane owner to it, from the owner's claim
-/// until their outcomes are stored: shared by the owner, its key handlers
+/// until their outcomes are stored: shared by the owner, its key runners
 /// and their attempts. An attempt asks [`OwnerTie::start`] right before it
 /// is sent (once it holds its handler's permit), after it was counted in
 /// the dispatcher's per-lane count
@@ -420,7 +420,7 @@ impl LocalAssignment {
 
 /// The epochs a new owner of every lane takes: one above the stored epoch.
 pub fn next_epochs(rows: &[LaneRow]) -> Vec<(Lane, Epoch)> {
-    rows.iter().map(|r| (r.lane, r.epoch + 1)).collect()
+    rows.iter().map(|r| (r.lane, r.epoch.next())).collect()
 }
 
 #[async_trait]
@@ -472,7 +472,7 @@ impl LaneAssignment for LocalAssignment {
                 .filter(|(l, _)| failed.contains(l))
                 .collect();
         }
-        let (lane, epoch) = todo.first().copied().unwrap_or((0, 0));
+        let (lane, epoch) = todo.first().copied().unwrap_or((0, Epoch::ZERO));
         Err(AssignmentError::Raced { lane, epoch })
     }
 }
@@ -699,14 +699,14 @@ impl RaftLanes {
     /// Raft gives them an epoch above the store's. Each is asked again
     /// after another `refence_after` if Raft did not move (refused, no
     /// leader).
-    pub fn refences_due(&mut self, now: Instant) -> Vec<(u16, u64, u64)> {
+    pub fn refences_due(&mut self, now: Instant) -> Vec<(u16, Epoch, Epoch)> {
         let after = self.refence_after;
         self.refused
             .iter_mut()
             .filter(|(_, r)| now.saturating_duration_since(r.due) >= after)
             .map(|(&l, r)| {
                 r.due = now;
-                (l, r.found.epoch as u64, r.found.store_epoch as u64)
+                (l, r.found.epoch, r.found.store_epoch)
             })
             .collect()
     }
@@ -765,9 +765,9 @@ fn report_fenced_out(lanes: &mut RaftLanes, shared: &FencedOutLanes) {
     for (lane, found) in lanes.newly_fenced_out(Instant::now()) {
         tracing::warn!(
             lane,
-            epoch = found.epoch,
+            epoch = %found.epoch,
             store_owner = found.store_owner.as_deref().unwrap_or(""),
-            store_epoch = found.store_epoch,
+            store_epoch = %found.store_epoch,
             "lane fenced out by a process outside the cluster (a --single node on this \
              store?): not delivering it until Raft re-fences it above the store's epoch"
         );
@@ -777,7 +777,7 @@ fn report_fenced_out(lanes: &mut RaftLanes, shared: &FencedOutLanes) {
 
 /// Asks Raft to give the lanes `due` (lane, Raft epoch, store epoch) an
 /// epoch above the store's ([`Cluster::refence`]).
-async fn refence(cluster: &Cluster, due: Vec<(u16, u64, u64)>) {
+async fn refence(cluster: &Cluster, due: Vec<(u16, Epoch, Epoch)>) {
     if due.is_empty() {
         return;
     }
@@ -789,11 +789,6 @@ async fn refence(cluster: &Cluster, due: Vec<(u16, u64, u64)>) {
         ),
         Err(e) => tracing::warn!(lanes, error = %e, "re-fencing through Raft failed"),
     }
-}
-
-/// The lanes Raft gives this node, at the store's epoch type.
-fn raft_epochs(owned: &BTreeMap<u16, u64>) -> OwnedLanes {
-    owned.iter().map(|(&l, &e)| (l, e as Epoch)).collect()
 }
 
 /// Fences `todo` at their epochs; returns those that hold now.
@@ -808,13 +803,13 @@ async fn fence_all(store: Arc<dyn Store>, owner: String, todo: OwnedLanes) -> Ow
                     Ok(false) => {
                         tracing::debug!(
                             lane,
-                            epoch,
+                            %epoch,
                             "fence refused: the store holds this epoch or a higher one"
                         );
                         None
                     }
                     Err(e) => {
-                        tracing::warn!(lane, epoch, error = %e, "fence failed");
+                        tracing::warn!(lane, %epoch, error = %e, "fence failed");
                         None
                     }
                 }
@@ -855,11 +850,11 @@ impl LaneAssignment for RaftAssignment {
         tokio::spawn(async move {
             let mut lanes = RaftLanes::new(refence_after);
             loop {
-                let want = raft_epochs(&owned_rx.borrow_and_update());
+                let want = owned_rx.borrow_and_update().clone();
                 let releasing: OwnedLanes = releasing_rx
                     .borrow_and_update()
                     .iter()
-                    .map(|(&l, r)| (l, r.epoch as Epoch))
+                    .map(|(&l, r)| (l, r.epoch))
                     .collect();
                 lanes.raft_gives(&want);
                 let publish = |fenced: &OwnedLanes| {
@@ -877,7 +872,7 @@ impl LaneAssignment for RaftAssignment {
                 let todo = lanes.to_fence(&want);
                 let pending = !todo.is_empty() && {
                     let pending = fence(&mut lanes, &store, &owner, todo).await;
-                    lanes.fenced(pending.done, &raft_epochs(&owned_rx.borrow()));
+                    lanes.fenced(pending.done, &owned_rx.borrow());
                     publish(lanes.owned());
                     pending.some_failed
                 };
@@ -924,6 +919,10 @@ mod tests {
     use super::*;
     use crate::clock::{Clock, ManualClock};
 
+    fn epochs(of: &[(Lane, u64)]) -> OwnedLanes {
+        of.iter().map(|&(l, e)| (l, Epoch(e))).collect()
+    }
+
     fn run(epoch: Epoch, draining: bool) -> Running {
         Running { epoch, draining }
     }
@@ -931,35 +930,35 @@ mod tests {
     #[test]
     fn owners_start_stop_and_drain_as_the_work_says() {
         let running = BTreeMap::from([
-            (0, run(1, false)), // still owned: kept
-            (1, run(1, false)), // epoch moved: stopped
-            (2, run(1, false)), // handed over: drained
-            (3, run(1, true)),  // drain under way: kept
-            (4, run(1, false)), // gone: stopped
-            (5, run(1, true)),  // drain, then the lease lapsed: stopped
+            (0, run(Epoch(1), false)), // still owned: kept
+            (1, run(Epoch(1), false)), // epoch moved: stopped
+            (2, run(Epoch(1), false)), // handed over: drained
+            (3, run(Epoch(1), true)),  // drain under way: kept
+            (4, run(Epoch(1), false)), // gone: stopped
+            (5, run(Epoch(1), true)),  // drain, then the lease lapsed: stopped
         ]);
         let work = LaneWork {
-            owned: BTreeMap::from([(0, 1), (1, 2), (6, 3)]),
-            releasing: BTreeMap::from([(2, 1), (3, 1), (7, 4), (8, 4)]),
+            owned: epochs(&[(0, 1), (1, 2), (6, 3)]),
+            releasing: epochs(&[(2, 1), (3, 1), (7, 4), (8, 4)]),
         };
         let plan = plan_lanes(&running, &work, &BTreeSet::from([8]));
-        assert_eq!(plan.start, vec![(6, 3)]);
+        assert_eq!(plan.start, vec![(6, Epoch(3))]);
         assert_eq!(plan.stop, vec![1, 4, 5]);
         assert_eq!(plan.drain, vec![2]);
         assert_eq!(plan.release_now, vec![7], "8 is already released");
         // Lane 1 starts again at its new epoch once its old owner is gone.
-        let running = BTreeMap::from([(0, run(1, false))]);
+        let running = BTreeMap::from([(0, run(Epoch(1), false))]);
         assert_eq!(
             plan_lanes(&running, &work, &BTreeSet::new()).start,
-            vec![(1, 2), (6, 3)]
+            vec![(1, Epoch(2)), (6, Epoch(3))]
         );
     }
 
     #[test]
     fn a_cancelled_handover_lets_the_drain_finish() {
-        let running = BTreeMap::from([(0, run(5, true))]);
+        let running = BTreeMap::from([(0, run(Epoch(5), true))]);
         let work = LaneWork {
-            owned: BTreeMap::from([(0, 5)]),
+            owned: epochs(&[(0, 5)]),
             releasing: OwnedLanes::new(),
         };
         assert_eq!(
@@ -981,22 +980,22 @@ mod tests {
     fn refused_lanes_are_those_held_elsewhere_at_our_epoch_or_above() {
         let clock = ManualClock::new();
         let rows = vec![
-            row(0, "7/aa", 3), // an outsider at our epoch: refused
-            row(1, "7/aa", 9), // an outsider above it: refused
-            row(2, "2/bb", 2), // an older owner: a retry will fence
-            row(3, "1/me", 3), // ours already
-            row(4, "7/aa", 9), // not one we failed to fence
+            row(0, "7/aa", Epoch(3)), // an outsider at our epoch: refused
+            row(1, "7/aa", Epoch(9)), // an outsider above it: refused
+            row(2, "2/bb", Epoch(2)), // an older owner: a retry will fence
+            row(3, "1/me", Epoch(3)), // ours already
+            row(4, "7/aa", Epoch(9)), // not one we failed to fence
         ];
-        let want = BTreeMap::from([(0, 3), (1, 3), (2, 3), (3, 3), (4, 3)]);
+        let want = epochs(&[(0, 3), (1, 3), (2, 3), (3, 3), (4, 3)]);
         let mut lanes = RaftLanes::new(Duration::from_secs(30));
         lanes.raft_gives(&want);
         assert_eq!(lanes.to_fence(&want), want);
-        let failed = BTreeMap::from([(0, 3), (1, 3), (2, 3), (3, 3)]);
-        lanes.fenced(BTreeMap::from([(4, 3)]), &want);
+        let failed = epochs(&[(0, 3), (1, 3), (2, 3), (3, 3)]);
+        lanes.fenced(epochs(&[(4, 3)]), &want);
         lanes.refused(&failed, &rows, "1/me", clock.now());
         // Refused lanes are not fenced again at the same epoch.
-        assert_eq!(lanes.to_fence(&want), BTreeMap::from([(2, 3), (3, 3)]));
-        assert_eq!(lanes.owned(), &BTreeMap::from([(4, 3)]));
+        assert_eq!(lanes.to_fence(&want), epochs(&[(2, 3), (3, 3)]));
+        assert_eq!(lanes.owned(), &epochs(&[(4, 3)]));
         // Listed (and logged) only after the grace, once.
         clock.advance(FENCED_OUT_GRACE - Duration::from_millis(1));
         assert!(lanes.newly_fenced_out(clock.now()).is_empty());
@@ -1009,12 +1008,12 @@ mod tests {
         clock.advance(Duration::from_millis(1));
         let warned = lanes.newly_fenced_out(clock.now());
         assert_eq!(warned.iter().map(|w| w.0).collect::<Vec<_>>(), vec![0, 1]);
-        assert_eq!(warned[1].1.store_epoch, 9);
+        assert_eq!(warned[1].1.store_epoch, Epoch(9));
         assert_eq!(warned[1].1.store_owner.as_deref(), Some("7/aa"));
         assert!(lanes.newly_fenced_out(clock.now()).is_empty(), "once");
         assert_eq!(lanes.fenced_out_lanes().len(), 2);
         // A new epoch from Raft ends the refusal of lane 1.
-        let want = BTreeMap::from([(0, 3), (1, 10), (2, 3), (3, 3), (4, 3)]);
+        let want = epochs(&[(0, 3), (1, 10), (2, 3), (3, 3), (4, 3)]);
         lanes.raft_gives(&want);
         assert_eq!(lanes.fenced_out_lanes().keys().collect::<Vec<_>>(), [&0]);
         assert!(lanes.to_fence(&want).contains_key(&1));
@@ -1025,9 +1024,9 @@ mod tests {
         let clock = ManualClock::new();
         let refence_after = Duration::from_secs(20);
         let mut lanes = RaftLanes::new(refence_after);
-        let want = BTreeMap::from([(5, 4)]);
+        let want = epochs(&[(5, 4)]);
         lanes.raft_gives(&want);
-        lanes.refused(&want, &[row(5, "9/x", 6)], "1/me", clock.now());
+        lanes.refused(&want, &[row(5, "9/x", Epoch(6))], "1/me", clock.now());
         assert_eq!(lanes.next_look(clock.now(), true), FENCE_RETRY);
         assert_eq!(lanes.next_look(clock.now(), false), FENCED_OUT_GRACE);
         clock.advance(FENCED_OUT_GRACE);
@@ -1040,14 +1039,20 @@ mod tests {
         clock.advance(refence_after - FENCED_OUT_GRACE - Duration::from_millis(1));
         assert!(lanes.refences_due(clock.now()).is_empty());
         clock.advance(Duration::from_millis(1));
-        assert_eq!(lanes.refences_due(clock.now()), vec![(5, 4, 6)]);
+        assert_eq!(
+            lanes.refences_due(clock.now()),
+            vec![(5, Epoch(4), Epoch(6))]
+        );
         assert!(lanes.refences_due(clock.now()).is_empty(), "counted anew");
         assert_eq!(lanes.next_look(clock.now(), false), refence_after);
         // Raft did not move (no leader): asked again after the bound.
         clock.advance(refence_after);
-        assert_eq!(lanes.refences_due(clock.now()), vec![(5, 4, 6)]);
+        assert_eq!(
+            lanes.refences_due(clock.now()),
+            vec![(5, Epoch(4), Epoch(6))]
+        );
         // Raft moved the lane above the store's epoch: fenced at last.
-        let want = BTreeMap::from([(5, 7)]);
+        let want = epochs(&[(5, 7)]);
         lanes.raft_gives(&want);
         assert_eq!(lanes.to_fence(&want), want);
         lanes.fenced(want.clone(), &want);
@@ -1058,22 +1063,22 @@ mod tests {
     #[test]
     fn fenced_lanes_follow_raft_and_the_owners_reports() {
         let mut lanes = RaftLanes::new(Duration::from_secs(20));
-        let want = BTreeMap::from([(0, 1), (1, 1), (2, 1)]);
+        let want = epochs(&[(0, 1), (1, 1), (2, 1)]);
         lanes.raft_gives(&want);
         // Raft moved lane 2 while the fences ran: not worked at epoch 1.
-        let moved = BTreeMap::from([(0, 1), (1, 1), (2, 2)]);
+        let moved = epochs(&[(0, 1), (1, 1), (2, 2)]);
         lanes.fenced(want.clone(), &moved);
-        assert_eq!(lanes.owned(), &BTreeMap::from([(0, 1), (1, 1)]));
+        assert_eq!(lanes.owned(), &epochs(&[(0, 1), (1, 1)]));
         // A lane gone stops at once; one at a new epoch is fenced anew.
-        let want = BTreeMap::from([(1, 1), (2, 2)]);
+        let want = epochs(&[(1, 1), (2, 2)]);
         lanes.raft_gives(&want);
-        assert_eq!(lanes.owned(), &BTreeMap::from([(1, 1)]));
-        assert_eq!(lanes.to_fence(&want), BTreeMap::from([(2, 2)]));
+        assert_eq!(lanes.owned(), &epochs(&[(1, 1)]));
+        assert_eq!(lanes.to_fence(&want), epochs(&[(2, 2)]));
         // An owner fenced out at an old epoch changes nothing; at the
         // fenced one, the lane is fenced again.
-        lanes.fenced_out(1, 0);
-        assert_eq!(lanes.owned(), &BTreeMap::from([(1, 1)]));
-        lanes.fenced_out(1, 1);
+        lanes.fenced_out(1, Epoch(0));
+        assert_eq!(lanes.owned(), &epochs(&[(1, 1)]));
+        lanes.fenced_out(1, Epoch(1));
         assert!(lanes.owned().is_empty());
         assert_eq!(lanes.to_fence(&want), want);
     }
@@ -1114,7 +1119,7 @@ mod tests {
     fn a_drain_bound_only_moves_earlier_and_an_ended_tie_sends_nothing() {
         let clock = ManualClock::new();
         let t0 = clock.now();
-        let tie = OwnerTie::new(3, 7, WorkGate::default());
+        let tie = OwnerTie::new(3, Epoch(7), WorkGate::default());
         assert_eq!(tie.start_at(t0, Duration::from_secs(3_600)), Start::Go);
         tie.drain(t0 + Duration::from_secs(60));
         tie.drain(t0 + Duration::from_secs(600));
@@ -1135,7 +1140,7 @@ mod tests {
             tie.start_at(clock.now(), Duration::from_secs(29)),
             Start::Go
         );
-        assert_eq!((tie.lane(), tie.epoch()), (3, 7));
+        assert_eq!((tie.lane(), tie.epoch()), (3, Epoch(7)));
         tie.end();
         assert_eq!(tie.start_at(t0, Duration::from_secs(30)), Start::Lost);
         assert_eq!(tie.start(Duration::from_secs(30)), Start::Lost);
@@ -1165,7 +1170,7 @@ mod tests {
                 }
             })
         };
-        let tie = OwnerTie::new(0, 1, gate.clone());
+        let tie = OwnerTie::new(0, Epoch(1), gate.clone());
         let ten_s = Duration::from_secs(10);
         assert_eq!(
             tie.start_at(clock.now(), ten_s),
@@ -1206,16 +1211,16 @@ mod tests {
             LaneRow {
                 lane: 0,
                 owner: None,
-                epoch: 0,
+                epoch: Epoch(0),
                 backlog: 0,
             },
             LaneRow {
                 lane: 1,
                 owner: Some("n1".into()),
-                epoch: 7,
+                epoch: Epoch(7),
                 backlog: 3,
             },
         ];
-        assert_eq!(next_epochs(&rows), vec![(0, 1), (1, 8)]);
+        assert_eq!(next_epochs(&rows), vec![(0, Epoch(1)), (1, Epoch(8))]);
     }
 }

@@ -18,14 +18,14 @@
 //! passes that check is sent to the deleted handler. Other nodes learn of
 //! the change at their next periodic reload, or earlier when the store
 //! refuses an attempt's result because the delivery's row is gone (the key
-//! handler reloads before the key's next delivery is handed out).
+//! runner reloads before the key's next delivery is handed out).
 //!
 //! Metric: `lanebus_handlers_disabled` (gauge), the disabled handlers in
 //! the catalog as of the last reload.
 //!
 //! # Auto-disable
 //!
-//! Key handlers report every attempt's outcome ([`HandlerCatalog::record_outcome`]);
+//! Key runners report every attempt's outcome ([`HandlerCatalog::record_outcome`]);
 //! [`crate::auto_disable`] decides what it changes: the start of a run of
 //! failures kept in the store
 //! ([`Handler::failing_since`](lanebus_store::Handler::failing_since)), set

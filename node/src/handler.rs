@@ -6,7 +6,7 @@
 //! the node starts (docs/design.md section 7); every other URL is a webhook. The
 //! `.invalid` top-level domain is reserved (RFC 2606) and never resolves, so
 //! such a handler cannot be sent over the network by a node that lacks it:
-//! those attempts fail and end as dead letters, with the reason kept. Both go through the same key handlers, ordering, retries and
+//! those attempts fail and end as dead letters, with the reason kept. Both go through the same key runners, ordering, retries and
 //! dead letters: only the final hand-over differs.
 
 use std::collections::HashMap;
@@ -463,6 +463,7 @@ impl Drop for AttemptGuard {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use lanebus_store::Epoch;
     use tokio::sync::Notify;
 
     /// Counts calls and holds each until released.
@@ -518,7 +519,7 @@ mod tests {
         Delivery {
             id,
             lane,
-            epoch: 1,
+            epoch: Epoch(1),
             handler_id: handler_id.into(),
             event_id: format!("e{id}"),
             event_type: "t.x".into(),
@@ -582,7 +583,11 @@ mod tests {
             config,
         } = gated().await;
 
-        let tie = Arc::new(OwnerTie::new(0, 1, crate::assignment::WorkGate::default()));
+        let tie = Arc::new(OwnerTie::new(
+            0,
+            Epoch(1),
+            crate::assignment::WorkGate::default(),
+        ));
         let (d1, c1, h1, t1) = (
             dispatcher.clone(),
             catalog.clone(),
@@ -684,7 +689,7 @@ mod tests {
             store.lanes(),
         );
         let config = catalog.get(&h.id).expect("cached");
-        let tie = OwnerTie::new(0, 1, crate::assignment::WorkGate::default());
+        let tie = OwnerTie::new(0, Epoch(1), crate::assignment::WorkGate::default());
         let d = delivery(1, &h.id);
         let first = dispatcher
             .attempt_checked(&catalog, &tie, &config, &d, 1)
@@ -728,7 +733,7 @@ mod tests {
         let ties = [0, 1].map(|lane| {
             Arc::new(OwnerTie::new(
                 lane,
-                1,
+                Epoch(1),
                 crate::assignment::WorkGate::default(),
             ))
         });

@@ -1,4 +1,4 @@
-//! The lanebus node: actix actors that run lanes, per-key handlers and the
+//! The lanebus node: actix actors that run lanes, per-key runners and the
 //! store actor; webhook sending; the handler catalog cache. The `lanebus`
 //! binary is `src/main.rs`; its demo runs on `lanebus-testkit`.
 //!

@@ -6,7 +6,7 @@
 //!    ├─ StoreActor                       (system arbiter)
 //!    ├─ LaneSupervisor                   (system arbiter): assignment watch →
 //!    │    start/stop/drain lane owners (plan_lanes); hears when they stopped
-//!    ├─ LaneOwner × owned lanes          (system arbiter) ── KeyHandler × keys with work
+//!    ├─ LaneOwner × owned lanes          (system arbiter) ── KeyRunner × keys with work
 //!    ├─ cluster member (openraft, --cluster mode): leases, lane table
 //!    ├─ store wake-ups → Wake to every lane owner
 //!    └─ tokio workers: axum HTTP API, webhook requests, catalog refresh
@@ -43,7 +43,7 @@ use lanebus_api::{
 use lanebus_cluster::{
     Cluster, ClusterConfig, ClusterError, ClusterSecret, LeaseConfig, RaftTiming,
 };
-use lanebus_store::{Epoch, Lane, Store, StoreError, Wakeups};
+use lanebus_store::{Lane, Store, StoreError, Wakeups};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::sync::{oneshot, watch};
 
@@ -360,7 +360,7 @@ impl NodeState {
                 let in_flight = if l.owner == Some(me) {
                     board
                         .get(&l.lane)
-                        .filter(|s| s.epoch == l.epoch as Epoch && s.state == LaneState::Active)
+                        .filter(|s| s.epoch == l.epoch && s.state == LaneState::Active)
                         .map_or(0, |s| s.in_flight as i64)
                 } else {
                     0
@@ -368,15 +368,14 @@ impl NodeState {
                 let row = rows.get(&l.lane);
                 let owner = l.owner.map(|o| o.to_string());
                 let outsider = row.is_some_and(|r| {
-                    let raft = l.epoch as Epoch;
-                    r.epoch > raft
-                        || (r.epoch == raft
+                    r.epoch > l.epoch
+                        || (r.epoch == l.epoch
                             && r.owner.as_deref().map(owner_node) != owner.as_deref())
                 });
                 LaneView {
                     lane: l.lane,
                     owner,
-                    epoch: l.epoch as i64,
+                    epoch: l.epoch,
                     state: cluster_lane_state(&l.state, outsider, l.lease_expires_in_ms)
                         .to_string(),
                     lease_expires_in_ms: l.lease_expires_in_ms.map(|m| m as i64),

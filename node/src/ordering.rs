@@ -13,7 +13,7 @@
 //!                  └── rows of trimmed slots/handlers are left in the store
 //!   next_ready(now) ◀── head of each keyed slot, if nothing of that slot is in flight
 //!                       and head.due_at <= now; unkeyed: up to the handler's limit
-//!   retrying(id) ── the key handler recorded a failed attempt of in-flight `id`
+//!   retrying(id) ── the key runner recorded a failed attempt of in-flight `id`
 //!   settled(id)  ── after the store acknowledged the completion or dead letter
 //!   trim / release ── bounded memory without holding up other keys (below)
 //! ```
@@ -32,7 +32,7 @@
 //!   Claims are numbered by [`LaneQueue::begin_claim`] for this reason, and
 //!   answered in the order they were issued (the owner has one at a time).
 //! - A key whose head waits (for its `due_at`, or in a retry inside its
-//!   key handler) blocks only that key, also when its backlog is larger than
+//!   key runner) blocks only that key, also when its backlog is larger than
 //!   the lane's buffer (next section).
 //!
 //! # Bounded memory without head-of-line blocking: trim and rescan
@@ -43,7 +43,7 @@
 //! stop the lane's other keys from being claimed. So when the buffer is full
 //! ([`LaneQueue::trim`]), the queue drops from memory (never from the store)
 //! what is *stalled*:
-//! - a keyed slot whose in-flight head is being retried (the key handler
+//! - a keyed slot whose in-flight head is being retried (the key runner
 //!   reported a failed attempt, [`LaneQueue::retrying`]): all of its queued
 //!   deliveries;
 //! - a keyed slot whose queued head is not due yet (a delayed delivery, or a
@@ -214,7 +214,7 @@ pub struct LaneQueue {
     cursor: ClaimCursor,
     /// Highest cursor reached.
     high_water: i64,
-    /// In-flight ids whose key handler reported a failed attempt.
+    /// In-flight ids whose key runner reported a failed attempt.
     retrying: HashSet<i64>,
     /// Slots and handlers whose rows are (partly) left in the store.
     trims: HashMap<TrimKey, Trim>,
@@ -585,19 +585,7 @@ impl LaneQueue {
         }
         let mut dropped = Vec::new();
         for (k, whole_handler) in plan {
-            let slot = self.slots.get_mut(&k).expect("planned");
-            let mut resume = ClaimCursor::at(i64::MAX);
-            for (_, d) in std::mem::take(&mut slot.pending) {
-                if let Some(h) = self.held.remove(&d.id) {
-                    resume = resume.earliest(&h.from);
-                    self.bytes -= h.size;
-                }
-                self.queued -= 1;
-                dropped.push(d.id);
-            }
-            if slot.in_flight.is_empty() {
-                self.slots.remove(&k);
-            }
+            let resume = self.drop_queued(&k, &mut dropped);
             let key = if whole_handler {
                 TrimKey::Handler(k.handler_id.clone())
             } else {
@@ -619,21 +607,7 @@ impl LaneQueue {
         // dropped whole, head included, and read again once the head is
         // due; its later deliveries stay behind it in the store (order).
         for (k, until) in waiting_heads {
-            let Some(slot) = self.slots.get_mut(&k) else {
-                continue;
-            };
-            let mut resume = ClaimCursor::at(i64::MAX);
-            for (_, d) in std::mem::take(&mut slot.pending) {
-                if let Some(h) = self.held.remove(&d.id) {
-                    resume = resume.earliest(&h.from);
-                    self.bytes -= h.size;
-                }
-                self.queued -= 1;
-                dropped.push(d.id);
-            }
-            if slot.in_flight.is_empty() {
-                self.slots.remove(&k);
-            }
+            let resume = self.drop_queued(&k, &mut dropped);
             self.trims
                 .entry(TrimKey::Slot(k))
                 .and_modify(|t| {
@@ -651,9 +625,7 @@ impl LaneQueue {
         // the earliest dropped one's cursor once the earliest is due. Unkeyed
         // deliveries have no order, so later rows of the slot are still taken.
         for k in not_due_unkeyed {
-            let Some(slot) = self.slots.get_mut(&k) else {
-                continue;
-            };
+            let slot = self.slots.get_mut(&k).expect("planned");
             let later: Vec<Pos> = slot
                 .pending
                 .iter()
@@ -662,9 +634,7 @@ impl LaneQueue {
                 .collect();
             for pos in later {
                 let d = slot.pending.remove(&pos).expect("listed");
-                let Some(h) = self.held.remove(&d.id) else {
-                    continue;
-                };
+                let h = self.held.remove(&d.id).expect("a queued delivery is held");
                 self.bytes -= h.size;
                 self.queued -= 1;
                 // No tombstone: the rescan at its time must take it again.
@@ -680,6 +650,27 @@ impl LaneQueue {
             }
         }
         dropped
+    }
+
+    /// Drops every queued delivery of the slot `k` from memory (their rows
+    /// stay in the store), adding their ids to `dropped`, and forgets the
+    /// slot if nothing of it is in flight. Returns the cursor from which a
+    /// claim returns them all again. `k` must be a slot with queued
+    /// deliveries (every queued delivery is held).
+    fn drop_queued(&mut self, k: &SlotKey, dropped: &mut Vec<i64>) -> ClaimCursor {
+        let slot = self.slots.get_mut(k).expect("planned");
+        let mut resume = ClaimCursor::at(i64::MAX);
+        for (_, d) in std::mem::take(&mut slot.pending) {
+            let h = self.held.remove(&d.id).expect("a queued delivery is held");
+            resume = resume.earliest(&h.from);
+            self.bytes -= h.size;
+            self.queued -= 1;
+            dropped.push(d.id);
+        }
+        if slot.in_flight.is_empty() {
+            self.slots.remove(k);
+        }
+        resume
     }
 
     /// Lifts the time condition of what [`trim`](Self::trim) dropped for
@@ -787,7 +778,7 @@ impl LaneQueue {
         self.bytes
     }
 
-    /// Whether the slot has nothing queued or in flight (its key handler can go).
+    /// Whether the slot has nothing queued or in flight (its key runner can go).
     pub fn slot_idle(&self, slot: &SlotKey) -> bool {
         !self.slots.contains_key(slot)
     }
@@ -819,6 +810,7 @@ fn due(d: &Delivery) -> DateTime<Utc> {
 mod tests {
     use super::*;
     use chrono::Duration;
+    use lanebus_store::Epoch;
 
     fn t0() -> DateTime<Utc> {
         DateTime::parse_from_rfc3339("2026-01-01T00:00:00Z")
@@ -830,7 +822,7 @@ mod tests {
         Delivery {
             id,
             lane: 0,
-            epoch: 1,
+            epoch: Epoch(1),
             handler_id: handler.into(),
             event_id: format!("evt_{id}"),
             event_type: "issues.opened".into(),

@@ -1,6 +1,6 @@
 //! Retry schedule of a delivery: what to do after an attempt (pure code).
 //!
-//! After every attempt the [`KeyHandler`](crate::actors::KeyHandler) asks
+//! After every attempt the [`KeyRunner`](crate::actors::KeyRunner) asks
 //! [`decide`] what follows: complete, try again after a delay, or
 //! dead-letter, and [`due_at`] when the retry is due. No IO and no clock
 //! here: the caller passes the attempt number, the outcome, a random source
@@ -343,7 +343,7 @@ mod tests {
                 panic!("expected a retry");
             };
             assert!(delay <= MAX_DELAY, "{delay:?}");
-            // The key handler adds it to the clock: that must not panic.
+            // The key runner adds it to the clock: that must not panic.
             let now = ManualClock::new().wall();
             assert_eq!((due_at(now, delay) - now).to_std().unwrap(), delay);
         }

@@ -29,7 +29,7 @@
 //! transport error is a failed attempt; `429`/`503` with `Retry-After` set the
 //! next attempt's time (never sooner than the backoff's base delay, see
 //! [`crate::retry`]). `410 Gone` ([`AttemptOutcome::Gone`]) is a failed
-//! attempt that also disables the handler: the key handler records the
+//! attempt that also disables the handler: the key runner records the
 //! attempt, sets the handler `disabled` in the store, and its deliveries are
 //! kept without being attempted (on every node, once its catalog reloads)
 //! until `POST /v1/handlers/{id}/enable`. Redirects are not followed: a 3xx
@@ -560,6 +560,7 @@ fn error_class(e: &reqwest::Error) -> AttemptError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use lanebus_store::Epoch;
 
     // Test vector of the Standard Webhooks reference libraries
     // (standard-webhooks/libraries, `python/tests/test_webhooks.py` and the
@@ -575,7 +576,7 @@ mod tests {
         Delivery {
             id: 1,
             lane: 0,
-            epoch: 1,
+            epoch: Epoch(1),
             handler_id: handler_id.into(),
             event_id: "evt_1".into(),
             event_type: "a.b".into(),

@@ -38,7 +38,7 @@ async fn fenced_out_node_stops_and_changes_nothing(backend: Backend) -> anyhow::
     let other = lanebus_store::open(&db.url).await?;
     for row in other.lane_rows().await? {
         ensure!(
-            other.fence(row.lane, "intruder", row.epoch + 1).await?,
+            other.fence(row.lane, "intruder", row.epoch.next()).await?,
             "fence lane {}",
             row.lane
         );

@@ -214,7 +214,7 @@ async fn attempts_of_an_owner_that_stopped_are_not_sent() -> anyhow::Result<()> 
     let other = lanebus_store::open(&db.url).await?;
     for row in other.lane_rows().await? {
         ensure!(
-            other.fence(row.lane, "intruder", row.epoch + 1).await?,
+            other.fence(row.lane, "intruder", row.epoch.next()).await?,
             "fence lane {}",
             row.lane
         );

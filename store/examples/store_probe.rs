@@ -141,7 +141,7 @@ async fn run(
         let claims: Vec<LaneClaim> = (0..store.lanes())
             .map(|lane| LaneClaim {
                 lane,
-                epoch: 0,
+                epoch: Epoch(0),
                 after: cursors[usize::from(lane)].clone(),
                 limit: 50,
             })
@@ -153,7 +153,7 @@ async fn run(
             refs.extend(b.deliveries.iter().map(|d| DeliveryRef {
                 id: d.id,
                 lane: d.lane,
-                epoch: 0,
+                epoch: Epoch(0),
                 attempts: 1,
             }));
         }

@@ -17,9 +17,28 @@ use chrono::{DateTime, TimeZone, Utc};
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mongodb"))]
 pub(crate) use crate::rules::validate_secret;
 use crate::{
-    generate_event_id, lane_of_event, rules, DeliveryState, EventLookup, FailedAttempt,
+    generate_event_id, lane_of_event, rules, DeliveryState, Epoch, EventLookup, FailedAttempt,
     HandlerDeliveryItem, Lane, NewEvent, Result, StoreError,
 };
+
+/// An epoch as a store binds it (SQL `BIGINT`, BSON `Int64`).
+///
+/// # Errors
+/// [`StoreError::Invalid`] above `i64::MAX`: no store can hold it.
+pub(crate) fn epoch_to_db(epoch: Epoch) -> Result<i64> {
+    epoch
+        .to_i64()
+        .map_err(|e| StoreError::Invalid(e.to_string()))
+}
+
+/// An epoch as a store read it back.
+///
+/// # Errors
+/// [`StoreError::Database`] for a negative value (the store's data is at
+/// fault: it only ever holds epochs written through [`epoch_to_db`]).
+pub(crate) fn epoch_from_db(v: i64) -> Result<Epoch> {
+    Epoch::try_from(v).map_err(|e| StoreError::Database(e.to_string()))
+}
 
 /// Most events accepted in one publish call ([`rules::event::MAX_BATCH`]).
 pub const MAX_BATCH: usize = rules::event::MAX_BATCH;

@@ -96,8 +96,7 @@ pub use rules::event::{
 
 /// Lane number, `0..lanes`.
 pub type Lane = u16;
-/// Lane fencing token: grows at every change of owner.
-pub type Epoch = i64;
+pub use lanebus_types::{Epoch, EpochOutOfRange};
 
 /// What went wrong in a store call, by kind: the one error type of every
 /// backend. Each backend maps its driver's errors to these kinds in its own

@@ -190,7 +190,7 @@ pub async fn publish(store: &dyn Store, event: NewEvent) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::NewHandler;
+    use crate::{Epoch, NewHandler};
 
     fn handler() -> Handler {
         Handler::registered(
@@ -270,7 +270,7 @@ mod tests {
         let d = Delivery {
             id: 42,
             lane: 0,
-            epoch: 1,
+            epoch: Epoch(1),
             handler_id: "hdl_x".into(),
             event_id: "e1".into(),
             event_type: "orders.placed".into(),

@@ -386,6 +386,7 @@ conformance!(
     an_invalid_event_fails_the_whole_batch,
     publish_in_exists_only_if_the_caller_commits,
     fencing_makes_a_stale_owner_change_nothing,
+    an_epoch_no_store_can_hold_is_refused,
     complete_deletes_and_records_completions,
     discard_deletes_without_completions_and_is_fenced,
     reschedule_records_the_failed_attempt,
@@ -880,7 +881,7 @@ async fn fencing_makes_a_stale_owner_change_nothing(h: &dyn Harness) {
     handler(&*s, "all", &["*"]).await;
     let lane = lane_of_key("fenced", s.lanes());
     assert!(
-        s.fence(lane, "n1", 1).await.expect("fence"),
+        s.fence(lane, "n1", Epoch(1)).await.expect("fence"),
         "n1 takes epoch 1"
     );
     s.publish(
@@ -891,51 +892,51 @@ async fn fencing_makes_a_stale_owner_change_nothing(h: &dyn Harness) {
     .await
     .expect("publish");
     let b = s
-        .claim(&one_lane_claim(lane, 1, 0, 100))
+        .claim(&one_lane_claim(lane, Epoch(1), 0, 100))
         .await
         .expect("claim");
     assert!(b[0].owned);
     let ds = b[0].deliveries.clone();
     assert_eq!(ds.len(), 4);
     assert!(
-        ds.iter().all(|d| d.epoch == 1),
+        ds.iter().all(|d| d.epoch == Epoch(1)),
         "a delivery carries the epoch it was claimed at"
     );
 
     assert!(
-        s.fence(lane, "n2", 2).await.expect("fence"),
+        s.fence(lane, "n2", Epoch(2)).await.expect("fence"),
         "n2 takes epoch 2"
     );
     assert!(
-        !s.fence(lane, "n1", 2).await.expect("fence"),
+        !s.fence(lane, "n1", Epoch(2)).await.expect("fence"),
         "same epoch, other owner: refused"
     );
     assert!(
-        !s.fence(lane, "n1", 1).await.expect("fence"),
+        !s.fence(lane, "n1", Epoch(1)).await.expect("fence"),
         "lower epoch: refused"
     );
     assert!(
-        s.fence(lane, "n2", 2).await.expect("fence"),
+        s.fence(lane, "n2", Epoch(2)).await.expect("fence"),
         "re-fencing at the held epoch is a no-op"
     );
     let before = counts(&*s).await;
 
     // n1, at epoch 1, is fenced out of everything.
     let b = s
-        .claim(&one_lane_claim(lane, 1, 0, 100))
+        .claim(&one_lane_claim(lane, Epoch(1), 0, 100))
         .await
         .expect("claim");
     assert!(!b[0].owned, "stale epoch must report owned: false");
     assert!(b[0].deliveries.is_empty());
     assert!(s
-        .complete(&[dref(&ds[0], 1, 1)])
+        .complete(&[dref(&ds[0], Epoch(1), 1)])
         .await
         .expect("complete")
         .is_empty());
     let resched = Reschedule {
         id: ds[1].id,
         lane,
-        epoch: 1,
+        epoch: Epoch(1),
         attempts: 5,
         due_at: Utc::now() + chrono::Duration::hours(1),
         last_error: "stale".into(),
@@ -949,7 +950,7 @@ async fn fencing_makes_a_stale_owner_change_nothing(h: &dyn Harness) {
     let dead = DeadLetterRequest {
         id: ds[2].id,
         lane,
-        epoch: 1,
+        epoch: Epoch(1),
         attempts: 8,
         last_error: "stale".into(),
         failure: None,
@@ -963,7 +964,7 @@ async fn fencing_makes_a_stale_owner_change_nothing(h: &dyn Harness) {
     let wrong_lane = DeliveryRef {
         id: ds[3].id,
         lane: (lane + 1) % s.lanes(),
-        epoch: 2,
+        epoch: Epoch(2),
         attempts: 1,
     };
     assert!(s
@@ -974,30 +975,56 @@ async fn fencing_makes_a_stale_owner_change_nothing(h: &dyn Harness) {
 
     assert_eq!(counts(&*s).await, before, "nothing changed");
     let b = s
-        .claim(&one_lane_claim(lane, 2, 0, 100))
+        .claim(&one_lane_claim(lane, Epoch(2), 0, 100))
         .await
         .expect("claim");
     assert!(b[0].owned);
     assert!(
-        b[0].deliveries.iter().all(|d| d.epoch == 2),
+        b[0].deliveries.iter().all(|d| d.epoch == Epoch(2)),
         "the new owner's claim carries its epoch"
     );
     let at_one: Vec<Delivery> = b[0]
         .deliveries
         .iter()
         .map(|d| Delivery {
-            epoch: 1,
+            epoch: Epoch(1),
             ..d.clone()
         })
         .collect();
     assert_eq!(at_one, ds, "rows unchanged (attempts, due, last error)");
 
     // n2 can.
-    let done = s.complete(&[dref(&ds[0], 2, 1)]).await.expect("complete");
+    let done = s
+        .complete(&[dref(&ds[0], Epoch(2), 1)])
+        .await
+        .expect("complete");
     assert_eq!(done, vec![ds[0].id]);
     let rows = s.lane_rows().await.expect("lane rows");
     assert_eq!(rows[lane as usize].owner.as_deref(), Some("n2"));
-    assert_eq!(rows[lane as usize].epoch, 2);
+    assert_eq!(rows[lane as usize].epoch, Epoch(2));
+}
+
+/// Stores keep epochs as signed 64-bit integers: `i64::MAX` fences; one
+/// above is refused as invalid input (not wrapped to a negative epoch) and
+/// changes nothing.
+async fn an_epoch_no_store_can_hold_is_refused(h: &dyn Harness) {
+    let s = h.store();
+    let lane = lane_of_key("big", s.lanes());
+    assert!(s.fence(lane, "n1", Epoch(5)).await.expect("fence"));
+    let err = s
+        .fence(lane, "n2", Epoch::MAX_STORED.next())
+        .await
+        .expect_err("an epoch above i64::MAX");
+    assert!(matches!(err, StoreError::Invalid(_)), "{err}");
+    let row = &s.lane_rows().await.expect("lane rows")[usize::from(lane)];
+    assert_eq!((row.owner.as_deref(), row.epoch), (Some("n1"), Epoch(5)));
+
+    assert!(s.fence(lane, "n2", Epoch::MAX_STORED).await.expect("fence"));
+    let row = &s.lane_rows().await.expect("lane rows")[usize::from(lane)];
+    assert_eq!(
+        (row.owner.as_deref(), row.epoch),
+        (Some("n2"), Epoch::MAX_STORED)
+    );
 }
 
 async fn complete_deletes_and_records_completions(h: &dyn Harness) {
@@ -1012,7 +1039,7 @@ async fn complete_deletes_and_records_completions(h: &dyn Harness) {
     .expect("publish");
     let ds = claim_all(&*s).await;
     assert_eq!(ds.len(), 4);
-    let refs: Vec<DeliveryRef> = ds[..3].iter().map(|d| dref(d, 0, 2)).collect();
+    let refs: Vec<DeliveryRef> = ds[..3].iter().map(|d| dref(d, Epoch(0), 2)).collect();
     let mut done = s.complete(&refs).await.expect("complete");
     done.sort_unstable();
     let mut want: Vec<i64> = ds[..3].iter().map(|d| d.id).collect();
@@ -1024,7 +1051,7 @@ async fn complete_deletes_and_records_completions(h: &dyn Harness) {
     assert!(s.complete(&refs).await.expect("complete").is_empty());
     assert_eq!(counts(&*s).await.completions, 3);
     // A repeated ref in one call completes once.
-    let last = dref(&ds[3], 0, 1);
+    let last = dref(&ds[3], Epoch(0), 1);
     assert_eq!(
         s.complete(&[last, last]).await.expect("complete"),
         vec![ds[3].id]
@@ -1048,7 +1075,11 @@ async fn discard_deletes_without_completions_and_is_fenced(h: &dyn Harness) {
     assert_eq!(ds.len(), 3);
     assert!(s.discard(&[]).await.expect("discard nothing").is_empty());
     // A repeated ref in one call is discarded once; no completion row.
-    let refs = [dref(&ds[0], 0, 0), dref(&ds[1], 0, 0), dref(&ds[0], 0, 0)];
+    let refs = [
+        dref(&ds[0], Epoch(0), 0),
+        dref(&ds[1], Epoch(0), 0),
+        dref(&ds[0], Epoch(0), 0),
+    ];
     let mut gone = s.discard(&refs).await.expect("discard");
     gone.sort_unstable();
     let mut want = vec![ds[0].id, ds[1].id];
@@ -1063,16 +1094,18 @@ async fn discard_deletes_without_completions_and_is_fenced(h: &dyn Harness) {
     assert!(s.discard(&refs).await.expect("discard").is_empty());
     // Fenced: a stale owner discards nothing.
     let last = &ds[2];
-    assert!(s.fence(last.lane, "n2", 7).await.expect("fence"));
+    assert!(s.fence(last.lane, "n2", Epoch(7)).await.expect("fence"));
     assert!(s
-        .discard(&[dref(last, 0, 0)])
+        .discard(&[dref(last, Epoch(0), 0)])
         .await
         .expect("discard")
         .is_empty());
     assert_eq!(counts(&*s).await.deliveries, 1);
     // The current owner does; the handler is untouched.
     assert_eq!(
-        s.discard(&[dref(last, 7, 0)]).await.expect("discard"),
+        s.discard(&[dref(last, Epoch(7), 0)])
+            .await
+            .expect("discard"),
         vec![last.id]
     );
     let c = counts(&*s).await;
@@ -1097,7 +1130,7 @@ async fn reschedule_records_the_failed_attempt(h: &dyn Harness) {
     let r = Reschedule {
         id: ds[0].id,
         lane: ds[0].lane,
-        epoch: 0,
+        epoch: Epoch(0),
         attempts: 3,
         due_at: due,
         last_error: "HTTP 500 from endpoint".into(),
@@ -1155,7 +1188,7 @@ async fn dead_letters_are_listed_and_replayed(h: &dyn Harness) {
         .map(|d| DeadLetterRequest {
             id: d.id,
             lane: d.lane,
-            epoch: 0,
+            epoch: Epoch(0),
             attempts: 8,
             last_error: format!("boom {}", d.event_id),
             failure: None,
@@ -1319,7 +1352,10 @@ async fn delete_handler_discards_its_dead_letters(h: &dyn Harness) {
     // a: two dead letters and one pending delivery; b: one dead letter,
     // the other two completed.
     dead_letter_each(&*s, &[of(&a, "dead1"), of(&a, "dead2"), of(&b, "dead1")]).await;
-    let done = [dref(of(&b, "dead2"), 0, 1), dref(of(&b, "pending"), 0, 1)];
+    let done = [
+        dref(of(&b, "dead2"), Epoch(0), 1),
+        dref(of(&b, "pending"), Epoch(0), 1),
+    ];
     assert_eq!(s.complete(&done).await.expect("complete").len(), 2);
     let c = counts(&*s).await;
     assert_eq!((c.deliveries, c.dead_letters), (1, 3));
@@ -1395,7 +1431,7 @@ async fn lane_rows_report_owner_epoch_and_backlog(h: &dyn Harness) {
     assert!(rows
         .iter()
         .enumerate()
-        .all(|(i, r)| usize::from(r.lane) == i && r.backlog == 0 && r.epoch == 0));
+        .all(|(i, r)| usize::from(r.lane) == i && r.backlog == 0 && r.epoch == Epoch(0)));
     let (ka, kb) = ("alpha", "beta");
     let (la, lb) = (lane_of_key(ka, s.lanes()), lane_of_key(kb, s.lanes()));
     assert_ne!(la, lb);
@@ -1406,12 +1442,12 @@ async fn lane_rows_report_owner_epoch_and_backlog(h: &dyn Harness) {
     ])
     .await
     .expect("publish");
-    assert!(s.fence(lb, "node-7", 3).await.expect("fence"));
+    assert!(s.fence(lb, "node-7", Epoch(3)).await.expect("fence"));
     let rows = s.lane_rows().await.expect("lane rows");
     assert_eq!(rows[la as usize].backlog, 2);
     assert_eq!(rows[lb as usize].backlog, 1);
     assert_eq!(rows[lb as usize].owner.as_deref(), Some("node-7"));
-    assert_eq!(rows[lb as usize].epoch, 3);
+    assert_eq!(rows[lb as usize].epoch, Epoch(3));
     assert_eq!(
         rows.iter().map(|r| r.backlog).sum::<i64>(),
         counts(&*s).await.deliveries
@@ -1505,7 +1541,7 @@ async fn claim_cursor_and_limit_read_everything_once_in_order(h: &dyn Harness) {
     }
     // A zero-limit claim reads nothing and keeps the cursor.
     let b = s
-        .claim(&one_lane_claim(lane, 0, 0, 0))
+        .claim(&one_lane_claim(lane, Epoch(0), 0, 0))
         .await
         .expect("claim");
     assert!(b[0].owned && b[0].deliveries.is_empty());
@@ -1518,7 +1554,7 @@ async fn claim_cursor_and_limit_read_everything_once_in_order(h: &dyn Harness) {
         rounds += 1;
         assert!(rounds <= 20, "the cursor must make progress");
         let b = s
-            .claim(&one_lane_claim(lane, 0, after.clone(), 3))
+            .claim(&one_lane_claim(lane, Epoch(0), after.clone(), 3))
             .await
             .expect("claim");
         assert!(b[0].owned);
@@ -1538,7 +1574,11 @@ async fn claim_cursor_and_limit_read_everything_once_in_order(h: &dyn Harness) {
         for d in &fresh {
             seen.push(d.seq.expect("seq"));
         }
-        let refs: Vec<DeliveryRef> = b[0].deliveries.iter().map(|d| dref(d, 0, 1)).collect();
+        let refs: Vec<DeliveryRef> = b[0]
+            .deliveries
+            .iter()
+            .map(|d| dref(d, Epoch(0), 1))
+            .collect();
         s.complete(&refs).await.expect("complete");
     }
     assert_eq!(
@@ -1552,7 +1592,7 @@ async fn claim_cursor_and_limit_read_everything_once_in_order(h: &dyn Harness) {
         .await
         .expect("publish");
     let b = s
-        .claim(&one_lane_claim(lane, 0, after, 3))
+        .claim(&one_lane_claim(lane, Epoch(0), after, 3))
         .await
         .expect("claim");
     assert_eq!(
@@ -1568,26 +1608,26 @@ async fn claim_cursor_and_limit_read_everything_once_in_order(h: &dyn Harness) {
         .claim(&[
             LaneClaim {
                 lane: other,
-                epoch: 0,
+                epoch: Epoch(0),
                 after: Default::default(),
                 limit: 10,
             },
             LaneClaim {
                 lane,
-                epoch: 0,
+                epoch: Epoch(0),
                 after: Default::default(),
                 limit: 10,
             },
             LaneClaim {
                 lane: other,
-                epoch: 9,
+                epoch: Epoch(9),
                 after: Default::default(),
                 limit: 10,
             },
             // The same lane twice is answered twice.
             LaneClaim {
                 lane,
-                epoch: 0,
+                epoch: Epoch(0),
                 after: Default::default(),
                 limit: 10,
             },
@@ -2186,7 +2226,7 @@ mod postgres_only {
     use sqlx::Connection as _;
 
     fn lane_cursor(lane: Lane, after: impl Into<ClaimCursor>, limit: u32) -> [LaneClaim; 1] {
-        one_lane_claim(lane, 0, after, limit)
+        one_lane_claim(lane, Epoch(0), after, limit)
     }
 
     /// The late-commit pitfall: a publish transaction that got its id before
@@ -2266,7 +2306,7 @@ mod postgres_only {
         let mut seen = Vec::new();
         for _ in 0..3 {
             let b = s
-                .claim(&one_lane_claim(lane, 0, after.clone(), 2))
+                .claim(&one_lane_claim(lane, Epoch(0), after.clone(), 2))
                 .await
                 .expect("claim");
             seen.extend(b[0].deliveries.iter().map(|d| d.event_id.clone()));
@@ -2278,7 +2318,7 @@ mod postgres_only {
             "three claims of 2 read the six rows once each, in order"
         );
         let b = s
-            .claim(&one_lane_claim(lane, 0, after.clone(), 2))
+            .claim(&one_lane_claim(lane, Epoch(0), after.clone(), 2))
             .await
             .expect("claim");
         assert!(
@@ -2321,7 +2361,7 @@ mod postgres_only {
             .await
             .expect("publish_in");
         let first = s
-            .claim(&one_lane_claim(lane, 0, 0, 100))
+            .claim(&one_lane_claim(lane, Epoch(0), 0, 100))
             .await
             .expect("claim");
         let ids: Vec<&str> = first[0]
@@ -2337,7 +2377,12 @@ mod postgres_only {
         );
         late.commit().await.expect("commit");
         let second = s
-            .claim(&one_lane_claim(lane, 0, first[0].next_after.clone(), 100))
+            .claim(&one_lane_claim(
+                lane,
+                Epoch(0),
+                first[0].next_after.clone(),
+                100,
+            ))
             .await
             .expect("claim");
         let ids: Vec<&str> = second[0]
@@ -2420,12 +2465,12 @@ mod postgres_only {
         let s = h.store();
         handler(&*s, "all", &["*"]).await;
         let lane = lane_of_key("race", s.lanes());
-        assert!(s.fence(lane, "n1", 1).await.expect("fence"));
+        assert!(s.fence(lane, "n1", Epoch(1)).await.expect("fence"));
         s.publish(vec![ev(Some("r1"), "t.x", Some("race"))])
             .await
             .expect("publish");
         let b = s
-            .claim(&one_lane_claim(lane, 1, 0, 10))
+            .claim(&one_lane_claim(lane, Epoch(1), 0, 10))
             .await
             .expect("claim");
         let d = b[0].deliveries[0].clone();
@@ -2442,7 +2487,7 @@ mod postgres_only {
                 s.complete(&[DeliveryRef {
                     id: d.id,
                     lane,
-                    epoch: 1,
+                    epoch: Epoch(1),
                     attempts: 1,
                 }])
                 .await
@@ -2561,7 +2606,7 @@ mod postgres_only {
         let s = h.store();
         let id = handler(&*s, "doomed", &["*"]).await.id;
         let lane = lane_of_key("late", s.lanes());
-        assert!(s.fence(lane, "n1", 1).await.expect("fence"));
+        assert!(s.fence(lane, "n1", Epoch(1)).await.expect("fence"));
         let mut late = h.store.pool().begin().await.expect("begin");
         h.store
             .publish_in(&mut late, vec![ev(Some("late-1"), "t.x", Some("late"))])
@@ -2570,7 +2615,7 @@ mod postgres_only {
         s.delete_handler(&id).await.expect("delete");
         late.commit().await.expect("commit the late publish");
         let b = s
-            .claim(&one_lane_claim(lane, 1, 0, 10))
+            .claim(&one_lane_claim(lane, Epoch(1), 0, 10))
             .await
             .expect("claim");
         let d = b[0].deliveries[0].clone();
@@ -2579,7 +2624,7 @@ mod postgres_only {
             .dead_letter(&[DeadLetterRequest {
                 id: d.id,
                 lane,
-                epoch: 1,
+                epoch: Epoch(1),
                 attempts: 3,
                 last_error: "boom".into(),
                 failure: None,
@@ -2667,7 +2712,11 @@ mod postgres_only {
         // Complete them, as the owner does: a transaction still running
         // elsewhere in the cluster (other tests) may hold xmin back, and then
         // the cursor re-reads until the rows are gone.
-        let refs: Vec<DeliveryRef> = b[0].deliveries.iter().map(|d| dref(d, 0, 1)).collect();
+        let refs: Vec<DeliveryRef> = b[0]
+            .deliveries
+            .iter()
+            .map(|d| dref(d, Epoch(0), 1))
+            .collect();
         assert_eq!(s.complete(&refs).await.expect("complete").len(), 10);
         let next = s
             .claim(&lane_cursor(lane, b[0].next_after.clone(), 3))
@@ -2831,7 +2880,9 @@ mod sqlite_only {
         let ds = claim_all(&s).await;
         assert_eq!(ds.len(), 1);
         assert_eq!(
-            s.complete(&[dref(&ds[0], 0, 1)]).await.expect("complete"),
+            s.complete(&[dref(&ds[0], Epoch(0), 1)])
+                .await
+                .expect("complete"),
             vec![ds[0].id]
         );
         assert_eq!(counts(&s).await.completions, 1);
@@ -2926,7 +2977,7 @@ mod sqlite_only {
                 .expect("wait");
             assert!(status.success(), "child process failed: {status}");
             let ds = claim_all(&s).await;
-            let refs: Vec<DeliveryRef> = ds.iter().map(|d| dref(d, 0, 1)).collect();
+            let refs: Vec<DeliveryRef> = ds.iter().map(|d| dref(d, Epoch(0), 1)).collect();
             completed += s.complete(&refs).await.expect("complete").len();
         }
         let c = counts(&s).await;
@@ -3123,7 +3174,7 @@ mod mongodb_only {
                 .iter()
                 .map(|l| LaneClaim {
                     lane: *l,
-                    epoch: 0,
+                    epoch: Epoch(0),
                     after: after[l].clone(),
                     limit: 200,
                 })
@@ -3142,7 +3193,7 @@ mod mongodb_only {
                         .entry(d.key.clone().expect("keyed"))
                         .or_default()
                         .push(d.seq.expect("seq"));
-                    refs.push(dref(d, 0, 1));
+                    refs.push(dref(d, Epoch(0), 1));
                 }
             }
             if refs.is_empty() {
@@ -3280,7 +3331,7 @@ mod mongodb_only {
             "a publish into the held lane committed before the held transaction"
         );
         let first = s
-            .claim(&one_lane_claim(lane, 0, 0, 100))
+            .claim(&one_lane_claim(lane, Epoch(0), 0, 100))
             .await
             .expect("claim");
         assert!(
@@ -3297,7 +3348,12 @@ mod mongodb_only {
             .expect("join")
             .expect("the waiting publish succeeds after the held one");
         let second = s
-            .claim(&one_lane_claim(lane, 0, first[0].next_after.clone(), 100))
+            .claim(&one_lane_claim(
+                lane,
+                Epoch(0),
+                first[0].next_after.clone(),
+                100,
+            ))
             .await
             .expect("claim");
         assert_eq!(
@@ -3322,7 +3378,7 @@ mod mongodb_only {
         let s = h.store();
         handler(&*s, "all", &["*"]).await;
         let lane = lane_of_key("race", s.lanes());
-        assert!(s.fence(lane, "n1", 1).await.expect("fence"));
+        assert!(s.fence(lane, "n1", Epoch(1)).await.expect("fence"));
         s.publish(vec![
             ev(Some("r1"), "t.x", Some("race")),
             ev(Some("r2"), "t.x", Some("race")),
@@ -3330,7 +3386,7 @@ mod mongodb_only {
         .await
         .expect("publish");
         let b = s
-            .claim(&one_lane_claim(lane, 1, 0, 10))
+            .claim(&one_lane_claim(lane, Epoch(1), 0, 10))
             .await
             .expect("claim");
         let (d1, d2) = (b[0].deliveries[0].clone(), b[0].deliveries[1].clone());
@@ -3352,12 +3408,12 @@ mod mongodb_only {
         let stale = {
             let s = s.clone();
             tokio::spawn(async move {
-                let done = s.complete(&[dref(&d1, 1, 1)]).await;
+                let done = s.complete(&[dref(&d1, Epoch(1), 1)]).await;
                 let dead = s
                     .dead_letter(&[DeadLetterRequest {
                         id: d2.id,
                         lane,
-                        epoch: 1,
+                        epoch: Epoch(1),
                         attempts: 8,
                         last_error: "stale".into(),
                         failure: None,
@@ -3385,9 +3441,9 @@ mod mongodb_only {
         assert_eq!((c.deliveries, c.completions, c.dead_letters), (2, 0, 0));
 
         // The deliveries are intact for the next owner.
-        assert!(s.fence(lane, "n3", 3).await.expect("fence"));
+        assert!(s.fence(lane, "n3", Epoch(3)).await.expect("fence"));
         let b = s
-            .claim(&one_lane_claim(lane, 3, 0, 10))
+            .claim(&one_lane_claim(lane, Epoch(3), 0, 10))
             .await
             .expect("claim");
         assert_eq!(b[0].deliveries.len(), 2);
@@ -3434,8 +3490,11 @@ mod mongodb_only {
     async fn fence_is_confirmed_with_a_majority_read() {
         let (store, seen) = monitored_store(8).await;
         seen.lock().expect("lock").clear();
-        assert!(store.fence(3, "n1", 1).await.expect("fence"));
-        assert!(!store.fence(3, "n2", 1).await.expect("fence, same epoch"));
+        assert!(store.fence(3, "n1", Epoch(1)).await.expect("fence"));
+        assert!(!store
+            .fence(3, "n2", Epoch(1))
+            .await
+            .expect("fence, same epoch"));
         let commands: Vec<Document> = std::mem::take(&mut *seen.lock().expect("lock"))
             .into_iter()
             .filter(|c| c.get_str("update") == Ok("lanes") || c.get_str("find") == Ok("lanes"))
@@ -3508,7 +3567,7 @@ mod mongodb_only {
             .iter()
             .map(|l| LaneClaim {
                 lane: *l,
-                epoch: 0,
+                epoch: Epoch(0),
                 after: Default::default(),
                 limit: 1000,
             })
@@ -3517,7 +3576,7 @@ mod mongodb_only {
         let claim = take();
         let refs: Vec<DeliveryRef> = batches
             .iter()
-            .flat_map(|b| b.deliveries.iter().map(|d| dref(d, 0, 1)))
+            .flat_map(|b| b.deliveries.iter().map(|d| dref(d, Epoch(0), 1)))
             .collect();
         assert_eq!(refs.len(), 400);
         let refs = &refs[..200];
@@ -3614,7 +3673,7 @@ async fn dead_letter_each(s: &dyn Store, ds: &[&Delivery]) {
             .dead_letter(&[DeadLetterRequest {
                 id: d.id,
                 lane: d.lane,
-                epoch: 0,
+                epoch: Epoch(0),
                 attempts: 1,
                 last_error: "boom".into(),
                 failure: None,
@@ -3713,7 +3772,7 @@ async fn recover_puts_completed_events_back_as_replays(h: &dyn Harness) {
     let of = |h: &Handler, ids: &[&str]| -> Vec<DeliveryRef> {
         ds.iter()
             .filter(|d| d.handler_id == h.id && ids.contains(&d.event_id.as_str()))
-            .map(|d| dref(d, 0, 1))
+            .map(|d| dref(d, Epoch(0), 1))
             .collect()
     };
     s.complete(&of(&a, &["r1"])).await.expect("complete");
@@ -3762,7 +3821,7 @@ async fn recover_puts_completed_events_back_as_replays(h: &dyn Harness) {
     assert_eq!((again.recovered, again.already_pending), (0, 3));
     // Delivered again (a second completion each), then recovered once more:
     // each event once.
-    let refs: Vec<DeliveryRef> = back.iter().map(|d| dref(d, 0, 1)).collect();
+    let refs: Vec<DeliveryRef> = back.iter().map(|d| dref(d, Epoch(0), 1)).collect();
     assert_eq!(s.complete(&refs).await.expect("complete").len(), 3);
     let third = s.recover(&a.id, t).await.expect("recover");
     assert_eq!((third.recovered, third.already_pending), (3, 0));
@@ -3796,7 +3855,7 @@ async fn retention_counts_from_the_last_completion(h: &dyn Harness) {
     .expect("publish");
     let ds = claim_all(&*s).await;
     let by = |id: &str| ds.iter().find(|d| d.event_id == id).expect("claimed");
-    s.complete(&[dref(by("prompt"), 0, 1)])
+    s.complete(&[dref(by("prompt"), Epoch(0), 1)])
         .await
         .expect("complete prompt");
     // Two hours pass; "late" is still pending; then it completes. "retried"
@@ -3806,16 +3865,19 @@ async fn retention_counts_from_the_last_completion(h: &dyn Harness) {
     let r = Reschedule {
         id: by("retried").id,
         lane: by("retried").lane,
-        epoch: 0,
+        epoch: Epoch(0),
         attempts: 5,
         due_at: Utc::now(),
         last_error: "HTTP 500".into(),
         failure: None,
     };
     assert_eq!(s.reschedule(&[r]).await.expect("reschedule").len(), 1);
-    s.complete(&[dref(by("late"), 0, 1), dref(by("retried"), 0, 6)])
-        .await
-        .expect("complete late");
+    s.complete(&[
+        dref(by("late"), Epoch(0), 1),
+        dref(by("retried"), Epoch(0), 6),
+    ])
+    .await
+    .expect("complete late");
 
     // A one-hour retention: "prompt" (published and completed two hours
     // ago) goes; "late" and "retried" (published two hours ago, completed
@@ -3850,7 +3912,7 @@ async fn retention_counts_from_the_last_completion(h: &dyn Harness) {
         .collect();
     ids.sort();
     assert_eq!(ids, vec![("late", true), ("retried", true)]);
-    let refs: Vec<DeliveryRef> = back.iter().map(|d| dref(d, 0, 1)).collect();
+    let refs: Vec<DeliveryRef> = back.iter().map(|d| dref(d, Epoch(0), 1)).collect();
     assert_eq!(s.complete(&refs).await.expect("complete replays").len(), 2);
     // Past their last completion's retention too, they go.
     let later = Utc::now() + chrono::TimeDelta::minutes(5);
@@ -3903,7 +3965,7 @@ async fn prune_removes_old_completed_events_and_keeps_pending_and_dead(h: &dyn H
     let by = |id: &str| ds.iter().find(|d| d.event_id == id).expect("claimed");
     let done: Vec<DeliveryRef> = ["done1", "done2", "done3"]
         .iter()
-        .map(|id| dref(by(id), 0, 1))
+        .map(|id| dref(by(id), Epoch(0), 1))
         .collect();
     s.complete(&done).await.expect("complete");
     dead_letter_each(&*s, &[by("dead")]).await;
@@ -3967,7 +4029,7 @@ async fn prune_removes_old_completed_events_and_keeps_pending_and_dead(h: &dyn H
         1
     );
     let all = claim_all(&*s).await;
-    let refs: Vec<DeliveryRef> = all.iter().map(|d| dref(d, 0, 1)).collect();
+    let refs: Vec<DeliveryRef> = all.iter().map(|d| dref(d, Epoch(0), 1)).collect();
     assert_eq!(s.complete(&refs).await.expect("complete").len(), 2);
     let cutoff = Utc::now() + chrono::TimeDelta::minutes(5);
     assert_eq!(
@@ -4074,7 +4136,7 @@ async fn lookup_event_shows_each_handlers_delivery_state(h: &dyn Harness) {
         .reschedule(&[Reschedule {
             id: d.id,
             lane: d.lane,
-            epoch: 0,
+            epoch: Epoch(0),
             attempts: 2,
             due_at: due,
             last_error: "HTTP 503 from endpoint".into(),
@@ -4086,7 +4148,9 @@ async fn lookup_event_shows_each_handlers_delivery_state(h: &dyn Harness) {
     let before = store_now(&*s).await;
     let c = of(&done, "lk1");
     assert_eq!(
-        s.complete(&[dref(&c, 0, 3)]).await.expect("complete"),
+        s.complete(&[dref(&c, Epoch(0), 3)])
+            .await
+            .expect("complete"),
         vec![c.id]
     );
     let x = of(&dead, "lk1");
@@ -4094,7 +4158,7 @@ async fn lookup_event_shows_each_handlers_delivery_state(h: &dyn Harness) {
         .dead_letter(&[DeadLetterRequest {
             id: x.id,
             lane: x.lane,
-            epoch: 0,
+            epoch: Epoch(0),
             attempts: 8,
             last_error: "HTTP 410 from endpoint".into(),
             failure: None,
@@ -4105,7 +4169,7 @@ async fn lookup_event_shows_each_handlers_delivery_state(h: &dyn Harness) {
     // lk2's deliveries end otherwise, so a lookup mixing events shows.
     let other: Vec<DeliveryRef> = [&pending, &done]
         .iter()
-        .map(|h| dref(&of(h, "lk2"), 0, 1))
+        .map(|h| dref(&of(h, "lk2"), Epoch(0), 1))
         .collect();
     assert_eq!(s.complete(&other).await.expect("complete").len(), 2);
     let after = store_now(&*s).await + chrono::Duration::microseconds(1);
@@ -4254,7 +4318,7 @@ async fn handler_deliveries_page_newest_first_per_state(h: &dyn Harness) {
             let req = DeadLetterRequest {
                 id: d.id,
                 lane: d.lane,
-                epoch: 0,
+                epoch: Epoch(0),
                 attempts: n as u32,
                 last_error: format!("HTTP 50{n}"),
                 failure: None,
@@ -4266,7 +4330,7 @@ async fn handler_deliveries_page_newest_first_per_state(h: &dyn Harness) {
     for n in 4..=6 {
         for h in [&mine, &other] {
             let d = of(h, n);
-            let done = s.complete(&[dref(&d, 0, n as u32)]).await;
+            let done = s.complete(&[dref(&d, Epoch(0), n as u32)]).await;
             assert_eq!(done.expect("complete"), vec![d.id]);
         }
     }
@@ -4279,7 +4343,7 @@ async fn handler_deliveries_page_newest_first_per_state(h: &dyn Harness) {
         let r = Reschedule {
             id: d.id,
             lane: d.lane,
-            epoch: 0,
+            epoch: Epoch(0),
             attempts: 2,
             due_at: due,
             last_error: "HTTP 429".into(),
@@ -4512,7 +4576,7 @@ async fn attempt_log_keeps_the_last_failed_attempts(h: &dyn Harness) {
     let resched = |d: &Delivery, attempts: u32, failure: Option<FailedAttempt>| Reschedule {
         id: d.id,
         lane: d.lane,
-        epoch: 0,
+        epoch: Epoch(0),
         attempts,
         due_at: Utc::now(),
         last_error: format!("attempt {attempts} failed"),
@@ -4521,7 +4585,7 @@ async fn attempt_log_keeps_the_last_failed_attempts(h: &dyn Harness) {
 
     // Succeeds at once: a completion, no attempt log.
     assert_eq!(
-        s.complete(&[dref(&of(&ok), 0, 1)])
+        s.complete(&[dref(&of(&ok), Epoch(0), 1)])
             .await
             .expect("complete")
             .len(),
@@ -4591,7 +4655,9 @@ async fn attempt_log_keeps_the_last_failed_attempts(h: &dyn Harness) {
     let again = claim_all(&*s).await;
     assert_eq!(again.iter().filter(|x| x.id == d.id).count(), 1);
     assert_eq!(
-        s.complete(&[dref(&d, 0, 3)]).await.expect("complete"),
+        s.complete(&[dref(&d, Epoch(0), 3)])
+            .await
+            .expect("complete"),
         vec![d.id]
     );
     let (state, log) = lookup_log(&*s, "al1", &flaky).await;
@@ -4617,7 +4683,7 @@ async fn attempt_log_keeps_the_last_failed_attempts(h: &dyn Harness) {
         .dead_letter(&[DeadLetterRequest {
             id: x.id,
             lane: x.lane,
-            epoch: 0,
+            epoch: Epoch(0),
             attempts: 7,
             last_error: "http 507".into(),
             failure: Some(all[6].clone()),

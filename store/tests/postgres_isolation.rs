@@ -14,7 +14,7 @@ use std::sync::Arc;
 use futures::FutureExt;
 
 use lanebus_store::postgres::{Isolation, PgStore, TxError, CHANNEL};
-use lanebus_store::{ClaimCursor, LaneClaim, NewEvent, Store};
+use lanebus_store::{ClaimCursor, Epoch, LaneClaim, NewEvent, Store};
 use sqlx::postgres::PgListener;
 use sqlx::PgPool;
 
@@ -291,10 +291,10 @@ async fn stored(pool: &PgPool) -> (BTreeSet<String>, Vec<String>) {
 async fn claimed(store: &PgStore) -> BTreeSet<String> {
     let mut claims = Vec::new();
     for lane in 0..store.lanes() {
-        assert!(store.fence(lane, "test", 1).await.expect("fence"));
+        assert!(store.fence(lane, "test", Epoch(1)).await.expect("fence"));
         claims.push(LaneClaim {
             lane,
-            epoch: 1,
+            epoch: Epoch(1),
             after: ClaimCursor::default(),
             limit: 1000,
         });

@@ -110,7 +110,7 @@ where
 /// stored before reads with an empty one and keeps a failure recorded
 /// after the upgrade.
 async fn attempt_log_after_upgrade(store: &dyn lanebus_store::Store) {
-    use lanebus_store::{AttemptError, DeliveryState, FailedAttempt, LaneClaim, Reschedule};
+    use lanebus_store::{AttemptError, DeliveryState, Epoch, FailedAttempt, LaneClaim, Reschedule};
     let log_of = |state: &DeliveryState| match state {
         DeliveryState::Pending { attempt_log, .. } => attempt_log.clone(),
         other => panic!("not pending: {other:?}"),
@@ -122,7 +122,7 @@ async fn attempt_log_after_upgrade(store: &dyn lanebus_store::Store) {
     assert_eq!(lookup().await, vec![]);
     let claim = LaneClaim {
         lane: 0,
-        epoch: 0,
+        epoch: Epoch(0),
         after: Default::default(),
         limit: 10,
     };
@@ -143,7 +143,7 @@ async fn attempt_log_after_upgrade(store: &dyn lanebus_store::Store) {
     let r = Reschedule {
         id: d.id,
         lane: 0,
-        epoch: 0,
+        epoch: Epoch(0),
         attempts: 2,
         due_at: chrono::Utc::now(),
         last_error: "timeout after 5000 ms".into(),

@@ -20,7 +20,7 @@ use axum::http::{header, HeaderMap, Method, Request, StatusCode};
 use axum::Router;
 use lanebus_api::{router, ApiState, LaneView, Limits, NodeView};
 use lanebus_store::{
-    lane_of_event, DeadLetterRequest, Handler, Lane, LaneClaim, NewEvent, Store, StoreCounts,
+    lane_of_event, DeadLetterRequest, Epoch, Handler, Lane, LaneClaim, NewEvent, Store, StoreCounts,
 };
 use serde_json::Value;
 use tower::ServiceExt as _;
@@ -233,14 +233,17 @@ impl TestApp {
         self.store.publish(events).await.expect("publish");
         let lane = lane_of_event(Some(key), "", self.store.lanes());
         assert!(
-            self.store.fence(lane, "test", 1).await.expect("fence"),
+            self.store
+                .fence(lane, "test", Epoch(1))
+                .await
+                .expect("fence"),
             "fence lane {lane}"
         );
         let batches = self
             .store
             .claim(&[LaneClaim {
                 lane,
-                epoch: 1,
+                epoch: Epoch(1),
                 after: Default::default(),
                 limit: 1000,
             }])
@@ -256,7 +259,7 @@ impl TestApp {
             .map(|d| DeadLetterRequest {
                 id: d.id,
                 lane,
-                epoch: 1,
+                epoch: Epoch(1),
                 attempts: 3,
                 last_error: "boom".into(),
                 failure: None,

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lanebus_cluster::{
-    Cluster, ClusterConfig, ClusterView, LeaseConfig, NetSwitch, NodeId, RaftTiming,
+    Cluster, ClusterConfig, ClusterView, Epoch, LeaseConfig, NetSwitch, NodeId, RaftTiming,
 };
 use tokio::task::JoinHandle;
 
@@ -250,7 +250,7 @@ where
 /// address, voter, leaving, lane count.
 pub type MemberRow = (u64, String, String, bool, bool, usize);
 /// One lane as the replicated state holds it: owner, epoch, state.
-pub type LaneRow = (Option<u64>, u64, lanebus_cluster::assignment::LaneState);
+pub type LaneRow = (Option<u64>, Epoch, lanebus_cluster::assignment::LaneState);
 
 /// The replicated part of a view: what must be equal on every node.
 pub fn replicated(v: &ClusterView) -> (Vec<MemberRow>, Vec<LaneRow>) {
@@ -288,7 +288,7 @@ pub fn after_restart(before: &(Vec<MemberRow>, Vec<LaneRow>)) -> (Vec<MemberRow>
         .map(|&(owner, epoch, state)| {
             (
                 owner,
-                if owner.is_some() { epoch + 1 } else { epoch },
+                if owner.is_some() { epoch.next() } else { epoch },
                 state,
             )
         })
@@ -297,7 +297,7 @@ pub fn after_restart(before: &(Vec<MemberRow>, Vec<LaneRow>)) -> (Vec<MemberRow>
 }
 
 /// Lane → (owner, epoch) of a view.
-pub fn owners(v: &ClusterView) -> BTreeMap<u16, (Option<NodeId>, u64)> {
+pub fn owners(v: &ClusterView) -> BTreeMap<u16, (Option<NodeId>, Epoch)> {
     v.lanes
         .iter()
         .map(|l| (l.lane, (l.owner, l.epoch)))

@@ -1,5 +1,5 @@
 //! `LaneOwner`: one per owned lane; claims the lane's deliveries and hands
-//! each key's head to its key handler.
+//! each key's head to its key runner.
 //!
 //! ```text
 //!  Wake (store push, API publish hint)  ─┐
@@ -8,8 +8,8 @@
 //!                                        │        ▼
 //!                                        │   LaneQueue::accept (de-dup by id)
 //!                                        │        ▼
-//!                                        └── LaneQueue::next_ready ──Attempt──▶ KeyHandler
-//!  Settled(id) from KeyHandler ──▶ LaneQueue::settled ──▶ next head of that key
+//!                                        └── LaneQueue::next_ready ──Attempt──▶ KeyRunner
+//!  Settled(id) from KeyRunner ──▶ LaneQueue::settled ──▶ next head of that key
 //! ```
 //!
 //! Decisions (what is due, what is next per key, what is a duplicate) are in
@@ -32,7 +32,7 @@
 //! queue releases the trims whose cause went and, when the buffer (or the
 //! node's payload budget, [`super::budget`]) is full, trims what is stalled
 //! ([`LaneQueue::trim`], [`LaneQueue::release`]; the
-//! design is in [`crate::ordering`]). Key handlers report a failed attempt
+//! design is in [`crate::ordering`]). Key runners report a failed attempt
 //! with [`Retrying`]. The claim cursor lives in the queue, which moves it
 //! back for a rescan; while a rescan is under way a full batch is followed
 //! by another claim at once.
@@ -46,7 +46,7 @@ use chrono::Utc;
 use lanebus_store::{ClaimCursor, DeliveryRef, Epoch, HandlerState, Lane, LaneClaim};
 
 use super::budget::BufferBudget;
-use super::key_handler::{Attempt, KeyHandler, KeyHandlerDeps};
+use super::key_runner::{Attempt, KeyRunner, KeyRunnerDeps};
 use super::store_actor::{ClaimLane, DiscardDelivery, StoreActor, StoreCallError};
 use crate::assignment::{OwnerTie, WorkGate, GATE_RECHECK};
 use crate::catalog::HandlerCatalog;
@@ -236,7 +236,7 @@ pub struct OwnerStopped {
 #[rtype(result = "()")]
 pub struct StopLane;
 
-/// How a delivery left its key handler.
+/// How a delivery left its key runner.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SettledOutcome {
     /// The store recorded the completion.
@@ -250,7 +250,7 @@ pub enum SettledOutcome {
     HandlerGone,
 }
 
-/// Fact: a delivery handed out to a key handler is done with.
+/// Fact: a delivery handed out to a key runner is done with.
 #[derive(Debug, Clone, Copy, Message)]
 #[rtype(result = "()")]
 pub struct Settled {
@@ -307,7 +307,7 @@ pub struct LaneOwner {
     lane: Lane,
     epoch: Epoch,
     deps: LaneDeps,
-    /// Shared with the key handlers and their attempts.
+    /// Shared with the key runners and their attempts.
     tie: Arc<OwnerTie>,
     queue: LaneQueue,
     /// When to claim and how much ([`crate::claim`]).
@@ -319,7 +319,7 @@ pub struct LaneOwner {
     /// Unknown handlers were met during a reload that may have started
     /// before they were seen: reload once more before dropping anything.
     reload_again: bool,
-    key_handlers: HashMap<SlotKey, Addr<KeyHandler>>,
+    key_runners: HashMap<SlotKey, Addr<KeyRunner>>,
     due_timer: Option<(chrono::DateTime<Utc>, SpawnHandle)>,
     /// The queue's payload bytes as last counted in the node's budget.
     counted_bytes: std::cell::Cell<usize>,
@@ -341,7 +341,7 @@ impl LaneOwner {
             gate_recheck: false,
             reloading: false,
             reload_again: false,
-            key_handlers: HashMap::new(),
+            key_runners: HashMap::new(),
             due_timer: None,
             counted_bytes: std::cell::Cell::new(0),
             fenced_out: false,
@@ -415,12 +415,12 @@ impl LaneOwner {
                         // The assignment finds out who holds it and says so
                         // once per lane (a cluster's moves do this too).
                         Some(report) => {
-                            tracing::debug!(lane = act.lane, epoch = act.epoch, "fenced out: stopping the lane");
+                            tracing::debug!(lane = act.lane, epoch = %act.epoch, "fenced out: stopping the lane");
                             let _ = report.send((act.lane, act.epoch));
                         }
                         None => tracing::warn!(
                             lane = act.lane,
-                            epoch = act.epoch,
+                            epoch = %act.epoch,
                             "fenced out: another process fenced this lane in the store; the lane \
                              stays stopped until this process restarts"
                         ),
@@ -584,7 +584,7 @@ impl LaneOwner {
                 "payload budget spent: left stalled deliveries in the store"
             );
             let queue = &self.queue;
-            self.key_handlers.retain(|slot, _| !queue.slot_idle(slot));
+            self.key_runners.retain(|slot, _| !queue.slot_idle(slot));
             self.publish_status();
         }
     }
@@ -630,13 +630,13 @@ impl LaneOwner {
             let slot = SlotKey::of(&delivery);
             let attempt = Attempt { delivery, handler };
             if slot.key.is_some() {
-                let addr = self.key_handlers.entry(slot).or_insert_with(|| {
-                    KeyHandler::new(key_handler_deps(&self.deps, &self.tie, ctx.address())).start()
+                let addr = self.key_runners.entry(slot).or_insert_with(|| {
+                    KeyRunner::new(key_runner_deps(&self.deps, &self.tie, ctx.address())).start()
                 });
                 addr.do_send(attempt);
             } else {
-                // Unkeyed: a key handler per delivery, gone when it settles.
-                KeyHandler::new(key_handler_deps(&self.deps, &self.tie, ctx.address()))
+                // Unkeyed: a key runner per delivery, gone when it settles.
+                KeyRunner::new(key_runner_deps(&self.deps, &self.tie, ctx.address()))
                     .start()
                     .do_send(attempt);
             }
@@ -660,7 +660,7 @@ impl LaneOwner {
             );
             self.count_bytes();
             let queue = &self.queue;
-            self.key_handlers.retain(|slot, _| !queue.slot_idle(slot));
+            self.key_runners.retain(|slot, _| !queue.slot_idle(slot));
         }
         if (rescan || !dropped.is_empty()) && self.held() < cap {
             self.claim(ctx);
@@ -704,12 +704,8 @@ impl LaneOwner {
     }
 }
 
-fn key_handler_deps(
-    deps: &LaneDeps,
-    tie: &Arc<OwnerTie>,
-    owner: Addr<LaneOwner>,
-) -> KeyHandlerDeps {
-    KeyHandlerDeps {
+fn key_runner_deps(deps: &LaneDeps, tie: &Arc<OwnerTie>, owner: Addr<LaneOwner>) -> KeyRunnerDeps {
+    KeyRunnerDeps {
         epoch: tie.epoch(),
         owner,
         store_actor: deps.store_actor.clone(),
@@ -843,7 +839,7 @@ impl Handler<Settled> for LaneOwner {
     fn handle(&mut self, msg: Settled, ctx: &mut Self::Context) {
         if let Some(slot) = self.queue.settled(msg.id) {
             if self.queue.slot_idle(&slot) {
-                self.key_handlers.remove(&slot);
+                self.key_runners.remove(&slot);
             }
         }
         if msg.outcome == SettledOutcome::Refused {

@@ -193,7 +193,7 @@ impl LaneSupervisor {
             self.releases_sent.insert(lane);
             tracing::info!(
                 lane,
-                epoch = o.epoch,
+                epoch = %o.epoch,
                 bound_ms = bound.as_millis() as u64,
                 "handing the lane over: draining"
             );
@@ -257,7 +257,7 @@ impl LaneSupervisor {
         if timed_out && d.addr.connected() {
             tracing::warn!(
                 lane,
-                epoch,
+                %epoch,
                 "drain bound reached: in-flight deliveries left to the next owner"
             );
         }
@@ -341,7 +341,7 @@ impl Handler<OwnerStopped> for LaneSupervisor {
     type Result = ();
 
     fn handle(&mut self, msg: OwnerStopped, ctx: &mut Self::Context) {
-        tracing::debug!(lane = msg.lane, epoch = msg.epoch, why = ?msg.why, "lane owner stopped");
+        tracing::debug!(lane = msg.lane, epoch = %msg.epoch, why = ?msg.why, "lane owner stopped");
         if let Some(s) = &mut self.stopping {
             s.pending.remove(&(msg.lane, msg.epoch));
             if s.pending.is_empty() {
@@ -450,10 +450,10 @@ mod tests {
     fn a_handover_of_a_lane_whose_owner_stopped_releases_at_once() {
         actix_rt::System::new().block_on(async {
             let store = lanebus_store::open("sqlite::memory:").await.expect("store");
-            assert!(store.fence(1, "t/1", 1).await.expect("fence"));
+            assert!(store.fence(1, "t/1", Epoch(1)).await.expect("fence"));
             let deps = deps_of(&store).await;
             let (work, work_rx) = watch::channel(LaneWork {
-                owned: lanes(&[(1, 1)]),
+                owned: lanes(&[(1, Epoch(1))]),
                 releasing: OwnedLanes::new(),
             });
             let (released, mut released_rx) = mpsc::unbounded_channel();
@@ -474,7 +474,7 @@ mod tests {
 
             // Another owner takes lane 1 in the store: this one's next claim
             // is refused and it stops by itself.
-            assert!(store.fence(1, "t/2", 2).await.expect("fence 2"));
+            assert!(store.fence(1, "t/2", Epoch(2)).await.expect("fence 2"));
             let stopped = |o: &Owners| {
                 o.lock()
                     .unwrap()
@@ -493,7 +493,7 @@ mod tests {
 
             work.send_replace(LaneWork {
                 owned: OwnedLanes::new(),
-                releasing: lanes(&[(1, 1)]),
+                releasing: lanes(&[(1, Epoch(1))]),
             });
             let lane = tokio::time::timeout(Duration::from_secs(60), released_rx.recv())
                 .await
@@ -509,11 +509,11 @@ mod tests {
         actix_rt::System::new().block_on(async {
             let store = lanebus_store::open("sqlite::memory:").await.expect("store");
             for lane in [0, 1] {
-                assert!(store.fence(lane, "t/1", 1).await.expect("fence"));
+                assert!(store.fence(lane, "t/1", Epoch(1)).await.expect("fence"));
             }
             let deps = deps_of(&store).await;
             let (work, work_rx) = watch::channel(LaneWork {
-                owned: lanes(&[(0, 1), (1, 1)]),
+                owned: lanes(&[(0, Epoch(1)), (1, Epoch(1))]),
                 releasing: OwnedLanes::new(),
             });
             let (released, mut released_rx) = mpsc::unbounded_channel();
@@ -539,20 +539,23 @@ mod tests {
                     .map(|(&l, e)| (l, e.epoch, e.draining))
                     .collect::<Vec<_>>()
             };
-            assert_eq!(running(&owners), [(0, 1, false), (1, 1, false)]);
+            assert_eq!(
+                running(&owners),
+                [(0, Epoch(1), false), (1, Epoch(1), false)]
+            );
 
             // Lane 1 is handed over: its owner holds nothing, drains at once
             // and says so; the lane is released long before the bound.
             work.send_replace(LaneWork {
-                owned: lanes(&[(0, 1)]),
-                releasing: lanes(&[(1, 1)]),
+                owned: lanes(&[(0, Epoch(1))]),
+                releasing: lanes(&[(1, Epoch(1))]),
             });
             let lane = tokio::time::timeout(Duration::from_secs(60), released_rx.recv())
                 .await
                 .expect("released before the drain's bound");
             assert_eq!(lane, Some(1));
             sup.send(Apply).await.expect("applied");
-            assert_eq!(running(&owners), [(0, 1, false)]);
+            assert_eq!(running(&owners), [(0, Epoch(1), false)]);
 
             // Shutdown: answered once lane 0's owner drained, not at the
             // bound; nothing starts afterwards.

@@ -6,18 +6,18 @@
 //! - [`LaneSupervisor`]: one per node, owns the lane owners and follows
 //!   the lane assignment.
 //! - [`LaneOwner`]: one per owned lane.
-//! - [`KeyHandler`]: one per (handler, key) with work.
+//! - [`KeyRunner`]: one per (handler, key) with work.
 //!
 //! [`budget`] is the node-wide budget of buffered payload bytes the lane
 //! owners share (pure arithmetic plus counters).
 
 pub mod budget;
-pub mod key_handler;
+pub mod key_runner;
 pub mod lane_owner;
 pub mod lane_supervisor;
 pub mod store_actor;
 
-pub use key_handler::KeyHandler;
+pub use key_runner::KeyRunner;
 pub use lane_owner::{LaneBoard, LaneConfig, LaneOwner, LaneState, LaneStatus};
 pub use lane_supervisor::LaneSupervisor;
 pub use store_actor::{StoreActor, StoreActorConfig};

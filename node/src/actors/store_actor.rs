@@ -2,9 +2,9 @@
 //!
 //! ```text
 //!  LaneOwner ──ClaimLane──┐                      ┌─ complete([...])     one call
-//!  KeyHandler ─Complete───┤  pending, per tick   ├─ reschedule([...])   one call
-//!  KeyHandler ─Reschedule─┼──────────────────────┼─ dead_letter([...])  one call
-//!  KeyHandler ─DeadLetter─┤  (size or interval)  ├─ discard([...])     one call
+//!  KeyRunner ──Complete───┤  pending, per tick   ├─ reschedule([...])   one call
+//!  KeyRunner ──Reschedule─┼──────────────────────┼─ dead_letter([...])  one call
+//!  KeyRunner ──DeadLetter─┤  (size or interval)  ├─ discard([...])     one call
 //!  LaneOwner ──Discard────┘                      └─ claim([lanes...])   one call
 //! ```
 //!
@@ -413,6 +413,7 @@ impl Handler<DiscardDelivery> for StoreActor {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use lanebus_store::Epoch;
     use lanebus_store::{lane_of_key, Lane, NewEvent, NewHandler};
 
     async fn sqlite_store(url: &str) -> Arc<dyn Store> {
@@ -467,10 +468,10 @@ mod tests {
         let url = format!("sqlite://{}", dir.join("lanebus.db").display());
         let store = sqlite_store(&url).await;
         let lane = one_handler_one_event(&*store).await;
-        assert!(store.fence(lane, "n1", 1).await.expect("fence"));
+        assert!(store.fence(lane, "n1", Epoch(1)).await.expect("fence"));
         let claim = LaneClaim {
             lane,
-            epoch: 1,
+            epoch: Epoch(1),
             after: Default::default(),
             limit: 10,
         };
@@ -486,7 +487,7 @@ mod tests {
         let complete = actor.send(CompleteDelivery(DeliveryRef {
             id: delivery.id,
             lane,
-            epoch: 1,
+            epoch: Epoch(1),
             attempts: 1,
         }));
         tokio::pin!(complete);
@@ -522,8 +523,8 @@ mod tests {
     async fn two_claims_of_one_lane_in_a_tick_each_get_their_own_answer() {
         let store = sqlite_store("sqlite::memory:").await;
         let lane = one_handler_one_event(&*store).await;
-        assert!(store.fence(lane, "old", 1).await.expect("fence 1"));
-        assert!(store.fence(lane, "new", 2).await.expect("fence 2"));
+        assert!(store.fence(lane, "old", Epoch(1)).await.expect("fence 1"));
+        assert!(store.fence(lane, "new", Epoch(2)).await.expect("fence 2"));
         // A long interval: both claims land in the same tick.
         let actor = StoreActor::new(
             store.clone(),
@@ -541,8 +542,8 @@ mod tests {
         };
         for order in [[2, 1], [1, 2]] {
             let (a, b) = futures::join!(
-                actor.send(ClaimLane(claim(order[0]))),
-                actor.send(ClaimLane(claim(order[1])))
+                actor.send(ClaimLane(claim(Epoch(order[0])))),
+                actor.send(ClaimLane(claim(Epoch(order[1]))))
             );
             for (epoch, answer) in [(order[0], a), (order[1], b)] {
                 let batch = answer.expect("mailbox").expect("claim");

@@ -10,7 +10,7 @@ use super::{
     error_code, get_attempt_log, get_int, get_lane, get_opt_int, get_opt_string, get_string,
     map_err, names, MongoStore, TxnResult,
 };
-use crate::common::{from_micros, to_micros, to_u32};
+use crate::common::{epoch_from_db, from_micros, to_micros, to_u32};
 use crate::*;
 
 /// Default page size when [`DeadLetterFilter::limit`] is 0.
@@ -372,7 +372,7 @@ pub(super) async fn lane_rows(s: &MongoStore) -> Result<Vec<LaneRow>> {
             Ok(LaneRow {
                 lane,
                 owner: get_opt_string(d, "owner")?,
-                epoch: get_int(d, "epoch")?,
+                epoch: epoch_from_db(get_int(d, "epoch")?)?,
                 backlog: by_lane.get(&lane).copied().unwrap_or(0),
             })
         })

@@ -18,7 +18,7 @@ use super::{
     appended_log, get_int, get_lane, get_opt_int, get_opt_string, get_string, map_err, names,
     MongoStore, TxnResult, FULL_BATCH,
 };
-use crate::common::{from_micros, to_micros, to_u32};
+use crate::common::{epoch_from_db, epoch_to_db, from_micros, to_micros, to_u32};
 use crate::*;
 
 /// Rounds of candidate events one prune batch reads at most (kept events
@@ -39,6 +39,7 @@ const CLAIM_CHUNK: usize = 64;
 /// could take back: a fence is reported held only once it is durable on a
 /// majority, and a competing fence another node wrote is seen only then.
 pub(super) async fn fence(s: &MongoStore, lane: Lane, owner: &str, epoch: Epoch) -> Result<bool> {
+    let stored = epoch_to_db(epoch)?;
     let lanes = s.coll(names::LANES);
     let mut session = s
         .client()
@@ -48,8 +49,8 @@ pub(super) async fn fence(s: &MongoStore, lane: Lane, owner: &str, epoch: Epoch)
         .map_err(map_err)?;
     lanes
         .update_one(
-            doc! { "_id": i32::from(lane), "epoch": { "$lt": epoch } },
-            doc! { "$set": { "epoch": epoch, "owner": owner } },
+            doc! { "_id": i32::from(lane), "epoch": { "$lt": stored } },
+            doc! { "$set": { "epoch": stored, "owner": owner } },
         )
         .write_concern(::mongodb::options::WriteConcern::majority())
         .session(&mut session)
@@ -62,7 +63,7 @@ pub(super) async fn fence(s: &MongoStore, lane: Lane, owner: &str, epoch: Epoch)
         .await
         .map_err(map_err)?;
     Ok(match row {
-        Some(d) => d.get_str("owner").ok() == Some(owner) && get_int(&d, "epoch")? == epoch,
+        Some(d) => d.get_str("owner").ok() == Some(owner) && get_int(&d, "epoch")? == stored,
         None => false,
     })
 }
@@ -154,7 +155,7 @@ async fn lane_epochs(
         .await?;
     let mut out = HashMap::with_capacity(rows.len());
     for r in &rows {
-        out.insert(get_lane(r, "_id")?, get_int(r, "epoch")?);
+        out.insert(get_lane(r, "_id")?, epoch_from_db(get_int(r, "epoch")?)?);
     }
     Ok(out)
 }

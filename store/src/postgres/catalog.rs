@@ -5,7 +5,7 @@ use sqlx::postgres::PgRow;
 use sqlx::{PgPool, Row};
 
 use super::error::map_err;
-use crate::common::{from_micros, to_micros, to_u32};
+use crate::common::{epoch_from_db, from_micros, to_micros, to_u32};
 use crate::*;
 
 /// Default page size when [`DeadLetterFilter::limit`] is 0.
@@ -416,7 +416,7 @@ pub(super) async fn lane_rows(pool: &PgPool) -> Result<Vec<LaneRow>> {
                 lane: Lane::try_from(lane)
                     .map_err(|_| StoreError::Database(format!("lane {lane} out of range")))?,
                 owner,
-                epoch,
+                epoch: epoch_from_db(epoch)?,
                 backlog,
             })
         })

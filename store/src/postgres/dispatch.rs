@@ -12,7 +12,7 @@ use sqlx::{PgPool, Row};
 
 use super::error::map_err;
 use super::CHANNEL;
-use crate::common::to_u32;
+use crate::common::{epoch_from_db, epoch_to_db, to_u32};
 use crate::*;
 
 pub(super) async fn fence(pool: &PgPool, lane: Lane, owner: &str, epoch: Epoch) -> Result<bool> {
@@ -24,11 +24,14 @@ pub(super) async fn fence(pool: &PgPool, lane: Lane, owner: &str, epoch: Epoch) 
     )
     .bind(i32::from(lane))
     .bind(owner)
-    .bind(epoch)
+    .bind(epoch_to_db(epoch)?)
     .fetch_optional(pool)
     .await
     .map_err(map_err)?;
-    Ok(matches!(row, Some((Some(o), e)) if o == owner && e == epoch))
+    Ok(match row {
+        Some((Some(o), e)) => o == owner && epoch_from_db(e)? == epoch,
+        _ => false,
+    })
 }
 
 pub(super) async fn claim(pool: &PgPool, claims: &[LaneClaim]) -> Result<Vec<LaneBatch>> {
@@ -36,7 +39,10 @@ pub(super) async fn claim(pool: &PgPool, claims: &[LaneClaim]) -> Result<Vec<Lan
         return Ok(Vec::new());
     }
     let lanes: Vec<i32> = claims.iter().map(|c| i32::from(c.lane)).collect();
-    let epochs: Vec<i64> = claims.iter().map(|c| c.epoch).collect();
+    let epochs: Vec<i64> = claims
+        .iter()
+        .map(|c| epoch_to_db(c.epoch))
+        .collect::<Result<_>>()?;
     let positions: Vec<i64> = claims.iter().map(|c| c.after.pos).collect();
     let limits: Vec<i32> = claims
         .iter()
@@ -212,7 +218,10 @@ pub(super) async fn complete(pool: &PgPool, done: &[DeliveryRef]) -> Result<Vec<
     let refs = first_by_id(done, |r| r.id);
     let ids: Vec<i64> = refs.iter().map(|r| r.id).collect();
     let lanes: Vec<i32> = refs.iter().map(|r| i32::from(r.lane)).collect();
-    let epochs: Vec<i64> = refs.iter().map(|r| r.epoch).collect();
+    let epochs: Vec<i64> = refs
+        .iter()
+        .map(|r| epoch_to_db(r.epoch))
+        .collect::<Result<_>>()?;
     let attempts: Vec<i32> = refs.iter().map(|r| i32_of(r.attempts)).collect();
     sqlx::query_scalar(include_str!("sql/complete.sql"))
         .bind(&ids)
@@ -228,7 +237,10 @@ pub(super) async fn discard(pool: &PgPool, refs: &[DeliveryRef]) -> Result<Vec<i
     let refs = first_by_id(refs, |r| r.id);
     let ids: Vec<i64> = refs.iter().map(|r| r.id).collect();
     let lanes: Vec<i32> = refs.iter().map(|r| i32::from(r.lane)).collect();
-    let epochs: Vec<i64> = refs.iter().map(|r| r.epoch).collect();
+    let epochs: Vec<i64> = refs
+        .iter()
+        .map(|r| epoch_to_db(r.epoch))
+        .collect::<Result<_>>()?;
     sqlx::query_scalar(include_str!("sql/discard.sql"))
         .bind(&ids)
         .bind(&lanes)
@@ -242,7 +254,10 @@ pub(super) async fn reschedule(pool: &PgPool, items: &[Reschedule]) -> Result<Ve
     let items = first_by_id(items, |r| r.id);
     let ids: Vec<i64> = items.iter().map(|r| r.id).collect();
     let lanes: Vec<i32> = items.iter().map(|r| i32::from(r.lane)).collect();
-    let epochs: Vec<i64> = items.iter().map(|r| r.epoch).collect();
+    let epochs: Vec<i64> = items
+        .iter()
+        .map(|r| epoch_to_db(r.epoch))
+        .collect::<Result<_>>()?;
     let attempts: Vec<i32> = items.iter().map(|r| i32_of(r.attempts)).collect();
     let due: Vec<DateTime<Utc>> = items.iter().map(|r| r.due_at).collect();
     let errors: Vec<&str> = items.iter().map(|r| r.last_error.as_str()).collect();
@@ -267,7 +282,10 @@ pub(super) async fn dead_letter(pool: &PgPool, items: &[DeadLetterRequest]) -> R
     let items = first_by_id(items, |r| r.id);
     let ids: Vec<i64> = items.iter().map(|r| r.id).collect();
     let lanes: Vec<i32> = items.iter().map(|r| i32::from(r.lane)).collect();
-    let epochs: Vec<i64> = items.iter().map(|r| r.epoch).collect();
+    let epochs: Vec<i64> = items
+        .iter()
+        .map(|r| epoch_to_db(r.epoch))
+        .collect::<Result<_>>()?;
     let attempts: Vec<i32> = items.iter().map(|r| i32_of(r.attempts)).collect();
     let errors: Vec<&str> = items.iter().map(|r| r.last_error.as_str()).collect();
     let failures = failures(items.iter().map(|r| r.failure.as_ref()))?;

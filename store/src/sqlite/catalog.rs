@@ -6,7 +6,7 @@ use sqlx::{Row, SqliteConnection, SqlitePool};
 
 use super::error::map_err;
 use super::publish::json;
-use crate::common::{from_micros, to_micros, to_u32};
+use crate::common::{epoch_from_db, from_micros, to_micros, to_u32};
 use crate::*;
 
 /// Default page size when [`DeadLetterFilter::limit`] is 0.
@@ -197,7 +197,7 @@ pub(super) async fn lane_rows(pool: &SqlitePool) -> Result<Vec<LaneRow>> {
                 lane: Lane::try_from(lane)
                     .map_err(|_| StoreError::Database(format!("lane {lane} out of range")))?,
                 owner,
-                epoch,
+                epoch: epoch_from_db(epoch)?,
                 backlog,
             })
         })

@@ -13,7 +13,7 @@ use sqlx::{Row, SqliteConnection};
 
 use super::error::map_err;
 use super::publish::json;
-use crate::common::{from_micros, to_micros, to_u32};
+use crate::common::{epoch_from_db, epoch_to_db, from_micros, to_micros, to_u32};
 use crate::*;
 
 /// Lanes per claim statement (3 parameters and one `UNION ALL` member each;
@@ -27,7 +27,7 @@ pub(super) async fn fence(
     epoch: Epoch,
 ) -> Result<bool> {
     sqlx::query("UPDATE lanes SET epoch = ?1, owner = ?2 WHERE lane = ?3 AND epoch < ?1")
-        .bind(epoch)
+        .bind(epoch_to_db(epoch)?)
         .bind(owner)
         .bind(i64::from(lane))
         .execute(&mut *conn)
@@ -39,7 +39,10 @@ pub(super) async fn fence(
             .fetch_optional(&mut *conn)
             .await
             .map_err(map_err)?;
-    Ok(matches!(row, Some((Some(o), e)) if o == owner && e == epoch))
+    Ok(match row {
+        Some((Some(o), e)) => o == owner && epoch_from_db(e)? == epoch,
+        _ => false,
+    })
 }
 
 /// Reads the requested lanes inside the caller's read transaction.
@@ -48,7 +51,7 @@ pub(super) async fn claim(
     claims: &[LaneClaim],
 ) -> Result<Vec<LaneBatch>> {
     let lanes: Vec<i64> = claims.iter().map(|c| i64::from(c.lane)).collect();
-    let epochs: HashMap<i64, i64> = sqlx::query_as(
+    let epochs: HashMap<i64, Epoch> = sqlx::query_as::<_, (i64, i64)>(
         "SELECT lane, epoch FROM lanes WHERE lane IN (SELECT value FROM json_each(?1))",
     )
     .bind(json(&lanes)?)
@@ -56,7 +59,8 @@ pub(super) async fn claim(
     .await
     .map_err(map_err)?
     .into_iter()
-    .collect();
+    .map(|(lane, epoch)| Ok((lane, epoch_from_db(epoch)?)))
+    .collect::<Result<_>>()?;
     let mut batches: Vec<LaneBatch> = claims
         .iter()
         .map(|c| LaneBatch {
@@ -142,10 +146,10 @@ pub(super) async fn complete(
     conn: &mut SqliteConnection,
     done: &[DeliveryRef],
 ) -> Result<Vec<i64>> {
-    let refs: Vec<(i64, Lane, Epoch, u32)> = first_by_id(done, |r| r.id)
+    let refs: Vec<(i64, Lane, i64, u32)> = first_by_id(done, |r| r.id)
         .into_iter()
-        .map(|r| (r.id, r.lane, r.epoch, r.attempts))
-        .collect();
+        .map(|r| Ok((r.id, r.lane, epoch_to_db(r.epoch)?, r.attempts)))
+        .collect::<Result<_>>()?;
     let refs = json(&refs)?;
     let now = to_micros(Utc::now());
     for sql in [
@@ -164,10 +168,10 @@ pub(super) async fn complete(
 
 /// Fenced delete without completion rows (`Store::discard`).
 pub(super) async fn discard(conn: &mut SqliteConnection, refs: &[DeliveryRef]) -> Result<Vec<i64>> {
-    let refs: Vec<(i64, Lane, Epoch)> = first_by_id(refs, |r| r.id)
+    let refs: Vec<(i64, Lane, i64)> = first_by_id(refs, |r| r.id)
         .into_iter()
-        .map(|r| (r.id, r.lane, r.epoch))
-        .collect();
+        .map(|r| Ok((r.id, r.lane, epoch_to_db(r.epoch)?)))
+        .collect::<Result<_>>()?;
     delete_fenced(conn, &json(&refs)?).await
 }
 
@@ -185,29 +189,21 @@ pub(super) async fn reschedule(
     conn: &mut SqliteConnection,
     items: &[Reschedule],
 ) -> Result<Vec<i64>> {
-    type Row<'a> = (
-        i64,
-        Lane,
-        Epoch,
-        u32,
-        i64,
-        &'a str,
-        Option<&'a FailedAttempt>,
-    );
+    type Row<'a> = (i64, Lane, i64, u32, i64, &'a str, Option<&'a FailedAttempt>);
     let rows: Vec<Row> = first_by_id(items, |r| r.id)
         .into_iter()
         .map(|r| {
-            (
+            Ok((
                 r.id,
                 r.lane,
-                r.epoch,
+                epoch_to_db(r.epoch)?,
                 r.attempts,
                 to_micros(r.due_at),
                 r.last_error.as_str(),
                 r.failure.as_ref(),
-            )
+            ))
         })
-        .collect();
+        .collect::<Result<_>>()?;
     let mut ids: Vec<i64> = sqlx::query_scalar(include_str!("sql/reschedule.sql"))
         .bind(json(&rows)?)
         .bind(ATTEMPT_LOG_LEN as i64)
@@ -222,21 +218,21 @@ pub(super) async fn dead_letter(
     conn: &mut SqliteConnection,
     items: &[DeadLetterRequest],
 ) -> Result<Vec<i64>> {
-    type Row<'a> = (i64, Lane, Epoch, u32, &'a str, Option<&'a FailedAttempt>);
+    type Row<'a> = (i64, Lane, i64, u32, &'a str, Option<&'a FailedAttempt>);
     let rows: Vec<Row> = first_by_id(items, |r| r.id)
         .into_iter()
         .map(|r| {
             let failure = r.failure.as_ref();
-            (
+            Ok((
                 r.id,
                 r.lane,
-                r.epoch,
+                epoch_to_db(r.epoch)?,
                 r.attempts,
                 r.last_error.as_str(),
                 failure,
-            )
+            ))
         })
-        .collect();
+        .collect::<Result<_>>()?;
     let rows = json(&rows)?;
     sqlx::query(include_str!("sql/dead_letter_insert.sql"))
         .bind(&rows)

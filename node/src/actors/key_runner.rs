@@ -1,8 +1,8 @@
-//! `KeyHandler`: one per (handler, key) with work; carries out the attempts
+//! `KeyRunner`: one per (handler, key) with work; carries out the attempts
 //! of one delivery at a time.
 //!
 //! ```text
-//!  LaneOwner ──Attempt(d)──▶ KeyHandler ──POST / in-process──▶ handler
+//!  LaneOwner ──Attempt(d)──▶ KeyRunner ──POST / in-process──▶ handler
 //!                               │ retry::decide
 //!            ┌──────────────────┼─────────────────────┐
 //!         Complete          Retry(delay)          DeadLetter
@@ -12,20 +12,20 @@
 //!  StoreActor acknowledges ──▶ LaneOwner ◀──Settled(id, outcome)
 //! ```
 //!
-//! The key handler reports a delivery settled only after the store
+//! The key runner reports a delivery settled only after the store
 //! acknowledged its completion or dead letter, so the lane owner never hands
 //! out the key's next delivery before the previous one is durably done
 //! (docs/design.md invariant 2). While it waits for a retry only its own key
 //! waits. The attempt count is persisted with every reschedule, so a restart
 //! continues the count (and the `lanebus-attempt` header) where it was.
-//! Unkeyed deliveries get a short-lived key handler each.
+//! Unkeyed deliveries get a short-lived key runner each.
 //!
 //! Every attempt is bound to the lane owner that handed it out
 //! ([`OwnerTie`]): it is sent only while that owner is live and its lease
 //! (or drain) leaves room for the handler's timeout, checked again once it
 //! holds its handler's permit; once cleared it counts in its lane's attempt
 //! count until its outcome is stored. An attempt whose owner stopped is not
-//! sent, and its key handler stops: the delivery stays in the store for the
+//! sent, and its key runner stops: the delivery stays in the store for the
 //! lane's next owner.
 //!
 //! A store call that fails (database unreachable) is repeated with a capped
@@ -81,9 +81,9 @@ pub struct Attempt {
     pub handler: Arc<HandlerConfig>,
 }
 
-/// What a key handler shares with its lane owner.
+/// What a key runner shares with its lane owner.
 #[derive(Clone)]
-pub struct KeyHandlerDeps {
+pub struct KeyRunnerDeps {
     /// The lane's epoch (every store request is fenced with it).
     pub epoch: Epoch,
     /// The lane owner to report to.
@@ -101,9 +101,9 @@ pub struct KeyHandlerDeps {
     pub tie: Arc<OwnerTie>,
 }
 
-/// The key handler actor. See the module docs.
-pub struct KeyHandler {
-    deps: KeyHandlerDeps,
+/// The key runner actor. See the module docs.
+pub struct KeyRunner {
+    deps: KeyRunnerDeps,
 }
 
 /// The store write an attempt leads to.
@@ -116,10 +116,10 @@ enum Record {
     Disable(Reschedule),
 }
 
-impl KeyHandler {
-    /// A key handler for one lane owner.
-    pub fn new(deps: KeyHandlerDeps) -> Self {
-        KeyHandler { deps }
+impl KeyRunner {
+    /// A key runner for one lane owner.
+    pub fn new(deps: KeyRunnerDeps) -> Self {
+        KeyRunner { deps }
     }
 
     fn run(&mut self, delivery: Delivery, handler: Arc<HandlerConfig>, ctx: &mut Context<Self>) {
@@ -138,7 +138,7 @@ impl KeyHandler {
             // it (or of a drain) would not cover the handler's timeout: send
             // nothing. Ask again while the lane owner lives (a renewal makes
             // room again); once it is stopped (the lane moved) this key
-            // handler goes too, and the delivery stays in the store for the
+            // runner goes too, and the delivery stays in the store for the
             // next owner.
             if self.deps.owner.connected() {
                 ctx.run_later(GATE_RECHECK, move |act, ctx| {
@@ -462,11 +462,11 @@ impl KeyHandler {
     }
 }
 
-impl Actor for KeyHandler {
+impl Actor for KeyRunner {
     type Context = Context<Self>;
 }
 
-impl Handler<Attempt> for KeyHandler {
+impl Handler<Attempt> for KeyRunner {
     type Result = ();
 
     fn handle(&mut self, msg: Attempt, ctx: &mut Self::Context) {
