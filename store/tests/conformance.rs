@@ -407,6 +407,7 @@ conformance!(
     retention_counts_from_the_last_completion,
     prune_passes_over_many_kept_events,
     lookup_event_shows_each_handlers_delivery_state,
+    lookup_of_a_pruned_event_finds_none,
     handler_deliveries_page_newest_first_per_state,
     handler_deliveries_page_over_ten_thousand_rows,
     attempt_log_keeps_the_last_failed_attempts,
@@ -4195,6 +4196,58 @@ async fn lookup_event_shows_each_handlers_delivery_state(h: &dyn Harness) {
     ];
     want.sort();
     assert_eq!(listed, want);
+}
+
+/// An event published with a generated id, delivered and pruned past
+/// retention is no longer found; its id, a UUIDv7, still tells when it was
+/// published (what `GET /v1/events/{id}` answers `410 pruned` by). An event
+/// of the same publish that still has a pending delivery is kept.
+async fn lookup_of_a_pruned_event_finds_none(h: &dyn Harness) {
+    let s = h.store();
+    let hd = handler(&*s, "h", &["t.*"]).await;
+    let out = s
+        .publish(vec![ev(None, "t.done", None), ev(None, "t.waiting", None)])
+        .await
+        .expect("publish");
+    let [done, waiting] = [out.ids[0].clone(), out.ids[1].clone()];
+    let ds = claim_all(&*s).await;
+    let d = ds
+        .iter()
+        .find(|d| d.event_id == done && d.handler_id == hd.id)
+        .expect("delivery")
+        .clone();
+    // The id's time (the publishing node's clock, milliseconds) and the
+    // publish time (the store's clock): the same moment, give or take the
+    // two clocks and the call.
+    let made = lanebus_store::event_id_time(&done).expect("a generated id is a UUIDv7");
+    let apart = (d.published_at - made).abs();
+    assert!(
+        apart < chrono::Duration::seconds(60),
+        "id made {made}, published {}",
+        d.published_at
+    );
+    assert!(lanebus_store::event_id_time(&waiting).is_some());
+    assert_eq!(
+        s.complete(&[dref(&d, 0, 1)]).await.expect("complete").len(),
+        1
+    );
+    assert!(s.lookup_event(&done).await.expect("lookup").is_some());
+
+    // A cutoff well after the publish: the SQL backends prune only events
+    // published two minutes before it.
+    let cutoff = store_now(&*s).await + chrono::Duration::minutes(3);
+    let pruned = s.prune(cutoff, 100).await.expect("prune");
+    assert_eq!((pruned.completions, pruned.events), (1, 1), "{pruned:?}");
+    assert_eq!(s.lookup_event(&done).await.expect("lookup"), None);
+    let kept = s
+        .lookup_event(&waiting)
+        .await
+        .expect("lookup")
+        .expect("pending: kept");
+    assert_eq!(kept.handlers.len(), 1);
+    // Never published: the same answer.
+    let never = lanebus_store::generate_event_id();
+    assert_eq!(s.lookup_event(&never).await.expect("lookup"), None);
 }
 
 /// Every page of `handler_deliveries` with `limit` 2, following the
