@@ -396,9 +396,9 @@ pub(crate) fn missing(
 /// A retention period for people: `24 h`, `90 min`, `45 s`.
 fn period(d: std::time::Duration) -> String {
     let s = d.as_secs();
-    if s >= 3600 && s % 3600 == 0 {
+    if s >= 3600 && s.is_multiple_of(3600) {
         format!("{} h", s / 3600)
-    } else if s >= 60 && s % 60 == 0 {
+    } else if s >= 60 && s.is_multiple_of(60) {
         format!("{} min", s / 60)
     } else {
         format!("{} s", d.as_secs_f64())

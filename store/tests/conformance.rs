@@ -4607,7 +4607,7 @@ async fn handler_deliveries_page_over_ten_thousand_rows(h: &dyn Harness) {
     let mine = handler(&*s, "mine", &["p.*"]).await;
     let other = handler(&*s, "other", &["p.odd"]).await;
     // Event i: `p{i:05}`; every 9th unkeyed, every 10th also to `other`.
-    let key_of = |i: usize| (i % 9 != 0).then(|| format!("k{}", i % KEYS));
+    let key_of = |i: usize| (!i.is_multiple_of(9)).then(|| format!("k{}", i % KEYS));
     let all: Vec<usize> = (0..layout.events).collect();
     for chunk in all.chunks(MAX_BATCH) {
         let batch: Vec<NewEvent> = chunk
