@@ -54,6 +54,9 @@ pub enum ErrorCode {
     NotFound,
     /// 404: no such path.
     PathNotFound,
+    /// 410: the event looked up is not stored and its id, a UUIDv7, dates
+    /// from before the retention period: pruned (`GET /v1/events/{id}`).
+    Pruned,
     /// 405: the path exists, the method does not.
     MethodNotAllowed,
     /// 414: the request URI (path and query) exceeds
@@ -97,6 +100,7 @@ impl ErrorCode {
             ErrorCode::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ErrorCode::BodyTooLarge | ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorCode::NotFound | ErrorCode::PathNotFound => StatusCode::NOT_FOUND,
+            ErrorCode::Pruned => StatusCode::GONE,
             ErrorCode::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorCode::UriTooLong => StatusCode::URI_TOO_LONG,
             ErrorCode::Conflict => StatusCode::CONFLICT,
@@ -108,7 +112,7 @@ impl ErrorCode {
     }
 
     /// Every code, in declaration order.
-    pub const ALL: [ErrorCode; 22] = [
+    pub const ALL: [ErrorCode; 23] = [
         ErrorCode::InvalidJson,
         ErrorCode::InvalidBody,
         ErrorCode::InvalidParameter,
@@ -122,6 +126,7 @@ impl ErrorCode {
         ErrorCode::InvalidInput,
         ErrorCode::NotFound,
         ErrorCode::PathNotFound,
+        ErrorCode::Pruned,
         ErrorCode::MethodNotAllowed,
         ErrorCode::UriTooLong,
         ErrorCode::BadRequest,
@@ -159,6 +164,10 @@ impl ErrorCode {
             ErrorCode::InvalidInput => "any other rule broken",
             ErrorCode::NotFound => "the handler or dead letter named does not exist",
             ErrorCode::PathNotFound => "no such path",
+            ErrorCode::Pruned => {
+                "the event looked up is not stored and its id (a uuidv7) dates from before the \
+                 retention period: pruned"
+            }
             ErrorCode::MethodNotAllowed => "the path exists, the method does not",
             ErrorCode::UriTooLong => "the request uri (path and query) exceeds 8192 bytes",
             ErrorCode::BadRequest => {
@@ -191,6 +200,7 @@ impl ErrorCode {
             ErrorCode::InvalidInput => "invalid_input",
             ErrorCode::NotFound => "not_found",
             ErrorCode::PathNotFound => "path_not_found",
+            ErrorCode::Pruned => "pruned",
             ErrorCode::MethodNotAllowed => "method_not_allowed",
             ErrorCode::UriTooLong => "uri_too_long",
             ErrorCode::BadRequest => "bad_request",
@@ -369,6 +379,7 @@ mod tests {
                 | ErrorCode::InvalidInput
                 | ErrorCode::NotFound
                 | ErrorCode::PathNotFound
+                | ErrorCode::Pruned
                 | ErrorCode::MethodNotAllowed
                 | ErrorCode::UriTooLong
                 | ErrorCode::BadRequest

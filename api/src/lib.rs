@@ -289,8 +289,10 @@ pub trait NodeView: Send + Sync + 'static {
     fn handlers_changed(&self);
 
     /// How long completed events are kept for recovery
-    /// (`POST /v1/handlers/{id}/recover` refuses an older `since`); `None`:
-    /// unknown, no bound is checked. The default: `None`.
+    /// (`POST /v1/handlers/{id}/recover` refuses an older `since`; `GET
+    /// /v1/events/{id}` answers `410 pruned` for a missing event whose
+    /// UUIDv7 id is older); `None`: unknown, no bound is checked (and a
+    /// missing event is `404`). The default: `None`.
     fn retention(&self) -> Option<std::time::Duration> {
         None
     }

@@ -8,18 +8,27 @@
 //!                      "next_attempt_at", "last_error", "completed_at", "failed_at",
 //!                      "attempt_log": [{"attempt", "at", "status", "error",
 //!                                       "duration_ms", "body"}]}]}
-//!   404 not_found: no such event stored (never published, or pruned past
-//!       retention with its completions)
+//!   410 pruned: no such event stored, and its id (a UUIDv7, as lanebus
+//!       generates) dates from before the retention period: pruned
+//!   404 not_found: no such event stored, otherwise: never published (a
+//!       UUIDv7 from within the retention period), or either (an id that
+//!       carries no time, such as one the publisher chose)
 //! ```
+//!
+//! The 410/404 decision is [`missing`], a function of the id, the node's
+//! retention period ([`NodeView::retention`](crate::NodeView::retention))
+//! and the store's clock (read only for a UUIDv7 id of a node that knows
+//! its retention).
 //!
 //! A read of [`Store::lookup_event`](lanebus_store::Store::lookup_event)
 //! (its docs give each backend's cost), bounded like the other reads: a
 //! store that does not answer within 2 s is `503 store_unavailable`.
 
 use axum::extract::State;
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, SecondsFormat, Utc};
 use lanebus_store::{
-    rules, AttemptError, DeliveryState, EventLookup, FailedAttempt, HandlerDelivery, Lane,
+    event_id_time, rules, AttemptError, DeliveryState, EventLookup, FailedAttempt, HandlerDelivery,
+    Lane,
 };
 use serde::Serialize;
 use utoipa::ToSchema;
@@ -306,19 +315,183 @@ pub(crate) async fn get(
     State(state): State<ApiState>,
     Path(id): Path<String>,
 ) -> Result<axum::Json<EventView>, ApiError> {
-    let not_found = || {
-        let shown: String = id.chars().take(128).collect();
+    if rules::event::id(&id).is_err() {
+        return Err(missing(&id, None, None));
+    }
+    let store = &state.store;
+    let backend = store.backend();
+    if let Some(e) = crate::health::bounded(backend, store.lookup_event(&id)).await?? {
+        return Ok(axum::Json(e.into()));
+    }
+    let retention = state.node.retention();
+    // The store's clock, which wrote the publish times retention compares
+    // with; read only when the answer depends on it.
+    let now = match (event_id_time(&id), retention) {
+        (Some(_), Some(_)) => Some(crate::health::bounded(backend, store.now()).await??),
+        _ => None,
+    };
+    Err(missing(&id, retention, now))
+}
+
+/// The answer for an event `id` that is not stored, given the node's
+/// retention period (`None`: unknown) and the store's time `now` (`None`:
+/// not read). Retention prunes events published before `now - retention`
+/// once their deliveries are done ([`Store::prune`](lanebus_store::Store::prune)),
+/// and an id that is a UUIDv7 tells when it was made ([`event_id_time`]):
+/// - made before the retention period began: `410 pruned` (an id never
+///   published but made up as a UUIDv7 of that time looks the same);
+/// - made since: `404 not_found`, never published (not yet prunable);
+/// - no time in the id (one the publisher chose), or retention or `now`
+///   unknown: `404 not_found`, never published or pruned, which cannot be
+///   told apart.
+pub(crate) fn missing(
+    id: &str,
+    retention: Option<std::time::Duration>,
+    now: Option<DateTime<Utc>>,
+) -> ApiError {
+    let shown: String = id.chars().take(128).collect();
+    let made = event_id_time(id);
+    let (Some(made), Some(retention), Some(now)) = (made, retention, now) else {
+        let why = if made.is_none() {
+            "its id carries no time (a UUIDv7, as lanebus generates, does; one the publisher \
+             chose does not)"
+        } else {
+            "this node does not say its retention period"
+        };
+        return ApiError::new(
+            ErrorCode::NotFound,
+            format!(
+                "event {shown:?} not found: never published, or pruned past the retention \
+                 period; {why}, so the two cannot be told apart"
+            ),
+        );
+    };
+    let period = period(retention);
+    let kept = chrono::TimeDelta::from_std(retention).unwrap_or(chrono::TimeDelta::MAX);
+    let start = now
+        .checked_sub_signed(kept)
+        .unwrap_or(DateTime::<Utc>::MIN_UTC);
+    let made_at = made.to_rfc3339_opts(SecondsFormat::Millis, true);
+    if made < start {
+        ApiError::new(
+            ErrorCode::Pruned,
+            format!(
+                "event {shown:?} was pruned: its id dates from {made_at}, before the retention \
+                 period ({period}) began at {}; delivered events are kept for {period} after \
+                 their publish",
+                start.to_rfc3339_opts(SecondsFormat::Millis, true)
+            ),
+        )
+    } else {
         ApiError::new(
             ErrorCode::NotFound,
             format!(
-                "event {shown:?} not found: never published, or pruned past the retention period"
+                "event {shown:?} not found: never published; its id dates from {made_at}, \
+                 within the retention period ({period}), so it was not pruned"
             ),
         )
-    };
-    if rules::event::id(&id).is_err() {
-        return Err(not_found());
     }
-    let store = &state.store;
-    let found = crate::health::bounded(store.backend(), store.lookup_event(&id)).await??;
-    found.map(|e| axum::Json(e.into())).ok_or_else(not_found)
+}
+
+/// A retention period for people: `24 h`, `90 min`, `45 s`.
+fn period(d: std::time::Duration) -> String {
+    let s = d.as_secs();
+    if s >= 3600 && s.is_multiple_of(3600) {
+        format!("{} h", s / 3600)
+    } else if s >= 60 && s.is_multiple_of(60) {
+        format!("{} min", s / 60)
+    } else {
+        format!("{} s", d.as_secs_f64())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// The UUIDv7 of 2022-02-22T19:22:22Z (RFC 9562, appendix A.6).
+    const V7: &str = "017f22e2-79b0-7cc3-98c4-dc0c0c07398f";
+
+    fn at(s: &str) -> DateTime<Utc> {
+        s.parse().expect("time")
+    }
+
+    #[test]
+    fn a_uuidv7_from_before_the_retention_period_was_pruned() {
+        let day = Duration::from_secs(86_400);
+        let e = missing(V7, Some(day), Some(at("2022-02-23T19:22:22.001Z")));
+        assert_eq!(e.code, ErrorCode::Pruned);
+        assert_eq!(e.status().as_u16(), 410);
+        assert_eq!(
+            e.message,
+            "event \"017f22e2-79b0-7cc3-98c4-dc0c0c07398f\" was pruned: its id dates from \
+             2022-02-22T19:22:22.000Z, before the retention period (24 h) began at \
+             2022-02-22T19:22:22.001Z; delivered events are kept for 24 h after their publish"
+        );
+        let e = missing(
+            V7,
+            Some(Duration::from_secs(60)),
+            Some(at("2026-12-03T00:00:00Z")),
+        );
+        assert_eq!(e.code, ErrorCode::Pruned);
+        assert!(e.message.contains("(1 min)"), "{}", e.message);
+    }
+
+    #[test]
+    fn a_uuidv7_from_within_the_retention_period_was_never_published() {
+        let day = Duration::from_secs(86_400);
+        // The period's first instant, and an id from the future.
+        for now in ["2022-02-23T19:22:22Z", "2022-02-22T19:00:00Z"] {
+            let e = missing(V7, Some(day), Some(at(now)));
+            assert_eq!(e.code, ErrorCode::NotFound, "{now}");
+            assert_eq!(
+                e.message,
+                "event \"017f22e2-79b0-7cc3-98c4-dc0c0c07398f\" not found: never published; its \
+                 id dates from 2022-02-22T19:22:22.000Z, within the retention period (24 h), so \
+                 it was not pruned"
+            );
+        }
+    }
+
+    #[test]
+    fn without_a_time_or_a_retention_the_two_cannot_be_told_apart() {
+        let now = Some(at("2030-01-01T00:00:00Z"));
+        let day = Some(Duration::from_secs(86_400));
+        let e = missing("ord-7", day, now);
+        assert_eq!(e.code, ErrorCode::NotFound);
+        assert_eq!(
+            e.message,
+            "event \"ord-7\" not found: never published, or pruned past the retention period; \
+             its id carries no time (a UUIDv7, as lanebus generates, does; one the publisher \
+             chose does not), so the two cannot be told apart"
+        );
+        // A UUID of another version carries no event time either.
+        let v4 = "919108f7-52d1-4320-9bac-f847db4148a8";
+        assert!(missing(v4, day, now).message.contains("carries no time"));
+        for (retention, now) in [(None, now), (day, None)] {
+            let e = missing(V7, retention, now);
+            assert_eq!(e.code, ErrorCode::NotFound);
+            assert!(e.message.contains("cannot be told apart"), "{}", e.message);
+        }
+        // A long id is shown cut to 128 characters.
+        let long = "x".repeat(300);
+        assert!(!missing(&long, day, now).message.contains(&"x".repeat(129)));
+    }
+
+    #[test]
+    fn periods_read_in_the_largest_whole_unit() {
+        for (secs, want) in [
+            (86_400, "24 h"),
+            (3_600, "1 h"),
+            (5_400, "90 min"),
+            (60, "1 min"),
+            (45, "45 s"),
+            (31_536_000, "8760 h"),
+        ] {
+            assert_eq!(period(Duration::from_secs(secs)), want);
+        }
+        assert_eq!(period(Duration::from_millis(1_500)), "1.5 s");
+    }
 }

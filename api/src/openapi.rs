@@ -207,9 +207,12 @@ fn describe(op: Operation, s: &mut Schemas) -> Described {
                  `dead_lettered` (when, attempts, last error, attempt log), with the handler's \
                  name while it exists. The attempt log holds the last 5 failed attempts: HTTP \
                  status or transport error class, duration, the first 1 KiB of the body. \
-                 `404 not_found` when the event is not stored: never published, or pruned past \
-                 the retention period (default 24 h after its last completion) together with \
-                 its completions. A read only: pending deliveries are found among the event's \
+                 When the event is not stored: `410 pruned` if its id is a UUIDv7 (as lanebus \
+                 generates) from before the retention period (default 24 h; retention removes \
+                 an event published before it once no delivery of it is pending or \
+                 dead-lettered, with its completions); `404 not_found` otherwise: never \
+                 published, or, for an id that carries no time (one the publisher chose), \
+                 either. A read only: pending deliveries are found among the event's \
                  lane's rows, completions in the log since its publish, dead letters by event.",
                 (
                     StatusCode::OK,

@@ -185,9 +185,11 @@ impl Operation {
             .concat(),
             // `invalid_parameter`: a path segment that does not decode
             // (`%FF`); `not_found` also for an id that is no handler id
-            // (no event id).
-            Operation::GetEvent
-            | Operation::GetHandler
+            // (no event id); `pruned`: an event past retention.
+            Operation::GetEvent => {
+                [&[E::InvalidParameter, E::NotFound, E::Pruned][..], &STORE].concat()
+            }
+            Operation::GetHandler
             | Operation::DeleteHandler
             | Operation::EnableHandler
             | Operation::DisableHandler

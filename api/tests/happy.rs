@@ -376,6 +376,27 @@ async fn every_route_in_the_table_is_served(app: TestApp) {
     }
 }
 
+/// Fences the lane of ordering key `key` at epoch 1 and claims its
+/// deliveries: the lane and what the claim returned.
+async fn claim_lane_of(
+    store: &dyn lanebus_store::Store,
+    key: &str,
+) -> (lanebus_store::Lane, Vec<lanebus_store::Delivery>) {
+    let lane = lane_of_event(Some(key), "", store.lanes());
+    assert!(store.fence(lane, "test", Epoch(1)).await.expect("fence"));
+    let claimed = store
+        .claim(&[LaneClaim {
+            lane,
+            epoch: Epoch(1),
+            after: Default::default(),
+            limit: 100,
+        }])
+        .await
+        .expect("claim");
+    let deliveries = claimed.into_iter().flat_map(|b| b.deliveries).collect();
+    (lane, deliveries)
+}
+
 /// `GET /v1/events/{id}`: pending (after a failed attempt), completed and
 /// dead-lettered deliveries of one event, and 404 for an unknown id or one
 /// that is no event id.
@@ -393,20 +414,9 @@ async fn event_lookup_shows_each_handlers_delivery(app: TestApp) {
         .await;
     assert_eq!(res.status, StatusCode::ACCEPTED, "{res:?}");
     let store = &app.store;
-    let lane = lane_of_event(Some("o7"), "", store.lanes());
-    assert!(store.fence(lane, "test", Epoch(1)).await.expect("fence"));
-    let claimed = store
-        .claim(&[LaneClaim {
-            lane,
-            epoch: Epoch(1),
-            after: Default::default(),
-            limit: 100,
-        }])
-        .await
-        .expect("claim");
+    let (lane, claimed) = claim_lane_of(&**store, "o7").await;
     let of = |handler: &str| {
-        claimed[0]
-            .deliveries
+        claimed
             .iter()
             .find(|d| d.handler_id == handler)
             .expect("delivery")
@@ -528,7 +538,99 @@ async fn event_lookup_shows_each_handlers_delivery(app: TestApp) {
     assert_eq!(res.status, StatusCode::NOT_FOUND);
     assert_eq!(
         res.json["error"]["message"],
-        "event \"ord-8\" not found: never published, or pruned past the retention period"
+        "event \"ord-8\" not found: never published, or pruned past the retention period; its \
+         id carries no time (a UUIDv7, as lanebus generates, does; one the publisher chose does \
+         not), so the two cannot be told apart"
+    );
+}
+
+/// `GET /v1/events/{id}` of an event delivered and pruned: `410 pruned`
+/// when its id was generated (a UUIDv7) before the retention period began;
+/// `404 not_found` for an id the publisher chose (pruned or never
+/// published: cannot be told apart), for a UUIDv7 from within the period
+/// (never published), and when the node does not say its retention.
+async fn event_lookup_tells_a_pruned_event(app: TestApp) {
+    use lanebus_store::DeliveryRef;
+    use std::time::Duration;
+    app.create_handler("h", &["order.*"]).await;
+    let res = app
+        .post(
+            "/v1/events",
+            json!({"events": [
+                {"type": "order.paid", "key": "o9", "payload": {}},
+                {"id": "ord-9", "type": "order.paid", "key": "o9", "payload": {}},
+            ]}),
+        )
+        .await;
+    assert_eq!(res.status, StatusCode::ACCEPTED, "{res:?}");
+    let generated = res.json["ids"][0].as_str().expect("id").to_owned();
+    let made = lanebus_store::event_id_time(&generated).expect("a UUIDv7");
+    let store = &app.store;
+    let (lane, claimed) = claim_lane_of(&**store, "o9").await;
+    let done: Vec<DeliveryRef> = claimed
+        .iter()
+        .map(|d| DeliveryRef {
+            id: d.id,
+            lane,
+            epoch: Epoch(1),
+            attempts: 1,
+        })
+        .collect();
+    assert_eq!(store.complete(&done).await.expect("complete").len(), 2);
+    for id in [generated.as_str(), "ord-9"] {
+        let res = app.get(&format!("/v1/events/{id}")).await;
+        assert_eq!(res.status, StatusCode::OK, "{id}: {res:?}");
+    }
+    // Retention of both (the node's pass, by hand; the SQL stores prune
+    // only events published two minutes before the cutoff).
+    let cutoff = store.now().await.expect("now") + chrono::Duration::minutes(3);
+    assert_eq!(store.prune(cutoff, 100).await.expect("prune").events, 2);
+
+    // A node without a retention period: 404, as before.
+    let res = app.get(&format!("/v1/events/{generated}")).await;
+    assert_eq!(res.status, StatusCode::NOT_FOUND, "{res:?}");
+    let message = res.json["error"]["message"].as_str().expect("message");
+    assert!(
+        message.contains("does not say its retention period"),
+        "{message}"
+    );
+
+    // A retention period that began after the id was made: 410. (A
+    // retention of zero, so that the test need not wait for one to pass.)
+    while store.now().await.expect("now") <= made + chrono::Duration::milliseconds(1) {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    *app.node.retention.lock().expect("lock") = Some(Duration::ZERO);
+    let res = app.get(&format!("/v1/events/{generated}")).await;
+    assert_eq!(res.status, StatusCode::GONE, "{res:?}");
+    assert_eq!(res.json["error"]["code"], "pruned", "{res:?}");
+    let message = res.json["error"]["message"].as_str().expect("message");
+    let want = format!(
+        "event \"{generated}\" was pruned: its id dates from {}, before the retention period \
+         (0 s) began at ",
+        made.to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+    );
+    assert!(message.starts_with(&want), "{message}\nwant {want}...");
+
+    // The chosen id, pruned as well: cannot be told from one never
+    // published.
+    *app.node.retention.lock().expect("lock") = Some(Duration::from_secs(86_400));
+    for id in ["ord-9", "ord-never"] {
+        let res = app.get(&format!("/v1/events/{id}")).await;
+        assert_eq!(res.status, StatusCode::NOT_FOUND, "{res:?}");
+        assert_eq!(res.json["error"]["code"], "not_found", "{res:?}");
+        let message = res.json["error"]["message"].as_str().expect("message");
+        assert!(message.contains("cannot be told apart"), "{message}");
+    }
+    // A UUIDv7 of now, never published: within the retention period.
+    let never = lanebus_store::generate_event_id();
+    let res = app.get(&format!("/v1/events/{never}")).await;
+    assert_eq!(res.status, StatusCode::NOT_FOUND, "{res:?}");
+    let message = res.json["error"]["message"].as_str().expect("message");
+    assert!(
+        message.contains("never published; its id dates from")
+            && message.ends_with("within the retention period (24 h), so it was not pruned"),
+        "{message}"
     );
 }
 
@@ -771,6 +873,7 @@ on_every_backend!(
     every_route_in_the_table_is_served,
     health_and_metrics,
     event_lookup_shows_each_handlers_delivery,
+    event_lookup_tells_a_pruned_event,
     handler_deliveries_page_each_state,
 );
 

@@ -1334,14 +1334,54 @@ pub fn generate_handler_id() -> String {
     format!("hdl_{}", uuid::Uuid::now_v7().simple())
 }
 
-/// A new event id: a UUIDv7 (hyphenated).
+/// A new event id: a UUIDv7 (hyphenated), whose creation time
+/// [`event_id_time`] reads back.
 pub fn generate_event_id() -> String {
     uuid::Uuid::now_v7().to_string()
+}
+
+/// The creation time an event id carries, to the millisecond: `Some` for a
+/// UUIDv7 (as [`generate_event_id`] makes at publish, on the publishing
+/// node's clock), `None` for any other id. An id the publisher chose
+/// carries no time unless it is a UUIDv7 too (then it carries the time the
+/// publisher gave it).
+pub fn event_id_time(id: &str) -> Option<DateTime<Utc>> {
+    let uuid = uuid::Uuid::try_parse(id).ok()?;
+    if uuid.get_version() != Some(uuid::Version::SortRand) {
+        return None;
+    }
+    let (secs, nanos) = uuid.get_timestamp()?.to_unix();
+    DateTime::from_timestamp(i64::try_from(secs).ok()?, nanos)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_generated_event_id_carries_its_creation_time() {
+        let before = Utc::now() - chrono::TimeDelta::milliseconds(1);
+        let id = generate_event_id();
+        let after = Utc::now();
+        let at = event_id_time(&id).expect("a UUIDv7 carries a time");
+        assert!(before <= at && at <= after, "{before} <= {at} <= {after}");
+        // The time of a known UUIDv7 (RFC 9562, appendix A.6).
+        assert_eq!(
+            event_id_time("017f22e2-79b0-7cc3-98c4-dc0c0c07398f"),
+            DateTime::from_timestamp_millis(0x017f_22e2_79b0)
+        );
+        // Other ids carry none: chosen ones, other UUID versions.
+        for id in [
+            "ord-7",
+            "",
+            "017f22e2-79b0-7cc3-98c4",
+            "f81d4fae-7dec-11d0-a765-00a0c91e6bf6", // v1
+            "c232ab00-9414-11ec-b3c8-9f6bdeced846", // v6
+            "919108f7-52d1-4320-9bac-f847db4148a8", // v4
+        ] {
+            assert_eq!(event_id_time(id), None, "{id:?}");
+        }
+    }
 
     #[test]
     fn a_body_prefix_is_cut_on_a_character_boundary() {

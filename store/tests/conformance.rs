@@ -408,7 +408,9 @@ conformance!(
     retention_counts_from_the_last_completion,
     prune_passes_over_many_kept_events,
     lookup_event_shows_each_handlers_delivery_state,
+    lookup_of_a_pruned_event_finds_none,
     handler_deliveries_page_newest_first_per_state,
+    handler_deliveries_page_over_ten_thousand_rows,
     attempt_log_keeps_the_last_failed_attempts,
     operational_types_are_reserved_and_routed_apart,
     state_changes_tell_their_operational_event_once,
@@ -4260,6 +4262,58 @@ async fn lookup_event_shows_each_handlers_delivery_state(h: &dyn Harness) {
     assert_eq!(listed, want);
 }
 
+/// An event published with a generated id, delivered and pruned past
+/// retention is no longer found; its id, a UUIDv7, still tells when it was
+/// published (what `GET /v1/events/{id}` answers `410 pruned` by). An event
+/// of the same publish that still has a pending delivery is kept.
+async fn lookup_of_a_pruned_event_finds_none(h: &dyn Harness) {
+    let s = h.store();
+    let hd = handler(&*s, "h", &["t.*"]).await;
+    let out = s
+        .publish(vec![ev(None, "t.done", None), ev(None, "t.waiting", None)])
+        .await
+        .expect("publish");
+    let [done, waiting] = [out.ids[0].clone(), out.ids[1].clone()];
+    let ds = claim_all(&*s).await;
+    let d = ds
+        .iter()
+        .find(|d| d.event_id == done && d.handler_id == hd.id)
+        .expect("delivery")
+        .clone();
+    // The id's time (the publishing node's clock, milliseconds) and the
+    // publish time (the store's clock): the same moment, give or take the
+    // two clocks and the call.
+    let made = lanebus_store::event_id_time(&done).expect("a generated id is a UUIDv7");
+    let apart = (d.published_at - made).abs();
+    assert!(
+        apart < chrono::Duration::seconds(60),
+        "id made {made}, published {}",
+        d.published_at
+    );
+    assert!(lanebus_store::event_id_time(&waiting).is_some());
+    assert_eq!(
+        s.complete(&[dref(&d, Epoch(0), 1)]).await.expect("complete").len(),
+        1
+    );
+    assert!(s.lookup_event(&done).await.expect("lookup").is_some());
+
+    // A cutoff well after the publish: the SQL backends prune only events
+    // published two minutes before it.
+    let cutoff = store_now(&*s).await + chrono::Duration::minutes(3);
+    let pruned = s.prune(cutoff, 100).await.expect("prune");
+    assert_eq!((pruned.completions, pruned.events), (1, 1), "{pruned:?}");
+    assert_eq!(s.lookup_event(&done).await.expect("lookup"), None);
+    let kept = s
+        .lookup_event(&waiting)
+        .await
+        .expect("lookup")
+        .expect("pending: kept");
+    assert_eq!(kept.handlers.len(), 1);
+    // Never published: the same answer.
+    let never = lanebus_store::generate_event_id();
+    assert_eq!(s.lookup_event(&never).await.expect("lookup"), None);
+}
+
 /// Every page of `handler_deliveries` with `limit` 2, following the
 /// cursors; each page but the last is full.
 async fn all_pages(s: &dyn Store, q: &HandlerDeliveriesQuery) -> Vec<HandlerDeliveryItem> {
@@ -4484,6 +4538,282 @@ async fn handler_deliveries_page_newest_first_per_state(h: &dyn Harness) {
         ..query(DeliveryListState::Dead, None)
     };
     assert_eq!(s.handler_deliveries(&nobody).await.expect("page"), vec![]);
+}
+
+/// The position an item is ordered by in [`Store::handler_deliveries`]:
+/// the id for pending deliveries and dead letters, `(completed_at,
+/// event_id)` for completions; newest first is descending.
+fn list_position(i: &HandlerDeliveryItem) -> (i64, String) {
+    match (&i.state, i.id) {
+        (DeliveryState::Completed { completed_at, .. }, _) => {
+            (completed_at.timestamp_micros(), i.event_id.clone())
+        }
+        (_, id) => (
+            id.expect("pending and dead items have an id"),
+            String::new(),
+        ),
+    }
+}
+
+/// Every page of `q` at `q.limit`, following the cursors: each page but
+/// the last is full, the last is shorter (possibly empty).
+async fn pages_of(s: &dyn Store, q: &HandlerDeliveriesQuery) -> Vec<HandlerDeliveryItem> {
+    let mut q = q.clone();
+    let mut all: Vec<HandlerDeliveryItem> = Vec::new();
+    loop {
+        let page = s.handler_deliveries(&q).await.expect("page");
+        assert!(page.len() <= q.limit as usize, "page over its limit");
+        let full = page.len() == q.limit as usize;
+        if let (Some(last), Some(first)) = (all.last(), page.first()) {
+            assert!(
+                list_position(last) > list_position(first),
+                "page boundary after {} items (limit {}): {last:?} then {first:?}",
+                all.len(),
+                q.limit
+            );
+        }
+        q.after = page.last().map(HandlerDeliveryItem::cursor);
+        all.extend(page);
+        if !full {
+            return all;
+        }
+    }
+}
+
+/// The states of [`handler_deliveries_page_over_ten_thousand_rows`]: event
+/// `i`'s delivery to `mine` is completed when `i % 3 == 0`, dead when 1,
+/// pending when 2 (30,300 events: 10,100 a state); on MongoDB (SecantusDB,
+/// in Python, about 20 times slower here) only the completions, the state
+/// with ties, go over 10,000: dead when `i % 11 == 1`, pending when 2,
+/// completed otherwise (12,300 events: 10,064 completed), read at one page
+/// size (1,000: its pages still end inside runs of one completion time).
+#[derive(Clone, Copy)]
+struct PagingLayout {
+    events: usize,
+    modulus: usize,
+    /// States whose listing must hold over 10,000 rows.
+    large: &'static [DeliveryListState],
+    /// Page sizes each state is read at.
+    limits: &'static [u32],
+}
+
+impl PagingLayout {
+    fn of(s: &dyn Store) -> PagingLayout {
+        if s.backend() == "mongodb" {
+            PagingLayout {
+                events: 12_300,
+                modulus: 11,
+                large: &[DeliveryListState::Completed],
+                limits: &[1_000],
+            }
+        } else {
+            PagingLayout {
+                events: 30_300,
+                modulus: 3,
+                large: &[
+                    DeliveryListState::Pending,
+                    DeliveryListState::Dead,
+                    DeliveryListState::Completed,
+                ],
+                limits: &[1_000, 333, 97],
+            }
+        }
+    }
+
+    fn state(&self, i: usize) -> DeliveryListState {
+        match i % self.modulus {
+            1 => DeliveryListState::Dead,
+            2 => DeliveryListState::Pending,
+            _ => DeliveryListState::Completed,
+        }
+    }
+}
+
+/// Every pending delivery of `handler` as a [`DeliveryRef`] at epoch 0
+/// and `attempts`, with its event id: read from one page of
+/// [`Store::handler_deliveries`] instead of claims (claiming 30,000
+/// deliveries takes minutes on SecantusDB; completions are fenced by lane
+/// epoch, not by a claim).
+async fn pending_refs(s: &dyn Store, handler: &Handler) -> Vec<(String, DeliveryRef)> {
+    let q = HandlerDeliveriesQuery {
+        handler_id: handler.id.clone(),
+        state: DeliveryListState::Pending,
+        key: None,
+        after: None,
+        limit: 100_000,
+        completed_since: DateTime::UNIX_EPOCH,
+    };
+    let page = s.handler_deliveries(&q).await.expect("pending");
+    page.into_iter()
+        .map(|i| {
+            let r = DeliveryRef {
+                id: i.id.expect("a pending item has an id"),
+                lane: i.lane.expect("a pending item has a lane"),
+                epoch: Epoch(0),
+                attempts: 1,
+            };
+            (i.event_id, r)
+        })
+        .collect()
+}
+
+/// Paging over more than 10,000 rows of one handler in each state, with
+/// another handler's rows mixed in: every row once, newest first, at
+/// several page sizes (boundaries inside runs of completions of one
+/// timestamp: a `complete` call writes one completion time for its whole
+/// batch), with the key filter, and an empty page after the last. On
+/// MongoDB only the completions go over 10,000 ([`PagingLayout`]).
+async fn handler_deliveries_page_over_ten_thousand_rows(h: &dyn Harness) {
+    const N: usize = 10_000;
+    const KEYS: usize = 8;
+    let s = h.store();
+    let layout = PagingLayout::of(&*s);
+    let mine = handler(&*s, "mine", &["p.*"]).await;
+    let other = handler(&*s, "other", &["p.odd"]).await;
+    // Event i: `p{i:05}`; every 9th unkeyed, every 10th also to `other`.
+    let key_of = |i: usize| (!i.is_multiple_of(9)).then(|| format!("k{}", i % KEYS));
+    let all: Vec<usize> = (0..layout.events).collect();
+    for chunk in all.chunks(MAX_BATCH) {
+        let batch: Vec<NewEvent> = chunk
+            .iter()
+            .map(|&i| {
+                let ty = if i % 10 == 0 { "p.odd" } else { "p.made" };
+                ev(Some(&format!("p{i:05}")), ty, key_of(i).as_deref())
+            })
+            .collect();
+        let out = s.publish(batch).await.expect("publish");
+        assert_eq!(out.accepted, chunk.len());
+    }
+    let theirs = pending_refs(&*s, &other).await;
+    let mut ds: Vec<(String, DeliveryRef, bool)> = pending_refs(&*s, &mine)
+        .await
+        .into_iter()
+        .map(|(e, r)| (e, r, true))
+        .chain(theirs.into_iter().map(|(e, r)| (e, r, false)))
+        .collect();
+    // In publish order, as a lane delivers them: dead letters of a key then
+    // get their ids in sequence order.
+    ds.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(ds.len(), layout.events + layout.events.div_ceil(10));
+    let index = |e: &str| -> usize { e[1..].parse().expect("event index") };
+    // `other`'s deliveries completed along with `mine`'s, in the same
+    // calls; otherwise pending.
+    let (mut done, mut dead) = (Vec::new(), Vec::new());
+    for (event_id, r, of_mine) in &ds {
+        let i = index(event_id);
+        match layout.state(i) {
+            DeliveryListState::Completed => done.push(DeliveryRef {
+                attempts: 1 + (i % 4) as u32,
+                ..*r
+            }),
+            DeliveryListState::Dead if *of_mine => dead.push(DeadLetterRequest {
+                id: r.id,
+                lane: r.lane,
+                epoch: Epoch(0),
+                attempts: 3,
+                last_error: "HTTP 500".into(),
+                failure: None,
+            }),
+            _ => {}
+        }
+    }
+    for chunk in done.chunks(1_000) {
+        let n = s.complete(chunk).await.expect("complete").len();
+        assert_eq!(n, chunk.len());
+    }
+    for chunk in dead.chunks(1_000) {
+        let n = s.dead_letter(chunk).await.expect("dead letter").len();
+        assert_eq!(n, chunk.len());
+    }
+
+    let query = |state, key: Option<&str>, limit| HandlerDeliveriesQuery {
+        handler_id: mine.id.clone(),
+        state,
+        key: key.map(Into::into),
+        after: None,
+        limit,
+        completed_since: DateTime::UNIX_EPOCH,
+    };
+    for state in [
+        DeliveryListState::Pending,
+        DeliveryListState::Dead,
+        DeliveryListState::Completed,
+    ] {
+        let want: HashSet<String> = (0..layout.events)
+            .filter(|&i| layout.state(i) == state)
+            .map(|i| format!("p{i:05}"))
+            .collect();
+        if layout.large.contains(&state) {
+            assert!(want.len() > N, "{state:?}: {} rows", want.len());
+        }
+        // One page of everything: the reference order.
+        let whole = s
+            .handler_deliveries(&query(state, None, 100_000))
+            .await
+            .expect("whole");
+        let ids: Vec<&str> = whole.iter().map(|i| i.event_id.as_str()).collect();
+        let unique: HashSet<String> = ids.iter().map(|s| s.to_string()).collect();
+        assert_eq!(ids.len(), unique.len(), "{state:?}: an event listed twice");
+        assert_eq!(
+            unique, want,
+            "{state:?}: every row of the handler, no other"
+        );
+        let positions: Vec<(i64, String)> = whole.iter().map(list_position).collect();
+        assert!(
+            positions.windows(2).all(|w| w[0] > w[1]),
+            "{state:?}: strictly descending positions"
+        );
+        // Newest first: within a key, descending sequence numbers.
+        let mut last_seq: HashMap<&str, i64> = HashMap::new();
+        for i in &whole {
+            if let Some(key) = i.key.as_deref() {
+                let seq = i.seq.expect("keyed item has a seq");
+                if let Some(prev) = last_seq.insert(key, seq) {
+                    assert!(prev > seq, "{state:?}: key {key}: seq {prev} then {seq}");
+                }
+            }
+        }
+        if state == DeliveryListState::Completed {
+            let times: HashSet<i64> = positions.iter().map(|p| p.0).collect();
+            assert!(
+                times.len() * 100 < whole.len(),
+                "completions share their times: {} times for {} rows",
+                times.len(),
+                whole.len()
+            );
+        }
+        for &limit in layout.limits {
+            let paged = pages_of(&*s, &query(state, None, limit)).await;
+            assert!(paged == whole, "{state:?}, limit {limit}: pages differ");
+        }
+        // Past the last item: an empty page.
+        let past = HandlerDeliveriesQuery {
+            after: whole.last().map(HandlerDeliveryItem::cursor),
+            ..query(state, None, 100)
+        };
+        assert_eq!(s.handler_deliveries(&past).await.expect("page"), vec![]);
+        // The key filter: the same rows of that key, in the same order.
+        let keyed = pages_of(&*s, &query(state, Some("k3"), 97)).await;
+        let want: Vec<&HandlerDeliveryItem> = whole
+            .iter()
+            .filter(|i| i.key.as_deref() == Some("k3"))
+            .collect();
+        assert!(want.len() > 97, "{state:?}: {} of key k3", want.len());
+        assert!(
+            keyed.iter().eq(want.into_iter()),
+            "{state:?}: key filter pages differ"
+        );
+    }
+    // The other handler's rows are its own.
+    let theirs = HandlerDeliveriesQuery {
+        handler_id: other.id.clone(),
+        ..query(DeliveryListState::Completed, None, 100_000)
+    };
+    let got = s.handler_deliveries(&theirs).await.expect("page");
+    let want = (0..layout.events)
+        .filter(|&i| i % 10 == 0 && layout.state(i) == DeliveryListState::Completed)
+        .count();
+    assert_eq!(got.len(), want);
 }
 
 fn failed(

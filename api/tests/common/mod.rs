@@ -45,6 +45,9 @@ pub struct StubNode {
     /// The bound answered by [`NodeView::longest_timeout`] (`None`: no
     /// bound).
     pub longest_timeout: Option<std::time::Duration>,
+    /// The period answered by [`NodeView::retention`] (`None`: unknown);
+    /// a test may change it.
+    pub retention: Mutex<Option<std::time::Duration>>,
 }
 
 #[async_trait]
@@ -66,6 +69,9 @@ impl NodeView for StubNode {
     }
     fn longest_timeout(&self) -> Option<std::time::Duration> {
         self.longest_timeout
+    }
+    fn retention(&self) -> Option<std::time::Duration> {
+        *self.retention.lock().expect("lock")
     }
     async fn ready(&self) -> bool {
         !self.not_ready.load(Ordering::SeqCst)
