@@ -47,7 +47,10 @@ enum EventsCommand {
     /// Where an event's deliveries stand, per handler ("why didn't my
     /// webhook arrive?"): pending (failed attempts so far, time of the next
     /// attempt, last error), completed (when, after how many attempts) or
-    /// dead_lettered (when, last error).
+    /// dead_lettered (when, last error). An event no longer stored is an
+    /// error saying why, as the node tells: pruned past the retention
+    /// period (410, for a generated id older than the period) or not found
+    /// (404).
     Get {
         /// Event id, as published (`ids` of the publish answer).
         id: String,

@@ -11,6 +11,7 @@
 //! - `handlers deliveries` per state, by key, paged with `--after`;
 //! - bad input (`--data` not JSON, a missing file, an unknown handler, an
 //!   API 4xx, a node that is down) is a clear message and exit status 1;
+//!   an event pruned past retention says so;
 //! - a publish token publishes, and is refused on the admin paths.
 
 mod common;
@@ -433,6 +434,18 @@ async fn bad_input_and_error_answers_are_clear() -> anyhow::Result<()> {
     );
     let err = fails(&url, &["events", "get", "nope"], None).await?;
     ensure!(err.contains("404") && err.contains("not_found"), "{err}");
+    // A generated id (a UUIDv7) from 2022, past the node's retention
+    // period: the reason is shown.
+    let old = "017f22e2-79b0-7cc3-98c4-dc0c0c07398f";
+    let err = fails(&url, &["events", "get", old], None).await?;
+    ensure!(
+        err.contains("410")
+            && err.contains("pruned")
+            && err.contains(
+                "its id dates from 2022-02-22T19:22:22.000Z, before the retention period (24 h)"
+            ),
+        "{err}"
+    );
     let unknown = "hdl_0123456789abcdef0123456789abcdef";
     for args in [
         vec!["handlers", "deliveries", unknown],
