@@ -765,9 +765,9 @@ fn report_fenced_out(lanes: &mut RaftLanes, shared: &FencedOutLanes) {
     for (lane, found) in lanes.newly_fenced_out(Instant::now()) {
         tracing::warn!(
             lane,
-            epoch = %found.epoch,
+            epoch = found.epoch.0,
             store_owner = found.store_owner.as_deref().unwrap_or(""),
-            store_epoch = %found.store_epoch,
+            store_epoch = found.store_epoch.0,
             "lane fenced out by a process outside the cluster (a --single node on this \
              store?): not delivering it until Raft re-fences it above the store's epoch"
         );
@@ -803,13 +803,13 @@ async fn fence_all(store: Arc<dyn Store>, owner: String, todo: OwnedLanes) -> Ow
                     Ok(false) => {
                         tracing::debug!(
                             lane,
-                            %epoch,
+                            epoch = epoch.0,
                             "fence refused: the store holds this epoch or a higher one"
                         );
                         None
                     }
                     Err(e) => {
-                        tracing::warn!(lane, %epoch, error = %e, "fence failed");
+                        tracing::warn!(lane, epoch = epoch.0, error = %e, "fence failed");
                         None
                     }
                 }

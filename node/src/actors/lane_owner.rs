@@ -415,12 +415,12 @@ impl LaneOwner {
                         // The assignment finds out who holds it and says so
                         // once per lane (a cluster's moves do this too).
                         Some(report) => {
-                            tracing::debug!(lane = act.lane, epoch = %act.epoch, "fenced out: stopping the lane");
+                            tracing::debug!(lane = act.lane, epoch = act.epoch.0, "fenced out: stopping the lane");
                             let _ = report.send((act.lane, act.epoch));
                         }
                         None => tracing::warn!(
                             lane = act.lane,
-                            epoch = %act.epoch,
+                            epoch = act.epoch.0,
                             "fenced out: another process fenced this lane in the store; the lane \
                              stays stopped until this process restarts"
                         ),

@@ -193,7 +193,7 @@ impl LaneSupervisor {
             self.releases_sent.insert(lane);
             tracing::info!(
                 lane,
-                epoch = %o.epoch,
+                epoch = o.epoch.0,
                 bound_ms = bound.as_millis() as u64,
                 "handing the lane over: draining"
             );
@@ -257,7 +257,7 @@ impl LaneSupervisor {
         if timed_out && d.addr.connected() {
             tracing::warn!(
                 lane,
-                %epoch,
+                epoch = epoch.0,
                 "drain bound reached: in-flight deliveries left to the next owner"
             );
         }
@@ -341,7 +341,7 @@ impl Handler<OwnerStopped> for LaneSupervisor {
     type Result = ();
 
     fn handle(&mut self, msg: OwnerStopped, ctx: &mut Self::Context) {
-        tracing::debug!(lane = msg.lane, epoch = %msg.epoch, why = ?msg.why, "lane owner stopped");
+        tracing::debug!(lane = msg.lane, epoch = msg.epoch.0, why = ?msg.why, "lane owner stopped");
         if let Some(s) = &mut self.stopping {
             s.pending.remove(&(msg.lane, msg.epoch));
             if s.pending.is_empty() {
