@@ -4292,7 +4292,10 @@ async fn lookup_of_a_pruned_event_finds_none(h: &dyn Harness) {
     );
     assert!(lanebus_store::event_id_time(&waiting).is_some());
     assert_eq!(
-        s.complete(&[dref(&d, Epoch(0), 1)]).await.expect("complete").len(),
+        s.complete(&[dref(&d, Epoch(0), 1)])
+            .await
+            .expect("complete")
+            .len(),
         1
     );
     assert!(s.lookup_event(&done).await.expect("lookup").is_some());
