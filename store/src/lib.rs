@@ -1184,6 +1184,13 @@ pub trait Store: Send + Sync + 'static {
     /// claims, completions or publishes wait for. Call it again while it
     /// removes a full batch.
     ///
+    /// Backends differ at the edge: SQLite and PostgreSQL remove only events
+    /// published two minutes or more before `before` (so that every
+    /// completion of a removed event lies before `before`: see
+    /// `postgres/sql/prune.sql`); MongoDB removes those published before
+    /// `before`. A caller that must see an event gone passes a `before` at
+    /// least two minutes past its publish.
+    ///
     /// An event id removed here may be published again as new (idempotent
     /// publish holds within the retention period).
     ///
