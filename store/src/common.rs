@@ -276,8 +276,8 @@ pub(crate) fn attempt_log(json: Option<&str>) -> Result<Vec<FailedAttempt>> {
     })
 }
 
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
-/// A failed attempt as the SQL backends bind it: its JSON object, or NULL.
+#[cfg(feature = "postgres")]
+/// A failed attempt as PostgreSQL binds it: its JSON object, or NULL.
 pub(crate) fn failure_json(f: Option<&FailedAttempt>) -> Result<Option<String>> {
     f.map(|f| {
         serde_json::to_string(f)
