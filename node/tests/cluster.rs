@@ -54,18 +54,7 @@ const ARGS: &[&str] = &[
 /// log while three nodes deliver) on these loaded 2-core machines can stall
 /// renewals past a 1.5 s lease in a debug build, which turns graceful moves
 /// into failovers; it runs with a 3 s lease instead.
-const ARGS_JOIN: &[&str] = &[
-    "--lease-ms",
-    "3000",
-    "--renew-interval-ms",
-    "500",
-    "--lease-margin-ms",
-    "1000",
-    "--retry-base-ms",
-    "50",
-    "--poll-interval-ms",
-    "50",
-];
+const ARGS_JOIN: &[&str] = common::LEASE_3S_ARGS;
 
 fn run_size() -> (usize, usize) {
     run_size_default(3_000)

@@ -44,18 +44,7 @@ use lanebus_testkit::local_cluster::{LocalCluster, Start};
 
 /// Lease 3 s renewed every 500 ms, margin 1 s: room for a 2 s handler
 /// timeout, inside which the proxy must have frozen node A.
-const ARGS: &[&str] = &[
-    "--lease-ms",
-    "3000",
-    "--renew-interval-ms",
-    "500",
-    "--lease-margin-ms",
-    "1000",
-    "--retry-base-ms",
-    "50",
-    "--poll-interval-ms",
-    "50",
-];
+const ARGS: &[&str] = common::LEASE_3S_ARGS;
 
 const HANDLER_TIMEOUT_MS: u64 = 2_000;
 

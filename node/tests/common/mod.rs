@@ -512,3 +512,20 @@ pub fn ensure_no_repeat_without_failure(
     }
     Ok(())
 }
+
+/// `lanebus node` flags of a 3 s lease renewed every 500 ms with a 1 s
+/// margin, retries from 50 ms and store polls every 50 ms: for cluster
+/// tests that need more room than a 1.5 s lease on a loaded machine, or
+/// a handler timeout (up to 2 s) inside the lease.
+pub const LEASE_3S_ARGS: &[&str] = &[
+    "--lease-ms",
+    "3000",
+    "--renew-interval-ms",
+    "500",
+    "--lease-margin-ms",
+    "1000",
+    "--retry-base-ms",
+    "50",
+    "--poll-interval-ms",
+    "50",
+];
