@@ -229,6 +229,32 @@ async fn serve_proxy(p: Arc<Proxy>, listener: tokio::net::TcpListener) {
     let _ = axum::serve(listener, app).await;
 }
 
+/// The last warnings and errors of each node's log under `dir`, for a
+/// failure's message (CI keeps the output, not the files).
+fn warnings(dir: &std::path::Path) -> String {
+    let mut out = format!("logs in {}", dir.display());
+    let mut logs: Vec<_> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "log"))
+        .collect();
+    logs.sort();
+    for log in logs {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
+            .collect();
+        out.push_str(&format!("\n{}:", log.display()));
+        for l in &lines[lines.len().saturating_sub(12)..] {
+            out.push_str(&format!("\n  {}", l.chars().take(240).collect::<String>()));
+        }
+    }
+    out
+}
+
 fn event(id: &str, n: i64) -> NewEvent {
     NewEvent {
         id: Some(id.into()),
@@ -282,6 +308,17 @@ async fn late_write_of_a_deposed_owner(backend: Backend) -> anyhow::Result<()> {
     cluster
         .wait_balanced(1, &[1, 2, 3], Duration::from_secs(60))
         .await?;
+    // Freeze a node only once its fencing writes are done: on SQLite a node
+    // frozen inside one keeps the file's write lock, and no other node can
+    // take its lanes until it resumes.
+    let balanced = Instant::now();
+    common::wait_fenced(&cluster, 1, store.as_ref(), Duration::from_secs(60))
+        .await
+        .with_context(|| warnings(&dir))?;
+    println!(
+        "{backend:?}: every lane fenced in the store {} ms after the cluster showed them balanced",
+        balanced.elapsed().as_millis()
+    );
     let mut pids = HashMap::new();
     for id in [1, 2, 3] {
         pids.insert(id, cluster.pid(id).context("node not running")?);
@@ -325,7 +362,8 @@ async fn late_write_of_a_deposed_owner(backend: Backend) -> anyhow::Result<()> {
             Duration::from_secs(60),
             |hops| hops.iter().any(|h| h.id == "e2" && h.status == 200),
         )
-        .await?;
+        .await
+        .with_context(|| warnings(&dir))?;
     let hops = proxy.hops();
     let e2 = hops
         .iter()
@@ -462,4 +500,48 @@ async fn late_write_of_a_deposed_owner_is_refused_postgres() {
     late_write_of_a_deposed_owner(Backend::Postgres)
         .await
         .unwrap();
+}
+
+#[cfg(test)]
+mod fenced_tests {
+    use super::common::fenced;
+    use lanebus_store::{Epoch, LaneRow};
+    use lanebus_testkit::local_cluster::ApiLane;
+
+    fn lane(lane: u16, owner: &str, epoch: i64) -> ApiLane {
+        ApiLane {
+            lane,
+            owner: Some(owner.into()),
+            epoch,
+            state: "active".into(),
+            backlog: 0,
+        }
+    }
+
+    fn row(lane: u16, owner: &str, epoch: u64) -> LaneRow {
+        LaneRow {
+            lane,
+            owner: Some(owner.into()),
+            epoch: Epoch(epoch),
+            backlog: 0,
+        }
+    }
+
+    #[test]
+    fn fenced_wants_the_store_at_the_clusters_owner_and_epoch() {
+        let lanes = [lane(0, "1", 3), lane(1, "2", 4)];
+        assert_eq!(
+            fenced(&lanes, &[row(0, "1/a", 3), row(1, "2/b", 4)]),
+            Ok(())
+        );
+        let behind = [row(0, "1/a", 3), row(1, "1/a", 2)];
+        assert!(fenced(&lanes, &behind).unwrap_err().starts_with("lane 1:"));
+        assert!(fenced(&lanes, &[row(0, "1/a", 3)])
+            .unwrap_err()
+            .starts_with("lane 1:"));
+        let other_node = [row(0, "12/a", 3), row(1, "2/b", 4)];
+        assert!(fenced(&lanes, &other_node)
+            .unwrap_err()
+            .starts_with("lane 0:"));
+    }
 }

@@ -529,3 +529,62 @@ pub const LEASE_3S_ARGS: &[&str] = &[
     "--poll-interval-ms",
     "50",
 ];
+
+/// Whether every lane of `lanes` (the cluster's view, `GET /admin/lanes`)
+/// is fenced in the store (`rows`, `Store::lane_rows`) by its owner at its
+/// epoch; a store owner is `NODE/INCARNATION`, compared by its node id.
+///
+/// # Errors
+/// The first lane that is not.
+pub fn fenced(
+    lanes: &[lanebus_testkit::local_cluster::ApiLane],
+    rows: &[lanebus_store::LaneRow],
+) -> Result<(), String> {
+    let by_lane: std::collections::HashMap<u16, &lanebus_store::LaneRow> =
+        rows.iter().map(|r| (r.lane, r)).collect();
+    for l in lanes {
+        let row = by_lane.get(&l.lane);
+        let node = row
+            .and_then(|r| r.owner.as_deref())
+            .map(|o| o.split('/').next().unwrap_or(o));
+        let epoch = row.map(|r| r.epoch.0);
+        if node != l.owner.as_deref() || epoch != u64::try_from(l.epoch).ok() {
+            return Err(format!(
+                "lane {}: the cluster has owner {:?} epoch {}, the store {node:?} epoch {epoch:?}",
+                l.lane, l.owner, l.epoch
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Waits until `store` holds every lane fenced as node `via` shows it
+/// ([`fenced`]): the owners have finished their fencing writes. On SQLite
+/// a node paused inside such a write keeps the file's write lock and stops
+/// every other node's writes until it resumes, so a test that pauses a
+/// node waits for this first.
+///
+/// # Errors
+/// If that does not happen within `timeout` (naming the last problem).
+pub async fn wait_fenced(
+    cluster: &lanebus_testkit::local_cluster::LocalCluster,
+    via: u64,
+    store: &dyn lanebus_store::Store,
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let problem = match (cluster.lanes(via).await, store.lane_rows().await) {
+            (Ok(lanes), Ok(rows)) => match fenced(&lanes, &rows) {
+                Ok(()) => return Ok(()),
+                Err(p) => p,
+            },
+            (Err(e), _) => e.to_string(),
+            (_, Err(e)) => e.to_string(),
+        };
+        if std::time::Instant::now() > deadline {
+            bail!("lanes not fenced in the store as node {via} shows them: {problem}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
