@@ -79,8 +79,10 @@ async fn deliver_at_waits_and_holds_its_key(backend: Backend) -> anyhow::Result<
         "{status} {body}"
     );
 
-    let due = Utc::now() + chrono::TimeDelta::milliseconds(AHEAD_MS);
+    // The receiver's clock first: `due` is then no earlier than `due_ms`
+    // however long this thread waits between the two reads.
     let due_ms = rx.now_ms() + AHEAD_MS as f64;
+    let due = Utc::now() + chrono::TimeDelta::milliseconds(AHEAD_MS);
     api.publish(
         &[
             json!({"id": "late", "type": "t.x", "key": "k", "payload": 1, "deliver_at": rfc3339(due)}),
