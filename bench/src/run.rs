@@ -171,6 +171,7 @@ fn prepare_side(
     patch: Option<&Path>,
     target: &Path,
     profile: &str,
+    own: &Path,
 ) -> anyhow::Result<Side> {
     let bin_dir = work.join("bin");
     std::fs::create_dir_all(&bin_dir)?;
@@ -178,7 +179,7 @@ fn prepare_side(
         let head = git(repo, &["rev-parse", "--short=10", "HEAD"])?;
         let dirty = !git(repo, &["status", "--porcelain", "--untracked-files=no"])?.is_empty();
         let bin = bin_dir.join(format!("{label}-{head}"));
-        std::fs::copy(std::env::current_exe()?, &bin)?;
+        std::fs::copy(own, &bin)?;
         return Ok(Side {
             label: label.into(),
             rev: format!("{head}{}", if dirty { "+dirty" } else { "" }),
@@ -195,7 +196,7 @@ fn prepare_side(
     let clean = git(repo, &["status", "--porcelain", "--untracked-files=no"])?.is_empty();
     if patch.is_none() && sha == head && clean {
         let bin = bin_dir.join(format!("{label}-{head}"));
-        std::fs::copy(std::env::current_exe()?, &bin)?;
+        std::fs::copy(own, &bin)?;
         return Ok(Side {
             label: label.into(),
             rev: head,
@@ -376,6 +377,13 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<(PathBuf, bool)> {
         .unwrap_or_else(|| repo.join("target"));
     let load_start = load1();
 
+    // This binary, copied before any side is built: a side built into the
+    // target dir this binary runs from replaces it there.
+    let own = work
+        .join("bin")
+        .join(format!("self-{}", std::process::id()));
+    std::fs::create_dir_all(work.join("bin"))?;
+    std::fs::copy(std::env::current_exe()?, &own)?;
     let base = prepare_side(
         &repo,
         &work,
@@ -384,6 +392,7 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<(PathBuf, bool)> {
         opts.base_patch.as_deref(),
         &target,
         &opts.profile,
+        &own,
     )?;
     let cand = prepare_side(
         &repo,
@@ -393,7 +402,9 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<(PathBuf, bool)> {
         opts.candidate_patch.as_deref(),
         &target,
         &opts.profile,
+        &own,
     )?;
+    let _ = std::fs::remove_file(&own);
     eprintln!(
         "base {} ({}), candidate {} ({})",
         base.rev,
