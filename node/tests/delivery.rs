@@ -187,10 +187,25 @@ fn cross_check_with_python(
         .map(|h| (h.name.as_str(), h.secret.as_str()))
         .collect();
     let reqs = rx.requests();
+    // Each request's receive time on the wall clock, for the package's
+    // timestamp check as of receipt (a long run reaches this later).
+    let (now_unix, now_ms) = (
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_secs_f64(),
+        rx.now_ms(),
+    );
     let picked: Vec<Value> = reqs
         .iter()
         .step_by((reqs.len() / 60).max(1))
-        .map(|r| serde_json::json!({"secret": secrets[r.handler.as_str()], "body": r.body, "headers": r.headers}))
+        .map(|r| {
+            serde_json::json!({
+                "secret": secrets[r.handler.as_str()],
+                "body": r.body,
+                "headers": r.headers,
+                "received_at": now_unix - (now_ms - r.arrived_ms) / 1000.0,
+            })
+        })
         .collect();
     println!(
         "standardwebhooks: {}",
