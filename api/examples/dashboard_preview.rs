@@ -166,6 +166,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             key: Some("acct-1".into()),
             payload: b"{}".to_vec(),
             deliver_at: None,
+            expected_seq: None,
         })
         .collect();
     store.publish(events).await?;

@@ -10,6 +10,14 @@
 //! status is a function of the code ([`ErrorCode::status`]); `message` is
 //! lowercase, for people, and names the value that was wrong. Store errors
 //! are mapped by kind in one place (`From<StoreError> for ApiError`).
+//!
+//! A publish whose expected sequence did not hold (`409 conflict`) also
+//! says where the key stands, for programs:
+//!
+//! ```json
+//! {"error": {"code": "conflict", "message": "...", "key": "order-7",
+//!            "expected_seq": 3, "current_seq": 5}}
+//! ```
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -67,7 +75,9 @@ pub enum ErrorCode {
     /// status no other code names (the safety net's answer).
     BadRequest,
     /// 409: a unique constraint the operation does not absorb
-    /// ([`StoreError::Conflict`]).
+    /// ([`StoreError::Conflict`]), or a publish's expected sequence that did
+    /// not hold ([`StoreError::SeqConflict`]; the body names the key and its
+    /// current sequence).
     Conflict,
     /// 401: the path needs a bearer token and none, or one that matches no
     /// configured token, was sent ([`crate::auth`]).
@@ -173,7 +183,11 @@ impl ErrorCode {
             ErrorCode::BadRequest => {
                 "the request does not parse as http, or a lower layer refused it"
             }
-            ErrorCode::Conflict => "a unique constraint the operation does not absorb",
+            ErrorCode::Conflict => {
+                "a unique constraint the operation does not absorb, or a publish's expected_seq \
+                 that did not hold (the body's key, expected_seq and current_seq say where the \
+                 key stands)"
+            }
             ErrorCode::Unauthorized => {
                 "no bearer token, or one that matches no configured token, on a path that needs one"
             }
@@ -222,6 +236,21 @@ pub struct ApiError {
     pub code: ErrorCode,
     /// What went wrong, for people: lowercase, naming the wrong value.
     pub message: String,
+    /// For a publish's expected sequence that did not hold: where the key
+    /// stands (added to the body's `error` object).
+    pub seq: Option<SeqConflict>,
+}
+
+/// Where a key stands after a publish's expected sequence did not hold
+/// ([`StoreError::SeqConflict`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeqConflict {
+    /// The event key.
+    pub key: String,
+    /// The `expected_seq` that did not hold.
+    pub expected_seq: i64,
+    /// The key's last sequence number (0: no event yet).
+    pub current_seq: i64,
 }
 
 impl ApiError {
@@ -230,6 +259,7 @@ impl ApiError {
         ApiError {
             code,
             message: message.into(),
+            seq: None,
         }
     }
 
@@ -246,6 +276,7 @@ impl ApiError {
 /// | `Invalid` | `invalid_input` | 422 |
 /// | `NotFound` | `not_found` | 404 |
 /// | `Conflict` | `conflict` | 409 |
+/// | `SeqConflict` | `conflict` (with `key`, `expected_seq`, `current_seq`) | 409 |
 /// | `Unavailable` | `store_unavailable` | 503 |
 /// | `Timeout` | `store_unavailable` | 503 |
 /// | `Database` | `internal` | 500 |
@@ -255,6 +286,21 @@ impl From<StoreError> for ApiError {
             StoreError::Invalid(_) => ErrorCode::InvalidInput,
             StoreError::NotFound(_) => ErrorCode::NotFound,
             StoreError::Conflict(_) => ErrorCode::Conflict,
+            StoreError::SeqConflict {
+                key,
+                expected,
+                current,
+            } => {
+                let seq = SeqConflict {
+                    key: key.clone(),
+                    expected_seq: *expected,
+                    current_seq: *current,
+                };
+                return ApiError {
+                    seq: Some(seq),
+                    ..ApiError::new(ErrorCode::Conflict, e.to_string())
+                };
+            }
             StoreError::Unavailable(_) | StoreError::Timeout(_) => ErrorCode::StoreUnavailable,
             StoreError::Database(_) => ErrorCode::Internal,
         };
@@ -292,23 +338,55 @@ pub(crate) struct ErrorDetail<'a> {
     /// Lowercase text naming the value that was wrong.
     #[schema(example = "max_attempts 0 must be 1 to 100")]
     message: &'a str,
+    /// `conflict` of a publish whose `expected_seq` did not hold: the key.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false, example = "order-7")]
+    key: Option<&'a str>,
+    /// `conflict` of a publish: the `expected_seq` that did not hold.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false, minimum = 0, example = 3)]
+    expected_seq: Option<i64>,
+    /// `conflict` of a publish: the key's last sequence number (0: no
+    /// event yet); publish with it as `expected_seq` after reading the
+    /// key's events again.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false, minimum = 0, example = 5)]
+    current_seq: Option<i64>,
 }
 
-/// The bytes of the error body `{"error": {"code", "message"}}`.
-pub(crate) fn error_body(code: ErrorCode, message: &str) -> Vec<u8> {
+/// The bytes of the error body `{"error": {"code", "message"}}`, with where
+/// the key stands for a broken expected sequence (`seq`).
+pub(crate) fn error_body_with(
+    code: ErrorCode,
+    message: &str,
+    seq: Option<&SeqConflict>,
+) -> Vec<u8> {
     serde_json::to_vec(&ErrorBody {
         error: ErrorDetail {
             code: code.as_str(),
             message,
+            key: seq.map(|s| s.key.as_str()),
+            expected_seq: seq.map(|s| s.expected_seq),
+            current_seq: seq.map(|s| s.current_seq),
         },
     })
     .unwrap_or_else(|_| br#"{"error":{"code":"internal","message":"error body"}}"#.to_vec())
 }
 
+/// The bytes of the error body `{"error": {"code", "message"}}`.
+pub(crate) fn error_body(code: ErrorCode, message: &str) -> Vec<u8> {
+    error_body_with(code, message, None)
+}
+
 /// The JSON error body for `code` and `message` with `status` (the safety net
 /// of `crate::routes` keeps a 5xx status other than 500 with `internal`).
 pub(crate) fn error_response(status: StatusCode, code: ErrorCode, message: &str) -> Response {
-    let mut res = (status, error_body(code, message)).into_response();
+    json_error(status, error_body(code, message))
+}
+
+/// `body` as a JSON answer with `status`.
+fn json_error(status: StatusCode, body: Vec<u8>) -> Response {
+    let mut res = (status, body).into_response();
     res.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
@@ -328,7 +406,10 @@ impl IntoResponse for ApiError {
             tracing::debug!(code = self.code.as_str(), message = %self.message, "request refused");
         }
         crate::telemetry::api_error(self.code.as_str());
-        error_response(status, self.code, &self.message)
+        json_error(
+            status,
+            error_body_with(self.code, &self.message, self.seq.as_ref()),
+        )
     }
 }
 
@@ -354,7 +435,45 @@ mod tests {
             let a = ApiError::from(e);
             assert_eq!(a.status().as_u16(), status);
             assert_eq!(a.code.as_str(), code);
+            assert_eq!(a.seq, None);
         }
+    }
+
+    #[tokio::test]
+    async fn a_broken_expectation_answers_where_the_key_stands() {
+        let e = StoreError::SeqConflict {
+            key: "order-7".into(),
+            expected: 3,
+            current: 5,
+        };
+        let res = ApiError::from(e).into_response();
+        assert_eq!(res.status(), StatusCode::CONFLICT);
+        let body = axum::body::to_bytes(res.into_body(), 1 << 16)
+            .await
+            .expect("body");
+        let v: serde_json::Value = serde_json::from_slice(&body).expect("json");
+        let err = &v["error"];
+        assert_eq!(err["code"], "conflict");
+        assert_eq!(
+            (&err["key"], &err["expected_seq"], &err["current_seq"]),
+            (
+                &serde_json::json!("order-7"),
+                &serde_json::json!(3),
+                &serde_json::json!(5)
+            )
+        );
+        let message = err["message"].as_str().expect("message");
+        assert!(
+            message.contains("\"order-7\"") && message.contains("sequence 5"),
+            "{message}"
+        );
+        // Other errors keep the two fields only.
+        let res = ApiError::new(ErrorCode::NotFound, "x").into_response();
+        let body = axum::body::to_bytes(res.into_body(), 1 << 16)
+            .await
+            .expect("body");
+        let v: serde_json::Value = serde_json::from_slice(&body).expect("json");
+        assert_eq!(v["error"].as_object().map(|o| o.len()), Some(2));
     }
 
     #[test]

@@ -1,8 +1,10 @@
 //! `POST /v1/events`: publish a batch of events.
 //!
 //! ```text
-//! POST /v1/events  {"events": [{"id"?, "type", "key"?, "payload"}, ...]}
+//! POST /v1/events  {"events": [{"id"?, "type", "key"?, "payload", "deliver_at"?,
+//!                               "expected_seq"?}, ...]}
 //!   202 {"accepted": n, "duplicates": m, "ids": [...]}
+//!   409 {"error": {"code": "conflict", "message", "key", "expected_seq", "current_seq"}}
 //! ```
 //!
 //! The whole batch is validated before the store is called, and the store
@@ -76,6 +78,16 @@ pub struct EventIn {
     #[serde(default)]
     #[schema(format = DateTime, example = "2026-12-01T09:00:00Z")]
     pub deliver_at: Option<String>,
+    /// Optimistic concurrency on the key as an event stream: the key's last
+    /// sequence number the publisher saw (0: no event yet). The batch is
+    /// stored only if the key's sequence just before this event equals it
+    /// (counting the batch's earlier events of the key); otherwise nothing
+    /// of the batch is stored and the answer is `409 conflict` with the
+    /// key's `current_seq`. Needs `key`; 0 or more (`422 invalid_event`).
+    /// An event whose id is already stored is a duplicate, not checked.
+    #[serde(default)]
+    #[schema(minimum = 0, example = 41)]
+    pub expected_seq: Option<i64>,
 }
 
 /// Answer of `POST /v1/events` (202).
@@ -115,7 +127,8 @@ impl From<PublishOutcome> for PublishAnswer {
 /// `400 invalid_parameter` (a `deliver_at` that is no RFC 3339 date-time) or
 /// `422 invalid_event` (also a `deliver_at` more than 7 days ahead, a
 /// payload nested deeper than
-/// [`lanebus_store::MAX_PAYLOAD_DEPTH`]), naming the event's index
+/// [`lanebus_store::MAX_PAYLOAD_DEPTH`], an `expected_seq` below 0 or
+/// without a `key`), naming the event's index
 /// (`events[3]`). The rules are the store's ([`rules::event`]); `limits`
 /// may only tighten the batch and payload bounds.
 pub fn validate_batch(req: PublishRequest, limits: &Limits) -> Result<Vec<NewEvent>, ApiError> {
@@ -164,6 +177,7 @@ pub fn validate_batch(req: PublishRequest, limits: &Limits) -> Result<Vec<NewEve
                 key: e.key,
                 payload: payload.as_bytes().to_vec(),
                 deliver_at,
+                expected_seq: e.expected_seq,
             };
             rules::event::check(&event, now).map_err(|b| {
                 let code = match b.rule {

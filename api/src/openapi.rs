@@ -182,7 +182,12 @@ fn describe(op: Operation, s: &mut Schemas) -> Described {
                 "Stores the batch in one transaction (all or nothing) with one delivery per \
                  matching handler. An id already stored, or repeated in the batch, counts as a \
                  duplicate and is not delivered again (idempotent publish). The whole batch is \
-                 validated first: one bad event refuses the batch and writes nothing.",
+                 validated first: one bad event refuses the batch and writes nothing. An event \
+                 with `expected_seq` is stored only if its key's last sequence number just \
+                 before it equals that value (optimistic concurrency on the key as an event \
+                 stream); otherwise nothing of the batch is stored and the answer is `409 \
+                 conflict`, whose `error` names the `key`, the `expected_seq` and the key's \
+                 `current_seq`.",
                 (
                     StatusCode::ACCEPTED,
                     "the batch is stored",

@@ -166,6 +166,8 @@ impl Operation {
                     E::InvalidEvent,
                     E::InvalidInput,
                     E::InvalidParameter,
+                    // An `expected_seq` that did not hold.
+                    E::Conflict,
                 ],
                 &STORE,
             ]

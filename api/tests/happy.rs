@@ -862,7 +862,69 @@ async fn health_and_metrics(app: TestApp) {
     assert_eq!(res.json["error"]["code"], "not_ready");
 }
 
+/// A key as an event stream: a publish with `expected_seq` is stored only
+/// at the key's sequence it expects; otherwise `409 conflict` names where
+/// the key stands, and nothing of the batch is stored.
+async fn expected_seq_conflicts_answer_where_the_key_stands(app: TestApp) {
+    let publish = |events: Value| app.post("/v1/events", json!({ "events": events }));
+    let res = publish(json!([
+        {"id": "o1", "type": "order.placed", "key": "order-7", "payload": 1, "expected_seq": 0},
+        {"id": "o2", "type": "order.paid", "key": "order-7", "payload": 2, "expected_seq": 1},
+    ]))
+    .await;
+    assert_eq!(res.status, StatusCode::ACCEPTED, "{res:?}");
+    // A writer that read the stream before o1 and o2.
+    let res = publish(json!([
+        {"id": "x1", "type": "order.cancelled", "key": "order-7", "payload": 3, "expected_seq": 0},
+        {"id": "x2", "type": "other", "key": "other", "payload": 4},
+    ]))
+    .await;
+    assert_eq!(res.status, StatusCode::CONFLICT, "{res:?}");
+    let err = &res.json["error"];
+    assert_eq!(err["code"], "conflict");
+    assert_eq!(
+        (&err["key"], &err["expected_seq"], &err["current_seq"]),
+        (&json!("order-7"), &json!(0), &json!(2)),
+        "{res:?}"
+    );
+    assert_eq!(app.store.counts().await.expect("counts").events, 2);
+    // Retried at the current sequence: stored as the key's third event.
+    let res = publish(json!([
+        {"id": "x1", "type": "order.cancelled", "key": "order-7", "payload": 3, "expected_seq": 2},
+    ]))
+    .await;
+    assert_eq!(res.status, StatusCode::ACCEPTED, "{res:?}");
+    let res = app.get("/v1/events/x1").await;
+    assert_eq!(res.json["seq"], 3, "{res:?}");
+    // A retry of a stored event is a duplicate, its expectation not checked.
+    let res = publish(json!([
+        {"id": "x1", "type": "order.cancelled", "key": "order-7", "payload": 3, "expected_seq": 2},
+    ]))
+    .await;
+    assert_eq!(res.status, StatusCode::ACCEPTED, "{res:?}");
+    assert_eq!(res.json["duplicates"], 1);
+    // Without a key there is no sequence to expect; nor below 0.
+    for (event, says) in [
+        (
+            json!({"type": "t", "payload": 1, "expected_seq": 0}),
+            "needs a key",
+        ),
+        (
+            json!({"type": "t", "key": "k", "payload": 1, "expected_seq": -1}),
+            "0 or more",
+        ),
+    ] {
+        let res = publish(json!([event])).await;
+        assert_eq!(res.status, StatusCode::UNPROCESSABLE_ENTITY, "{res:?}");
+        assert_eq!(res.json["error"]["code"], "invalid_event");
+        let message = res.json["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.starts_with("events[0]: expected_seq"), "{message}");
+        assert!(message.contains(says), "{message}");
+    }
+}
+
 on_every_backend!(
+    expected_seq_conflicts_answer_where_the_key_stands,
     publish_returns_ids_and_counts,
     duplicates_are_reported_and_not_stored_again,
     concurrent_publishes_each_get_their_own_answer,

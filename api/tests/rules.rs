@@ -167,6 +167,19 @@ fn cases() -> Vec<Case> {
             event(json!({"deliver_at": in_days(8)})),
             "events[0].deliver_at",
         ),
+        // Accepted ones would conflict when the same case is published a
+        // second time (store, then HTTP): the store's conformance suite and
+        // the happy path test them.
+        bad(
+            "expected_seq without a key",
+            event(json!({"expected_seq": 0})),
+            "events[0].expected_seq",
+        ),
+        bad(
+            "expected_seq -1",
+            event(json!({"key": "k", "expected_seq": -1})),
+            "events[0].expected_seq",
+        ),
         ok(
             "1,000 events",
             Input::Events(vec![json!({"type": "a", "payload": 1}); 1_000]),
@@ -409,6 +422,7 @@ fn new_event(v: &Value) -> NewEvent {
         deliver_at: v["deliver_at"]
             .as_str()
             .map(|t| DateTime::parse_from_rfc3339(t).expect("time").to_utc()),
+        expected_seq: v["expected_seq"].as_i64(),
     }
 }
 

@@ -283,6 +283,7 @@ impl Gen {
                 key: (self.keys > 0).then(|| format!("k{}", self.rng.random_range(0..self.keys))),
                 payload: self.payload.clone(),
                 deliver_at: None,
+                expected_seq: None,
             })
             .collect()
     }

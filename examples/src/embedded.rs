@@ -116,6 +116,7 @@ pub async fn run(store_url: &str, orders: usize, customers: usize) -> anyhow::Re
                 key: Some(customer.clone()),
                 payload: crate::order_payload(&i.to_string(), &customer, 100 * i as i64),
                 deliver_at: None,
+                expected_seq: None,
             }
         })
         .collect();

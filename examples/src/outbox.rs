@@ -44,6 +44,7 @@ impl Order {
             key: Some(self.customer.clone()),
             payload: crate::order_payload(&self.id, &self.customer, self.amount_cents),
             deliver_at: None,
+            expected_seq: None,
         }
     }
 }

@@ -183,6 +183,7 @@ pub async fn run(store_url: &str, orders: usize) -> anyhow::Result<Vec<serde_jso
             key: Some(format!("customer-{}", i % 3)),
             payload: crate::order_payload(&i.to_string(), "c", 100),
             deliver_at: None,
+            expected_seq: None,
         })
         .collect();
     store.publish(events).await?;

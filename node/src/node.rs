@@ -50,6 +50,7 @@ use tokio::sync::{oneshot, watch};
 use crate::activity::HandlerActivity;
 use crate::actors::lane_owner::{LaneDeps, StopLane, Wake};
 use crate::actors::lane_supervisor::{Apply, DrainBound, Owners, Shutdown};
+use crate::actors::store_actor::Quiesce;
 use crate::actors::{
     LaneBoard, LaneConfig, LaneOwner, LaneState, LaneSupervisor, StoreActor, StoreActorConfig,
 };
@@ -701,7 +702,7 @@ async fn run(
     shutdown: oneshot::Receiver<()>,
 ) -> Result<(), NodeError> {
     let drain_timeout = opts.drain_timeout;
-    let (state, addr, supervisor) = match boot(opts).await {
+    let (state, addr, supervisor, store_actor) = match boot(opts).await {
         Ok(v) => v,
         Err(e) => {
             let msg = e.to_string();
@@ -779,18 +780,32 @@ async fn run(
         }
         c.shutdown().await;
     }
+    // The store calls under way end before the runtime goes (each is bounded
+    // by the store actor's call timeout; no new one starts): a call cut off
+    // there leaves its outcome unknown and, on MongoDB, its transaction open
+    // on the server, holding the lane documents or counters it wrote until
+    // the server reaps it (the driver aborts a dropped session's transaction
+    // in a task of this runtime, which never runs once it has gone).
+    let _ = store_actor.send(Quiesce).await;
     System::current().stop();
     Ok(())
 }
+
+/// What [`boot`] started: the shared state, the API's address, the lane
+/// supervisor and the store actor.
+type Booted = (
+    Arc<NodeState>,
+    SocketAddr,
+    Addr<LaneSupervisor>,
+    Addr<StoreActor>,
+);
 
 /// Starts everything a node runs, in order: the store and the handler
 /// catalog, the API's listener, the cluster member, the shared state and
 /// the API, the lane assignment and its lane owners, the store's
 /// wake-ups. Returns once the node is ready (its lanes fenced and their
 /// owners started).
-async fn boot(
-    opts: NodeOptions,
-) -> Result<(Arc<NodeState>, SocketAddr, Addr<LaneSupervisor>), NodeError> {
+async fn boot(opts: NodeOptions) -> Result<Booted, NodeError> {
     opts.check()?;
     let metrics_handle = metrics::install_recorder();
     let (store, catalog) = open_store(&opts).await?;
@@ -823,8 +838,9 @@ async fn boot(
         opts.retention,
     ));
     serve_api(&opts, listener, &state);
+    let store_actor = StoreActor::new(store.clone(), opts.store_actor).start();
     let deps = LaneDeps {
-        store_actor: StoreActor::new(store.clone(), opts.store_actor).start(),
+        store_actor: store_actor.clone(),
         catalog,
         dispatcher,
         board: state.board.clone(),
@@ -837,7 +853,7 @@ async fn boot(
     let supervisor = start_lane_supervisor(&state, deps, assignment, drain_bound).await?;
     forward_wakeups(wakeups, &state);
     state.ready.send_replace(true);
-    Ok((state, addr, supervisor))
+    Ok((state, addr, supervisor, store_actor))
 }
 
 /// Opens the store and loads the handler catalog (reloaded in the

@@ -218,6 +218,7 @@ async fn disabled_handler_does_not_hold_up_its_lane(backend: Backend) -> anyhow:
                 key: Some(key.clone()),
                 payload: format!("{{\"n\":{i}}}").into_bytes(),
                 deliver_at: None,
+                expected_seq: None,
             });
         }
         store.publish(batch).await?;

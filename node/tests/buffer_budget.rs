@@ -74,6 +74,7 @@ async fn large_backlog_stays_within_the_budget(backend: Backend) -> anyhow::Resu
                 key: Some(key),
                 payload: format!("{{\"n\":{i},\"f\":\"{filler}\"}}").into_bytes(),
                 deliver_at: None,
+                expected_seq: None,
             }])
             .await?;
     }

@@ -53,8 +53,8 @@ const ARGS: &[&str] = &[
 /// The graceful-move scenario (a fourth node catching up the whole Raft
 /// log while three nodes deliver) on these loaded 2-core machines can stall
 /// renewals past a 1.5 s lease in a debug build, which turns graceful moves
-/// into failovers; it runs with a 3 s lease instead.
-const ARGS_JOIN: &[&str] = common::LEASE_3S_ARGS;
+/// into failovers; it runs with a 3 s lease instead
+/// ([`common::lease_3s_args`]).
 
 fn run_size() -> (usize, usize) {
     run_size_default(3_000)
@@ -159,6 +159,7 @@ impl Fixture {
                     key: e.key.clone(),
                     payload: e.payload.clone().into_bytes(),
                     deliver_at: None,
+                    expected_seq: None,
                 })
                 .collect();
             self.store.publish(batch).await?;
@@ -430,7 +431,7 @@ async fn paused_past_lease(backend: Backend) -> anyhow::Result<()> {
 }
 
 async fn fourth_joins_and_one_leaves(backend: Backend) -> anyhow::Result<()> {
-    let mut f = Fixture::with_args(backend, "join4", ARGS_JOIN).await?;
+    let mut f = Fixture::with_args(backend, "join4", &common::lease_3s_args()).await?;
     f.start(&[1, 2, 3]).await?;
     let before = f.cluster.lanes(1).await?;
     let (n, keys) = run_size();
@@ -489,7 +490,7 @@ async fn fourth_joins_and_one_leaves(backend: Backend) -> anyhow::Result<()> {
 /// twice and no key has two requests in flight. With the bound taken at
 /// start the new owners sent the in-flight deliveries again.
 async fn handler_added_after_start(backend: Backend) -> anyhow::Result<()> {
-    let mut f = Fixture::with_args(backend, "late_handler", ARGS_JOIN).await?;
+    let mut f = Fixture::with_args(backend, "late_handler", &common::lease_3s_args()).await?;
     f.start(&[1, 2]).await?;
     let slow = f
         .store
@@ -652,6 +653,7 @@ async fn same_id_twice(backend: Backend) -> anyhow::Result<()> {
             key: e.key.clone(),
             payload: e.payload.clone().into_bytes(),
             deliver_at: None,
+            expected_seq: None,
         })
         .collect();
     store.publish(batch).await?;
@@ -961,7 +963,12 @@ async fn a_node_with_other_lease_settings_is_refused_at_join() {
     first.wait_ready(1, Duration::from_secs(30)).await.unwrap();
     let other = dir.join("other");
     std::fs::create_dir_all(&other).unwrap();
-    let mut second = LocalCluster::new(env!("CARGO_BIN_EXE_lanebus"), &other, &db.url, ARGS_JOIN);
+    let mut second = LocalCluster::new(
+        env!("CARGO_BIN_EXE_lanebus"),
+        &other,
+        &db.url,
+        &common::lease_3s_args(),
+    );
     second.spawn(2, Start::Join(first.url(1))).unwrap();
     let log = other.join("node-2.1.log");
     let deadline = Instant::now() + Duration::from_secs(60);

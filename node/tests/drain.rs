@@ -52,6 +52,7 @@ async fn drain(backend: Backend) -> anyhow::Result<()> {
                 key: e.key.clone(),
                 payload: e.payload.clone().into_bytes(),
                 deliver_at: None,
+                expected_seq: None,
             })
             .collect();
         store.publish(batch).await?;

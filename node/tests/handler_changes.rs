@@ -747,6 +747,7 @@ fn new_event(id: String, key: &str) -> NewEvent {
         key: Some(key.into()),
         payload: b"{}".to_vec(),
         deliver_at: None,
+        expected_seq: None,
     }
 }
 

@@ -95,6 +95,7 @@ async fn killed_and_restarted(backend: Backend) -> anyhow::Result<()> {
                 key: e.key.clone(),
                 payload: e.payload.clone().into_bytes(),
                 deliver_at: None,
+                expected_seq: None,
             })
             .collect();
         store.publish(batch).await?;

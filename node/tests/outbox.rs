@@ -19,6 +19,7 @@ fn event(id: &str, key: &str) -> NewEvent {
         key: Some(key.into()),
         payload: br#"{"n":1}"#.to_vec(),
         deliver_at: None,
+        expected_seq: None,
     }
 }
 

@@ -42,10 +42,6 @@ use lanebus_examples::receiver::Inbox;
 use lanebus_store::{lane_of_key, DeadLetterFilter, NewEvent, NewHandler, DEFAULT_LANES};
 use lanebus_testkit::local_cluster::{LocalCluster, Start};
 
-/// Lease 3 s renewed every 500 ms, margin 1 s: room for a 2 s handler
-/// timeout, inside which the proxy must have frozen node A.
-const ARGS: &[&str] = common::LEASE_3S_ARGS;
-
 const HANDLER_TIMEOUT_MS: u64 = 2_000;
 
 const KEY: &str = "customer-7";
@@ -264,6 +260,7 @@ fn event(id: &str, n: i64) -> NewEvent {
             .to_string()
             .into_bytes(),
         deliver_at: None,
+        expected_seq: None,
     }
 }
 
@@ -295,7 +292,12 @@ async fn late_write_of_a_deposed_owner(backend: Backend) -> anyhow::Result<()> {
         })
         .await?;
 
-    let mut cluster = LocalCluster::new(env!("CARGO_BIN_EXE_lanebus"), &dir, &db.url, ARGS);
+    let mut cluster = LocalCluster::new(
+        env!("CARGO_BIN_EXE_lanebus"),
+        &dir,
+        &db.url,
+        &common::lease_3s_args(),
+    );
     cluster.spawn(1, Start::Bootstrap)?;
     cluster.wait_ready(1, Duration::from_secs(60)).await?;
     let join = cluster.url(1);

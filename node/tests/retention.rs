@@ -142,6 +142,7 @@ async fn run() -> anyhow::Result<()> {
                         key: Some(format!("k{}", i % 500)),
                         payload: br#"{"n":1}"#.to_vec(),
                         deliver_at: None,
+                        expected_seq: None,
                     })
                     .collect();
                 store.publish(batch).await.map(|_| ())

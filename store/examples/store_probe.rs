@@ -126,6 +126,7 @@ async fn run(
                 key: Some(format!("repo-{}", (chunk * 100 + i) % keys)),
                 payload: payload.clone(),
                 deliver_at: None,
+                expected_seq: None,
             })
             .collect();
         store.publish(batch).await?;

@@ -55,6 +55,9 @@ pub(crate) struct PlannedEvent {
     pub client_id: bool,
     /// Delayed delivery: the deliveries' first due time (`None`: at once).
     pub deliver_at: Option<DateTime<Utc>>,
+    /// The key's sequence expected just before this event
+    /// ([`NewEvent::expected_seq`]; checked by [`check_expected`]).
+    pub expected_seq: Option<i64>,
 }
 
 /// A validated publish batch.
@@ -107,6 +110,7 @@ impl PublishPlan {
                 payload: e.payload,
                 client_id,
                 deliver_at: e.deliver_at,
+                expected_seq: e.expected_seq,
             });
         }
         PublishPlan {
@@ -114,6 +118,30 @@ impl PublishPlan {
             fresh,
             duplicates,
         }
+    }
+
+    /// Whether an event still to be written expects a sequence
+    /// ([`NewEvent::expected_seq`]).
+    pub fn expects(&self) -> bool {
+        self.fresh.iter().any(|e| e.expected_seq.is_some())
+    }
+
+    /// Whether this batch expects a sequence of a key that an event of
+    /// `earlier` writes: written after them in one group, its expectation
+    /// would count their events, which its publisher cannot have seen
+    /// ([`crate::group`] starts a new group at it instead).
+    pub fn expects_after<'a>(&self, earlier: impl IntoIterator<Item = &'a PublishPlan>) -> bool {
+        let keys: HashSet<&str> = self
+            .fresh
+            .iter()
+            .filter(|e| e.expected_seq.is_some())
+            .filter_map(|e| e.key.as_deref())
+            .collect();
+        !keys.is_empty()
+            && earlier
+                .into_iter()
+                .flat_map(|p| &p.fresh)
+                .any(|e| e.key.as_deref().is_some_and(|k| keys.contains(k)))
     }
 
     #[cfg(any(feature = "sqlite", feature = "mongodb"))]
@@ -176,6 +204,37 @@ impl PublishPlan {
             })
             .collect()
     }
+}
+
+/// Checks the expected sequences ([`NewEvent::expected_seq`]) of the
+/// events a write is about to store, each with the sequence number it was
+/// assigned, in write order (a batch, or a group's merged batches; events
+/// found already stored left out, as they are not checked): each
+/// expectation must equal its event's sequence minus one. Called inside the
+/// transaction that raised the key counters, before it commits.
+///
+/// # Errors
+/// [`StoreError::SeqConflict`] for the first expectation that does not
+/// hold, with the key's sequence before the write as `current` (its first
+/// written event's number minus one).
+pub(crate) fn check_expected<'a>(
+    written: impl IntoIterator<Item = (&'a PlannedEvent, Option<i64>)>,
+) -> Result<()> {
+    let mut first: std::collections::HashMap<&str, i64> = std::collections::HashMap::new();
+    for (e, seq) in written {
+        let (Some(key), Some(seq)) = (e.key.as_deref(), seq) else {
+            continue;
+        };
+        let before = *first.entry(key).or_insert(seq) - 1;
+        if let Some(expected) = e.expected_seq.filter(|&x| x != seq - 1) {
+            return Err(StoreError::SeqConflict {
+                key: key.to_owned(),
+                expected,
+                current: before,
+            });
+        }
+    }
+    Ok(())
 }
 
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
@@ -385,7 +444,69 @@ mod tests {
             key: key.map(Into::into),
             payload: b"{}".to_vec(),
             deliver_at: None,
+            expected_seq: None,
         }
+    }
+
+    fn expecting(id: &str, key: &str, expected: Option<i64>) -> NewEvent {
+        NewEvent {
+            expected_seq: expected,
+            ..ev(Some(id), Some(key))
+        }
+    }
+
+    #[test]
+    fn expectations_count_the_earlier_events_of_their_key() {
+        let plan = PublishPlan::new(
+            vec![
+                expecting("a", "k", Some(4)),
+                expecting("b", "j", None),
+                expecting("c", "k", None),
+                expecting("d", "k", Some(6)),
+            ],
+            16,
+        )
+        .expect("valid");
+        assert!(plan.expects());
+        // k at 4 before the write: a takes 5, c 6, d 7.
+        let seqs = [Some(5), Some(1), Some(6), Some(7)];
+        assert!(check_expected(plan.fresh.iter().zip(seqs)).is_ok());
+        // k at 5: a's expectation fails, naming where k stood.
+        let seqs = [Some(6), Some(1), Some(7), Some(8)];
+        let err = check_expected(plan.fresh.iter().zip(seqs)).unwrap_err();
+        assert!(
+            matches!(&err, StoreError::SeqConflict { key, expected: 4, current: 5 } if key == "k"),
+            "{err:?}"
+        );
+        // A later expectation of the batch counts its earlier events.
+        let plan = PublishPlan::new(
+            vec![expecting("a", "k", Some(0)), expecting("b", "k", Some(0))],
+            16,
+        )
+        .expect("valid");
+        let err = check_expected(plan.fresh.iter().zip([Some(1), Some(2)])).unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                StoreError::SeqConflict {
+                    expected: 0,
+                    current: 0,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn a_batch_expecting_a_key_of_earlier_batches_waits() {
+        let earlier = PublishPlan::new(vec![ev(Some("x"), Some("k"))], 16).expect("valid");
+        let other = PublishPlan::new(vec![ev(Some("y"), Some("j"))], 16).expect("valid");
+        let plan = PublishPlan::new(vec![expecting("a", "k", Some(3))], 16).expect("valid");
+        assert!(plan.expects_after([&other, &earlier]));
+        assert!(!plan.expects_after([&other]));
+        // Without an expectation, a batch of the key joins the group.
+        assert!(!earlier.expects_after([&earlier]));
     }
 
     #[test]

@@ -12,9 +12,14 @@
 //! publishes had run one after the other. Each caller is answered after the
 //! commit, with its own ids and counts. When the group's write fails with an
 //! error that could come from one caller's events, each batch is written
-//! again on its own, so each caller gets its own verdict. The writer runs in
-//! a task of its own: a caller that goes away does not cancel the others'
-//! write.
+//! again on its own, so each caller gets its own verdict: a batch whose
+//! expected sequence ([`crate::NewEvent::expected_seq`]) does not hold
+//! fails the group's write ([`StoreError::SeqConflict`]), and only its
+//! caller gets the conflict. A batch that expects a sequence of a key that
+//! an earlier batch of the forming group writes starts the next group
+//! instead ([`PublishPlan::expects_after`]): it was formed without those
+//! events, so it would fail the group. The writer runs in a task of its
+//! own: a caller that goes away does not cancel the others' write.
 //!
 //! Source of the method: group commit as in seed 003 (the appends that queue
 //! behind a write are written together in the next one).
@@ -155,7 +160,10 @@ impl Grouper {
                     let n = job.plan.fresh.len();
                     let b: usize = job.plan.fresh.iter().map(|e| e.payload.len()).sum();
                     if !jobs.is_empty()
-                        && (events + n > GROUP_EVENTS || bytes + b > GROUP_PAYLOAD_BYTES)
+                        && (events + n > GROUP_EVENTS
+                            || bytes + b > GROUP_PAYLOAD_BYTES
+                            || (job.plan.expects()
+                                && job.plan.expects_after(jobs.iter().map(|j: &Job| &j.plan))))
                     {
                         break;
                     }
@@ -336,6 +344,15 @@ fn same_error(e: &StoreError) -> StoreError {
         StoreError::Unavailable(m) => StoreError::Unavailable(m.clone()),
         StoreError::Timeout(m) => StoreError::Timeout(m.clone()),
         StoreError::Database(m) => StoreError::Database(m.clone()),
+        StoreError::SeqConflict {
+            key,
+            expected,
+            current,
+        } => StoreError::SeqConflict {
+            key: key.clone(),
+            expected: *expected,
+            current: *current,
+        },
     }
 }
 
@@ -353,6 +370,7 @@ mod tests {
                 key: key.map(Into::into),
                 payload: b"{}".to_vec(),
                 deliver_at: None,
+                expected_seq: None,
             })
             .collect();
         PublishPlan::new(events, 16).expect("valid")
@@ -374,11 +392,13 @@ mod tests {
     }
 
     /// A store that fails a write holding `poison` and records the ids of
-    /// each write that committed.
+    /// each write that committed; it numbers keyed events per key and
+    /// checks their expected sequences as the backends do.
     #[derive(Clone, Default)]
     struct Fake {
         committed: Arc<Mutex<Vec<Vec<String>>>>,
         stored: Arc<Mutex<HashSet<String>>>,
+        seqs: Arc<Mutex<std::collections::HashMap<String, i64>>>,
     }
 
     #[async_trait]
@@ -395,6 +415,23 @@ mod tests {
                 .filter(|id| stored.contains(*id))
                 .cloned()
                 .collect();
+            let mut seqs = self.seqs.lock().expect("lock");
+            let mut next = seqs.clone();
+            let written: Vec<_> = plan
+                .fresh
+                .iter()
+                .filter(|e| !found.contains(&e.id))
+                .map(|e| {
+                    let seq = e.key.as_ref().map(|k| {
+                        let n = next.entry(k.clone()).or_default();
+                        *n += 1;
+                        *n
+                    });
+                    (e, seq)
+                })
+                .collect();
+            crate::common::check_expected(written)?;
+            *seqs = next;
             stored.extend(ids.iter().cloned());
             self.committed.lock().expect("lock").push(ids);
             Ok(found)
@@ -455,6 +492,100 @@ mod tests {
         );
     }
 
+    /// Publishes each plan from a task of its own, all queued before the
+    /// writer first runs (on one thread), and returns their answers in
+    /// order.
+    async fn publish_all(
+        grouper: &Arc<Grouper>,
+        fake: &Fake,
+        plans: Vec<PublishPlan>,
+    ) -> Vec<Result<PublishOutcome>> {
+        let tasks: Vec<_> = plans
+            .into_iter()
+            .map(|p| {
+                let (g, w) = (grouper.clone(), fake.clone());
+                tokio::spawn(async move { g.publish(&w, p).await })
+            })
+            .collect();
+        let mut results = Vec::new();
+        for t in tasks {
+            results.push(t.await.expect("task"));
+        }
+        results
+    }
+
+    /// A batch of one event of `key` with id `id`, expecting `expected`.
+    fn expecting(id: &str, key: &str, expected: Option<i64>) -> PublishPlan {
+        let e = NewEvent {
+            id: Some(id.into()),
+            event_type: "t".into(),
+            key: Some(key.into()),
+            payload: b"{}".to_vec(),
+            deliver_at: None,
+            expected_seq: expected,
+        };
+        PublishPlan::new(vec![e], 16).expect("valid")
+    }
+
+    // On one thread every caller queues before the writer task first runs.
+    // Callers 0 to 5 form one group (other keys, right expectations, and
+    // caller 3's wrong one), which fails on caller 3 and is written batch
+    // by batch; callers 6 and 7 expect key k where an earlier batch of the
+    // group writes it, so each starts a group of its own: 6 wins k's 4th
+    // sequence, 7 is told k is at 4 (3 is told 3, or 4 when its batch was
+    // written alone after 6's).
+    #[tokio::test]
+    async fn a_broken_expectation_fails_only_its_caller() {
+        let grouper = Arc::new(Grouper::default());
+        let fake = Fake::default();
+        fake.seqs.lock().expect("lock").insert("k".into(), 3);
+        let plans = vec![
+            expecting("c0", "j0", None),
+            expecting("c1", "j1", Some(0)),
+            expecting("c2", "j2", None),
+            expecting("c3", "k", Some(2)),
+            expecting("c4", "j4", Some(0)),
+            expecting("c5", "j0", None),
+            expecting("c6", "k", Some(3)),
+            expecting("c7", "k", Some(3)),
+        ];
+        let results = publish_all(&grouper, &fake, plans).await;
+        for (c, result) in results.into_iter().enumerate() {
+            match c {
+                3 => assert!(
+                    matches!(&result, Err(StoreError::SeqConflict { key, expected: 2, current: 3 | 4 })
+                        if key == "k"),
+                    "{result:?}"
+                ),
+                7 => assert!(
+                    matches!(
+                        &result,
+                        Err(StoreError::SeqConflict {
+                            expected: 3,
+                            current: 4,
+                            ..
+                        })
+                    ),
+                    "{result:?}"
+                ),
+                _ => assert_eq!(result.expect("stored").accepted, 1, "caller {c}"),
+            }
+        }
+        let seqs = fake.seqs.lock().expect("lock").clone();
+        assert_eq!(
+            (seqs["k"], seqs["j0"], seqs["j1"], seqs["j4"]),
+            (4, 2, 1, 1)
+        );
+        // The group of six, each of its batches alone, then 6's and 7's.
+        assert_eq!(
+            grouper.stats(),
+            GroupStats {
+                publishes: 8,
+                writes: 1 + 6 + 2
+            }
+        );
+    }
+
     #[test]
     fn a_writer_dropped_with_its_runtime_lets_the_next_publish_start_one() {
         let grouper = Arc::new(Grouper::default());
@@ -499,6 +630,7 @@ mod tests {
                 key: None,
                 payload: payload.clone(),
                 deliver_at: None,
+                expected_seq: None,
             })
             .collect();
         PublishPlan::new(events, 16).expect("valid")
@@ -516,15 +648,8 @@ mod tests {
         plans.push(sized("b0", 11, big));
         plans.push(sized("b1", 11, big));
         plans.push(sized("s", 1, 2));
-        let tasks: Vec<_> = plans
-            .into_iter()
-            .map(|p| {
-                let (g, w) = (grouper.clone(), fake.clone());
-                tokio::spawn(async move { g.publish(&w, p).await })
-            })
-            .collect();
-        for t in tasks {
-            t.await.expect("task").expect("publish");
+        for result in publish_all(&grouper, &fake, plans).await {
+            result.expect("publish");
         }
         let sizes: Vec<usize> = fake
             .committed

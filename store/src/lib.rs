@@ -129,6 +129,21 @@ pub enum StoreError {
     /// Any other database error (a fault to look into, not the caller's).
     #[error("store error: {0}")]
     Database(String),
+    /// A publish's [`NewEvent::expected_seq`] did not hold: nothing of the
+    /// batch was stored. Not retried by the store: the publisher reads
+    /// `current` (or its stream) again and decides.
+    #[error(
+        "conflict: event key {key:?} is at sequence {current}, the publish expected {expected}"
+    )]
+    SeqConflict {
+        /// The event key.
+        key: String,
+        /// The expectation that failed (the first one found).
+        expected: i64,
+        /// The key's last sequence number when the publish was checked
+        /// (before the batch; 0 for a key without events).
+        current: i64,
+    },
 }
 
 /// Result alias for store operations.
@@ -150,6 +165,22 @@ pub struct NewEvent {
     /// past time: at once. At most [`MAX_DELIVER_AHEAD`] from now. A keyed
     /// event's later events wait behind it (per-key order holds).
     pub deliver_at: Option<DateTime<Utc>>,
+    /// Optimistic concurrency on the key as an event stream: the key's last
+    /// sequence number the publisher saw (0: the key has no event yet).
+    /// The publish stores the batch only if, for every event that sets it,
+    /// the key's last sequence just before that event equals it, counting
+    /// the batch's earlier new events of the key (so a batch sets it on its
+    /// first event of the key, and on later ones the next values or
+    /// nothing); otherwise nothing of the batch is stored and the publish
+    /// fails with [`StoreError::SeqConflict`], which names the key's
+    /// current sequence. Checked in the transaction that assigns the key's
+    /// sequence numbers, so of concurrent publishers expecting the same
+    /// value exactly one succeeds. Needs a [`key`](Self::key) and is 0 or
+    /// more ([`rules::event::expected_seq`]). An event whose id is a
+    /// duplicate (already stored, or earlier in the batch) is answered as a
+    /// duplicate, its expectation not checked: its first publish passed
+    /// its check (a retry of a stored batch is answered as before).
+    pub expected_seq: Option<i64>,
 }
 
 /// What a publish did, in the order of the input batch.
@@ -983,9 +1014,19 @@ pub trait Store: Send + Sync + 'static {
     /// arrival order, as if the calls had run one after the other; each call
     /// returns after that commit with its own outcome.
     ///
+    /// An event's [`NewEvent::expected_seq`] is checked against its key's
+    /// sequence in the same transaction (in a group, after the group's
+    /// earlier batches, as if the calls had run one after the other; a
+    /// batch that expects a sequence of a key an earlier batch of the
+    /// forming group writes waits for the next group). A group whose write
+    /// fails on one batch's expectation is written again batch by batch, so
+    /// only that caller gets [`StoreError::SeqConflict`].
+    ///
     /// # Errors
     /// [`StoreError::Invalid`] for an event breaking [`NewEvent::validate`]
-    /// (nothing is written); [`StoreError::Unavailable`]/[`StoreError::Timeout`]/[`StoreError::Database`].
+    /// (nothing is written); [`StoreError::SeqConflict`] for an expectation
+    /// that did not hold (nothing is written);
+    /// [`StoreError::Unavailable`]/[`StoreError::Timeout`]/[`StoreError::Database`].
     async fn publish(&self, events: Vec<NewEvent>) -> Result<PublishOutcome>;
 
     /// Publishes lanebus's own operational events ([`operational`]) as

@@ -96,6 +96,7 @@ fn event(handler_id: &str, what: String, event_type: &str, payload: serde_json::
         key: Some(handler_id.to_owned()),
         payload: payload.to_string().into_bytes(),
         deliver_at: None,
+        expected_seq: None,
     }
 }
 

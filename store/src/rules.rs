@@ -13,6 +13,7 @@
 //! | event | `key` | 1 to 256 bytes, no control characters |
 //! | event | `payload` | at most 1 MiB, nested at most 128 deep |
 //! | event | `deliver_at` | at most 7 days ahead |
+//! | event | `expected_seq` | 0 or more, and only with a `key` |
 //! | event | `events` | at most 1,000 events per publish |
 //! | route | `event_types[i]` | an event type, or a prefix with one trailing `*` |
 //! | handler | `name` | 1 to 128 characters, not blank, no control characters |
@@ -62,6 +63,9 @@ pub enum Rule {
     Horizon,
     /// A name reserved for lanebus itself (the `lanebus.` event types).
     Reserved,
+    /// A field given without another one it needs (`expected_seq` without
+    /// `key`).
+    Requires,
 }
 
 /// A broken rule: which field, which kind of rule, and a message for
@@ -261,6 +265,33 @@ pub mod event {
         Ok(())
     }
 
+    /// Checks an expected sequence number ([`NewEvent::expected_seq`]): 0
+    /// or more (0: the key has no event yet), and only on a keyed event
+    /// (`keyed`): sequences are per key.
+    ///
+    /// # Errors
+    /// [`Rule::Range`] or [`Rule::Requires`] on `expected_seq`.
+    pub fn expected_seq(n: i64, keyed: bool) -> Result<(), Broken> {
+        if n < 0 {
+            return Err(Broken::new(
+                "expected_seq",
+                Rule::Range,
+                format!("expected_seq {n} must be 0 or more (0: the key has no event yet)"),
+            ));
+        }
+        if !keyed {
+            return Err(Broken::new(
+                "expected_seq",
+                Rule::Requires,
+                format!(
+                    "expected_seq {n} needs a key: sequence numbers are per key, an unkeyed \
+                     event has none"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Prefix of the event types lanebus publishes itself (its operational
     /// events, [`crate::operational`]); no one else may publish them.
     pub const RESERVED_PREFIX: &str = "lanebus.";
@@ -326,10 +357,13 @@ pub mod event {
         fields(e, now)
     }
 
-    /// The rules of key, payload and delivery time.
+    /// The rules of key, expected sequence, payload and delivery time.
     fn fields(e: &NewEvent, now: DateTime<Utc>) -> Result<(), Broken> {
         if let Some(k) = &e.key {
             key(k)?;
+        }
+        if let Some(n) = e.expected_seq {
+            expected_seq(n, e.key.is_some())?;
         }
         payload(&e.payload)?;
         if let Some(at) = e.deliver_at {
@@ -874,7 +908,30 @@ mod tests {
             key: key.map(str::to_owned),
             payload: b"{}".to_vec(),
             deliver_at: None,
+            expected_seq: None,
         }
+    }
+
+    #[test]
+    fn an_expected_seq_needs_a_key_and_is_not_negative() {
+        let now = chrono::Utc::now();
+        let mut e = ev(None, Some("k"));
+        for n in [0, 1, i64::MAX] {
+            e.expected_seq = Some(n);
+            assert!(event::check(&e, now).is_ok(), "{n}");
+        }
+        e.expected_seq = Some(-1);
+        let b = event::check(&e, now).unwrap_err();
+        assert_eq!((b.field.as_str(), b.rule), ("expected_seq", Rule::Range));
+        let mut e = ev(None, None);
+        e.expected_seq = Some(0);
+        let b = event::batch(&[ev(None, None), e.clone()], now).unwrap_err();
+        assert_eq!(
+            (b.field.as_str(), b.rule),
+            ("events[1].expected_seq", Rule::Requires)
+        );
+        assert!(b.message.contains("needs a key"), "{b}");
+        assert!(e.validate().is_err());
     }
 
     /// Every way in (the API and `publish_in`) refuses a payload nested

@@ -53,6 +53,13 @@ trait Harness: Send + Sync {
         batches: Vec<Vec<NewEvent>>,
         commit: bool,
     ) -> Result<Vec<PublishOutcome>>;
+    /// Runs `publish_in` once per batch inside one caller transaction,
+    /// going on after a refused batch, then commits: each batch's result
+    /// and the commit's.
+    async fn publish_in_each(
+        &self,
+        batches: Vec<Vec<NewEvent>>,
+    ) -> (Vec<Result<PublishOutcome>>, Result<()>);
     /// Moves every stored event's publish time, completion's completion time
     /// and delivery's due time `by` into the past (tests of retention, which
     /// counts in hours).
@@ -115,6 +122,22 @@ impl Harness for SqliteHarness {
             tx.rollback().await.map_err(sql_error)?;
         }
         Ok(out)
+    }
+    async fn publish_in_each(
+        &self,
+        batches: Vec<Vec<NewEvent>>,
+    ) -> (Vec<Result<PublishOutcome>>, Result<()>) {
+        let mut tx = self
+            .store
+            .pool()
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .expect("begin");
+        let mut out = Vec::new();
+        for b in batches {
+            out.push(self.store.publish_in(&mut tx, b).await);
+        }
+        (out, tx.commit().await.map_err(sql_error))
     }
     async fn age(&self, by: chrono::TimeDelta) {
         let us = by.num_microseconds().expect("age in µs");
@@ -210,6 +233,17 @@ impl Harness for PgHarness {
             tx.rollback().await.map_err(sql_error)?;
         }
         Ok(out)
+    }
+    async fn publish_in_each(
+        &self,
+        batches: Vec<Vec<NewEvent>>,
+    ) -> (Vec<Result<PublishOutcome>>, Result<()>) {
+        let mut tx = self.store.pool().begin().await.expect("begin");
+        let mut out = Vec::new();
+        for b in batches {
+            out.push(self.store.publish_in(&mut tx, b).await);
+        }
+        (out, tx.commit().await.map_err(sql_error))
     }
     async fn age(&self, by: chrono::TimeDelta) {
         let us = by.num_microseconds().expect("age in µs");
@@ -314,6 +348,22 @@ impl Harness for MongoHarness {
         .map_err(|e| StoreError::Database(e.to_string()))?;
         Ok(out)
     }
+    async fn publish_in_each(
+        &self,
+        batches: Vec<Vec<NewEvent>>,
+    ) -> (Vec<Result<PublishOutcome>>, Result<()>) {
+        let mut session = self.store.client().start_session().await.expect("session");
+        session.start_transaction().await.expect("start");
+        let mut out = Vec::new();
+        for b in batches {
+            out.push(self.store.publish_in(&mut session, b).await);
+        }
+        let committed = session
+            .commit_transaction()
+            .await
+            .map_err(|e| StoreError::Database(e.to_string()));
+        (out, committed)
+    }
     async fn age(&self, by: chrono::TimeDelta) {
         use ::mongodb::bson::doc;
         let us = by.num_microseconds().expect("age in µs");
@@ -414,6 +464,10 @@ conformance!(
     attempt_log_keeps_the_last_failed_attempts,
     operational_types_are_reserved_and_routed_apart,
     state_changes_tell_their_operational_event_once,
+    expected_seq_lets_exactly_one_writer_win_each_sequence,
+    a_broken_expectation_stores_nothing_of_the_batch,
+    a_broken_expectation_fails_only_its_caller,
+    a_broken_expectation_in_a_caller_transaction,
 );
 
 // ---------------------------------------------------------------------------
@@ -427,6 +481,7 @@ fn ev(id: Option<&str>, ty: &str, key: Option<&str>) -> NewEvent {
         key: key.map(Into::into),
         payload: br#"{"n":1}"#.to_vec(),
         deliver_at: None,
+        expected_seq: None,
     }
 }
 
@@ -440,6 +495,15 @@ fn new_handler(name: &str, types: &[&str]) -> NewHandler {
         max_in_flight: handler_defaults::MAX_IN_FLIGHT,
         secret: String::new(),
         rate_limit: None,
+    }
+}
+
+/// An event of `key` with id `id` expecting the key at `expected`
+/// ([`NewEvent::expected_seq`]).
+fn at(id: &str, key: &str, expected: Option<i64>) -> NewEvent {
+    NewEvent {
+        expected_seq: expected,
+        ..ev(Some(id), "stream.appended", Some(key))
     }
 }
 
@@ -1494,6 +1558,7 @@ async fn payload_bytes_round_trip_exactly(h: &dyn Harness) {
             key,
             payload,
             deliver_at: None,
+            expected_seq: None,
         })
         .collect();
     // Bytes that are not even UTF-8 are kept as given.
@@ -1503,6 +1568,7 @@ async fn payload_bytes_round_trip_exactly(h: &dyn Harness) {
         key: None,
         payload: (0..=255u8).chain([0, 0, 255]).collect(),
         deliver_at: None,
+        expected_seq: None,
     });
     let want: HashMap<String, (String, Vec<u8>)> = events
         .iter()
@@ -5192,4 +5258,294 @@ async fn state_changes_tell_their_operational_event_once(h: &dyn Harness) {
             (3, operational::HANDLER_DISABLED.to_owned()),
         ]
     );
+}
+
+// ---------------------------------------------------------------------------
+// Expected sequences (optimistic concurrency on a key)
+// ---------------------------------------------------------------------------
+
+/// 128 writers use one key as an event stream with optimistic concurrency,
+/// through four store instances (four group writers, so publishes race in
+/// the database, not only in one queue); each publishes one event expecting
+/// the key's last sequence it knows (0 at first), and on a conflict takes
+/// the current sequence the answer names, until the key has `total`
+/// events (SQLite: two instances, whose writes queue for the file's lock
+/// anyway). Each sequence is won by exactly one writer, the key's sequences
+/// are 1 to `total` without a gap, each writer's successes are exactly the
+/// stored events it published, and each conflict names a sequence past the
+/// one expected.
+async fn expected_seq_lets_exactly_one_writer_win_each_sequence(h: &dyn Harness) {
+    const WRITERS: usize = 128;
+    let s = h.store();
+    // SecantusDB, the MongoDB-compatible server the tests run on, is slow
+    // (a Python server): 32 sequences there (about 128 tries each), 256 on
+    // the others.
+    let total: i64 = if s.backend() == "mongodb" { 32 } else { 256 };
+    handler(&*s, "all", &["*"]).await;
+    let instances = if s.backend() == "sqlite" { 2 } else { 4 };
+    let mut stores = vec![s.clone()];
+    for _ in 1..instances {
+        stores.push(h.reopen().await);
+    }
+    let start = Arc::new(tokio::sync::Barrier::new(WRITERS));
+    let mut tasks = Vec::new();
+    for w in 0..WRITERS {
+        let (st, start) = (stores[w % stores.len()].clone(), start.clone());
+        tasks.push(tokio::spawn(async move {
+            start.wait().await;
+            let mut seen = 0;
+            let (mut won, mut conflicts) = (Vec::new(), 0usize);
+            while seen < total {
+                let id = format!("w{w}-after-{seen}");
+                match st.publish(vec![at(&id, "stream", Some(seen))]).await {
+                    Ok(out) => {
+                        assert_eq!((out.accepted, out.duplicates), (1, 0), "writer {w}");
+                        seen += 1;
+                        won.push((seen, id));
+                    }
+                    Err(StoreError::SeqConflict {
+                        key,
+                        expected,
+                        current,
+                    }) => {
+                        assert_eq!((key.as_str(), expected), ("stream", seen), "writer {w}");
+                        assert!(
+                            current > seen && current <= total,
+                            "writer {w}: expected {seen}, told {current}"
+                        );
+                        seen = current;
+                        conflicts += 1;
+                    }
+                    Err(e) => panic!("writer {w}: {e:?}"),
+                }
+            }
+            (won, conflicts)
+        }));
+    }
+    let (mut won, mut conflicts) = (Vec::new(), 0);
+    for t in tasks {
+        let (w, c) = t.await.expect("writer task");
+        won.extend(w);
+        conflicts += c;
+    }
+    assert!(conflicts > 0, "128 writers of one key met no conflict");
+    won.sort();
+    let seqs: Vec<i64> = won.iter().map(|(seq, _)| *seq).collect();
+    assert_eq!(
+        seqs,
+        (1..=total).collect::<Vec<_>>(),
+        "each sequence won by exactly one writer"
+    );
+    let ds = claim_all(&*s).await;
+    assert_eq!(seqs_of_key(&ds, "stream"), seqs, "stored gapless, in order");
+    let stored: Vec<(i64, String)> = ds
+        .iter()
+        .map(|d| (d.seq.expect("keyed"), d.event_id.clone()))
+        .collect();
+    assert_eq!(
+        stored, won,
+        "each success is the stored event at its sequence"
+    );
+    assert_eq!(counts(&*s).await.events, total);
+}
+
+/// A broken expectation stores nothing of its batch and takes no sequence
+/// number, alone or in a caller's transaction; an expectation counts the
+/// batch's earlier events of its key; a duplicate's is not checked; one
+/// without a key, or below 0, is invalid input.
+async fn a_broken_expectation_stores_nothing_of_the_batch(h: &dyn Harness) {
+    let s = h.store();
+    handler(&*s, "all", &["*"]).await;
+    let out = s
+        .publish(vec![at("a1", "a", Some(0)), at("a2", "a", Some(1))])
+        .await
+        .expect("a new key is at 0");
+    assert_eq!(out.accepted, 2);
+    let conflict = |r: Result<Vec<PublishOutcome>>| match r {
+        Err(StoreError::SeqConflict {
+            key,
+            expected,
+            current,
+        }) => (key, expected, current),
+        other => panic!("expected a conflict, got {other:?}"),
+    };
+    // Over two keys, the last event's expectation breaks.
+    let batch = vec![
+        at("b1", "b", Some(0)),
+        at("a3", "a", Some(2)),
+        at("a4", "a", Some(2)),
+    ];
+    let got = conflict(s.publish(batch).await.map(|o| vec![o]));
+    assert_eq!(got, ("a".into(), 2, 2), "a stands at 2");
+    // In a caller's transaction, after a batch that held.
+    let got = conflict(
+        h.publish_in_many(
+            vec![vec![at("b1", "b", Some(0))], vec![at("a3", "a", Some(1))]],
+            true,
+        )
+        .await,
+    );
+    assert_eq!(got, ("a".into(), 1, 2));
+    let c = counts(&*s).await;
+    assert_eq!((c.events, c.deliveries), (2, 2), "nothing of either batch");
+
+    for (e, says) in [
+        (
+            NewEvent {
+                expected_seq: Some(0),
+                ..ev(Some("u1"), "t.x", None)
+            },
+            "needs a key",
+        ),
+        (at("a3", "a", Some(-1)), "0 or more"),
+    ] {
+        let err = s.publish(vec![e.clone()]).await.expect_err("refused");
+        assert!(
+            matches!(&err, StoreError::Invalid(m) if m.starts_with("events[0]: expected_seq") && m.contains(says)),
+            "{err:?}"
+        );
+        let err = h
+            .publish_in_many(vec![vec![e]], true)
+            .await
+            .expect_err("refused in a caller's transaction too");
+        assert!(matches!(&err, StoreError::Invalid(_)), "{err:?}");
+    }
+
+    // Held: later events of a key expect the next values, or nothing.
+    let out = s
+        .publish(vec![
+            at("b1", "b", Some(0)),
+            at("a3", "a", Some(2)),
+            at("a4", "a", None),
+            at("a5", "a", Some(4)),
+        ])
+        .await
+        .expect("every expectation holds");
+    assert_eq!(out.accepted, 4);
+    // A retry of a stored event is a duplicate, its expectation (held by
+    // its first publish, stale now) not checked; a6's counts a5.
+    let out = s
+        .publish(vec![at("a3", "a", Some(2)), at("a6", "a", Some(5))])
+        .await
+        .expect("a duplicate is not checked");
+    assert_eq!((out.accepted, out.duplicates), (1, 1));
+    let ds = claim_all(&*s).await;
+    let order: Vec<(&str, i64)> = ds
+        .iter()
+        .filter(|d| d.key.as_deref() == Some("a"))
+        .map(|d| (d.event_id.as_str(), d.seq.unwrap_or(0)))
+        .collect();
+    assert_eq!(
+        order,
+        vec![
+            ("a1", 1),
+            ("a2", 2),
+            ("a3", 3),
+            ("a4", 4),
+            ("a5", 5),
+            ("a6", 6)
+        ],
+        "no number was taken by the refused batches"
+    );
+    assert_eq!(seqs_of_key(&ds, "b"), vec![1]);
+}
+
+/// Callers publishing at once, each on a key of its own with the right
+/// expectation but one: only that caller gets the conflict, whichever
+/// group its batch joined; the others are stored and answered.
+async fn a_broken_expectation_fails_only_its_caller(h: &dyn Harness) {
+    const CALLERS: usize = 24;
+    const WRONG: usize = 7;
+    let s = h.store();
+    handler(&*s, "all", &["*"]).await;
+    for round in 0..2i64 {
+        let start = Arc::new(tokio::sync::Barrier::new(CALLERS));
+        let tasks: Vec<_> = (0..CALLERS)
+            .map(|c| {
+                let (st, start) = (s.clone(), start.clone());
+                // Round 0: the wrong caller expects 3 of its new key. Round
+                // 1: every key is at 1 (the wrong one at 0).
+                let expected = match (c, round) {
+                    (WRONG, 0) => 3,
+                    (WRONG, _) => 0,
+                    (_, r) => r,
+                };
+                tokio::spawn(async move {
+                    start.wait().await;
+                    let batch = vec![
+                        at(&format!("c{c}-r{round}"), &format!("k{c}"), Some(expected)),
+                        ev(Some(&format!("u{c}-r{round}")), "t.x", None),
+                    ];
+                    st.publish(batch).await
+                })
+            })
+            .collect();
+        for (c, t) in tasks.into_iter().enumerate() {
+            let result = t.await.expect("caller task");
+            if (c, round) == (WRONG, 0) {
+                assert!(
+                    matches!(&result, Err(StoreError::SeqConflict { key, expected: 3, current: 0 })
+                        if key == "k7"),
+                    "{result:?}"
+                );
+            } else {
+                let out = result.unwrap_or_else(|e| panic!("caller {c} round {round}: {e:?}"));
+                assert_eq!((out.accepted, out.duplicates), (2, 0), "caller {c}");
+            }
+        }
+    }
+    let c = counts(&*s).await;
+    assert_eq!(
+        c.events,
+        (4 * CALLERS - 2) as i64,
+        "all but the wrong batch"
+    );
+    let ds = claim_all(&*s).await;
+    for c in 0..CALLERS {
+        let want = if c == WRONG { vec![1] } else { vec![1, 2] };
+        assert_eq!(seqs_of_key(&ds, &format!("k{c}")), want, "k{c}");
+    }
+}
+
+/// In a caller's transaction, a broken expectation refuses its batch:
+/// PostgreSQL and SQLite roll back the batch's savepoint and the
+/// transaction goes on; MongoDB, without savepoints, aborts the
+/// transaction, so nothing of it is committed (its raised key counter
+/// would leave a gap).
+async fn a_broken_expectation_in_a_caller_transaction(h: &dyn Harness) {
+    let s = h.store();
+    handler(&*s, "all", &["*"]).await;
+    s.publish(vec![at("a1", "a", Some(0))])
+        .await
+        .expect("publish");
+    let (results, commit) = h
+        .publish_in_each(vec![
+            vec![at("b1", "b", Some(0))],
+            vec![at("c1", "c", None), at("a2", "a", Some(0))],
+            vec![at("a2", "a", Some(1))],
+        ])
+        .await;
+    assert_eq!(results[0].as_ref().map(|o| o.accepted).ok(), Some(1));
+    assert!(
+        matches!(&results[1], Err(StoreError::SeqConflict { key, expected: 0, current: 1 })
+            if key == "a"),
+        "{:?}",
+        results[1]
+    );
+    let ds = claim_all(&*s).await;
+    if s.backend() == "mongodb" {
+        assert!(results[2].is_err(), "the transaction was aborted");
+        assert!(commit.is_err(), "the transaction was aborted");
+        assert_eq!(counts(&*s).await.events, 1, "a1 only");
+        assert_eq!(seqs_of_key(&ds, "a"), vec![1]);
+    } else {
+        assert_eq!(results[2].as_ref().map(|o| o.accepted).ok(), Some(1));
+        commit.expect("the transaction stays usable");
+        assert_eq!(seqs_of_key(&ds, "a"), vec![1, 2]);
+        assert_eq!(seqs_of_key(&ds, "b"), vec![1]);
+        assert!(
+            seqs_of_key(&ds, "c").is_empty(),
+            "nothing of the refused batch"
+        );
+    }
 }

@@ -50,6 +50,7 @@ async fn run(publishers: usize) -> (usize, i64, i64) {
                     key: None,
                     payload: b"{}".to_vec(),
                     deliver_at: None,
+                    expected_seq: None,
                 };
                 let out = store.publish(vec![e]).await.expect("publish");
                 assert_eq!(out.accepted, 1);
@@ -97,6 +98,7 @@ fn keyed(key: &str) -> NewEvent {
         key: Some(key.into()),
         payload: b"{}".to_vec(),
         deliver_at: None,
+        expected_seq: None,
     }
 }
 

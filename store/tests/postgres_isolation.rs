@@ -31,6 +31,7 @@ fn event(id: &str, key: Option<&str>) -> NewEvent {
         key: key.map(Into::into),
         payload: b"{}".to_vec(),
         deliver_at: None,
+        expected_seq: None,
     }
 }
 

@@ -87,6 +87,25 @@ pub struct LocalCluster {
     http: reqwest::Client,
 }
 
+/// `lanebus node` flags of a 3 s lease renewed every 500 ms with a 1 s
+/// margin (a failover takes lease + margin plus a renewal tick, about
+/// 4.5 s): room for a 2 s handler timeout inside the lease on a loaded
+/// machine. The demo and the cluster tests add their own retry and poll
+/// flags ([`with_lease_3s`]).
+pub const LEASE_3S: [&str; 6] = [
+    "--lease-ms",
+    "3000",
+    "--renew-interval-ms",
+    "500",
+    "--lease-margin-ms",
+    "1000",
+];
+
+/// [`LEASE_3S`] followed by `more` flags.
+pub fn with_lease_3s(more: &[&'static str]) -> Vec<&'static str> {
+    [LEASE_3S.as_slice(), more].concat()
+}
+
 /// A free local TCP port, bound then released, so the child node can bind
 /// it.
 ///

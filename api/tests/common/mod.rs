@@ -234,6 +234,7 @@ impl TestApp {
                 key: Some(key.into()),
                 payload: b"{}".to_vec(),
                 deliver_at: None,
+                expected_seq: None,
             })
             .collect();
         self.store.publish(events).await.expect("publish");

@@ -115,6 +115,17 @@ pub struct DiscardDelivery(pub DeliveryRef);
 #[rtype(result = "Result<bool, StoreCallError>")]
 pub struct DeadLetterDelivery(pub DeadLetterRequest);
 
+/// Command: start no more store calls and answer once the calls under way
+/// have ended (each is bounded by [`StoreActorConfig::call_timeout`]).
+/// Requests waiting for a tick, and those arriving later, are answered
+/// [`StoreCallError::Stopped`] without reaching the store. The node sends it
+/// before its runtime goes: a call cut off there would leave its outcome
+/// unknown and, on MongoDB, its transaction open on the server (the
+/// driver's abort of a dropped session runs as a task of that runtime).
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Quiesce;
+
 type Reply<T> = oneshot::Sender<Result<T, StoreCallError>>;
 
 #[derive(Default)]
@@ -145,6 +156,10 @@ pub struct StoreActor {
     claims_busy: bool,
     writes_busy: bool,
     timer: Option<SpawnHandle>,
+    /// [`Quiesce`]d: no store call starts any more.
+    stopping: bool,
+    /// Answered once no call is under way (see [`Quiesce`]).
+    idle: Vec<oneshot::Sender<()>>,
 }
 
 impl StoreActor {
@@ -158,6 +173,8 @@ impl StoreActor {
             claims_busy: false,
             writes_busy: false,
             timer: None,
+            stopping: false,
+            idle: Vec::new(),
         }
     }
 
@@ -177,6 +194,12 @@ impl StoreActor {
     }
 
     fn enqueued(&mut self, ctx: &mut Context<Self>) {
+        if self.stopping {
+            // Dropping the replies answers `Stopped`.
+            self.claims.clear();
+            self.writes = Writes::default();
+            return;
+        }
         let waiting = self.startable();
         if waiting == 0 {
             return;
@@ -199,8 +222,17 @@ impl StoreActor {
         self.flush_claims(ctx);
     }
 
+    /// Answers the [`Quiesce`] waiters once no call is under way.
+    fn check_idle(&mut self) {
+        if !self.claims_busy && !self.writes_busy {
+            for tx in self.idle.drain(..) {
+                let _ = tx.send(());
+            }
+        }
+    }
+
     fn flush_writes(&mut self, ctx: &mut Context<Self>) {
-        if self.writes_busy || self.writes.len() == 0 {
+        if self.stopping || self.writes_busy || self.writes.len() == 0 {
             return;
         }
         self.writes_busy = true;
@@ -211,6 +243,7 @@ impl StoreActor {
                 .into_actor(self)
                 .map(|(), act, ctx| {
                     act.writes_busy = false;
+                    act.check_idle();
                     // These waited for a whole tick already: go at once.
                     act.flush_writes(ctx);
                 }),
@@ -218,7 +251,7 @@ impl StoreActor {
     }
 
     fn flush_claims(&mut self, ctx: &mut Context<Self>) {
-        if self.claims_busy || self.claims.is_empty() {
+        if self.stopping || self.claims_busy || self.claims.is_empty() {
             return;
         }
         self.claims_busy = true;
@@ -230,6 +263,7 @@ impl StoreActor {
                 .into_actor(self)
                 .map(|(), act, ctx| {
                     act.claims_busy = false;
+                    act.check_idle();
                     act.flush_claims(ctx);
                 }),
         );
@@ -355,6 +389,24 @@ fn waiter<T: Send + 'static>(
     Box::pin(async move { rx.await.unwrap_or(Err(StoreCallError::Stopped)) })
 }
 
+impl Handler<Quiesce> for StoreActor {
+    type Result = ResponseFuture<()>;
+
+    fn handle(&mut self, _: Quiesce, ctx: &mut Self::Context) -> Self::Result {
+        self.stopping = true;
+        if let Some(t) = self.timer.take() {
+            ctx.cancel_future(t);
+        }
+        self.enqueued(ctx);
+        let (tx, rx) = oneshot::channel();
+        self.idle.push(tx);
+        self.check_idle();
+        Box::pin(async move {
+            let _ = rx.await;
+        })
+    }
+}
+
 impl Handler<ClaimLane> for StoreActor {
     type Result = ResponseFuture<Result<LaneBatch, StoreCallError>>;
 
@@ -445,6 +497,7 @@ mod tests {
                 key: Some("k".into()),
                 payload: b"{}".to_vec(),
                 deliver_at: None,
+                expected_seq: None,
             }])
             .await
             .expect("publish");

@@ -149,7 +149,21 @@ impl TestDb {
         }
         if self.mongo {
             if let Ok(store) = lanebus_store::mongodb::MongoStore::connect(&self.url).await {
-                let _ = store.database().drop().await;
+                // Not on the test server `scripts/test` starts (SecantusDB,
+                // in memory, discarded after the run): its dropDatabase
+                // meeting a transaction left open (a node shut down with a
+                // store call under way, or killed) waits for it while
+                // holding the lock that the transaction's abort needs, and
+                // every transaction on the server stops. mongod aborts such
+                // a transaction after 60 s.
+                let secantus = store
+                    .database()
+                    .run_command(mongodb::bson::doc! { "buildInfo": 1 })
+                    .await
+                    .is_ok_and(|b| b.contains_key("secantusVersion"));
+                if !secantus {
+                    let _ = store.database().drop().await;
+                }
             }
         }
     }
@@ -513,22 +527,19 @@ pub fn ensure_no_repeat_without_failure(
     Ok(())
 }
 
-/// `lanebus node` flags of a 3 s lease renewed every 500 ms with a 1 s
-/// margin, retries from 50 ms and store polls every 50 ms: for cluster
-/// tests that need more room than a 1.5 s lease on a loaded machine, or
-/// a handler timeout (up to 2 s) inside the lease.
-pub const LEASE_3S_ARGS: &[&str] = &[
-    "--lease-ms",
-    "3000",
-    "--renew-interval-ms",
-    "500",
-    "--lease-margin-ms",
-    "1000",
-    "--retry-base-ms",
-    "50",
-    "--poll-interval-ms",
-    "50",
-];
+/// `lanebus node` flags of a 3 s lease
+/// ([`lanebus_testkit::local_cluster::LEASE_3S`]) with retries from 50 ms
+/// and store polls every 50 ms: for cluster tests that need more room than
+/// a 1.5 s lease on a loaded machine, or a handler timeout (up to 2 s)
+/// inside the lease.
+pub fn lease_3s_args() -> Vec<&'static str> {
+    lanebus_testkit::local_cluster::with_lease_3s(&[
+        "--retry-base-ms",
+        "50",
+        "--poll-interval-ms",
+        "50",
+    ])
+}
 
 /// Whether every lane of `lanes` (the cluster's view, `GET /admin/lanes`)
 /// is fenced in the store (`rows`, `Store::lane_rows`) by its owner at its

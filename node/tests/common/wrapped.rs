@@ -18,6 +18,11 @@ pub struct Wrapped {
     pub claim_lanes: AtomicU64,
     pub complete_calls: AtomicU64,
     pub complete_items: AtomicU64,
+    /// Completion calls that returned (began: `complete_calls`).
+    pub complete_finished: AtomicU64,
+    /// How long each completion call waits before it reaches the store
+    /// (milliseconds; 0 by default), standing for a slow database.
+    pub complete_delay_ms: AtomicU64,
 }
 
 impl Wrapped {
@@ -30,6 +35,8 @@ impl Wrapped {
             claim_lanes: AtomicU64::new(0),
             complete_calls: AtomicU64::new(0),
             complete_items: AtomicU64::new(0),
+            complete_finished: AtomicU64::new(0),
+            complete_delay_ms: AtomicU64::new(0),
         }
     }
 }
@@ -59,7 +66,13 @@ impl Store for Wrapped {
     async fn complete(&self, done: &[DeliveryRef]) -> Result<Vec<i64>> {
         self.complete_calls.fetch_add(1, SeqCst);
         self.complete_items.fetch_add(done.len() as u64, SeqCst);
-        self.inner.complete(done).await
+        let delay = self.complete_delay_ms.load(SeqCst);
+        if delay > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
+        }
+        let out = self.inner.complete(done).await;
+        self.complete_finished.fetch_add(1, SeqCst);
+        out
     }
     async fn reschedule(&self, items: &[Reschedule]) -> Result<Vec<i64>> {
         self.inner.reschedule(items).await

@@ -190,7 +190,7 @@ use async_trait::async_trait;
 use crate::common::PublishPlan;
 use crate::group::{GroupWriter, Grouper};
 use crate::*;
-use error::{error_code, is_duplicate_key, map_err, TxnResult, DUPLICATE_KEY};
+use error::{error_code, is_duplicate_key, map_err, TxnError, TxnResult, DUPLICATE_KEY};
 
 /// How long a transaction is retried on transient errors before the error
 /// is returned (the driver specification's convenient API uses 120 s; lane
@@ -488,6 +488,11 @@ impl MongoStore {
     /// [`StoreError::Conflict`] for a write conflict with another publisher
     /// (the transaction is aborted: run the whole transaction again, as
     /// MongoDB's `TransientTransactionError` label asks);
+    /// [`StoreError::SeqConflict`] for a broken expected sequence
+    /// ([`NewEvent::expected_seq`]): the key counters were raised in the
+    /// transaction (MongoDB has no savepoints), so it aborts the
+    /// transaction, whose commit would leave a gap in the keys' sequences:
+    /// run the whole transaction again after reading the key's state;
     /// [`StoreError::Unavailable`]/[`StoreError::Database`] otherwise.
     pub async fn publish_in(
         &self,
@@ -496,7 +501,15 @@ impl MongoStore {
     ) -> Result<PublishOutcome> {
         let plan = PublishPlan::new(events, self.lanes)?;
         require_transaction(session).await?;
-        Ok(publish::publish_in(self, session, plan).await?)
+        match publish::publish_in(self, session, plan).await {
+            Ok(out) => Ok(out),
+            Err(TxnError::Store(e @ StoreError::SeqConflict { .. })) => {
+                // Errors of an abort are ignored, as the specification says.
+                let _ = session.abort_transaction().await;
+                Err(e)
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 }
 

@@ -8,6 +8,14 @@
 //! `updateOne`/`updateMany`), one events `insertMany` and one deliveries
 //! `insertMany`; the driver splits an `insertMany` only above 48 MB or
 //! 100,000 documents.
+//!
+//! Expected sequences ([`crate::NewEvent::expected_seq`]) are checked after
+//! [`bump`]'s writes: a counter read from a stale snapshot makes those
+//! writes fail with a write conflict (the transaction is run again), so
+//! past them the numbers are the keys' current ones. A broken expectation
+//! ends the body before any event is inserted, and the transaction is
+//! aborted (a caller's transaction too, which holds the raised counters:
+//! MongoDB has no savepoints; [`MongoStore::publish_in`]).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -19,7 +27,7 @@ use futures::TryStreamExt;
 use super::{
     delivery_id, get_int, get_string, names, opt_i64, opt_str, MongoStore, TxnResult, FULL_BATCH,
 };
-use crate::common::{to_micros, PublishPlan};
+use crate::common::{check_expected, to_micros, PublishPlan};
 use crate::{route, PublishOutcome, StoreError};
 
 /// Counter id of a key's sequence.
@@ -216,6 +224,7 @@ async fn publish_with(
             })
         })
         .collect();
+    check_expected(plan.fresh.iter().zip(seqs.iter().copied()))?;
     let events: Vec<Document> = plan
         .fresh
         .iter()

@@ -368,9 +368,17 @@ impl PgStore {
     /// or `SERIALIZABLE` the later one then fails with a serialization
     /// failure, `40001`, to be retried as a whole). Keep the transaction short.
     ///
+    /// A batch with expected sequences ([`NewEvent::expected_seq`]) runs in
+    /// a savepoint too: a broken expectation rolls back the batch's writes
+    /// and answers [`StoreError::SeqConflict`], the caller's transaction
+    /// still usable (under `REPEATABLE READ` or `SERIALIZABLE`, a key
+    /// another transaction published into since the snapshot fails with
+    /// `40001` instead, as any write of its counter would).
+    ///
     /// # Errors
     /// [`StoreError::Invalid`] for an event breaking [`NewEvent::validate`]
-    /// (nothing is written); [`StoreError::Conflict`] after repeated id races;
+    /// (nothing is written); [`StoreError::SeqConflict`] for a broken
+    /// expectation (nothing is written); [`StoreError::Conflict`] after repeated id races;
     /// [`StoreError::Unavailable`]/[`StoreError::Database`] otherwise (after
     /// which, without client ids, the caller's transaction is aborted).
     pub async fn publish_in(

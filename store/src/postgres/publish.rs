@@ -13,6 +13,15 @@
 //! lock (notifying commits are serialized), which the caller's transaction
 //! must not take. Its wake-up is a NOTIFY of its own after the caller's
 //! commit ([`notify`]).
+//!
+//! A batch with expected sequences ([`crate::NewEvent::expected_seq`]) is
+//! checked between the statement and the commit: the statement returns the
+//! sequence numbers it gave (taken under the key counters' row locks, so
+//! they follow the keys' latest committed values), and a broken
+//! expectation rolls the writes back. So such a write runs in a transaction
+//! (`BEGIN`, the statement, `COMMIT`: two round trips more) rather than in
+//! autocommit, and inside a caller's transaction in a savepoint, which a
+//! broken expectation rolls back (the caller's transaction stays usable).
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -22,8 +31,9 @@ use sqlx::postgres::PgPoolOptions;
 use sqlx::{Connection, PgConnection, PgPool};
 
 use super::error::map_err;
+use super::transaction::TxError;
 use super::CHANNEL;
-use crate::common::PublishPlan;
+use crate::common::{check_expected, PublishPlan};
 use crate::{PublishOutcome, Result};
 
 /// Attempts of a publish that lost a race (a concurrent publisher of the same
@@ -55,6 +65,8 @@ pub(super) struct PublishArgs<'a> {
     payloads: Vec<&'a [u8]>,
     client: Vec<bool>,
     deliver_at: Vec<Option<chrono::DateTime<chrono::Utc>>>,
+    /// The batch has expected sequences: return the sequence numbers.
+    expects: bool,
 }
 
 impl<'a> PublishArgs<'a> {
@@ -68,6 +80,7 @@ impl<'a> PublishArgs<'a> {
             payloads: Vec::with_capacity(n),
             client: Vec::with_capacity(n),
             deliver_at: Vec::with_capacity(n),
+            expects: plan.expects(),
         };
         for e in &plan.fresh {
             a.ids.push(&e.id);
@@ -90,6 +103,19 @@ pub(super) struct Ran {
     pub deliveries: usize,
     /// Client-supplied ids that were already stored (not written).
     pub stored: Vec<String>,
+    /// With [`PublishArgs::expects`], the sequence number of each event
+    /// written (`None` when unkeyed), in batch order.
+    pub seqs: Vec<Option<i64>>,
+}
+
+/// Checks the expected sequences of `plan`'s events that `ran` wrote
+/// ([`check_expected`]).
+///
+/// # Errors
+/// [`crate::StoreError::SeqConflict`]: the caller rolls the writes back.
+fn expectations(plan: &PublishPlan, ran: &Ran) -> Result<()> {
+    let written = plan.fresh.iter().filter(|e| !ran.stored.contains(&e.id));
+    check_expected(written.zip(ran.seqs.iter().copied()))
 }
 
 /// Runs the publish statement once on `conn`, with its NOTIFY if `notify`
@@ -105,24 +131,33 @@ pub(super) async fn run(
             accepted: 0,
             deliveries: 0,
             stored: Vec::new(),
+            seqs: Vec::new(),
         });
     }
-    let (accepted, deliveries, _notified, stored): (i64, i64, i64, Option<Vec<String>>) =
-        sqlx::query_as(include_str!("sql/publish.sql"))
-            .bind(&args.ids)
-            .bind(&args.types)
-            .bind(&args.keys)
-            .bind(&args.lanes)
-            .bind(&args.payloads)
-            .bind(&args.client)
-            .bind(&args.deliver_at)
-            .bind(notify)
-            .fetch_one(conn)
-            .await?;
+    #[allow(clippy::type_complexity)]
+    let (accepted, deliveries, _notified, stored, seqs): (
+        i64,
+        i64,
+        i64,
+        Option<Vec<String>>,
+        Option<Vec<Option<i64>>>,
+    ) = sqlx::query_as(include_str!("sql/publish.sql"))
+        .bind(&args.ids)
+        .bind(&args.types)
+        .bind(&args.keys)
+        .bind(&args.lanes)
+        .bind(&args.payloads)
+        .bind(&args.client)
+        .bind(&args.deliver_at)
+        .bind(notify)
+        .bind(args.expects)
+        .fetch_one(conn)
+        .await?;
     Ok(Ran {
         accepted: usize::try_from(accepted).unwrap_or_default(),
         deliveries: usize::try_from(deliveries).unwrap_or_default(),
         stored: stored.unwrap_or_default(),
+        seqs: seqs.unwrap_or_default(),
     })
 }
 
@@ -203,8 +238,26 @@ pub(super) fn outcome(plan: PublishPlan, accepted: usize) -> PublishOutcome {
 }
 
 /// Maps a final (not retried) publish error.
-pub(super) fn final_error(e: sqlx::Error) -> crate::StoreError {
-    map_err(e)
+pub(super) fn final_error(e: TxError) -> crate::StoreError {
+    e.into()
+}
+
+/// The statement (with its NOTIFY) in a transaction of its own on `conn`,
+/// committed only if `plan`'s expected sequences hold (rolled back
+/// otherwise, answering [`crate::StoreError::SeqConflict`]).
+async fn run_checked(
+    conn: &mut PgConnection,
+    plan: &PublishPlan,
+    args: &PublishArgs<'_>,
+) -> Result<Ran, TxError> {
+    let mut tx = conn.begin().await?;
+    let ran = run(&mut tx, args, true).await?;
+    if let Err(e) = expectations(plan, &ran) {
+        tx.rollback().await?;
+        return Err(e.into());
+    }
+    tx.commit().await?;
+    Ok(ran)
 }
 
 /// One write of [`Store::publish`](crate::Store::publish) (a group of
@@ -213,19 +266,25 @@ pub(super) fn final_error(e: sqlx::Error) -> crate::StoreError {
 /// autocommit, so one round trip and one NOTIFY, again after a lost race
 /// (up to [`PUBLISH_ATTEMPTS`]). On the writer's connection a lock wait
 /// past its `lock_timeout` (`55P03`) ends it as
-/// [`crate::StoreError::Timeout`]. Returns the ids found already stored.
+/// [`crate::StoreError::Timeout`]. A plan with expected sequences runs in a
+/// transaction ([`run_checked`]). Returns the ids found already stored.
 pub(super) async fn write(pool: &PgPool, plan: &PublishPlan) -> Result<HashSet<String>> {
     let args = PublishArgs::new(plan);
     let mut attempt = 1;
     loop {
         let mut conn = pool.acquire().await.map_err(map_err)?;
-        match run(&mut conn, &args, true).await {
+        let ran = if args.expects {
+            run_checked(&mut conn, plan, &args).await
+        } else {
+            run(&mut conn, &args, true).await.map_err(TxError::from)
+        };
+        match ran {
             Ok(ran) => return Ok(ran.stored.into_iter().collect()),
-            Err(e) if attempt < PUBLISH_ATTEMPTS && is_retryable(&e) => {
+            Err(TxError::Sql(e)) if attempt < PUBLISH_ATTEMPTS && is_retryable(&e) => {
                 tracing::debug!(attempt, error = %e, "publish raced another publisher; retrying");
                 attempt += 1;
             }
-            Err(e) => return Err(final_error(e)),
+            Err(e) => return Err(e.into()),
         }
     }
 }
@@ -286,15 +345,17 @@ pub(super) fn writer_pool(pool: &PgPool) -> PgPool {
 
 /// [`PgStore::publish_in`](super::PgStore::publish_in): the statement,
 /// without its NOTIFY, in the caller's transaction `conn`, inside a
-/// savepoint (retried after a lost race) when the batch has client-supplied
-/// ids. Returns the outcome and the deliveries written; errors are raw sqlx
-/// errors (the transaction helper retries serialization failures).
+/// savepoint when the batch has client-supplied ids (retried after a lost
+/// race) or expected sequences (rolled back when one breaks). Returns the
+/// outcome and the deliveries written; errors are raw sqlx errors (the
+/// transaction helper retries serialization failures) or
+/// [`crate::StoreError::SeqConflict`].
 pub(super) async fn publish_in(
     conn: &mut PgConnection,
     plan: PublishPlan,
-) -> Result<(PublishOutcome, usize), sqlx::Error> {
+) -> Result<(PublishOutcome, usize), TxError> {
     let args = PublishArgs::new(&plan);
-    if !plan.fresh.iter().any(|e| e.client_id) {
+    if !args.expects && !plan.fresh.iter().any(|e| e.client_id) {
         let ran = run(conn, &args, false).await?;
         return Ok((outcome(plan, ran.accepted), ran.deliveries));
     }
@@ -303,6 +364,10 @@ pub(super) async fn publish_in(
         let mut savepoint = conn.begin().await?;
         match run(&mut savepoint, &args, false).await {
             Ok(ran) => {
+                if let Err(e) = expectations(&plan, &ran) {
+                    savepoint.rollback().await?;
+                    return Err(e.into());
+                }
                 savepoint.commit().await?;
                 return Ok((outcome(plan, ran.accepted), ran.deliveries));
             }
@@ -313,7 +378,7 @@ pub(super) async fn publish_in(
                 // from its start helps, so it goes to the caller.
                 if attempt >= PUBLISH_ATTEMPTS || !is_retryable(&e) || is_serialization_failure(&e)
                 {
-                    return Err(e);
+                    return Err(e.into());
                 }
                 tracing::debug!(attempt, error = %e, "publish_in raced another publisher; retrying");
                 attempt += 1;

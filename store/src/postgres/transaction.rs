@@ -106,8 +106,9 @@ impl PgTx {
     /// after the commit.
     ///
     /// # Errors
-    /// [`TxError::Store`] for an event breaking [`NewEvent::validate`]
-    /// (nothing written, the transaction usable); [`TxError::Sql`] when the
+    /// [`TxError::Store`] for an event breaking [`NewEvent::validate`] or a
+    /// broken expected sequence ([`StoreError::SeqConflict`]; nothing
+    /// written, the transaction usable); [`TxError::Sql`] when the
     /// statement failed (the transaction aborted; a serialization failure or
     /// deadlock is retried by [`PgStore::transaction`] if the closure
     /// returns it).

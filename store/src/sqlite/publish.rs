@@ -5,15 +5,22 @@
 //! stored-id check (only when the batch has client-supplied ids), one
 //! key-counter upsert (only when the batch has keys), one multi-row event
 //! insert per [`EVENT_CHUNK`] events, and one delivery insert.
+//!
+//! Expected sequences ([`crate::NewEvent::expected_seq`]) are checked right
+//! after the key-counter upsert, under the write lock, so the numbers seen
+//! are the keys' current ones; a broken one ends the write before any
+//! event is inserted, and the transaction is rolled back (inside a
+//! caller's transaction: a savepoint around the batch, so the caller's
+//! transaction stays usable).
 
 use std::collections::{HashMap, HashSet};
 
 use chrono::Utc;
-use sqlx::SqliteConnection;
+use sqlx::{Connection as _, SqliteConnection};
 
 use super::error::map_err;
 use super::SqliteStore;
-use crate::common::{to_micros, PublishPlan};
+use crate::common::{check_expected, to_micros, PublishPlan};
 use crate::{PublishOutcome, Result, StoreError};
 
 /// Events per multi-row insert (7 parameters each; SQLite allows 32,766).
@@ -24,9 +31,19 @@ const EVENT_CHUNK: usize = 500;
 /// Returns the ids found already stored.
 pub(super) async fn write(store: &SqliteStore, plan: &PublishPlan) -> Result<HashSet<String>> {
     let (_guard, mut tx) = store.begin_write().await?;
-    let stored = write_in(&mut tx, plan).await?;
-    tx.commit().await.map_err(map_err)?;
-    Ok(stored)
+    match write_in(&mut tx, plan).await {
+        Ok(stored) => {
+            tx.commit().await.map_err(map_err)?;
+            Ok(stored)
+        }
+        Err(e) => {
+            // Now, not when the connection is next used: the next writer
+            // waits for the file's write lock (a broken expectation is an
+            // everyday refusal).
+            let _ = tx.rollback().await;
+            Err(e)
+        }
+    }
 }
 
 /// Writes a validated batch on `conn`, which must be inside a write
@@ -36,7 +53,23 @@ pub(super) async fn publish_in(
     conn: &mut SqliteConnection,
     mut plan: PublishPlan,
 ) -> Result<PublishOutcome> {
-    let stored = write_in(conn, &plan).await?;
+    let stored = if plan.expects() {
+        // A broken expectation rolls back the batch's writes only.
+        let mut savepoint = conn.begin().await.map_err(map_err)?;
+        let stored = write_in(&mut savepoint, &plan).await;
+        match stored {
+            Ok(stored) => {
+                savepoint.commit().await.map_err(map_err)?;
+                stored
+            }
+            Err(e) => {
+                savepoint.rollback().await.map_err(map_err)?;
+                return Err(e);
+            }
+        }
+    } else {
+        write_in(conn, &plan).await?
+    };
     plan.drop_stored(&stored);
     Ok(PublishOutcome {
         accepted: plan.fresh.len(),
@@ -64,6 +97,7 @@ async fn write_in(conn: &mut SqliteConnection, plan: &PublishPlan) -> Result<Has
     }
     if !plan.fresh.is_empty() {
         let seqs = assign_seqs(conn, &plan).await?;
+        check_expected(plan.fresh.iter().zip(seqs.iter().copied()))?;
         insert_events(conn, &plan, &seqs).await?;
         let ids: Vec<(&str, Option<i64>)> = plan
             .fresh

@@ -6,8 +6,12 @@
 --   $7 deliver_at timestamptz[] (NULL = at once: the deliveries' first due_at)
 --   $8 notify bool: send the wake-up (false inside a caller's transaction,
 --      whose commit must not take the NOTIFY lock; see PgStore::wake_after_commit)
--- Returns accepted (new events), deliveries (rows created), notified, and
--- stored: the client-supplied ids found already stored (NULL when none).
+--   $9 seqs bool: return the sequence numbers (for the caller to check
+--      expected sequences before it commits; publish.rs)
+-- Returns accepted (new events), deliveries (rows created), notified,
+-- stored: the client-supplied ids found already stored (NULL when none),
+-- and seqs: with $9, each written event's sequence number (NULL unkeyed),
+-- in batch order (NULL without $9 or when nothing was written).
 WITH input AS (
     -- Ids already stored are duplicates. Only client-supplied ids are looked
     -- up (generated UUIDv7s are new). A concurrent publisher of the same id
@@ -36,7 +40,7 @@ numbered AS (
     -- The batch's numbers for a key are seq - count + 1 ..= seq, in batch
     -- order: counted back from the key's last event in the batch, which
     -- takes the counter's new value (one window, one sort).
-    SELECT i.id, i.type, i.key, i.lane, i.payload, i.deliver_at, ks.xid,
+    SELECT i.id, i.type, i.key, i.lane, i.payload, i.deliver_at, i.ord, ks.xid,
            ks.seq + 1 - row_number() OVER (PARTITION BY i.key ORDER BY i.ord DESC) AS seq
     FROM input i
     LEFT JOIN ks ON ks.key = i.key
@@ -85,4 +89,5 @@ SELECT
     (SELECT count(*) FROM (SELECT pg_notify('lanebus', '') FROM (SELECT 1 FROM dl LIMIT 1) AS one WHERE $8) AS n) AS notified,
     (SELECT array_agg(x.id)
      FROM unnest($1::text[], $6::bool[]) AS x (id, client)
-     WHERE x.client AND NOT EXISTS (SELECT 1 FROM input i WHERE i.id = x.id)) AS stored
+     WHERE x.client AND NOT EXISTS (SELECT 1 FROM input i WHERE i.id = x.id)) AS stored,
+    (SELECT array_agg(n.seq ORDER BY n.ord) FROM numbered n WHERE $9) AS seqs
