@@ -251,6 +251,9 @@ pub struct SeqConflict {
     pub expected_seq: i64,
     /// The key's last sequence number (0: no event yet).
     pub current_seq: i64,
+    /// The position (0-based) in the batch of the event whose expectation
+    /// did not hold.
+    pub event_index: usize,
 }
 
 impl ApiError {
@@ -276,7 +279,7 @@ impl ApiError {
 /// | `Invalid` | `invalid_input` | 422 |
 /// | `NotFound` | `not_found` | 404 |
 /// | `Conflict` | `conflict` | 409 |
-/// | `SeqConflict` | `conflict` (with `key`, `expected_seq`, `current_seq`) | 409 |
+/// | `SeqConflict` | `conflict` (with `key`, `expected_seq`, `current_seq`, `event_index`) | 409 |
 /// | `Unavailable` | `store_unavailable` | 503 |
 /// | `Timeout` | `store_unavailable` | 503 |
 /// | `Database` | `internal` | 500 |
@@ -290,11 +293,14 @@ impl From<StoreError> for ApiError {
                 key,
                 expected,
                 current,
+                index,
+                ..
             } => {
                 let seq = SeqConflict {
                     key: key.clone(),
                     expected_seq: *expected,
                     current_seq: *current,
+                    event_index: *index,
                 };
                 return ApiError {
                     seq: Some(seq),
@@ -352,6 +358,13 @@ pub(crate) struct ErrorDetail<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false, minimum = 0, example = 5)]
     current_seq: Option<i64>,
+    /// `conflict` of a publish: the position (0-based) in `events` of the
+    /// event whose `expected_seq` did not hold; for a later event of the
+    /// key, the expectation had to be `current_seq` plus the batch's earlier
+    /// new events of the key.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false, minimum = 0, example = 0)]
+    event_index: Option<usize>,
 }
 
 /// The bytes of the error body `{"error": {"code", "message"}}`, with where
@@ -368,6 +381,7 @@ pub(crate) fn error_body_with(
             key: seq.map(|s| s.key.as_str()),
             expected_seq: seq.map(|s| s.expected_seq),
             current_seq: seq.map(|s| s.current_seq),
+            event_index: seq.map(|s| s.event_index),
         },
     })
     .unwrap_or_else(|_| br#"{"error":{"code":"internal","message":"error body"}}"#.to_vec())
@@ -445,6 +459,8 @@ mod tests {
             key: "order-7".into(),
             expected: 3,
             current: 5,
+            index: 1,
+            at: 6,
         };
         let res = ApiError::from(e).into_response();
         assert_eq!(res.status(), StatusCode::CONFLICT);
@@ -462,9 +478,13 @@ mod tests {
                 &serde_json::json!(5)
             )
         );
+        assert_eq!(err["event_index"], 1);
         let message = err["message"].as_str().expect("message");
         assert!(
-            message.contains("\"order-7\"") && message.contains("sequence 5"),
+            message.contains("\"order-7\"")
+                && message.contains("sequence 5")
+                && message.contains("events[1] expected 3")
+                && message.contains("put the key at 6"),
             "{message}"
         );
         // Other errors keep the two fields only.

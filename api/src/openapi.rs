@@ -186,8 +186,8 @@ fn describe(op: Operation, s: &mut Schemas) -> Described {
                  with `expected_seq` is stored only if its key's last sequence number just \
                  before it equals that value (optimistic concurrency on the key as an event \
                  stream); otherwise nothing of the batch is stored and the answer is `409 \
-                 conflict`, whose `error` names the `key`, the `expected_seq` and the key's \
-                 `current_seq`.",
+                 conflict`, whose `error` names the `key`, the `expected_seq`, the key's \
+                 `current_seq` and the `event_index` of the event whose expectation broke.",
                 (
                     StatusCode::ACCEPTED,
                     "the batch is stored",
@@ -611,13 +611,18 @@ fn error_responses(
                 .collect::<Vec<_>>()
                 .join("; ");
             let examples = codes.iter().map(|c| {
+                let value = if (op, *c) == (Operation::PublishEvents, ErrorCode::Conflict) {
+                    seq_conflict_example()
+                } else {
+                    serde_json::json!({
+                        "error": {"code": c.as_str(), "message": c.meaning()}
+                    })
+                };
                 (
                     c.as_str(),
                     ExampleBuilder::new()
                         .summary(c.meaning())
-                        .value(Some(serde_json::json!({
-                            "error": {"code": c.as_str(), "message": c.meaning()}
-                        })))
+                        .value(Some(value))
                         .build(),
                 )
             });
@@ -634,6 +639,19 @@ fn error_responses(
             )
         })
         .collect()
+}
+
+/// The body of a publish's broken `expected_seq`, as the API answers it.
+fn seq_conflict_example() -> serde_json::Value {
+    let e = crate::ApiError::from(lanebus_store::StoreError::SeqConflict {
+        key: "order-7".into(),
+        expected: 1,
+        current: 2,
+        index: 0,
+        at: 2,
+    });
+    let body = crate::error::error_body_with(e.code, &e.message, e.seq.as_ref());
+    serde_json::from_slice(&body).unwrap_or_default()
 }
 
 fn build() -> OpenApi {
@@ -840,6 +858,17 @@ mod tests {
                 .filter(|s| s.starts_with('2') || s.starts_with('3'))
                 .count();
             assert_eq!(successes, 1, "{} {}", spec.method, spec.path);
+        }
+    }
+
+    #[test]
+    fn a_publish_conflict_example_names_where_the_key_stands() {
+        let doc = doc();
+        let example = &doc["paths"]["/v1/events"]["post"]["responses"]["409"]["content"]
+            ["application/json"]["examples"]["conflict"]["value"]["error"];
+        assert_eq!(example["code"], "conflict", "{example}");
+        for field in ["key", "expected_seq", "current_seq", "event_index"] {
+            assert!(example.get(field).is_some(), "{field} missing: {example}");
         }
     }
 

@@ -883,8 +883,13 @@ async fn expected_seq_conflicts_answer_where_the_key_stands(app: TestApp) {
     let err = &res.json["error"];
     assert_eq!(err["code"], "conflict");
     assert_eq!(
-        (&err["key"], &err["expected_seq"], &err["current_seq"]),
-        (&json!("order-7"), &json!(0), &json!(2)),
+        (
+            &err["key"],
+            &err["expected_seq"],
+            &err["current_seq"],
+            &err["event_index"]
+        ),
+        (&json!("order-7"), &json!(0), &json!(2), &json!(0)),
         "{res:?}"
     );
     assert_eq!(app.store.counts().await.expect("counts").events, 2);
@@ -903,6 +908,27 @@ async fn expected_seq_conflicts_answer_where_the_key_stands(app: TestApp) {
     .await;
     assert_eq!(res.status, StatusCode::ACCEPTED, "{res:?}");
     assert_eq!(res.json["duplicates"], 1);
+    // A later event of the batch that expects the key's number before the
+    // batch, not after its earlier event: the answer names that event.
+    let res = publish(json!([
+        {"id": "y1", "type": "order.refunded", "key": "order-7", "payload": 5, "expected_seq": 3},
+        {"id": "y2", "type": "order.closed", "key": "order-7", "payload": 6, "expected_seq": 3},
+    ]))
+    .await;
+    assert_eq!(res.status, StatusCode::CONFLICT, "{res:?}");
+    let err = &res.json["error"];
+    assert_eq!(
+        (
+            &err["expected_seq"],
+            &err["current_seq"],
+            &err["event_index"]
+        ),
+        (&json!(3), &json!(3), &json!(1)),
+        "{res:?}"
+    );
+    let message = err["message"].as_str().unwrap_or_default();
+    assert!(message.contains("put the key at 4"), "{message}");
+    assert_eq!(app.store.counts().await.expect("counts").events, 3);
     // Without a key there is no sequence to expect; nor below 0.
     for (event, says) in [
         (

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! lanebus events get ID                 GET    /v1/events/{id}
-//! lanebus events publish --type T [--key K] [--id ID] [--deliver-at TIME] --data JSON|@FILE|-
+//! lanebus events publish --type T [--key K] [--id ID] [--deliver-at TIME] [--expected-seq N] --data JSON|@FILE|-
 //!                                       POST   /v1/events
 //! lanebus handlers list                 GET    /v1/handlers
 //! lanebus handlers get H                GET    /v1/handlers/{id}
@@ -77,6 +77,11 @@ struct PublishArgs {
     /// `2026-12-01T09:00:00Z`, at most 7 days ahead.
     #[arg(long, value_name = "TIME")]
     deliver_at: Option<String>,
+    /// Publish only if the key's last sequence number is N (0: the key has
+    /// no event yet); otherwise the node answers `409 conflict` with the
+    /// key's `current_seq` and stores nothing. Needs `--key`.
+    #[arg(long, value_name = "N", requires = "key", allow_hyphen_values = true)]
+    expected_seq: Option<u64>,
     /// The payload, any JSON value, sent byte for byte (at most 1 MiB):
     /// the JSON itself (`'{"n": 1}'`), `@FILE` to read it from a file, or
     /// `-` to read it from standard input.
@@ -252,6 +257,7 @@ pub async fn events(args: EventsArgs) -> anyhow::Result<ExitCode> {
                     key: p.key.as_deref(),
                     id: p.id.as_deref(),
                     deliver_at: p.deliver_at.as_deref(),
+                    expected_seq: p.expected_seq,
                     payload,
                 }],
             };
@@ -287,6 +293,8 @@ struct EventBody<'a> {
     id: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     deliver_at: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    expected_seq: Option<u64>,
     payload: Box<RawValue>,
 }
 

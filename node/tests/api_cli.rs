@@ -434,6 +434,16 @@ async fn bad_input_and_error_answers_are_clear() -> anyhow::Result<()> {
     );
     let err = fails(&url, &["events", "get", "nope"], None).await?;
     ensure!(err.contains("404") && err.contains("not_found"), "{err}");
+    // Expected-version publish: the first at 0 holds, a second at 0 is
+    // refused with where the key stands; without a key, clap refuses it.
+    let stream = ["events", "publish", "--type", "t", "--key", "stream-1"];
+    let at0 = [&stream[..], &["--expected-seq", "0", "--data", "1"]].concat();
+    ensure!(ok(&url, &at0).await?.starts_with("published event "));
+    let err = fails(&url, &at0, None).await?;
+    ensure!(
+        err.contains("409") && err.contains("conflict") && err.contains("at sequence 1"),
+        "{err}"
+    );
     // A generated id (a UUIDv7) from 2022, past the node's retention
     // period: the reason is shown.
     let old = "017f22e2-79b0-7cc3-98c4-dc0c0c07398f";
@@ -494,6 +504,44 @@ async fn bad_input_and_error_answers_are_clear() -> anyhow::Result<()> {
     ] {
         let o = cli(&args, &[], None).await?;
         ensure!(o.status.code() == Some(2), "{args:?}: {o:?}");
+    }
+    // `--expected-seq` needs a key, and a number from 0.
+    for (args, says) in [
+        (
+            vec![
+                "events",
+                "publish",
+                "--type",
+                "t",
+                "--expected-seq",
+                "0",
+                "--data",
+                "1",
+            ],
+            "--key",
+        ),
+        (
+            vec![
+                "events",
+                "publish",
+                "--type",
+                "t",
+                "--key",
+                "k",
+                "--expected-seq",
+                "-1",
+                "--data",
+                "1",
+            ],
+            "invalid value '-1' for '--expected-seq <N>'",
+        ),
+    ] {
+        let o = cli(&args, &[], None).await?;
+        let err = stderr(&o);
+        ensure!(
+            o.status.code() == Some(2) && err.contains(says),
+            "{args:?}: {o:?}"
+        );
     }
 
     // A node that is down.

@@ -46,6 +46,8 @@ pub const MAX_BATCH: usize = rules::event::MAX_BATCH;
 /// An event that passed validation and is not a duplicate within its batch.
 #[derive(Debug, Clone)]
 pub(crate) struct PlannedEvent {
+    /// Position in the caller's batch (0-based, duplicates counted).
+    pub index: usize,
     pub id: String,
     pub event_type: String,
     pub key: Option<String>,
@@ -93,7 +95,7 @@ impl PublishPlan {
         let mut ids = Vec::with_capacity(events.len());
         let mut fresh = Vec::with_capacity(events.len());
         let mut duplicates = 0;
-        for e in events {
+        for (index, e) in events.into_iter().enumerate() {
             let client_id = e.id.is_some();
             let id = e.id.unwrap_or_else(generate_event_id);
             ids.push(id.clone());
@@ -103,6 +105,7 @@ impl PublishPlan {
             }
             let lane = lane_of_event(e.key.as_deref(), &id, lanes);
             fresh.push(PlannedEvent {
+                index,
                 id,
                 event_type: e.event_type,
                 key: e.key,
@@ -216,7 +219,7 @@ impl PublishPlan {
 /// # Errors
 /// [`StoreError::SeqConflict`] for the first expectation that does not
 /// hold, with the key's sequence before the write as `current` (its first
-/// written event's number minus one).
+/// written event's number minus one) and before the event as `at`.
 pub(crate) fn check_expected<'a>(
     written: impl IntoIterator<Item = (&'a PlannedEvent, Option<i64>)>,
 ) -> Result<()> {
@@ -231,6 +234,8 @@ pub(crate) fn check_expected<'a>(
                 key: key.to_owned(),
                 expected,
                 current: before,
+                index: e.index,
+                at: seq - 1,
             });
         }
     }
@@ -475,7 +480,7 @@ mod tests {
         let seqs = [Some(6), Some(1), Some(7), Some(8)];
         let err = check_expected(plan.fresh.iter().zip(seqs)).unwrap_err();
         assert!(
-            matches!(&err, StoreError::SeqConflict { key, expected: 4, current: 5 } if key == "k"),
+            matches!(&err, StoreError::SeqConflict { key, expected: 4, current: 5, index: 0, at: 5 } if key == "k"),
             "{err:?}"
         );
         // A later expectation of the batch counts its earlier events.
@@ -491,6 +496,8 @@ mod tests {
                 StoreError::SeqConflict {
                     expected: 0,
                     current: 0,
+                    index: 1,
+                    at: 1,
                     ..
                 }
             ),

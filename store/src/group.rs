@@ -348,10 +348,14 @@ fn same_error(e: &StoreError) -> StoreError {
             key,
             expected,
             current,
+            index,
+            at,
         } => StoreError::SeqConflict {
             key: key.clone(),
             expected: *expected,
             current: *current,
+            index: *index,
+            at: *at,
         },
     }
 }
@@ -553,7 +557,7 @@ mod tests {
         for (c, result) in results.into_iter().enumerate() {
             match c {
                 3 => assert!(
-                    matches!(&result, Err(StoreError::SeqConflict { key, expected: 2, current: 3 | 4 })
+                    matches!(&result, Err(StoreError::SeqConflict { key, expected: 2, current: 3 | 4, .. })
                         if key == "k"),
                     "{result:?}"
                 ),

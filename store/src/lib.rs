@@ -133,7 +133,8 @@ pub enum StoreError {
     /// batch was stored. Not retried by the store: the publisher reads
     /// `current` (or its stream) again and decides.
     #[error(
-        "conflict: event key {key:?} is at sequence {current}, the publish expected {expected}"
+        "conflict: event key {key:?} is at sequence {current}; events[{index}] expected {expected}{}",
+        batch_note(.current, .at)
     )]
     SeqConflict {
         /// The event key.
@@ -143,7 +144,23 @@ pub enum StoreError {
         /// The key's last sequence number when the publish was checked
         /// (before the batch; 0 for a key without events).
         current: i64,
+        /// Position of the event with that expectation in the caller's batch
+        /// (0-based).
+        index: usize,
+        /// The key's sequence just before that event: `current` plus the
+        /// batch's earlier new events of the key (what `expected` had to be).
+        at: i64,
     },
+}
+
+/// The tail of a [`StoreError::SeqConflict`] message when the failed
+/// expectation was on a later event of the key in the batch.
+fn batch_note(current: &i64, at: &i64) -> String {
+    if at == current {
+        String::new()
+    } else {
+        format!(", where the batch's earlier events put the key at {at}")
+    }
 }
 
 /// Result alias for store operations.

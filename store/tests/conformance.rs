@@ -5307,6 +5307,7 @@ async fn expected_seq_lets_exactly_one_writer_win_each_sequence(h: &dyn Harness)
                         key,
                         expected,
                         current,
+                        ..
                     }) => {
                         assert_eq!((key.as_str(), expected), ("stream", seen), "writer {w}");
                         assert!(
@@ -5366,7 +5367,9 @@ async fn a_broken_expectation_stores_nothing_of_the_batch(h: &dyn Harness) {
             key,
             expected,
             current,
-        }) => (key, expected, current),
+            index,
+            at,
+        }) => (key, expected, current, index, at),
         other => panic!("expected a conflict, got {other:?}"),
     };
     // Over two keys, the last event's expectation breaks.
@@ -5376,7 +5379,8 @@ async fn a_broken_expectation_stores_nothing_of_the_batch(h: &dyn Harness) {
         at("a4", "a", Some(2)),
     ];
     let got = conflict(s.publish(batch).await.map(|o| vec![o]));
-    assert_eq!(got, ("a".into(), 2, 2), "a stands at 2");
+    // Its third event (index 2) expected 2, where a would stand at 3.
+    assert_eq!(got, ("a".into(), 2, 2, 2, 3), "a stands at 2");
     // In a caller's transaction, after a batch that held.
     let got = conflict(
         h.publish_in_many(
@@ -5385,7 +5389,7 @@ async fn a_broken_expectation_stores_nothing_of_the_batch(h: &dyn Harness) {
         )
         .await,
     );
-    assert_eq!(got, ("a".into(), 1, 2));
+    assert_eq!(got, ("a".into(), 1, 2, 0, 2));
     let c = counts(&*s).await;
     assert_eq!((c.events, c.deliveries), (2, 2), "nothing of either batch");
 
@@ -5484,7 +5488,7 @@ async fn a_broken_expectation_fails_only_its_caller(h: &dyn Harness) {
             let result = t.await.expect("caller task");
             if (c, round) == (WRONG, 0) {
                 assert!(
-                    matches!(&result, Err(StoreError::SeqConflict { key, expected: 3, current: 0 })
+                    matches!(&result, Err(StoreError::SeqConflict { key, expected: 3, current: 0, .. })
                         if key == "k7"),
                     "{result:?}"
                 );
@@ -5527,7 +5531,7 @@ async fn a_broken_expectation_in_a_caller_transaction(h: &dyn Harness) {
         .await;
     assert_eq!(results[0].as_ref().map(|o| o.accepted).ok(), Some(1));
     assert!(
-        matches!(&results[1], Err(StoreError::SeqConflict { key, expected: 0, current: 1 })
+        matches!(&results[1], Err(StoreError::SeqConflict { key, expected: 0, current: 1, index: 1, at: 1 })
             if key == "a"),
         "{:?}",
         results[1]
