@@ -222,7 +222,8 @@ pub struct NodeOptions {
     /// HTTP API request limits.
     pub limits: Limits,
     /// At shutdown, how long to wait for in-flight attempts to finish
-    /// before abandoning them (default 5 s).
+    /// before abandoning them (default 5 s). Store calls under way then get
+    /// the rest of it, and at least 5 s, before they are cut off.
     pub drain_timeout: Duration,
     /// Run as a Raft cluster member; `None`: a single node owning every
     /// lane.
@@ -606,6 +607,8 @@ impl NodeHandle {
     /// in-flight attempts get [`NodeOptions::drain_timeout`] to finish and be
     /// recorded; what is still in flight then is abandoned (its deliveries
     /// stay in the store and are attempted again by the lane's next owner).
+    /// Store calls under way (claims, completions) end before the node
+    /// does, within the drain timeout or 5 s after it, whichever is later.
     ///
     /// # Errors
     /// [`NodeError::Runtime`] if the node thread panicked.
@@ -702,7 +705,14 @@ async fn run(
     shutdown: oneshot::Receiver<()>,
 ) -> Result<(), NodeError> {
     let drain_timeout = opts.drain_timeout;
-    let (state, addr, supervisor, store_actor) = match boot(opts).await {
+    let Booted {
+        store_actor,
+        api,
+        retention,
+        supervisor,
+        state,
+        addr,
+    } = match boot(opts).await {
         Ok(v) => v,
         Err(e) => {
             let msg = e.to_string();
@@ -780,25 +790,76 @@ async fn run(
         }
         c.shutdown().await;
     }
-    // The store calls under way end before the runtime goes (each is bounded
-    // by the store actor's call timeout; no new one starts): a call cut off
-    // there leaves its outcome unknown and, on MongoDB, its transaction open
-    // on the server, holding the lane documents or counters it wrote until
-    // the server reaps it (the driver aborts a dropped session's transaction
-    // in a task of this runtime, which never runs once it has gone).
-    let _ = store_actor.send(Quiesce).await;
+    // The store calls under way end before the runtime goes (no new one
+    // starts): a call cut off there leaves its outcome unknown and, on
+    // MongoDB, its transaction open on the server, holding the lane
+    // documents or counters it wrote until the server reaps it (the driver
+    // aborts a dropped session's transaction in a task of this runtime,
+    // which never runs once it has gone). They get the rest of the drain,
+    // and at least QUIESCE_GRACE: a stop stays bounded by the drain timeout
+    // the operator set, not by the store's call timeout.
+    // The HTTP API likewise: it takes no new request and answers those under
+    // way (a publish among them is acknowledged or refused, never cut off);
+    // retention pruning stops between its statements.
+    let quiesce = deadline
+        .saturating_duration_since(tokio::time::Instant::now())
+        .max(QUIESCE_GRACE);
+    let _ = api.stop.send(());
+    let _ = retention.stop.send(());
+    let calls = async {
+        let _ = store_actor.send(Quiesce).await;
+        let _ = api.task.await;
+        let _ = retention.task.await;
+    };
+    if tokio::time::timeout(quiesce, calls).await.is_err() {
+        tracing::warn!(
+            waited_ms = quiesce.as_millis() as u64,
+            "store calls or requests still under way at stop: cut off (their outcome is \
+             unknown; a MongoDB transaction among them stays open until the server aborts it)"
+        );
+    }
     System::current().stop();
     Ok(())
 }
 
-/// What [`boot`] started: the shared state, the API's address, the lane
-/// supervisor and the store actor.
-type Booted = (
-    Arc<NodeState>,
-    SocketAddr,
-    Addr<LaneSupervisor>,
-    Addr<StoreActor>,
-);
+/// Least time a stopping node gives its store calls under way after the
+/// drain (see [`run`]), so a drain that used its whole timeout does not cut
+/// off a call that was about to end.
+const QUIESCE_GRACE: Duration = Duration::from_secs(5);
+
+/// What [`boot`] started.
+struct Booted {
+    state: Arc<NodeState>,
+    /// The API's address.
+    addr: SocketAddr,
+    supervisor: Addr<LaneSupervisor>,
+    store_actor: Addr<StoreActor>,
+    /// The HTTP API's server.
+    api: Stoppable,
+    /// The retention pruning task.
+    retention: Stoppable,
+}
+
+/// A task that ends soon after it is told to stop (between its requests or
+/// statements, never in one).
+struct Stoppable {
+    stop: oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Stoppable {
+    /// Spawns `run`, which gets the stop signal.
+    fn spawn<F>(run: impl FnOnce(oneshot::Receiver<()>) -> F) -> Self
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let (stop, rx) = oneshot::channel();
+        Stoppable {
+            stop,
+            task: tokio::spawn(run(rx)),
+        }
+    }
+}
 
 /// Starts everything a node runs, in order: the store and the handler
 /// catalog, the API's listener, the cluster member, the shared state and
@@ -832,12 +893,11 @@ async fn boot(opts: NodeOptions) -> Result<Booted, NodeError> {
         attempts: dispatcher.attempt_counter(),
         activity: dispatcher.activity(),
     });
-    tokio::spawn(crate::retention::run(
-        store.clone(),
-        Arc::downgrade(&state.board),
-        opts.retention,
-    ));
-    serve_api(&opts, listener, &state);
+    let retention = {
+        let (store, board, config) = (store.clone(), Arc::downgrade(&state.board), opts.retention);
+        Stoppable::spawn(move |stop| crate::retention::run(store, board, config, stop))
+    };
+    let api = serve_api(&opts, listener, &state);
     let store_actor = StoreActor::new(store.clone(), opts.store_actor).start();
     let deps = LaneDeps {
         store_actor: store_actor.clone(),
@@ -853,7 +913,14 @@ async fn boot(opts: NodeOptions) -> Result<Booted, NodeError> {
     let supervisor = start_lane_supervisor(&state, deps, assignment, drain_bound).await?;
     forward_wakeups(wakeups, &state);
     state.ready.send_replace(true);
-    Ok((state, addr, supervisor, store_actor))
+    Ok(Booted {
+        state,
+        addr,
+        supervisor,
+        store_actor,
+        api,
+        retention,
+    })
 }
 
 /// Opens the store and loads the handler catalog (reloaded in the
@@ -968,8 +1035,13 @@ fn work_gate(cluster: Option<&Arc<Cluster>>) -> WorkGate {
     }
 }
 
-/// Serves the HTTP API on `listener`.
-fn serve_api(opts: &NodeOptions, listener: tokio::net::TcpListener, state: &Arc<NodeState>) {
+/// Serves the HTTP API on `listener` until told to stop, then answers the
+/// requests under way and ends.
+fn serve_api(
+    opts: &NodeOptions,
+    listener: tokio::net::TcpListener,
+    state: &Arc<NodeState>,
+) -> Stoppable {
     let app = lanebus_api::router(ApiState {
         store: state.store.clone(),
         node: state.clone(),
@@ -977,13 +1049,18 @@ fn serve_api(opts: &NodeOptions, listener: tokio::net::TcpListener, state: &Arc<
         egress: opts.egress.clone(),
         auth: opts.auth.clone(),
     });
-    tokio::spawn(async move {
+    Stoppable::spawn(move |stop| async move {
         // The wrapped listener gives hyper's own refusals (a URI over its
         // limit, an unparsable request) the API's JSON error shape.
-        if let Err(e) = axum::serve(lanebus_api::serve::listener(listener), app).await {
+        if let Err(e) = axum::serve(lanebus_api::serve::listener(listener), app)
+            .with_graceful_shutdown(async move {
+                let _ = stop.await;
+            })
+            .await
+        {
             tracing::error!(error = %e, "http server stopped");
         }
-    });
+    })
 }
 
 /// The node's lane assignment and the bound of a handover's drain: through

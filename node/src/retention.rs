@@ -32,6 +32,7 @@
 //! halves (not below the configured size) when one takes over twice that:
 //! the lock a batch holds (SQLite's one writer) stays near the target.
 
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -135,8 +136,16 @@ pub fn next_batch(size: u32, took: Duration, configured: u32) -> u32 {
 
 /// Runs a pruning pass every [`RetentionConfig::interval`] while this node
 /// owns lane 0 (so one node of a cluster prunes); ends when the node's lane
-/// board is gone (the node stopped).
-pub async fn run(store: Arc<dyn Store>, board: Weak<LaneBoard>, config: RetentionConfig) {
+/// board is gone (the node stopped) or `stop` fires (between two of the
+/// pass's statements).
+pub async fn run(
+    store: Arc<dyn Store>,
+    board: Weak<LaneBoard>,
+    config: RetentionConfig,
+    stop: tokio::sync::oneshot::Receiver<()>,
+) {
+    let stopped = AtomicBool::new(false);
+    let mut stop = stop;
     let owns_lane_0 = |board: &Weak<LaneBoard>| {
         board.upgrade().is_some_and(|b| {
             b.snapshot()
@@ -145,7 +154,10 @@ pub async fn run(store: Arc<dyn Store>, board: Weak<LaneBoard>, config: Retentio
         })
     };
     loop {
-        tokio::time::sleep(config.interval).await;
+        tokio::select! {
+            _ = tokio::time::sleep(config.interval) => {}
+            _ = &mut stop => return,
+        }
         if board.strong_count() == 0 {
             return;
         }
@@ -153,7 +165,20 @@ pub async fn run(store: Arc<dyn Store>, board: Weak<LaneBoard>, config: Retentio
             continue;
         }
         let started = Instant::now();
-        match prune_pass(store.as_ref(), config, || owns_lane_0(&board)).await {
+        // A stop ends the pass between its statements.
+        let pass = prune_pass(store.as_ref(), config, || {
+            !stopped.load(Relaxed) && owns_lane_0(&board)
+        });
+        tokio::pin!(pass);
+        let outcome = loop {
+            tokio::select! {
+                out = &mut pass => break out,
+                _ = &mut stop, if !stopped.load(Relaxed) => {
+                    stopped.store(true, Relaxed);
+                }
+            }
+        };
+        match outcome {
             Ok(p) if p.completions > 0 || p.events > 0 => tracing::info!(
                 completions = p.completions,
                 events = p.events,
@@ -162,6 +187,9 @@ pub async fn run(store: Arc<dyn Store>, board: Weak<LaneBoard>, config: Retentio
             ),
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "retention pruning failed; next pass retries"),
+        }
+        if stopped.load(Relaxed) {
+            return;
         }
     }
 }

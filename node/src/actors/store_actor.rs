@@ -116,7 +116,8 @@ pub struct DiscardDelivery(pub DeliveryRef);
 pub struct DeadLetterDelivery(pub DeadLetterRequest);
 
 /// Command: start no more store calls and answer once the calls under way
-/// have ended (each is bounded by [`StoreActorConfig::call_timeout`]).
+/// have ended (each is bounded by [`StoreActorConfig::call_timeout`]; the
+/// node waits for the answer until its drain deadline, at least 5 s).
 /// Requests waiting for a tick, and those arriving later, are answered
 /// [`StoreCallError::Stopped`] without reaching the store. The node sends it
 /// before its runtime goes: a call cut off there would leave its outcome

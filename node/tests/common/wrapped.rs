@@ -23,6 +23,12 @@ pub struct Wrapped {
     /// How long each completion call waits before it reaches the store
     /// (milliseconds; 0 by default), standing for a slow database.
     pub complete_delay_ms: AtomicU64,
+    /// Publish calls that began, and that returned.
+    pub publish_calls: AtomicU64,
+    pub publish_finished: AtomicU64,
+    /// How long each publish waits before it reaches the store
+    /// (milliseconds; 0 by default).
+    pub publish_delay_ms: AtomicU64,
 }
 
 impl Wrapped {
@@ -37,7 +43,18 @@ impl Wrapped {
             complete_items: AtomicU64::new(0),
             complete_finished: AtomicU64::new(0),
             complete_delay_ms: AtomicU64::new(0),
+            publish_calls: AtomicU64::new(0),
+            publish_finished: AtomicU64::new(0),
+            publish_delay_ms: AtomicU64::new(0),
         }
+    }
+}
+
+/// Sleeps for the milliseconds in `delay_ms` (none for 0).
+async fn pause(delay_ms: &AtomicU64) {
+    let delay = delay_ms.load(SeqCst);
+    if delay > 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
     }
 }
 
@@ -50,7 +67,11 @@ impl Store for Wrapped {
         self.inner.lanes()
     }
     async fn publish(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
-        self.inner.publish(events).await
+        self.publish_calls.fetch_add(1, SeqCst);
+        pause(&self.publish_delay_ms).await;
+        let out = self.inner.publish(events).await;
+        self.publish_finished.fetch_add(1, SeqCst);
+        out
     }
     async fn publish_operational(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
         self.inner.publish_operational(events).await
@@ -66,10 +87,7 @@ impl Store for Wrapped {
     async fn complete(&self, done: &[DeliveryRef]) -> Result<Vec<i64>> {
         self.complete_calls.fetch_add(1, SeqCst);
         self.complete_items.fetch_add(done.len() as u64, SeqCst);
-        let delay = self.complete_delay_ms.load(SeqCst);
-        if delay > 0 {
-            tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
-        }
+        pause(&self.complete_delay_ms).await;
         let out = self.inner.complete(done).await;
         self.complete_finished.fetch_add(1, SeqCst);
         out
