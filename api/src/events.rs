@@ -4,7 +4,8 @@
 //! POST /v1/events  {"events": [{"id"?, "type", "key"?, "payload", "deliver_at"?,
 //!                               "expected_seq"?}, ...]}
 //!   202 {"accepted": n, "duplicates": m, "ids": [...]}
-//!   409 {"error": {"code": "conflict", "message", "key", "expected_seq", "current_seq"}}
+//!   409 {"error": {"code": "conflict", "message", "key", "expected_seq", "current_seq",
+//!                   "event_index"}}
 //! ```
 //!
 //! The whole batch is validated before the store is called, and the store
@@ -83,7 +84,7 @@ pub struct EventIn {
     /// stored only if the key's sequence just before this event equals it
     /// (counting the batch's earlier events of the key); otherwise nothing
     /// of the batch is stored and the answer is `409 conflict` with the
-    /// key's `current_seq`. Needs `key`; 0 or more (`422 invalid_event`).
+    /// key's `current_seq` and this event's `event_index`. Needs `key`; 0 or more (`422 invalid_event`).
     /// An event whose id is already stored is a duplicate, not checked.
     #[serde(default)]
     #[schema(minimum = 0, example = 41)]

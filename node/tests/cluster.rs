@@ -50,12 +50,6 @@ const ARGS: &[&str] = &[
     "50",
 ];
 
-/// The graceful-move scenario (a fourth node catching up the whole Raft
-/// log while three nodes deliver) on these loaded 2-core machines can stall
-/// renewals past a 1.5 s lease in a debug build, which turns graceful moves
-/// into failovers; it runs with a 3 s lease instead
-/// ([`common::lease_3s_args`]).
-
 fn run_size() -> (usize, usize) {
     run_size_default(3_000)
 }
@@ -430,6 +424,11 @@ async fn paused_past_lease(backend: Backend) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The graceful-move scenario (a fourth node catching up the whole Raft
+/// log while three nodes deliver) on these loaded 2-core machines can stall
+/// renewals past a 1.5 s lease in a debug build, which turns graceful moves
+/// into failovers; it runs with a 3 s lease instead
+/// ([`common::lease_3s_args`]).
 async fn fourth_joins_and_one_leaves(backend: Backend) -> anyhow::Result<()> {
     let mut f = Fixture::with_args(backend, "join4", &common::lease_3s_args()).await?;
     f.start(&[1, 2, 3]).await?;

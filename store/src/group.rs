@@ -162,8 +162,7 @@ impl Grouper {
                     if !jobs.is_empty()
                         && (events + n > GROUP_EVENTS
                             || bytes + b > GROUP_PAYLOAD_BYTES
-                            || (job.plan.expects()
-                                && job.plan.expects_after(jobs.iter().map(|j: &Job| &j.plan))))
+                            || job.plan.expects_after(jobs.iter().map(|j: &Job| &j.plan)))
                     {
                         break;
                     }
@@ -235,7 +234,7 @@ impl Grouper {
             }
             Err(e) => {
                 for job in jobs {
-                    let _ = job.answer.send(Err(same_error(&e)));
+                    let _ = job.answer.send(Err(e.clone()));
                 }
             }
         }
@@ -332,31 +331,6 @@ fn retry_alone(e: &StoreError, batches: usize) -> bool {
         StoreError::Unavailable(_) => false,
         StoreError::Timeout(_) => true,
         _ => batches > 1,
-    }
-}
-
-/// A copy of `e` for another caller of the group.
-fn same_error(e: &StoreError) -> StoreError {
-    match e {
-        StoreError::Invalid(m) => StoreError::Invalid(m.clone()),
-        StoreError::NotFound(m) => StoreError::NotFound(m.clone()),
-        StoreError::Conflict(m) => StoreError::Conflict(m.clone()),
-        StoreError::Unavailable(m) => StoreError::Unavailable(m.clone()),
-        StoreError::Timeout(m) => StoreError::Timeout(m.clone()),
-        StoreError::Database(m) => StoreError::Database(m.clone()),
-        StoreError::SeqConflict {
-            key,
-            expected,
-            current,
-            index,
-            at,
-        } => StoreError::SeqConflict {
-            key: key.clone(),
-            expected: *expected,
-            current: *current,
-            index: *index,
-            at: *at,
-        },
     }
 }
 

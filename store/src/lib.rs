@@ -102,7 +102,7 @@ pub use lanebus_types::{Epoch, EpochOutOfRange};
 /// backend. Each backend maps its driver's errors to these kinds in its own
 /// `error` module; the API maps the kinds to HTTP statuses. The string is
 /// the message for people (the driver's, or the rule broken).
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     /// The caller's input breaks a rule (bad id, unknown handler field...),
     /// or the store URL names a backend this build does not include.

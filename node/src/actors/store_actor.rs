@@ -233,7 +233,7 @@ impl StoreActor {
     }
 
     fn flush_writes(&mut self, ctx: &mut Context<Self>) {
-        if self.stopping || self.writes_busy || self.writes.len() == 0 {
+        if self.writes_busy || self.writes.len() == 0 {
             return;
         }
         self.writes_busy = true;
@@ -252,7 +252,7 @@ impl StoreActor {
     }
 
     fn flush_claims(&mut self, ctx: &mut Context<Self>) {
-        if self.stopping || self.claims_busy || self.claims.is_empty() {
+        if self.claims_busy || self.claims.is_empty() {
             return;
         }
         self.claims_busy = true;

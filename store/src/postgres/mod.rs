@@ -387,9 +387,7 @@ impl PgStore {
         events: Vec<NewEvent>,
     ) -> Result<PublishOutcome> {
         let plan = PublishPlan::new(events, self.lanes)?;
-        let (outcome, _) = publish::publish_in(tx, plan)
-            .await
-            .map_err(publish::final_error)?;
+        let (outcome, _) = publish::publish_in(tx, plan).await?;
         Ok(outcome)
     }
 

@@ -237,11 +237,6 @@ pub(super) fn outcome(plan: PublishPlan, accepted: usize) -> PublishOutcome {
     }
 }
 
-/// Maps a final (not retried) publish error.
-pub(super) fn final_error(e: TxError) -> crate::StoreError {
-    e.into()
-}
-
 /// The statement (with its NOTIFY) in a transaction of its own on `conn`,
 /// committed only if `plan`'s expected sequences hold (rolled back
 /// otherwise, answering [`crate::StoreError::SeqConflict`]).
