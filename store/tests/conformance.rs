@@ -3699,6 +3699,43 @@ mod mongodb_only {
         s.ping().await.expect("ping");
         h.cleanup().await;
     }
+
+    /// An expectation below the key's committed number is refused at once,
+    /// while another transaction holds the key's counter. Before, the
+    /// publish raised the counter first and checked after: it met the open
+    /// writer's write conflict and retried until that writer ended (or for
+    /// 60 s), so under many writers of one key the stale ones kept the
+    /// counter busy and a current one could run out of retries.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_stale_expectation_does_not_wait_for_an_open_writer() {
+        let h = MongoHarness::new().await;
+        let s: Arc<dyn Store> = h.store.clone();
+        handler(&*s, "all", &["*"]).await;
+        s.publish(vec![at("k1", "k", Some(0))])
+            .await
+            .expect("k at 1");
+        let mut session = h.store.client().start_session().await.expect("session");
+        session.start_transaction().await.expect("start");
+        h.store
+            .publish_in(&mut session, vec![at("k2", "k", Some(1))])
+            .await
+            .expect("the open writer raises k's counter");
+        let stale = tokio::time::timeout(
+            Duration::from_secs(20),
+            s.publish(vec![at("late", "k", Some(0))]),
+        )
+        .await
+        .expect("a stale expectation answered while the writer is open");
+        assert!(
+            matches!(&stale, Err(StoreError::SeqConflict { key, expected: 0, current: 1, index: 0, at: 1 }) if key == "k"),
+            "{stale:?}"
+        );
+        session.commit_transaction().await.expect("commit");
+        let ds = claim_all(&*s).await;
+        assert_eq!(seqs_of_key(&ds, "k"), vec![1, 2]);
+        assert_eq!(counts(&*s).await.events, 2, "nothing of the stale publish");
+        h.cleanup().await;
+    }
 }
 
 async fn deliver_at_sets_the_first_due_time(h: &dyn Harness) {

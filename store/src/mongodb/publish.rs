@@ -3,19 +3,21 @@
 //!
 //! Round trips per publish, or per group of concurrent publishes
 //! ([`crate::group`]): one stored-id `find` (only when the batch has
-//! client-supplied ids), one handlers `find`, then [`bump`] (a counters
-//! `find`, an `insertMany` of counters seen for the first time, one
-//! `updateOne`/`updateMany`), one events `insertMany` and one deliveries
-//! `insertMany`; the driver splits an `insertMany` only above 48 MB or
-//! 100,000 documents.
+//! client-supplied ids), one handlers `find`, [`read_counters`] (a counters
+//! `find`), [`raise_counters`] (an `insertMany` of counters seen for the
+//! first time, one `updateOne`/`updateMany`), one events `insertMany` and
+//! one deliveries `insertMany`; the driver splits an `insertMany` only above
+//! 48 MB or 100,000 documents.
 //!
-//! Expected sequences ([`crate::NewEvent::expected_seq`]) are checked after
-//! [`bump`]'s writes: a counter read from a stale snapshot makes those
-//! writes fail with a write conflict (the transaction is run again), so
-//! past them the numbers are the keys' current ones. A broken expectation
-//! ends the body before any event is inserted, and the transaction is
-//! aborted (a caller's transaction too, which holds the raised counters:
-//! MongoDB has no savepoints; [`MongoStore::publish_in`]).
+//! Expected sequences ([`crate::NewEvent::expected_seq`]) below the
+//! numbers [`read_counters`] reads are refused before any write (a counter
+//! only grows, so a stale snapshot cannot hide such a conflict); the others
+//! are checked after [`raise_counters`]' write: a counter read from a stale
+//! snapshot makes that write fail with a write conflict (the transaction is
+//! run again), so past it the numbers are the keys' current ones. A broken
+//! expectation ends the body before any event is inserted, and the
+//! transaction is aborted (a caller's transaction too, which may hold the
+//! raised counters: MongoDB has no savepoints; [`MongoStore::publish_in`]).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -41,23 +43,35 @@ pub(super) fn lane_counter(lane: u16) -> String {
 }
 
 /// Raises each counter `id` by `inc` inside the transaction and returns the
-/// value each had before (0 for a counter created now).
-///
-/// The values come from the transaction's snapshot; the write that follows
-/// fails with a write conflict if any of these documents changed since (or
-/// is being changed by another open transaction), so the returned values
-/// are the ones this transaction's increments apply to.
+/// value each had before (0 for a counter created now): [`read_counters`]
+/// then [`raise_counters`].
 pub(super) async fn bump(
     s: &MongoStore,
     session: &mut ClientSession,
     incs: &BTreeMap<String, i64>,
 ) -> TxnResult<HashMap<String, i64>> {
+    let old = read_counters(s, session, incs).await?;
+    raise_counters(s, session, incs, &old).await?;
+    Ok(old
+        .into_iter()
+        .map(|(id, n)| (id, n.unwrap_or(0)))
+        .collect())
+}
+
+/// The value of each counter named in `incs` in the transaction's snapshot
+/// (`None`: not created yet, as good as 0). A counter only grows, so a
+/// value read from a stale snapshot is at most the current one.
+pub(super) async fn read_counters(
+    s: &MongoStore,
+    session: &mut ClientSession,
+    incs: &BTreeMap<String, i64>,
+) -> TxnResult<HashMap<String, Option<i64>>> {
     if incs.is_empty() {
         return Ok(HashMap::new());
     }
-    let coll = s.coll(names::COUNTERS);
     let ids: Vec<&String> = incs.keys().collect();
-    let found: Vec<Document> = coll
+    let found: Vec<Document> = s
+        .coll(names::COUNTERS)
         .find(doc! { "_id": { "$in": &ids } })
         .batch_size(FULL_BATCH)
         .session(&mut *session)
@@ -65,23 +79,40 @@ pub(super) async fn bump(
         .stream(&mut *session)
         .try_collect()
         .await?;
-    let mut old: HashMap<String, i64> = HashMap::with_capacity(incs.len());
+    let mut old: HashMap<String, Option<i64>> = incs.keys().map(|id| (id.clone(), None)).collect();
     for d in &found {
-        old.insert(get_string(d, "_id")?, get_int(d, "n")?);
+        old.insert(get_string(d, "_id")?, Some(get_int(d, "n")?));
     }
-    let missing: Vec<Document> = incs
+    Ok(old)
+}
+
+/// Raises each counter `id` by `inc`, from the values `old` that
+/// [`read_counters`] read in this transaction.
+///
+/// The write fails with a write conflict if any of these documents changed
+/// since the snapshot (or is being changed by another open transaction), so
+/// once it succeeds the values in `old` are the ones these increments apply
+/// to.
+async fn raise_counters(
+    s: &MongoStore,
+    session: &mut ClientSession,
+    incs: &BTreeMap<String, i64>,
+    old: &HashMap<String, Option<i64>>,
+) -> TxnResult<()> {
+    let coll = s.coll(names::COUNTERS);
+    // A counter not created yet is inserted (a concurrent first insert is a
+    // write conflict or a duplicate key, both retried).
+    let (missing, existing): (Vec<(&String, i64)>, Vec<(&String, i64)>) = incs
         .iter()
-        .filter(|(id, _)| !old.contains_key(*id))
-        .map(|(id, n)| doc! { "_id": id, "n": *n })
+        .map(|(id, n)| (id, *n))
+        .partition(|(id, _)| old[*id].is_none());
+    let missing: Vec<Document> = missing
+        .iter()
+        .map(|(id, n)| doc! { "_id": *id, "n": *n })
         .collect();
     if !missing.is_empty() {
         coll.insert_many(missing).session(&mut *session).await?;
     }
-    let existing: Vec<(&String, i64)> = incs
-        .iter()
-        .filter(|(id, _)| old.contains_key(*id))
-        .map(|(id, n)| (id, *n))
-        .collect();
     match existing.as_slice() {
         [] => {}
         [(id, n)] => {
@@ -107,10 +138,7 @@ pub(super) async fn bump(
             .await?;
         }
     }
-    Ok(incs
-        .keys()
-        .map(|id| (id.clone(), old.get(id).copied().unwrap_or(0)))
-        .collect())
+    Ok(())
 }
 
 /// One write of [`Store::publish`](crate::Store::publish) (a group of
@@ -209,7 +237,11 @@ async fn publish_with(
     for (k, n) in keys.iter().zip(counts) {
         incs.insert(key_counter(k), n);
     }
-    let old = bump(s, session, &incs).await?;
+    let read = read_counters(s, session, &incs).await?;
+    let old: HashMap<String, i64> = read
+        .iter()
+        .map(|(id, n)| (id.clone(), n.unwrap_or(0)))
+        .collect();
 
     let now = to_micros(Utc::now());
     let offsets = plan.seq_offsets();
@@ -224,6 +256,16 @@ async fn publish_with(
             })
         })
         .collect();
+    // A counter only grows, so an expectation below the number read is
+    // broken however old the snapshot: refused before the counters' write,
+    // which would meet (and wait out) any other open writer of the key.
+    // The rest are checked once that write has made the numbers current.
+    match check_expected(plan.fresh.iter().zip(seqs.iter().copied())) {
+        Err(e @ StoreError::SeqConflict { expected, at, .. }) if expected < at => {
+            return Err(e.into())
+        }
+        _ => raise_counters(s, session, &incs, &read).await?,
+    }
     check_expected(plan.fresh.iter().zip(seqs.iter().copied()))?;
     let events: Vec<Document> = plan
         .fresh
