@@ -8,7 +8,7 @@
 //!    │    start/stop/drain lane owners (plan_lanes); hears when they stopped
 //!    ├─ LaneOwner × owned lanes          (system arbiter) ── KeyRunner × keys with work
 //!    ├─ cluster member (openraft, --cluster mode): leases, lane table
-//!    ├─ store wake-ups → Wake to every lane owner
+//!    ├─ store wake-ups → Wake to the lanes named (or every lane owner)
 //!    └─ tokio workers: axum HTTP API, webhook requests, catalog refresh
 //! ```
 //!
@@ -43,6 +43,7 @@ use lanebus_api::{
 use lanebus_cluster::{
     Cluster, ClusterConfig, ClusterError, ClusterSecret, LeaseConfig, RaftTiming,
 };
+use lanebus_store::wake::Woken;
 use lanebus_store::{Lane, Store, StoreError, Wakeups};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::sync::{oneshot, watch};
@@ -337,6 +338,16 @@ impl NodeState {
         }
     }
 
+    /// Wakes the owners of `lanes` this node runs.
+    fn wake(&self, lanes: impl IntoIterator<Item = Lane>) {
+        let owners = self.owners.lock().expect("not poisoned");
+        for lane in lanes {
+            if let Some(o) = owners.get(&lane) {
+                o.addr.do_send(Wake);
+            }
+        }
+    }
+
     /// `GET /admin/lanes` in a cluster: owner, epoch, state and lease from
     /// the Raft state this node applied (the same on every node), backlog
     /// from the store; `in_flight` is this node's own count for the lanes it
@@ -455,12 +466,7 @@ impl NodeView for NodeState {
     }
 
     fn published(&self, lanes: &[Lane]) {
-        let owners = self.owners.lock().expect("not poisoned");
-        for lane in lanes {
-            if let Some(o) = owners.get(lane) {
-                o.addr.do_send(Wake);
-            }
-        }
+        self.wake(lanes.iter().copied());
     }
 
     fn handlers_changed(&self) {
@@ -1134,13 +1140,17 @@ async fn start_lane_supervisor(
     Ok(supervisor)
 }
 
-/// Passes the store's wake-ups (if it pushes them) to every lane owner.
+/// Passes the store's wake-ups (if it pushes them) to the owners of the
+/// lanes they name, or to every lane owner.
 fn forward_wakeups(wakeups: Wakeups, state: &Arc<NodeState>) {
     if let Wakeups::Push(mut rx) = wakeups {
         let st = state.clone();
         actix_rt::spawn(async move {
-            while rx.recv().await.is_some() {
-                st.wake_all();
+            while let Some(woken) = rx.recv().await {
+                match woken {
+                    Woken::All => st.wake_all(),
+                    Woken::Lanes(lanes) => st.wake(lanes),
+                }
             }
         });
     }

@@ -87,6 +87,7 @@ pub mod route;
 pub mod rules;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
+pub mod wake;
 
 pub use lane::{lane_of_event, lane_of_key, DEFAULT_LANES};
 
@@ -1003,8 +1004,9 @@ impl HandlerDeliveryItem {
 /// Which wake-up mechanism a store offers.
 #[derive(Debug)]
 pub enum Wakeups {
-    /// The store pushes a unit per publishing transaction (coalesced).
-    Push(tokio::sync::mpsc::Receiver<()>),
+    /// The store pushes a wake-up per publishing transaction, naming the
+    /// lanes that got deliveries where it can (merged while queued).
+    Push(wake::WakeReceiver),
     /// No push mechanism: poll.
     Poll,
 }

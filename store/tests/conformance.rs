@@ -2839,30 +2839,51 @@ mod postgres_only {
         h.cleanup().await;
     }
 
+    /// The next wake-up of `rx`, waited for at most `secs` seconds.
+    async fn next_wake(rx: &mut wake::WakeReceiver, secs: u64, what: &str) -> wake::Woken {
+        tokio::time::timeout(std::time::Duration::from_secs(secs), rx.recv())
+            .await
+            .unwrap_or_else(|_| panic!("{what}: none within {secs} s"))
+            .expect("channel open")
+    }
+
+    /// A publishing transaction sends one wake-up, which names the lanes
+    /// that got deliveries (and no others), so listeners claim only those.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn publish_wakes_listeners_once_per_transaction() {
         let h = PgHarness::new().await;
         let s = h.store();
-        handler(&*s, "all", &["*"]).await;
+        handler(&*s, "t", &["t.*"]).await;
         let Wakeups::Push(mut rx) = s.wakeups().await.expect("wakeups") else {
             panic!("postgres pushes wake-ups");
         };
         let other = h.reopen().await;
+        let ids: Vec<String> = (0..50).map(|i| format!("w{i}")).collect();
         other
-            .publish(
-                (0..50)
-                    .map(|i| ev(Some(&format!("w{i}")), "t.x", None))
-                    .collect(),
-            )
+            .publish(ids.iter().map(|id| ev(Some(id), "t.x", None)).collect())
             .await
             .expect("publish");
-        tokio::time::timeout(std::time::Duration::from_secs(5), rx.recv())
-            .await
-            .expect("a wake-up within 5 s")
-            .expect("channel open");
+        let woken = next_wake(&mut rx, 5, "the publish's wake-up").await;
+        let lanes: std::collections::BTreeSet<Lane> = ids
+            .iter()
+            .map(|id| lane_of_event(None, id, s.lanes()))
+            .collect();
+        assert!(lanes.len() > 1, "the events spread over lanes");
+        assert_eq!(woken, wake::Woken::Lanes(lanes), "the lanes published into");
         // One transaction, one notification: nothing else is queued.
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-        assert!(rx.try_recv().is_err(), "coalesced to one wake-up");
+        assert_eq!(rx.try_recv(), None, "coalesced to one wake-up");
+        // A keyed event wakes its key's lane only; an event no handler
+        // routes wakes nothing.
+        s.publish(vec![ev(Some("unrouted"), "u.x", None)])
+            .await
+            .expect("publish");
+        s.publish(vec![ev(Some("keyed"), "t.x", Some("order-7"))])
+            .await
+            .expect("publish");
+        let woken = next_wake(&mut rx, 5, "the publish's wake-up").await;
+        let lane = lane_of_key("order-7", s.lanes());
+        assert_eq!(woken, wake::Woken::Lanes([lane].into()));
         // A listener whose connection is killed reconnects and wakes up.
         let mut admin = sqlx::PgConnection::connect(&h.url).await.expect("connect");
         sqlx::query(
@@ -2872,17 +2893,12 @@ mod postgres_only {
         .execute(&mut admin)
         .await
         .expect("terminate listener");
-        tokio::time::timeout(std::time::Duration::from_secs(10), rx.recv())
-            .await
-            .expect("a wake-up after reconnecting")
-            .expect("channel open");
+        let woken = next_wake(&mut rx, 10, "a wake-up after reconnecting").await;
+        assert_eq!(woken, wake::Woken::All, "what was missed is not known");
         s.publish(vec![ev(Some("after-reconnect"), "t.x", None)])
             .await
             .expect("publish");
-        tokio::time::timeout(std::time::Duration::from_secs(5), rx.recv())
-            .await
-            .expect("wake-ups flow again after reconnecting")
-            .expect("channel open");
+        next_wake(&mut rx, 5, "wake-ups flow again after reconnecting").await;
         let _ = admin.close().await;
         h.cleanup().await;
     }

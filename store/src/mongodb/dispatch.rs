@@ -19,6 +19,7 @@ use super::{
     MongoStore, TxnResult, FULL_BATCH,
 };
 use crate::common::{epoch_from_db, epoch_to_db, from_micros, to_micros, to_u32};
+use crate::wake::Woken;
 use crate::*;
 
 /// Rounds of candidate events one prune batch reads at most (kept events
@@ -853,7 +854,8 @@ pub(super) async fn wakeups(s: &MongoStore) -> Result<Wakeups> {
         collection = names::DELIVERIES,
         "store wake-ups: change stream on delivery inserts"
     );
-    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    // Every lane: the change event's lane is not read (yet).
+    let (tx, rx) = crate::wake::channel(1);
     let store = s.clone();
     tokio::spawn(async move {
         let mut stream = Some(stream);
@@ -868,7 +870,7 @@ pub(super) async fn wakeups(s: &MongoStore) -> Result<Wakeups> {
                             return;
                         }
                         // Wake the owners anyway while the stream is down.
-                        let _ = tx.try_send(());
+                        tx.send(Woken::All);
                         tokio::time::sleep(STREAM_REOPEN).await;
                         continue;
                     }
@@ -877,8 +879,8 @@ pub(super) async fn wakeups(s: &MongoStore) -> Result<Wakeups> {
             loop {
                 tokio::select! {
                     item = current.next() => match item {
-                        // Coalesced: a full channel already holds a wake-up.
-                        Some(Ok(_)) => { let _ = tx.try_send(()); }
+                        // Merged while queued (crate::wake).
+                        Some(Ok(_)) => tx.send(Woken::All),
                         Some(Err(e)) => {
                             tracing::warn!(error = %e, "mongodb change stream failed; reopening");
                             break;
@@ -888,7 +890,7 @@ pub(super) async fn wakeups(s: &MongoStore) -> Result<Wakeups> {
                     () = tx.closed() => return,
                 }
             }
-            let _ = tx.try_send(());
+            tx.send(Woken::All);
             tokio::time::sleep(STREAM_REOPEN).await;
         }
     });

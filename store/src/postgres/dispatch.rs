@@ -13,6 +13,7 @@ use sqlx::{PgPool, Row};
 use super::error::map_err;
 use super::CHANNEL;
 use crate::common::{epoch_from_db, epoch_to_db, to_u32};
+use crate::wake::{WakeSender, Woken};
 use crate::*;
 
 pub(super) async fn fence(pool: &PgPool, lane: Lane, owner: &str, epoch: Epoch) -> Result<bool> {
@@ -466,20 +467,21 @@ pub(super) async fn wakeups(pool: &PgPool) -> Result<Wakeups> {
     // Subscribe before answering, so a publish right after this returns
     // is not missed.
     let listener = subscribe(pool).await.map_err(map_err)?;
-    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    let (tx, rx) = crate::wake::channel(WAKE_QUEUE);
     tokio::spawn(listen_loop(pool.clone(), tx, Some(listener)));
     Ok(Wakeups::Push(rx))
 }
 
+/// Notifications queued for the node before they are merged into one
+/// wake-up of every lane ([`crate::wake`]).
+const WAKE_QUEUE: usize = 256;
+
 /// Feeds `tx` from a `LISTEN lanebus` connection (`listener`, or a new one)
-/// until the receiver is dropped. Wake-ups are coalesced (a channel of one). After a lost
-/// connection is re-established, one wake-up is sent, since notifications
-/// sent meanwhile are lost.
-async fn listen_loop(
-    pool: PgPool,
-    tx: tokio::sync::mpsc::Sender<()>,
-    mut listener: Option<PgListener>,
-) {
+/// until the receiver is dropped: each notification wakes the lanes its
+/// payload names (publish.sql), or every lane. After a lost connection is
+/// re-established, every lane is woken, since notifications sent meanwhile
+/// are lost.
+async fn listen_loop(pool: PgPool, tx: WakeSender, mut listener: Option<PgListener>) {
     let mut backoff = Duration::from_millis(100);
     loop {
         if tx.is_closed() {
@@ -492,7 +494,7 @@ async fn listen_loop(
                     Ok(l) => {
                         backoff = Duration::from_millis(100);
                         // Anything published while we were not listening.
-                        let _ = tx.try_send(());
+                        tx.send(Woken::All);
                         listener.insert(l)
                     }
                     Err(e) => {
@@ -512,14 +514,12 @@ async fn listen_loop(
             _ = tx.closed() => return,
         };
         match received {
-            Ok(Some(_)) => {
-                let _ = tx.try_send(());
-            }
+            Ok(Some(n)) => tx.send(Woken::parse(n.payload())),
             // Connection lost; the listener reconnected (eagerly) and
             // re-subscribed: wake up for what was missed.
             Ok(None) => {
                 tracing::info!("postgres LISTEN connection lost and re-established");
-                let _ = tx.try_send(());
+                tx.send(Woken::All);
             }
             Err(e) => {
                 tracing::warn!(error = %e, "postgres LISTEN connection failed; reconnecting");

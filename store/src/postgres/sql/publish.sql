@@ -80,13 +80,20 @@ dl AS (
                    AND (NOT starts_with(n.type, 'lanebus.') OR starts_with(p, 'lanebus.')))
          )
     ORDER BY n.seq, n.id, h.pos
-    RETURNING 1
+    RETURNING lane
 )
 SELECT
     (SELECT count(*) FROM ev) AS accepted,
     (SELECT count(*) FROM dl) AS deliveries,
-    -- One wake-up per transaction at most (and none when nothing is to deliver).
-    (SELECT count(*) FROM (SELECT pg_notify('lanebus', '') FROM (SELECT 1 FROM dl LIMIT 1) AS one WHERE $8) AS n) AS notified,
+    -- One wake-up per transaction at most (and none when nothing is to
+    -- deliver), naming the lanes that got deliveries ("3,17"), so that
+    -- listeners claim those lanes only (store/src/wake.rs); past 512 lanes
+    -- it names none, which wakes every lane (a payload stays far below
+    -- NOTIFY's 8,000 bytes).
+    (SELECT count(*) FROM (
+        SELECT pg_notify('lanebus', CASE WHEN count(DISTINCT lane) <= 512
+                                         THEN string_agg(DISTINCT lane::text, ',') ELSE '' END)
+        FROM dl HAVING count(*) > 0 AND $8) AS n) AS notified,
     (SELECT array_agg(x.id)
      FROM unnest($1::text[], $6::bool[]) AS x (id, client)
      WHERE x.client AND NOT EXISTS (SELECT 1 FROM input i WHERE i.id = x.id)) AS stored,
