@@ -230,6 +230,18 @@ pub const SESSION_DEFAULTS: &[(&str, &str)] = &[
     ("tcp_keepalives_count", "3"),
 ];
 
+/// Session settings of the connections claims run on (two, opened at the
+/// first claim), on top of the pool's own:
+/// - `plan_cache_mode = force_generic_plan`: under the default `auto`,
+///   PostgreSQL planned the claim anew on almost every call (the custom
+///   plan of a claim of a few lanes is estimated far cheaper than the
+///   generic one). A claim woken by a single-event publish spent 0.39 ms
+///   planning and 0.21 ms executing. The generic plan has the same shape
+///   (index range scans per lane, the `events` probe per row): on a
+///   backlog of 200,000 deliveries a 256-lane claim of 200 rows each read
+///   the same 261,721 buffers with either plan.
+pub const CLAIM_SETTINGS: &[(&str, &str)] = &[("plan_cache_mode", "force_generic_plan")];
+
 /// The NOTIFY channel publishes wake lane owners on.
 pub const CHANNEL: &str = "lanebus";
 
@@ -245,6 +257,8 @@ pub struct PgStore {
     pool: PgPool,
     /// The group writer's connection (`publish::writer_pool`).
     writer: PgPool,
+    /// Claims' connections ([`CLAIM_SETTINGS`]).
+    claimer: PgPool,
     lanes: u16,
     group: Arc<Grouper>,
     wakes: Arc<publish::Wakes>,
@@ -303,16 +317,17 @@ impl PgStore {
     /// (`options` of `PgConnectOptions`) as [`PgStore::connect`] does, or
     /// claims may spend hundreds of milliseconds compiling on a large backlog
     /// and a statement may wait without bound. Group writes of
-    /// [`Store::publish`] use up to two connections of their own, opened
-    /// with the pool's connect options (URL, `options`, TLS) but not its
-    /// `after_connect` hook: a setting the store's tables depend on (such
-    /// as `search_path`) belongs in the connect options.
+    /// [`Store::publish`] and claims each use up to two connections of
+    /// their own, opened with the pool's connect options (URL, `options`,
+    /// TLS) but not its `after_connect` hook: a setting the store's tables
+    /// depend on (such as `search_path`) belongs in the connect options.
     ///
     /// # Errors
     /// As [`PgStore::connect`].
     pub async fn from_pool(pool: PgPool, lanes: u16) -> Result<Self> {
         let mut store = PgStore {
             writer: publish::writer_pool(&pool),
+            claimer: publish::side_pool(&pool, CLAIM_SETTINGS, 2),
             pool,
             lanes,
             group: Arc::default(),
@@ -453,7 +468,7 @@ impl Store for PgStore {
         if lanes.is_empty() {
             return Ok(Vec::new());
         }
-        dispatch::claim(&self.pool, lanes).await
+        dispatch::claim(&self.claimer, lanes).await
     }
 
     async fn complete(&self, done: &[DeliveryRef]) -> Result<Vec<i64>> {

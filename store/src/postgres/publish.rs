@@ -310,32 +310,37 @@ pub(super) const GROUP_SETTINGS: &[(&str, &str)] = &[
     ("plan_cache_mode", "force_generic_plan"),
 ];
 
-/// How long the group writer's connection stays open unused.
-const WRITER_IDLE: Duration = Duration::from_secs(60);
+/// How long a connection of a [`side_pool`] stays open unused.
+const SIDE_IDLE: Duration = Duration::from_secs(60);
 
 /// The group writer's pool ([`crate::group`] writes one group at a time):
-/// connections with `pool`'s connect options and [`GROUP_SETTINGS`],
-/// opened at the first write, closed after [`WRITER_IDLE`] unused, and
+/// a [`side_pool`] of two connections with [`GROUP_SETTINGS`]. Two: with
+/// one, 8 single-event publishers published about a third fewer events/s
+/// (bench/results/stmt.md).
+pub(super) fn writer_pool(pool: &PgPool) -> PgPool {
+    side_pool(pool, GROUP_SETTINGS, 2)
+}
+
+/// A pool of at most `size` connections with `pool`'s connect options and
+/// `settings`, opened at first use, closed after [`SIDE_IDLE`] unused, and
 /// closed when `pool` is closed (so closing the store's pool still closes
 /// every connection of the store). Must be called inside a Tokio runtime.
-pub(super) fn writer_pool(pool: &PgPool) -> PgPool {
+pub(super) fn side_pool(pool: &PgPool, settings: &[(&str, &str)], size: u32) -> PgPool {
     let options = (*pool.connect_options())
         .clone()
-        .options(GROUP_SETTINGS.iter().copied());
-    let writer = PgPoolOptions::new()
-        // Two: with one, 8 single-event publishers published about a third
-        // fewer events/s (bench/results/stmt.md).
-        .max_connections(2)
-        .idle_timeout(WRITER_IDLE)
+        .options(settings.iter().copied());
+    let side = PgPoolOptions::new()
+        .max_connections(size)
+        .idle_timeout(SIDE_IDLE)
         .acquire_timeout(super::ACQUIRE_TIMEOUT)
         .connect_lazy_with(options);
     let closed = pool.close_event();
-    let w = writer.clone();
+    let s = side.clone();
     tokio::spawn(async move {
         closed.await;
-        w.close().await;
+        s.close().await;
     });
-    writer
+    side
 }
 
 /// [`PgStore::publish_in`](super::PgStore::publish_in): the statement,
