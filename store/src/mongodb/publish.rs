@@ -50,18 +50,22 @@ pub(super) async fn bump(
     session: &mut ClientSession,
     incs: &BTreeMap<String, i64>,
 ) -> TxnResult<HashMap<String, i64>> {
-    let old = read_counters(s, session, incs).await?;
-    raise_counters(s, session, incs, &old).await?;
-    Ok(old
-        .into_iter()
-        .map(|(id, n)| (id, n.unwrap_or(0)))
-        .collect())
+    let read = read_counters(s, session, incs).await?;
+    raise_counters(s, session, incs, &read).await?;
+    Ok(or_zero(&read))
+}
+
+/// `read` with a counter not created yet as 0.
+fn or_zero(read: &HashMap<String, Option<i64>>) -> HashMap<String, i64> {
+    read.iter()
+        .map(|(id, n)| (id.clone(), n.unwrap_or(0)))
+        .collect()
 }
 
 /// The value of each counter named in `incs` in the transaction's snapshot
 /// (`None`: not created yet, as good as 0). A counter only grows, so a
 /// value read from a stale snapshot is at most the current one.
-pub(super) async fn read_counters(
+async fn read_counters(
     s: &MongoStore,
     session: &mut ClientSession,
     incs: &BTreeMap<String, i64>,
@@ -238,10 +242,7 @@ async fn publish_with(
         incs.insert(key_counter(k), n);
     }
     let read = read_counters(s, session, &incs).await?;
-    let old: HashMap<String, i64> = read
-        .iter()
-        .map(|(id, n)| (id.clone(), n.unwrap_or(0)))
-        .collect();
+    let old = or_zero(&read);
 
     let now = to_micros(Utc::now());
     let offsets = plan.seq_offsets();
@@ -259,14 +260,15 @@ async fn publish_with(
     // A counter only grows, so an expectation below the number read is
     // broken however old the snapshot: refused before the counters' write,
     // which would meet (and wait out) any other open writer of the key.
-    // The rest are checked once that write has made the numbers current.
-    match check_expected(plan.fresh.iter().zip(seqs.iter().copied())) {
-        Err(e @ StoreError::SeqConflict { expected, at, .. }) if expected < at => {
-            return Err(e.into())
+    // The rest are decided once that write has made the numbers current.
+    let checked = check_expected(plan.fresh.iter().zip(seqs.iter().copied()));
+    if let Err(StoreError::SeqConflict { expected, at, .. }) = &checked {
+        if expected < at {
+            return Err(checked.unwrap_err().into());
         }
-        _ => raise_counters(s, session, &incs, &read).await?,
     }
-    check_expected(plan.fresh.iter().zip(seqs.iter().copied()))?;
+    raise_counters(s, session, &incs, &read).await?;
+    checked?;
     let events: Vec<Document> = plan
         .fresh
         .iter()

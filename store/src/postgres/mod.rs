@@ -239,7 +239,8 @@ pub const SESSION_DEFAULTS: &[(&str, &str)] = &[
 ///   planning and 0.21 ms executing. The generic plan has the same shape
 ///   (index range scans per lane, the `events` probe per row): on a
 ///   backlog of 200,000 deliveries a 256-lane claim of 200 rows each read
-///   the same 261,721 buffers with either plan.
+///   the same 261,721 buffers with either plan (docs/benchmarks.md, other
+///   measurements, 2026-12-04).
 pub const CLAIM_SETTINGS: &[(&str, &str)] = &[("plan_cache_mode", "force_generic_plan")];
 
 /// The NOTIFY channel publishes wake lane owners on.
