@@ -3,7 +3,8 @@
 //! this machine and at its defaults, installed with `npm install` into
 //! `bench/peers/node_modules` and driven by `bench/peers/driver.mjs`
 //! (enqueue one job per call from 8 callers, then 100 per call, then the
-//! drain); pgbench running the minimal insert-then-delete work per item
+//! drain, then the load of our mixed cells at each of [`MIXED_RATES`]);
+//! pgbench running the minimal insert-then-delete work per item
 //! (100 rows per statement) as the raw ceiling; and pgbench floors of
 //! single-row commit transactions (1, 8, 32 clients, with and without
 //! `pg_notify`), the floor of a one-event publish. Each peer gets its own
@@ -21,6 +22,7 @@ use sqlx::{Connection as _, PgConnection};
 use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader};
 
 use crate::pg;
+use crate::sample::Latency;
 
 /// One peer's measurement.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -39,9 +41,28 @@ pub struct PeerResult {
     pub drain_rate: Option<f64>,
     /// Counters per job over the drain (see [`pg::per_unit`]).
     pub counters: BTreeMap<String, f64>,
+    /// Under the mixed load of our `pg-mixed-*` cells, one per offered rate.
+    #[serde(default)]
+    pub mixed: Vec<PeerMixed>,
     /// Settings or what went wrong.
     pub note: String,
 }
+
+/// A peer under the mixed load of our `pg-mixed-*` cells: its workers
+/// running, 32 callers enqueue one job per call at `offered` jobs/s in all
+/// for a 2 s warm-up and an 8 s window (`bench/peers/driver.mjs`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct PeerMixed {
+    /// Jobs per second offered.
+    pub offered: u64,
+    /// Jobs whose enqueue returned in the window, per second.
+    pub accepted_rate: f64,
+    /// From an enqueue call's return to its handler's start, milliseconds.
+    pub latency: Latency,
+}
+
+/// The offered rates of our mixed cells (`pg-mixed-1000`, `pg-mixed-5000`).
+pub const MIXED_RATES: [u64; 2] = [1000, 5000];
 
 impl PeerResult {
     /// A peer that could not be measured.
@@ -142,7 +163,7 @@ pub async fn run_all(
             run_js(&dir, server, pm, peer, jobs),
         )
         .await;
-        out.push(match r {
+        let mut r = match r {
             Ok(Ok(mut r)) => {
                 r.note = if capped {
                     format!("{note}; {jobs} jobs (its drain would not finish more in the 300 s a peer is given)")
@@ -153,8 +174,20 @@ pub async fn run_all(
             }
             Ok(Err(e)) => PeerResult::failed(peer, &format!("{e:#}")),
             Err(_) => PeerResult::failed(peer, "timed out after 300 s"),
-        });
+        };
         drop_db(server, &format!("peer_{}", peer.replace('-', "_"))).await;
+        // pg-boss's defaults take one job per 2 s poll: no mixed load.
+        if peer != "pg-boss-defaults" {
+            for rate in MIXED_RATES {
+                eprintln!("peer {peer}: mixed at {rate}/s");
+                match run_mixed(&dir, server, peer, rate).await {
+                    Ok(m) => r.mixed.push(m),
+                    Err(e) => r.note.push_str(&format!("; mixed at {rate}/s failed: {e:#}")),
+                }
+                drop_db(server, &format!("peer_{}_mixed", peer.replace('-', "_"))).await;
+            }
+        }
+        out.push(r);
     }
     eprintln!("pgbench ceiling");
     out.push(match pgbench(server, pm).await {
@@ -269,6 +302,68 @@ async fn run_js(
         drain_rate: Some(drained.0 / drained.1),
         counters: pg::per_unit(&s0, &end, drained.0 as u64),
         note: String::new(),
+        mixed: Vec::new(),
+    })
+}
+
+/// Runs `peer` under the mixed load at `rate` jobs/s (see [`PeerMixed`]) in
+/// a fresh database; at most 60 s.
+async fn run_mixed(
+    dir: &Path,
+    server: &pg::Server,
+    peer: &str,
+    rate: u64,
+) -> anyhow::Result<PeerMixed> {
+    let db = format!("peer_{}_mixed", peer.replace('-', "_"));
+    let (url, _probe) = fresh_db(server, &db).await?;
+    let child = tokio::process::Command::new("node")
+        .arg(dir.join("driver.mjs"))
+        .args([peer, &url, "0", &rate.to_string()])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting node")?;
+    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
+        .await
+        .context("no answer within 60 s")??;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find_map(|l| l.strip_prefix("MIXED "))
+        .with_context(|| {
+            let err = String::from_utf8_lossy(&out.stderr);
+            format!(
+                "driver printed no MIXED line: {}",
+                err.lines().take(8).collect::<Vec<_>>().join(" | ")
+            )
+        })?;
+    parse_mixed(rate, line)
+}
+
+/// Parses the driver's "<accepted> <window s> <p50> <p99> <max> <count>".
+fn parse_mixed(offered: u64, line: &str) -> anyhow::Result<PeerMixed> {
+    let v: Vec<f64> = line
+        .split_whitespace()
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("bad MIXED line {line:?}"))?;
+    let [accepted, window, p50, p99, max, count] = v[..] else {
+        bail!("MIXED line {line:?} has {} fields, not 6", v.len());
+    };
+    if !(window > 0.0 && count >= 1.0) {
+        bail!("MIXED line {line:?} measured nothing");
+    }
+    Ok(PeerMixed {
+        offered,
+        accepted_rate: accepted / window,
+        latency: Latency {
+            p50,
+            p99,
+            max,
+            count: count as u64,
+        },
     })
 }
 
@@ -347,6 +442,7 @@ async fn pgbench(server: &pg::Server, pm: Option<u32>) -> anyhow::Result<PeerRes
         drain_rate: Some(tps * 100.0),
         counters,
         note: "pgbench -c 2 -T 10: INSERT 100 rows, then DELETE the 100 oldest (one statement each); rate = items inserted and deleted per second".into(),
+        mixed: Vec::new(),
     })
 }
 
@@ -385,5 +481,29 @@ async fn commit_floor(
             "pgbench -c {clients} -T 10: BEGIN; one single-row INSERT{}; COMMIT (the floor of a one-event publish)",
             if notify { "; pg_notify" } else { "" }
         ),
+        mixed: Vec::new(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_mixed_line_gives_rates_and_latency() {
+        let m = parse_mixed(1000, "7996 8 3.1 9.75 40.2 9990").unwrap();
+        assert_eq!(m.offered, 1000);
+        assert!((m.accepted_rate - 999.5).abs() < 1e-9);
+        assert_eq!(
+            (m.latency.p50, m.latency.p99, m.latency.max, m.latency.count),
+            (3.1, 9.75, 40.2, 9990)
+        );
+    }
+
+    #[test]
+    fn a_short_or_empty_mixed_line_is_refused() {
+        assert!(parse_mixed(1000, "7996 8 3.1 9.75 40.2").is_err());
+        assert!(parse_mixed(1000, "0 8 NaN NaN undefined 0").is_err());
+        assert!(parse_mixed(1000, "0 8 1 1 1 0").is_err());
+    }
 }

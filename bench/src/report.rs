@@ -41,6 +41,24 @@ fn side_idx(r: &Record) -> usize {
     usize::from(r.side != "base")
 }
 
+/// Medians over one side's samples of a mixed cell: accepted events/s and
+/// the commit-to-handler p50, p99 and max (ms).
+fn mixed_medians(records: &[Record], cell: &str, side: usize) -> [Option<f64>; 4] {
+    let rs: Vec<&Record> = records
+        .iter()
+        .filter(|r| r.cell == cell && side_idx(r) == side)
+        .collect();
+    let m = |f: &dyn Fn(&Record) -> Option<f64>| {
+        stats::median(&rs.iter().filter_map(|r| f(r)).collect::<Vec<_>>())
+    };
+    [
+        m(&|r| Some(r.out.accepted_rate)),
+        m(&|r| r.out.latency.as_ref().map(|l| l.p50)),
+        m(&|r| r.out.latency.as_ref().map(|l| l.p99)),
+        m(&|r| r.out.latency.as_ref().map(|l| l.max)),
+    ]
+}
+
 /// Summarizes one cell's records.
 pub fn summarize_cell(cell: &str, records: &[Record]) -> CellSummary {
     let recs: Vec<&Record> = records.iter().filter(|r| r.cell == cell).collect();
@@ -315,17 +333,7 @@ pub fn build(
         let _ = writeln!(md, "| --- | --- | --- | --- |");
         for (c, _) in mixed {
             let lat = |i: usize| {
-                let rs: Vec<&Record> = records
-                    .iter()
-                    .filter(|r| r.cell == c.name && side_idx(r) == i)
-                    .collect();
-                let m = |f: &dyn Fn(&Record) -> Option<f64>| {
-                    stats::median(&rs.iter().filter_map(|r| f(r)).collect::<Vec<_>>())
-                };
-                let acc = m(&|r| Some(r.out.accepted_rate));
-                let p50 = m(&|r| r.out.latency.as_ref().map(|l| l.p50));
-                let p99 = m(&|r| r.out.latency.as_ref().map(|l| l.p99));
-                let max = m(&|r| r.out.latency.as_ref().map(|l| l.max));
+                let [acc, p50, p99, max] = mixed_medians(records, &c.name, i);
                 (acc, format!("{} / {} / {}", num(p50), num(p99), num(max)))
             };
             let (a0, l0) = lat(0);
@@ -509,6 +517,37 @@ pub fn build(
                 num(c("cpu_db_ms")),
                 p.note
             );
+        }
+        if peers.iter().any(|p| !p.mixed.is_empty()) {
+            let _ = writeln!(md, "\n### Peers under the mixed load\n");
+            let _ = writeln!(md, "Each peer's workers running while 32 callers enqueue one job per call at the offered rate (2 s warm-up, 8 s window); latency from an enqueue call's return to its handler's start (ms; our side: `pg-mixed-<rate>`, candidate medians, from the publish call's return to the handler).\n");
+            let _ = writeln!(md, "| Peer | offered/s | its accepted/s | its p50 / p99 / max | our accepted/s | our p50 / p99 / max | our p99 / its p99 |");
+            let _ = writeln!(md, "| --- | ---: | ---: | --- | ---: | --- | ---: |");
+            for p in peers {
+                for m in &p.mixed {
+                    let [acc, p50, p99, max] =
+                        mixed_medians(records, &format!("pg-mixed-{}", m.offered), 1);
+                    let l = &m.latency;
+                    let _ = writeln!(
+                        md,
+                        "| {} | {} | {} | {} / {} / {} | {} | {} / {} / {} | {} |",
+                        p.name,
+                        num(Some(m.offered as f64)),
+                        num(Some(m.accepted_rate)),
+                        num(Some(l.p50)),
+                        num(Some(l.p99)),
+                        num(Some(l.max)),
+                        num(acc),
+                        num(p50),
+                        num(p99),
+                        num(max),
+                        match p99 {
+                            Some(o) if l.p99 > 0.0 => format!("{:.2}", o / l.p99),
+                            _ => "–".into(),
+                        },
+                    );
+                }
+            }
         }
     }
     let _ = writeln!(md, "\n## Files\n\n`samples.jsonl` (one line per sample: cell, side, pair, spin, counters, exactness), `env.json` (machine, versions, PostgreSQL settings), `peers.json`. Method and thresholds: `bench/README.md`.");
