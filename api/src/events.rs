@@ -111,6 +111,7 @@ impl From<PublishOutcome> for PublishAnswer {
             accepted,
             duplicates,
             ids,
+            lanes: _,
         } = outcome;
         PublishAnswer {
             accepted,

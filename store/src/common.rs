@@ -89,6 +89,12 @@ impl PublishPlan {
         Ok(Self::checked(events, lanes))
     }
 
+    /// The lanes of the events still to be written, ascending, each once.
+    pub fn lanes(&self) -> Vec<Lane> {
+        let lanes: std::collections::BTreeSet<Lane> = self.fresh.iter().map(|e| e.lane).collect();
+        lanes.into_iter().collect()
+    }
+
     /// The plan of a batch whose events passed their rules.
     fn checked(events: Vec<NewEvent>, lanes: u16) -> Self {
         let mut seen = HashSet::with_capacity(events.len());

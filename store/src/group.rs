@@ -307,6 +307,7 @@ fn answer(plan: PublishPlan, written: usize, accepted: usize, repeated: usize) -
     PublishOutcome {
         accepted,
         duplicates: plan.duplicates + repeated + (written - accepted),
+        lanes: plan.lanes(),
         ids: plan.ids,
     }
 }

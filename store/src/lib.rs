@@ -210,6 +210,11 @@ pub struct PublishOutcome {
     pub duplicates: usize,
     /// The id of every input event (generated ones included), input order.
     pub ids: Vec<String>,
+    /// The lanes of the events this publish wrote or tried to write (those
+    /// already stored left out where the store knew them beforehand),
+    /// ascending, each once: what `PgStore::wake_after_commit` wakes.
+    #[serde(default)]
+    pub lanes: Vec<Lane>,
 }
 
 /// Lifecycle of a handler.

@@ -13,6 +13,11 @@ use tokio::sync::mpsc;
 
 use crate::Lane;
 
+/// The most lanes a notification names; past it, it names none (every
+/// lane). The same bound is in `postgres/sql/publish.sql`; 512 lanes keep a
+/// payload far below NOTIFY's 8,000 bytes.
+pub const NAMED_LANES_MAX: usize = 512;
+
 /// What a wake-up names.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Woken {
@@ -30,6 +35,27 @@ impl Woken {
             (Woken::All, _) => {}
             (_, Woken::All) => *self = Woken::All,
             (Woken::Lanes(a), Woken::Lanes(b)) => a.extend(b),
+        }
+    }
+
+    /// The wake-up of `lanes`; of every lane when `lanes` is empty.
+    pub fn of_lanes(lanes: &[Lane]) -> Woken {
+        if lanes.is_empty() {
+            Woken::All
+        } else {
+            Woken::Lanes(lanes.iter().copied().collect())
+        }
+    }
+
+    /// The notification payload that [`Woken::parse`] reads back: lane
+    /// numbers separated by commas, or the empty payload (every lane) for
+    /// [`Woken::All`] and for more than [`NAMED_LANES_MAX`] lanes.
+    pub fn payload(&self) -> String {
+        match self {
+            Woken::Lanes(l) if !l.is_empty() && l.len() <= NAMED_LANES_MAX => {
+                l.iter().map(Lane::to_string).collect::<Vec<_>>().join(",")
+            }
+            _ => String::new(),
         }
     }
 
@@ -131,6 +157,17 @@ mod tests {
 
     fn lanes(l: &[Lane]) -> Woken {
         Woken::Lanes(l.iter().copied().collect())
+    }
+
+    #[test]
+    fn payloads_read_back_what_they_name() {
+        for w in [lanes(&[0]), lanes(&[3, 17, 255]), Woken::All] {
+            assert_eq!(Woken::parse(&w.payload()), w);
+        }
+        let many: Vec<Lane> = (0..=NAMED_LANES_MAX as Lane).collect();
+        assert_eq!(Woken::of_lanes(&many).payload(), "", "too many to name");
+        assert_eq!(Woken::of_lanes(&[]), Woken::All);
+        assert_eq!(Woken::of_lanes(&[9, 2]).payload(), "2,9");
     }
 
     #[test]

@@ -3752,6 +3752,31 @@ mod mongodb_only {
         assert_eq!(counts(&*s).await.events, 2, "nothing of the stale publish");
         h.cleanup().await;
     }
+
+    /// The change stream's wake-ups name the lanes that got deliveries, as
+    /// PostgreSQL's do, so a node claims those lanes and not every lane.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn wake_ups_name_the_lanes_published_into() {
+        let h = MongoHarness::new().await;
+        let s: Arc<dyn Store> = h.store.clone();
+        handler(&*s, "t", &["t.*"]).await;
+        let Wakeups::Push(mut rx) = s.wakeups().await.expect("wakeups") else {
+            panic!("the test server offers change streams");
+        };
+        // What the stream reports of the handler's setup, if anything.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        while rx.try_recv().is_some() {}
+        s.publish(vec![ev(Some("keyed"), "t.x", Some("order-7"))])
+            .await
+            .expect("publish");
+        let woken = tokio::time::timeout(Duration::from_secs(20), rx.recv())
+            .await
+            .expect("a wake-up within 20 s")
+            .expect("channel open");
+        let lane = lane_of_key("order-7", s.lanes());
+        assert_eq!(woken, wake::Woken::Lanes([lane].into()));
+        h.cleanup().await;
+    }
 }
 
 async fn deliver_at_sets_the_first_due_time(h: &dyn Harness) {

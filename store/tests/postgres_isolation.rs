@@ -14,7 +14,7 @@ use std::sync::Arc;
 use futures::FutureExt;
 
 use lanebus_store::postgres::{Isolation, PgStore, TxError, CHANNEL};
-use lanebus_store::{ClaimCursor, Epoch, LaneClaim, NewEvent, Store};
+use lanebus_store::{lane_of_event, ClaimCursor, Epoch, Lane, LaneClaim, NewEvent, Store};
 use sqlx::postgres::PgListener;
 use sqlx::PgPool;
 
@@ -36,6 +36,16 @@ fn event(id: &str, key: Option<&str>) -> NewEvent {
 }
 
 /// The next notification's payload on `listener` (within a minute).
+/// The payload of a wake-up naming the lanes of `events` (id, key).
+fn lanes_payload(store: &PgStore, events: &[(&str, Option<&str>)]) -> String {
+    let lanes: BTreeSet<Lane> = events
+        .iter()
+        .map(|(id, key)| lane_of_event(*key, id, store.lanes()))
+        .collect();
+    let named: Vec<String> = lanes.iter().map(Lane::to_string).collect();
+    named.join(",")
+}
+
 async fn next_payload(listener: &mut PgListener) -> String {
     tokio::time::timeout(std::time::Duration::from_secs(60), listener.recv())
         .await
@@ -82,7 +92,11 @@ async fn publish_in_sends_no_notify_from_the_callers_transaction() {
     .await;
 
     store.wake_after_commit(&out).await.expect("wake");
-    assert_eq!(next_payload(&mut listener).await, "", "the wake-up");
+    assert_eq!(
+        next_payload(&mut listener).await,
+        lanes_payload(&store, &[("e1", Some("k")), ("e2", None)]),
+        "the wake-up names the lanes published into"
+    );
 
     drop(listener);
     common::drop_pg_database(&admin, pool, &db).await;
@@ -227,7 +241,8 @@ async fn the_callers_commit_does_not_wait_for_the_notify_lock() {
 
 /// Wake-ups after commits are coalesced: while one NOTIFY waits for the
 /// notify-queue lock, further `wake_after_commit` calls return at once, and
-/// once the lock is free exactly one more NOTIFY follows the first.
+/// once the lock is free exactly one more NOTIFY follows the first, naming
+/// the lanes of every coalesced call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[allow(clippy::async_yields_async)] // the body hands the first wake-up's task out
 async fn wake_ups_after_commits_are_coalesced() {
@@ -236,21 +251,22 @@ async fn wake_ups_after_commits_are_coalesced() {
     let store = Arc::new(store);
     let mut listener = PgListener::connect_with(&pool).await.expect("listener");
     listener.listen(CHANNEL).await.expect("listen");
-    let published = lanebus_store::PublishOutcome {
+    let published = |lane: Lane| lanebus_store::PublishOutcome {
         accepted: 1,
         duplicates: 0,
         ids: vec!["e".into()],
+        lanes: vec![lane],
     };
     let first = under_the_notify_lock(&admin, &db, &pool, async {
         let first = {
-            let (store, published) = (store.clone(), published.clone());
+            let (store, published) = (store.clone(), published(7));
             tokio::spawn(async move { store.wake_after_commit(&published).await })
         };
         common::wait_for_a_lock_wait(&pool, "the first wake-up").await;
-        for _ in 0..10 {
+        for i in 0..10 {
             tokio::time::timeout(
                 std::time::Duration::from_secs(60),
-                store.wake_after_commit(&published),
+                store.wake_after_commit(&published(i % 3)),
             )
             .await
             .expect("a wake-up asked for while one is in flight returns at once")
@@ -260,8 +276,12 @@ async fn wake_ups_after_commits_are_coalesced() {
     })
     .await;
     first.await.expect("task").expect("the first wake-up");
-    assert_eq!(next_payload(&mut listener).await, "", "the first wake-up");
-    assert_eq!(next_payload(&mut listener).await, "", "the coalesced one");
+    assert_eq!(next_payload(&mut listener).await, "7", "the first wake-up");
+    assert_eq!(
+        next_payload(&mut listener).await,
+        "0,1,2",
+        "the coalesced one names the lanes of all ten"
+    );
     nothing_before_a_marker(
         &pool,
         &mut listener,
@@ -382,8 +402,8 @@ async fn publish_in_commits_or_leaves_nothing_at_every_isolation_level() {
         assert_eq!(seen, name, "the helper's isolation level");
         assert_eq!(
             next_payload(&mut listener).await,
-            "",
-            "{name}: the wake-up after the helper's commit"
+            lanes_payload(&store, &[(&ids[0], Some(&tag)), (&ids[1], None)]),
+            "{name}: the wake-up after the helper's commit names its lanes"
         );
         committed.extend(ids);
 

@@ -820,7 +820,8 @@ pub(super) async fn prune(
 /// Wait before reopening a broken change stream.
 const STREAM_REOPEN: Duration = Duration::from_secs(1);
 
-/// Change stream on delivery inserts, projected to the resume token only.
+/// Change stream on delivery inserts, projected to the resume token and
+/// the delivery's lane.
 async fn open_stream(
     s: &MongoStore,
 ) -> ::mongodb::error::Result<
@@ -832,10 +833,32 @@ async fn open_stream(
         .watch()
         .pipeline([
             doc! { "$match": { "operationType": "insert" } },
-            doc! { "$project": { "_id": 1, "operationType": 1 } },
+            doc! { "$project": { "_id": 1, "operationType": 1, "fullDocument.lane": 1 } },
         ])
         .await
 }
+
+/// What a delivery insert's change event wakes: the delivery's lane, or
+/// every lane when the event does not carry it.
+fn woken_by(event: &::mongodb::change_stream::event::ChangeStreamEvent<Document>) -> Woken {
+    let lane = event
+        .full_document
+        .as_ref()
+        .and_then(|d| d.get("lane"))
+        .and_then(|l| match l {
+            Bson::Int32(l) => Lane::try_from(*l).ok(),
+            Bson::Int64(l) => Lane::try_from(*l).ok(),
+            _ => None,
+        });
+    match lane {
+        Some(l) => Woken::Lanes([l].into()),
+        None => Woken::All,
+    }
+}
+
+/// Change events a wake-up channel queues before it wakes every lane
+/// instead (the receiver merges what is queued).
+const STREAM_QUEUE: usize = 1024;
 
 /// [`Store::wakeups`](crate::Store::wakeups): a change stream on delivery
 /// inserts, or polling when the server offers none.
@@ -854,8 +877,7 @@ pub(super) async fn wakeups(s: &MongoStore) -> Result<Wakeups> {
         collection = names::DELIVERIES,
         "store wake-ups: change stream on delivery inserts"
     );
-    // Every lane: the change event's lane is not read (yet).
-    let (tx, rx) = crate::wake::channel(1);
+    let (tx, rx) = crate::wake::channel(STREAM_QUEUE);
     let store = s.clone();
     tokio::spawn(async move {
         let mut stream = Some(stream);
@@ -880,7 +902,7 @@ pub(super) async fn wakeups(s: &MongoStore) -> Result<Wakeups> {
                 tokio::select! {
                     item = current.next() => match item {
                         // Merged while queued (crate::wake).
-                        Some(Ok(_)) => tx.send(Woken::All),
+                        Some(Ok(event)) => tx.send(woken_by(&event)),
                         Some(Err(e)) => {
                             tracing::warn!(error = %e, "mongodb change stream failed; reopening");
                             break;

@@ -195,6 +195,7 @@ async fn publish_with(
         let out = PublishOutcome {
             accepted,
             duplicates: plan.duplicates,
+            lanes: Vec::new(),
             ids: plan.ids,
         };
         return Ok((out, stored));
@@ -312,6 +313,7 @@ async fn publish_with(
     let out = PublishOutcome {
         accepted,
         duplicates: plan.duplicates,
+        lanes: plan.lanes(),
         ids: plan.ids,
     };
     Ok((out, stored))

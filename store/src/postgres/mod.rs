@@ -409,7 +409,9 @@ impl PgStore {
 
     /// Wakes the lane owners (every node's, through one NOTIFY on
     /// [`CHANNEL`] in a transaction of its own) for what a
-    /// [`PgStore::publish_in`] returned, once its transaction has committed.
+    /// [`PgStore::publish_in`] returned, once its transaction has committed:
+    /// the owners of its [`PublishOutcome::lanes`] (of every lane when it
+    /// names none).
     /// Sends nothing when `published` accepted no event. Called before the
     /// commit it wakes owners too early: they find nothing and the events
     /// wait for the poll interval.
@@ -426,7 +428,9 @@ impl PgStore {
         if published.accepted == 0 {
             return Ok(());
         }
-        self.wakes.wake(&self.pool).await
+        self.wakes
+            .wake(&self.pool, wake::Woken::of_lanes(&published.lanes))
+            .await
     }
 }
 

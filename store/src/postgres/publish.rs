@@ -34,6 +34,7 @@ use super::error::map_err;
 use super::transaction::TxError;
 use super::CHANNEL;
 use crate::common::{check_expected, PublishPlan};
+use crate::wake::Woken;
 use crate::{PublishOutcome, Result};
 
 /// Attempts of a publish that lost a race (a concurrent publisher of the same
@@ -161,10 +162,12 @@ pub(super) async fn run(
     })
 }
 
-/// One NOTIFY on [`CHANNEL`] in autocommit on `pool`.
-async fn notify(pool: &PgPool) -> Result<()> {
-    sqlx::query("SELECT pg_notify($1, '')")
+/// One NOTIFY on [`CHANNEL`] in autocommit on `pool`, naming what `woken`
+/// names ([`Woken::payload`]).
+async fn notify(pool: &PgPool, woken: &Woken) -> Result<()> {
+    sqlx::query("SELECT pg_notify($1, $2)")
         .bind(CHANNEL)
+        .bind(woken.payload())
         .execute(pool)
         .await
         .map_err(map_err)?;
@@ -176,7 +179,7 @@ async fn notify(pool: &PgPool) -> Result<()> {
 /// by a store and its clones. Coalesced: one NOTIFY in flight at a time
 /// (notifying commits are serialized by PostgreSQL anyway); a wake-up asked
 /// for meanwhile is served by one more NOTIFY, begun when the current one
-/// ends, so after the asker's commit.
+/// ends, so after the asker's commit, naming the lanes of every such ask.
 #[derive(Debug, Default)]
 pub(super) struct Wakes {
     state: std::sync::Mutex<WakeState>,
@@ -186,19 +189,23 @@ pub(super) struct Wakes {
 struct WakeState {
     /// A NOTIFY is in flight.
     sending: bool,
-    /// A wake-up was asked for while it was.
-    again: bool,
+    /// What was asked for while it was.
+    pending: Option<Woken>,
 }
 
 impl Wakes {
-    /// Sends a NOTIFY and returns its result, or, while one is in flight,
-    /// asks for one more after it and returns `Ok` at once. The NOTIFYs run
-    /// in a task of their own, so dropping this future loses none.
-    pub(super) async fn wake(self: &Arc<Self>, pool: &PgPool) -> Result<()> {
+    /// Sends a NOTIFY naming `woken` and returns its result, or, while one
+    /// is in flight, adds `woken` to the next one, sent after it, and
+    /// returns `Ok` at once. The NOTIFYs run in a task of their own, so
+    /// dropping this future loses none.
+    pub(super) async fn wake(self: &Arc<Self>, pool: &PgPool, woken: Woken) -> Result<()> {
         {
             let mut s = self.state.lock().expect("not poisoned");
             if s.sending {
-                s.again = true;
+                match &mut s.pending {
+                    Some(p) => p.merge(woken),
+                    None => s.pending = Some(woken),
+                }
                 return Ok(());
             }
             s.sending = true;
@@ -207,8 +214,9 @@ impl Wakes {
         let (wakes, pool) = (Arc::clone(self), pool.clone());
         tokio::spawn(async move {
             let mut answer = Some(answer);
+            let mut woken = woken;
             loop {
-                let sent = notify(&pool).await;
+                let sent = notify(&pool, &woken).await;
                 if let Err(e) = &sent {
                     tracing::warn!(error = %e, "wake-up after a commit failed; lanes poll");
                 }
@@ -216,11 +224,13 @@ impl Wakes {
                     let _ = a.send(sent);
                 }
                 let mut s = wakes.state.lock().expect("not poisoned");
-                if !s.again {
-                    s.sending = false;
-                    return;
+                match s.pending.take() {
+                    Some(next) => woken = next,
+                    None => {
+                        s.sending = false;
+                        return;
+                    }
                 }
-                s.again = false;
             }
         });
         first.await.unwrap_or(Ok(()))
@@ -233,6 +243,7 @@ pub(super) fn outcome(plan: PublishPlan, accepted: usize) -> PublishOutcome {
     PublishOutcome {
         accepted,
         duplicates: plan.duplicates + stored_duplicates,
+        lanes: plan.lanes(),
         ids: plan.ids,
     }
 }

@@ -2,13 +2,16 @@
 //! isolation level, run again in a fresh transaction after a serialization
 //! failure or deadlock, and the lane owners woken after the commit.
 
+use std::collections::BTreeSet;
+
 use futures::future::BoxFuture;
 use sqlx::{PgConnection, Postgres, Transaction};
 
 use super::error::map_err;
 use super::{publish, PgStore};
 use crate::common::PublishPlan;
-use crate::{NewEvent, PublishOutcome, StoreError};
+use crate::wake::Woken;
+use crate::{Lane, NewEvent, PublishOutcome, StoreError};
 
 /// Isolation level of a [`PgStore::transaction`] (PostgreSQL documentation,
 /// section 13.2 "Transaction Isolation").
@@ -90,8 +93,8 @@ impl From<TxError> for StoreError {
 pub struct PgTx {
     tx: Transaction<'static, Postgres>,
     lanes: u16,
-    /// Deliveries written by [`PgTx::publish`] in this attempt.
-    deliveries: usize,
+    /// The lanes [`PgTx::publish`] wrote deliveries into in this attempt.
+    woken: BTreeSet<Lane>,
 }
 
 impl PgTx {
@@ -115,7 +118,9 @@ impl PgTx {
     pub async fn publish(&mut self, events: Vec<NewEvent>) -> Result<PublishOutcome, TxError> {
         let plan = PublishPlan::new(events, self.lanes)?;
         let (outcome, deliveries) = publish::publish_in(&mut self.tx, plan).await?;
-        self.deliveries += deliveries;
+        if deliveries > 0 {
+            self.woken.extend(&outcome.lanes);
+        }
         Ok(outcome)
     }
 }
@@ -173,7 +178,7 @@ impl PgStore {
             let mut t = PgTx {
                 tx: self.pool.begin_with(isolation.begin()).await?,
                 lanes: self.lanes,
-                deliveries: 0,
+                woken: BTreeSet::new(),
             };
             let ran = match f(&mut t).await {
                 Ok(value) => t.tx.commit().await.map(|()| value).map_err(TxError::from),
@@ -186,9 +191,9 @@ impl PgStore {
             };
             match ran {
                 Ok(value) => {
-                    if t.deliveries > 0 {
+                    if !t.woken.is_empty() {
                         // A failure is logged by the wake-up's task.
-                        let _ = self.wakes.wake(&self.pool).await;
+                        let _ = self.wakes.wake(&self.pool, Woken::Lanes(t.woken)).await;
                     }
                     return Ok(value);
                 }

@@ -74,6 +74,7 @@ pub(super) async fn publish_in(
     Ok(PublishOutcome {
         accepted: plan.fresh.len(),
         duplicates: plan.duplicates,
+        lanes: plan.lanes(),
         ids: plan.ids,
     })
 }
