@@ -94,7 +94,9 @@ pub struct NodeArgs {
     #[arg(long, env = "LANEBUS_PRUNE_INTERVAL_MS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prune_interval_ms: Option<u64>,
-    /// Store actor flush interval, in milliseconds [default: 2].
+    /// Longest wait of the store actor's completions, reschedules and dead
+    /// letters before their batched write, in milliseconds (claims wait for
+    /// no interval) [default: 2].
     #[arg(long, env = "LANEBUS_FLUSH_INTERVAL_MS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub flush_interval_ms: Option<u64>,

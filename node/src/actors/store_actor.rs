@@ -9,13 +9,15 @@
 //! ```
 //!
 //! Two tracks, each in ticks: *writes* (completions, reschedules, dead
-//! letters, discards) and *claims*. A tick starts when the first request of
-//! its track arrives and fires after [`StoreActorConfig::flush_interval`], or
-//! at once when [`StoreActorConfig::max_batch`] requests are waiting. A
-//! writes tick runs its calls one after another; the claims tick runs
-//! beside it, so a write that waits (a row lock, a slow statement) does not
-//! hold claims behind it. A track's next tick starts when its previous one
-//! finished. The lane owners' de-duplication (see [`crate::ordering`]) needs
+//! letters, discards) and *claims*. A writes tick starts when the first
+//! write arrives and fires after [`StoreActorConfig::flush_interval`], or at
+//! once when [`StoreActorConfig::max_batch`] requests are waiting. A claim
+//! goes at once when no claim call is under way (a wake-up on an idle store
+//! waits for no tick); claims that arrive during a call go together as the
+//! next tick, right after it. A writes tick runs its calls one after
+//! another; the claims tick runs beside it, so a write that waits (a row
+//! lock, a slow statement) does not hold claims behind it. A track's next
+//! tick starts when its previous one finished. The lane owners' de-duplication (see [`crate::ordering`]) needs
 //! only this: a claim issued after a completion was acknowledged runs after
 //! that completion committed, which holds because the acknowledgement is
 //! sent after the commit.
@@ -65,10 +67,10 @@ impl From<&StoreError> for StoreCallError {
 /// Tuning of the store actor.
 #[derive(Debug, Clone, Copy)]
 pub struct StoreActorConfig {
-    /// Longest wait between the first request of a tick and its flush
-    /// (default 2 ms).
+    /// Longest wait between the first write of a writes tick and its flush
+    /// (default 2 ms); claims do not wait for it.
     pub flush_interval: Duration,
-    /// Requests that trigger a flush at once (default 512).
+    /// Writes that trigger a flush at once (default 512).
     pub max_batch: usize,
     /// Longest wait for one store call before its requesters are answered
     /// with an error (default 60 s; the call's outcome is then unknown, as
@@ -179,21 +181,6 @@ impl StoreActor {
         }
     }
 
-    /// Requests waiting for a track that could start now.
-    fn startable(&self) -> usize {
-        let claims = if self.claims_busy {
-            0
-        } else {
-            self.claims.len()
-        };
-        let writes = if self.writes_busy {
-            0
-        } else {
-            self.writes.len()
-        };
-        claims + writes
-    }
-
     fn enqueued(&mut self, ctx: &mut Context<Self>) {
         if self.stopping {
             // Dropping the replies answers `Stopped`.
@@ -201,7 +188,13 @@ impl StoreActor {
             self.writes = Writes::default();
             return;
         }
-        let waiting = self.startable();
+        // No-op while a claim call is under way: its end starts the next.
+        self.flush_claims(ctx);
+        let waiting = if self.writes_busy {
+            0
+        } else {
+            self.writes.len()
+        };
         if waiting == 0 {
             return;
         }
@@ -209,18 +202,13 @@ impl StoreActor {
             if let Some(t) = self.timer.take() {
                 ctx.cancel_future(t);
             }
-            self.flush(ctx);
+            self.flush_writes(ctx);
         } else if self.timer.is_none() {
             self.timer = Some(ctx.run_later(self.config.flush_interval, |act, ctx| {
                 act.timer = None;
-                act.flush(ctx);
+                act.flush_writes(ctx);
             }));
         }
-    }
-
-    fn flush(&mut self, ctx: &mut Context<Self>) {
-        self.flush_writes(ctx);
-        self.flush_claims(ctx);
     }
 
     /// Answers the [`Quiesce`] waiters once no call is under way.
@@ -579,25 +567,21 @@ mod tests {
         let lane = one_handler_one_event(&*store).await;
         assert!(store.fence(lane, "old", Epoch(1)).await.expect("fence 1"));
         assert!(store.fence(lane, "new", Epoch(2)).await.expect("fence 2"));
-        // A long interval: both claims land in the same tick.
-        let actor = StoreActor::new(
-            store.clone(),
-            StoreActorConfig {
-                flush_interval: Duration::from_millis(50),
-                ..StoreActorConfig::default()
-            },
-        )
-        .start();
-        let claim = |epoch| LaneClaim {
+        let actor = StoreActor::new(store.clone(), StoreActorConfig::default()).start();
+        let claim = |lane, epoch| LaneClaim {
             lane,
             epoch,
             after: Default::default(),
             limit: 10,
         };
+        let other = (lane + 1) % store.lanes();
         for order in [[2, 1], [1, 2]] {
-            let (a, b) = futures::join!(
-                actor.send(ClaimLane(claim(Epoch(order[0])))),
-                actor.send(ClaimLane(claim(Epoch(order[1]))))
+            // The first claim (of another lane) goes at once; the two of
+            // `lane` arrive while it is under way and share the next tick.
+            let (_, a, b) = futures::join!(
+                actor.send(ClaimLane(claim(other, Epoch(1)))),
+                actor.send(ClaimLane(claim(lane, Epoch(order[0])))),
+                actor.send(ClaimLane(claim(lane, Epoch(order[1]))))
             );
             for (epoch, answer) in [(order[0], a), (order[1], b)] {
                 let batch = answer.expect("mailbox").expect("claim");
@@ -610,5 +594,34 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A claim on an idle store goes at once, not at the end of a writes
+    /// tick: with a flush interval of 60 s it is answered all the same.
+    #[actix_rt::test]
+    async fn a_claim_waits_for_no_tick() {
+        let store = sqlite_store("sqlite::memory:").await;
+        let lane = one_handler_one_event(&*store).await;
+        assert!(store.fence(lane, "me", Epoch(1)).await.expect("fence"));
+        let actor = StoreActor::new(
+            store.clone(),
+            StoreActorConfig {
+                flush_interval: Duration::from_secs(60),
+                ..StoreActorConfig::default()
+            },
+        )
+        .start();
+        let claim = actor.send(ClaimLane(LaneClaim {
+            lane,
+            epoch: Epoch(1),
+            after: Default::default(),
+            limit: 10,
+        }));
+        let batch = tokio::time::timeout(Duration::from_secs(20), claim)
+            .await
+            .expect("answered before the 60 s tick")
+            .expect("mailbox")
+            .expect("claim");
+        assert_eq!(batch.deliveries.len(), 1);
     }
 }
