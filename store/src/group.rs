@@ -3,17 +3,13 @@
 //!
 //! Each store has one [`Grouper`]. A publish validates its batch
 //! ([`PublishPlan::new`]) before it queues, so a refused batch never joins a
-//! group. While [`GroupWriter::WRITERS`] groups are being written, later
-//! publishes queue; the next free writer then takes every queued batch (up
-//! to [`GROUP_EVENTS`] events and [`GROUP_PAYLOAD_BYTES`] of payloads) and
+//! group. While one group is being written, later publishes queue; the
+//! writer then takes every queued batch (up to [`GROUP_EVENTS`] events and
+//! [`GROUP_PAYLOAD_BYTES`] of payloads) and
 //! writes them as one plan in one transaction ([`GroupWriter::write_plan`]),
 //! in arrival order: per-key sequence numbers follow that order, and an id
 //! repeated by a later caller is that caller's duplicate, as if the
-//! publishes had run one after the other. Groups written at the same time
-//! hold publishes that were under way at the same time, which have no
-//! order between them; they meet in the store as concurrent publishers
-//! do (PostgreSQL: a key's counter row is locked until the commit, and
-//! rows are locked in key order). Each caller is answered after the
+//! publishes had run one after the other. Each caller is answered after the
 //! commit, with its own ids and counts. When the group's write fails with an
 //! error that could come from one caller's events, each batch is written
 //! again on its own, so each caller gets its own verdict: a batch whose
@@ -58,9 +54,6 @@ pub const GROUP_PAYLOAD_BYTES: usize = 16 << 20;
 /// A backend's write of one plan.
 #[async_trait]
 pub(crate) trait GroupWriter: Clone + Send + Sync + 'static {
-    /// Groups written at the same time, at most.
-    const WRITERS: usize = 1;
-
     /// Writes `plan.fresh` in one transaction and commits (retrying lost
     /// races as the backend does). Returns the ids of `plan.fresh` that were
     /// already stored, and so not written. `plan.fresh` has no id twice and
@@ -96,8 +89,8 @@ struct Job {
 #[derive(Default)]
 struct Queue {
     jobs: VecDeque<Job>,
-    /// Writer tasks running (each drains the queue before it ends).
-    writers: usize,
+    /// Whether a writer task is running (it drains the queue before it ends).
+    writing: bool,
 }
 
 /// A store's publish queue and group writer.
@@ -125,9 +118,8 @@ impl Grouper {
         }
     }
 
-    /// Queues a validated batch, starts a writer if fewer than
-    /// [`GroupWriter::WRITERS`] run, and waits for this batch's answer
-    /// (given after its commit).
+    /// Queues a validated batch, starts a writer if none runs, and waits for
+    /// this batch's answer (given after its commit).
     pub(crate) async fn publish<W: GroupWriter>(
         self: &Arc<Self>,
         writer: &W,
@@ -141,11 +133,7 @@ impl Grouper {
         let start = {
             let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
             q.jobs.push_back(Job { plan, answer: tx });
-            let start = q.writers < W::WRITERS.max(1);
-            if start {
-                q.writers += 1;
-            }
-            start
+            !std::mem::replace(&mut q.writing, true)
         };
         if start {
             tokio::spawn(Arc::clone(self).drain(writer.clone()));
@@ -183,7 +171,7 @@ impl Grouper {
                     jobs.extend(q.jobs.pop_front());
                 }
                 if jobs.is_empty() {
-                    q.writers -= 1;
+                    q.writing = false;
                     running.armed = false;
                     return;
                 }
@@ -263,8 +251,8 @@ impl Grouper {
 }
 
 /// A running writer task. Dropped while armed (its runtime shut down with
-/// the task unfinished), it lets the next publish start a writer and, when
-/// it was the last writer, fails the queued publishes.
+/// the task unfinished), it fails the queued publishes and lets the next
+/// publish start a writer.
 struct Running {
     grouper: Arc<Grouper>,
     armed: bool,
@@ -278,10 +266,8 @@ impl Drop for Running {
                 .queue
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
-            q.writers = q.writers.saturating_sub(1);
-            if q.writers == 0 {
-                q.jobs.clear();
-            }
+            q.writing = false;
+            q.jobs.clear();
         }
     }
 }
@@ -610,54 +596,6 @@ mod tests {
             .expect("a new writer serves the next publish")
             .expect("publish");
         assert_eq!(out.accepted, 1);
-    }
-
-    /// A writer whose writes each wait, up to 5 s, until `meet` writes are
-    /// under way at once, and fail if that never happens.
-    #[derive(Clone)]
-    struct Meeting {
-        meet: usize,
-        under_way: Arc<tokio::sync::watch::Sender<usize>>,
-    }
-
-    #[async_trait]
-    impl GroupWriter for Meeting {
-        const WRITERS: usize = 2;
-
-        async fn write_plan(&self, _: &PublishPlan) -> Result<HashSet<String>> {
-            self.under_way.send_modify(|n| *n += 1);
-            let mut rx = self.under_way.subscribe();
-            let met = tokio::time::timeout(
-                std::time::Duration::from_secs(5),
-                rx.wait_for(|n| *n >= self.meet),
-            )
-            .await;
-            match met {
-                Ok(_) => Ok(HashSet::new()),
-                Err(_) => Err(StoreError::Database("written alone".into())),
-            }
-        }
-    }
-
-    // The second publish queues while the first group's write is under
-    // way; a second writer writes it at the same time.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_second_writer_writes_a_group_while_the_first_is_under_way() {
-        let grouper = Arc::new(Grouper::default());
-        let w = Meeting {
-            meet: 2,
-            under_way: Arc::new(tokio::sync::watch::channel(0).0),
-        };
-        let first = {
-            let (g, w) = (grouper.clone(), w.clone());
-            tokio::spawn(async move { g.publish(&w, plan(&[(Some("a"), None)])).await })
-        };
-        let mut rx = w.under_way.subscribe();
-        rx.wait_for(|n| *n == 1).await.expect("first write begun");
-        let second = grouper.publish(&w, plan(&[(Some("b"), None)])).await;
-        assert_eq!(second.expect("second publish").accepted, 1);
-        assert_eq!(first.await.expect("task").expect("first").accepted, 1);
-        assert_eq!(grouper.stats().writes, 2, "two groups");
     }
 
     /// A batch of `n` events with client ids `{tag}-{i}`, payloads of

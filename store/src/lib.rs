@@ -1033,9 +1033,8 @@ pub trait Store: Send + Sync + 'static {
     /// batch) count as duplicates and create nothing.
     ///
     /// The backends write concurrent calls together (group commit,
-    /// [`GroupStats`]): a valid batch that arrives while the store's group
-    /// writers are busy (PostgreSQL writes two groups at a time, SQLite and
-    /// MongoDB one) shares the next transaction with the others queued, in
+    /// [`GroupStats`]): a valid batch that arrives while another is being
+    /// written shares the next transaction with the others queued, in
     /// arrival order, as if the calls had run one after the other; each call
     /// returns after that commit with its own outcome.
     ///

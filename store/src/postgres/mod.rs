@@ -436,8 +436,6 @@ impl PgStore {
 
 #[async_trait]
 impl GroupWriter for PgStore {
-    const WRITERS: usize = publish::GROUP_WRITERS;
-
     async fn write_plan(&self, plan: &PublishPlan) -> Result<HashSet<String>> {
         publish::write(&self.pool, plan).await
     }

@@ -324,18 +324,12 @@ pub(super) const GROUP_SETTINGS: &[(&str, &str)] = &[
 /// How long a connection of a [`side_pool`] stays open unused.
 const SIDE_IDLE: Duration = Duration::from_secs(60);
 
-/// Groups written at the same time ([`crate::group`]). With one, a publish
-/// that arrived during a group's write waited for it before its own began:
-/// 8 single-event publishers, each waiting for its answer, kept about one
-/// group of 4.4 events in flight and the server's CPU half idle.
-pub(super) const GROUP_WRITERS: usize = 2;
-
-/// The group writers' pool: a [`side_pool`] of one connection more than
-/// [`GROUP_WRITERS`], with [`GROUP_SETTINGS`] (with as many connections
-/// as writers, 8 single-event publishers published about a third fewer
-/// events/s: bench/results/stmt.md).
+/// The group writer's pool ([`crate::group`] writes one group at a time):
+/// a [`side_pool`] of two connections with [`GROUP_SETTINGS`]. Two: with
+/// one, 8 single-event publishers published about a third fewer events/s
+/// (bench/results/stmt.md).
 pub(super) fn writer_pool(pool: &PgPool) -> PgPool {
-    side_pool(pool, GROUP_SETTINGS, GROUP_WRITERS as u32 + 1)
+    side_pool(pool, GROUP_SETTINGS, 2)
 }
 
 /// A pool of at most `size` connections with `pool`'s connect options and
