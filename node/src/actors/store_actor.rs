@@ -11,16 +11,17 @@
 //! Two tracks, each in ticks: *writes* (completions, reschedules, dead
 //! letters, discards) and *claims*. A writes tick starts when the first
 //! write arrives and fires after [`StoreActorConfig::flush_interval`], or at
-//! once when [`StoreActorConfig::max_batch`] requests are waiting. A claim
+//! once when [`StoreActorConfig::max_batch`] writes are waiting. A claim
 //! goes at once when no claim call is under way (a wake-up on an idle store
 //! waits for no tick); claims that arrive during a call go together as the
 //! next tick, right after it. A writes tick runs its calls one after
 //! another; the claims tick runs beside it, so a write that waits (a row
 //! lock, a slow statement) does not hold claims behind it. A track's next
-//! tick starts when its previous one finished. The lane owners' de-duplication (see [`crate::ordering`]) needs
-//! only this: a claim issued after a completion was acknowledged runs after
-//! that completion committed, which holds because the acknowledgement is
-//! sent after the commit.
+//! tick starts when its previous one finished. The lane owners'
+//! de-duplication (see [`crate::ordering`]) needs only this: a claim issued
+//! after a completion was acknowledged runs after that completion
+//! committed, which holds because the acknowledgement is sent after the
+//! commit.
 //!
 //! A claims tick asks for each lane once: a second claim of a lane in the
 //! same tick (an old owner stopping while a new one starts, at a higher
