@@ -18,7 +18,7 @@
 use axum::extract::State;
 use axum::http::StatusCode;
 use lanebus_store::rules::{self, Rule};
-use lanebus_store::{lane_of_event, Lane, NewEvent, PublishOutcome};
+use lanebus_store::{NewEvent, PublishOutcome};
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use utoipa::ToSchema;
@@ -199,22 +199,11 @@ pub(crate) async fn publish(
     Json(req): Json<PublishRequest>,
 ) -> Result<(StatusCode, axum::Json<PublishAnswer>), ApiError> {
     let events = validate_batch(req, &state.limits)?;
-    let keys: Vec<Option<String>> = events.iter().map(|e| e.key.clone()).collect();
     let outcome = state.store.publish(events).await?;
 
     crate::telemetry::events_published(outcome.accepted, outcome.duplicates);
     if outcome.accepted > 0 {
-        let n = state.store.lanes();
-        // Duplicates' lanes are woken too: harmless, and the outcome does not
-        // say which ids were new.
-        let mut lanes: Vec<Lane> = keys
-            .iter()
-            .zip(&outcome.ids)
-            .map(|(key, id)| lane_of_event(key.as_deref(), id, n))
-            .collect();
-        lanes.sort_unstable();
-        lanes.dedup();
-        state.node.published(&lanes);
+        state.node.published(&outcome.lanes);
     }
     Ok((StatusCode::ACCEPTED, axum::Json(outcome.into())))
 }

@@ -16,9 +16,9 @@
 // 100 per call ("ENQUEUED <jobs> <seconds>"), and after GO the drain
 // ("DRAINED <jobs> <seconds>").
 // With RATE, the mixed load of our `pg-mixed-*` cells instead: workers
-// running (in a child process), 32 callers enqueue one job per call at RATE jobs/s in all (2 s
-// warm-up, 8 s steady window), and each job's latency runs from its
-// enqueue call's return to its handler's start. Prints
+// running (in a child process), 32 callers enqueue one job per call at
+// RATE jobs/s in all (2 s warm-up, 8 s steady window), and each job's
+// latency runs from its enqueue call's return to its handler's start. Prints
 // "MIXED <jobs accepted in the window> <window seconds> <p50 ms> <p99 ms>
 // <max ms> <jobs measured>" once every job enqueued has been handled (or
 // 15 s after the window).

@@ -3,7 +3,7 @@
 //! this machine and at its defaults, installed with `npm install` into
 //! `bench/peers/node_modules` and driven by `bench/peers/driver.mjs`
 //! (enqueue one job per call from 8 callers, then 100 per call, then the
-//! drain, then the load of our mixed cells at each of [`MIXED_RATES`]);
+//! drain, then the load of our mixed cells at each of [`mixed_rates`]);
 //! pgbench running the minimal insert-then-delete work per item
 //! (100 rows per statement) as the raw ceiling; and pgbench floors of
 //! single-row commit transactions (1, 8, 32 clients, with and without
@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 use sqlx::{Connection as _, PgConnection};
 use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader};
 
+use crate::cells::{self, Kind};
 use crate::pg;
 use crate::sample::Latency;
 
@@ -61,8 +62,28 @@ pub struct PeerMixed {
     pub latency: Latency,
 }
 
-/// The offered rates of our mixed cells (`pg-mixed-1000`, `pg-mixed-5000`).
-pub const MIXED_RATES: [u64; 2] = [1000, 5000];
+/// The offered rates of our mixed cells (`pg-mixed-*` of [`cells::full`]),
+/// ascending, each once.
+pub fn mixed_rates() -> Vec<u64> {
+    let rates: std::collections::BTreeSet<u64> = cells::full()
+        .iter()
+        .filter(|c| c.kind == Kind::Mixed && c.store == "postgres")
+        .map(|c| c.rate)
+        .collect();
+    rates.into_iter().collect()
+}
+
+/// `node driver.mjs ARGS` in `dir`, its output piped.
+fn driver(dir: &Path, args: &[&str], stdin: Stdio) -> tokio::process::Command {
+    let mut c = tokio::process::Command::new("node");
+    c.arg(dir.join("driver.mjs"))
+        .args(args)
+        .stdin(stdin)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    c
+}
 
 impl PeerResult {
     /// A peer that could not be measured.
@@ -178,7 +199,7 @@ pub async fn run_all(
         drop_db(server, &format!("peer_{}", peer.replace('-', "_"))).await;
         // pg-boss's defaults take one job per 2 s poll: no mixed load.
         if peer != "pg-boss-defaults" {
-            for rate in MIXED_RATES {
+            for rate in mixed_rates() {
                 eprintln!("peer {peer}: mixed at {rate}/s");
                 match run_mixed(&dir, server, peer, rate).await {
                     Ok(m) => r.mixed.push(m),
@@ -241,15 +262,7 @@ async fn run_js(
 ) -> anyhow::Result<PeerResult> {
     let db = format!("peer_{}", peer.replace('-', "_"));
     let (url, mut probe) = fresh_db(server, &db).await?;
-    let mut child = tokio::process::Command::new("node")
-        .arg(dir.join("driver.mjs"))
-        .arg(peer)
-        .arg(&url)
-        .arg(jobs.to_string())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
+    let mut child = driver(dir, &[peer, &url, &jobs.to_string()], Stdio::piped())
         .spawn()
         .context("starting node")?;
     let pid = child.id().context("node pid")?;
@@ -316,13 +329,7 @@ async fn run_mixed(
 ) -> anyhow::Result<PeerMixed> {
     let db = format!("peer_{}_mixed", peer.replace('-', "_"));
     let (url, _probe) = fresh_db(server, &db).await?;
-    let child = tokio::process::Command::new("node")
-        .arg(dir.join("driver.mjs"))
-        .args([peer, &url, "0", &rate.to_string()])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
+    let child = driver(dir, &[peer, &url, "0", &rate.to_string()], Stdio::null())
         .spawn()
         .context("starting node")?;
     let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
@@ -488,6 +495,11 @@ async fn commit_floor(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_mixed_rates_are_those_of_the_mixed_cells() {
+        assert_eq!(mixed_rates(), vec![1000, 5000]);
+    }
 
     #[test]
     fn a_mixed_line_gives_rates_and_latency() {
