@@ -14,7 +14,7 @@ use std::sync::Arc;
 use futures::FutureExt;
 
 use lanebus_store::postgres::{Isolation, PgStore, TxError, CHANNEL};
-use lanebus_store::{lane_of_event, ClaimCursor, Epoch, Lane, LaneClaim, NewEvent, Store};
+use lanebus_store::{lane_of_event, Lane, NewEvent, Store};
 use sqlx::postgres::PgListener;
 use sqlx::PgPool;
 
@@ -310,20 +310,9 @@ async fn stored(pool: &PgPool) -> (BTreeSet<String>, Vec<String>) {
 /// Event ids a lane owner claims: every lane fenced at epoch 1, read from
 /// its start.
 async fn claimed(store: &PgStore) -> BTreeSet<String> {
-    let mut claims = Vec::new();
-    for lane in 0..store.lanes() {
-        assert!(store.fence(lane, "test", Epoch(1)).await.expect("fence"));
-        claims.push(LaneClaim {
-            lane,
-            epoch: Epoch(1),
-            after: ClaimCursor::default(),
-            limit: 1000,
-        });
-    }
-    let batches = store.claim(&claims).await.expect("claim");
-    batches
+    common::claim_all(store)
+        .await
         .into_iter()
-        .flat_map(|b| b.deliveries)
         .map(|d| d.event_id)
         .collect()
 }

@@ -1,5 +1,6 @@
 //! Schema migrations (`store/migrations/postgres/`), applied under an
-//! advisory lock, and the `meta` table that records them.
+//! advisory lock, the `meta` table that records them, and the SQL interface
+//! (`sql/functions.sql`), installed again whenever its text changes.
 
 use sqlx::{PgConnection, PgPool};
 
@@ -19,6 +20,13 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../migrations/postgres/0006_claim_txid.sql"),
     include_str!("../../migrations/postgres/0007_attempt_log.sql"),
 ];
+
+/// The SQL interface: `sql/functions.sql` with the publish statement
+/// (`sql/publish.sql`) in place of its marker line, so that the functions
+/// run the statement [`crate::Store::publish`] runs.
+pub(crate) fn functions_sql() -> String {
+    include_str!("sql/functions.sql").replace("--@publish.sql\n", include_str!("sql/publish.sql"))
+}
 
 /// Applies pending migrations in one transaction (idempotent; safe while
 /// other nodes run) and, for a new database, creates `lanes` lanes. Returns
@@ -59,6 +67,17 @@ pub(super) async fn migrate(pool: &PgPool, lanes: u16) -> Result<u16> {
             .await
             .map_err(map_err)?;
         meta_set(&mut tx, "schema_version", &(i + 1).to_string()).await?;
+    }
+    // The functions, when this build's text differs from the installed one
+    // (`CREATE OR REPLACE` only then: each replace invalidates the plans of
+    // every session that uses them).
+    let functions = functions_sql();
+    let digest = format!("{:016x}", crate::lane::fnv1a_64(functions.as_bytes()));
+    if meta_get(&mut tx, "functions").await?.as_deref() != Some(digest.as_str()) {
+        sqlx::Executor::execute(&mut *tx, functions.as_str())
+            .await
+            .map_err(map_err)?;
+        meta_set(&mut tx, "functions", &digest).await?;
     }
     let lanes =
         match meta_get(&mut tx, "lanes").await? {

@@ -86,3 +86,23 @@ pub async fn wait_for_a_lock_wait(pool: &sqlx::PgPool, who: &str) {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
 }
+
+/// Every delivery a lane owner claims from `store`, lane by lane in claim
+/// order: every lane fenced at epoch 1, read from its start (up to 1,000
+/// per lane).
+#[allow(dead_code)]
+pub async fn claim_all(store: &lanebus_store::postgres::PgStore) -> Vec<lanebus_store::Delivery> {
+    use lanebus_store::{ClaimCursor, Epoch, LaneClaim, Store};
+    let mut claims = Vec::new();
+    for lane in 0..store.lanes() {
+        assert!(store.fence(lane, "test", Epoch(1)).await.expect("fence"));
+        claims.push(LaneClaim {
+            lane,
+            epoch: Epoch(1),
+            after: ClaimCursor::default(),
+            limit: 1000,
+        });
+    }
+    let batches = store.claim(&claims).await.expect("claim");
+    batches.into_iter().flat_map(|b| b.deliveries).collect()
+}
