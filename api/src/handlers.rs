@@ -101,9 +101,11 @@ pub struct CreateHandler {
     /// 1 to 128 characters, no control characters.
     #[schema(min_length = 1, max_length = 128, example = "billing")]
     pub name: String,
-    /// Absolute `http` or `https` URL with a host, up to 2,048 bytes,
-    /// without whitespace or control characters (percent-encode them) and
-    /// without credentials (`user:password@`: URLs are logged and answered).
+    /// Absolute `http` or `https` URL with a host (a webhook), or
+    /// `nats://HOST[:PORT]/SUBJECT` (a NATS JetStream subject; `{type}` and
+    /// `{key}` in it stand for the event's), up to 2,048 bytes, without
+    /// whitespace or control characters (percent-encode them) and without
+    /// credentials (`user:password@`: URLs are logged and answered).
     #[schema(example = "https://example.com/hooks")]
     pub url: String,
     /// Routes: 1 to 100 event types or prefixes with a trailing `*`.

@@ -150,6 +150,28 @@ pub struct NodeArgs {
     #[arg(long, env = "LANEBUS_WEBHOOK_ALLOW_CIDRS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub webhook_allow_cidrs: Option<String>,
+    /// User for NATS JetStream handlers (`nats://` URLs), with
+    /// --nats-password [default: none].
+    #[arg(long, env = "LANEBUS_NATS_USER")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nats_user: Option<String>,
+    /// Password of --nats-user [default: none].
+    #[arg(long, env = "LANEBUS_NATS_PASSWORD", hide_env_values = true)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nats_password: Option<String>,
+    /// Token for NATS JetStream handlers, instead of a user [default: none].
+    #[arg(long, env = "LANEBUS_NATS_TOKEN", hide_env_values = true)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nats_token: Option<String>,
+    /// PEM file of CA certificates NATS servers' TLS certificates are
+    /// checked against, besides the system's [default: none].
+    #[arg(long, env = "LANEBUS_NATS_TLS_CA")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nats_tls_ca: Option<PathBuf>,
+    /// Refuse NATS servers that do not offer TLS [default: false].
+    #[arg(long, env = "LANEBUS_NATS_TLS_REQUIRED")]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub nats_tls_required: bool,
     /// API tokens with the `publish` scope (POST /v1/events), comma-separated;
     /// each the token in clear (16+ characters) or `sha256:` + the 64 hex
     /// digits of its SHA-256 hash [default: none].
@@ -200,6 +222,7 @@ pub struct NodeConfig {
     pub retention: Duration,
     pub prune_interval: Duration,
     pub webhook_allow: Vec<lanebus_api::egress::IpNet>,
+    pub nats: lanebus_node::nats::NatsSettings,
     pub auth: lanebus_api::auth::Auth,
     pub cluster_secret: Option<lanebus_cluster::ClusterSecret>,
     pub join_token: Option<String>,
@@ -240,6 +263,7 @@ impl NodeConfig {
         o.retention.retention = self.retention;
         o.retention.interval = self.prune_interval;
         o.egress = lanebus_api::egress::EgressPolicy::new(self.webhook_allow.clone());
+        o.nats = self.nats.clone();
         o.auth = self.auth.clone();
         if !self.single {
             let mut c = lanebus_node::node::ClusterOptions::new(
@@ -451,6 +475,19 @@ pub fn validate(a: NodeArgs) -> anyhow::Result<NodeConfig> {
             .map_err(|e| anyhow::anyhow!("{e}"))?,
         None => Vec::new(),
     };
+    if a.nats_user.is_some() != a.nats_password.is_some() {
+        bail!("nats_user and nats_password go together: give both or neither");
+    }
+    if a.nats_token.is_some() && a.nats_user.is_some() {
+        bail!("nats_token excludes nats_user and nats_password: give one way to authenticate");
+    }
+    let nats = lanebus_node::nats::NatsSettings {
+        user: a.nats_user.clone(),
+        password: a.nats_password.clone(),
+        token: a.nats_token.clone(),
+        tls_ca: a.nats_tls_ca.clone(),
+        tls_required: a.nats_tls_required,
+    };
     let (auth, first_clear_admin) = tokens(&a.publish_tokens, &a.admin_tokens)?;
     let cluster_secret = match a.cluster_secret.as_deref().map(str::trim) {
         None | Some("") => None,
@@ -489,6 +526,7 @@ pub fn validate(a: NodeArgs) -> anyhow::Result<NodeConfig> {
         retention: Duration::from_secs(retention_secs),
         prune_interval: Duration::from_millis(prune_interval_ms),
         webhook_allow,
+        nats,
         auth,
         cluster_secret,
         join_token,

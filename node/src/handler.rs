@@ -1,4 +1,5 @@
-//! Handlers: webhooks and in-process Rust handlers behind one attempt path.
+//! Handlers: webhooks, NATS JetStream subjects ([`crate::nats`]) and
+//! in-process Rust handlers behind one attempt path.
 //!
 //! A registered handler (the store's [`HandlerConfig`]) whose URL is
 //! `http://inproc.invalid/NAME` (or `inproc://NAME`, where the store accepts
@@ -23,6 +24,7 @@ use tokio::sync::Semaphore;
 use crate::activity::HandlerActivity;
 use crate::assignment::{OwnerTie, Start};
 use crate::catalog::HandlerCatalog;
+use crate::nats::{NatsSender, NatsSettings};
 use crate::retry::AttemptOutcome;
 use crate::webhook::{AttemptDetail, WebhookSender};
 
@@ -120,6 +122,7 @@ pub struct Sent {
 #[derive(Clone)]
 pub struct Dispatcher {
     webhook: WebhookSender,
+    nats: NatsSender,
     in_process: Arc<HashMap<String, Arc<dyn Handler>>>,
     permits: Arc<Mutex<Permits>>,
     rates: Arc<crate::rate::RateLimiter>,
@@ -183,6 +186,7 @@ impl Dispatcher {
         lanes: lanebus_store::Lane,
     ) -> Self {
         Dispatcher {
+            nats: NatsSender::new(webhook.policy().clone(), NatsSettings::default()),
             webhook,
             in_process: Arc::new(in_process),
             permits: Arc::default(),
@@ -190,6 +194,13 @@ impl Dispatcher {
             in_flight: Arc::new(AttemptCounter::new(lanes)),
             activity: Arc::new(HandlerActivity::new(std::time::Instant::now())),
         }
+    }
+
+    /// This dispatcher, its NATS handlers published to with `settings`
+    /// (credentials, TLS) under the webhooks' SSRF guard.
+    pub fn with_nats(mut self, settings: NatsSettings) -> Self {
+        self.nats = NatsSender::new(self.webhook.policy().clone(), settings);
+        self
     }
 
     /// Each handler's attempts on this node over the last 15 minutes
@@ -402,6 +413,9 @@ impl Dispatcher {
                     (failed, AttemptDetail::error(AttemptError::Timeout))
                 }
             };
+        }
+        if crate::nats::is_nats(&handler.url) {
+            return self.nats.send(handler, delivery, attempt).await;
         }
         self.webhook.send(handler, delivery, attempt).await
     }

@@ -30,6 +30,7 @@ pub mod claim;
 pub mod clock;
 pub mod handler;
 pub mod metrics;
+pub mod nats;
 pub mod node;
 pub mod operational;
 pub mod ordering;

@@ -69,7 +69,7 @@ enum Command {
     /// --bootstrap starts a new cluster, --join URL asks a member to add this
     /// node, a restart from its data dir needs neither. --single runs without
     /// a cluster (owns every lane).
-    Node(NodeArgs),
+    Node(Box<NodeArgs>),
     /// Creates or upgrades the store's schema and exits.
     Migrate(MigrateArgs),
     /// Self-contained demo: three nodes as child processes, a webhook
@@ -129,7 +129,7 @@ fn main() -> ExitCode {
     };
     let result = rt.block_on(async move {
         match cli.command {
-            Command::Node(args) => run_node(args).await,
+            Command::Node(args) => run_node(*args).await,
             Command::Migrate(args) => migrate(args).await,
             Command::Demo(args) => demo::run(args).await,
             Command::Admin(args) => admin::run(args).await,

@@ -241,6 +241,8 @@ pub struct NodeOptions {
     /// whose receivers run on this machine use
     /// [`EgressPolicy::allow_loopback`].
     pub egress: EgressPolicy,
+    /// Credentials and TLS of NATS JetStream handlers ([`crate::nats`]).
+    pub nats: crate::nats::NatsSettings,
     /// Bearer tokens of the API ([`lanebus_api::auth`]). The default,
     /// [`Auth::open`], allows every request, and is accepted only with a
     /// loopback [`http_addr`](Self::http_addr): [`start`] refuses to serve
@@ -267,6 +269,7 @@ impl NodeOptions {
             webhook_source_ip: None,
             retention: crate::retention::RetentionConfig::default(),
             egress: EgressPolicy::default(),
+            nats: crate::nats::NatsSettings::default(),
             auth: Auth::open(),
         }
     }
@@ -883,7 +886,8 @@ async fn boot(opts: NodeOptions) -> Result<Booted, NodeError> {
         WebhookSender::with_source_ip(opts.egress.clone(), opts.webhook_source_ip)?,
         opts.in_process.clone(),
         store.lanes(),
-    );
+    )
+    .with_nats(opts.nats.clone());
     let state = Arc::new(NodeState {
         node_id: opts.node_id.clone(),
         store: store.clone(),

@@ -328,6 +328,11 @@ impl WebhookSender {
         Ok(WebhookSender { client, policy })
     }
 
+    /// The SSRF guard this sender connects under.
+    pub fn policy(&self) -> &EgressPolicy {
+        &self.policy
+    }
+
     /// Makes attempt number `attempt` (1, 2, ...) of `delivery` to the webhook
     /// of `handler`, within the handler's `timeout_ms`; for a failed attempt,
     /// also what its attempt log keeps ([`AttemptDetail`]; the first

@@ -672,9 +672,12 @@ pub mod handler {
                 tidy(&e.to_string())
             ))
         })?;
+        if url.scheme() == NATS_SCHEME {
+            return nats(raw).map(|_| ());
+        }
         if !matches!(url.scheme(), "http" | "https") {
             return Err(form(format!(
-                "url {shown:?} has scheme {:?}, expected http or https",
+                "url {shown:?} has scheme {:?}, expected http, https or nats",
                 url.scheme()
             )));
         }
@@ -694,6 +697,144 @@ pub mod handler {
             )));
         }
         Ok(())
+    }
+
+    /// Scheme of NATS JetStream handler URLs: `nats://HOST[:PORT]/SUBJECT`.
+    pub const NATS_SCHEME: &str = "nats";
+    /// Port of a NATS URL that names none (the NATS client port).
+    pub const NATS_PORT: u16 = 4222;
+    /// Placeholders a NATS subject may hold: the event's type and key.
+    pub const NATS_PLACEHOLDERS: [&str; 2] = ["{type}", "{key}"];
+
+    /// A NATS JetStream destination, from a handler URL ([`nats`]).
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct NatsTarget {
+        /// Host name or address (an IPv6 address without brackets).
+        pub host: String,
+        /// Port.
+        pub port: u16,
+        /// Subject, possibly with [`NATS_PLACEHOLDERS`].
+        pub subject: String,
+    }
+
+    impl NatsTarget {
+        /// `host:port`, an IPv6 host in brackets.
+        pub fn server(&self) -> String {
+            if self.host.contains(':') {
+                format!("[{}]:{}", self.host, self.port)
+            } else {
+                format!("{}:{}", self.host, self.port)
+            }
+        }
+
+        /// The subject of one event: `{type}` and `{key}` replaced.
+        ///
+        /// # Errors
+        /// A message when the subject uses `{key}` and the event has no key,
+        /// or a key that cannot stand in a subject token (empty, or holding
+        /// whitespace, `.`, `*` or `>`).
+        pub fn subject_for(&self, event_type: &str, key: Option<&str>) -> Result<String, String> {
+            let mut subject = self.subject.replace("{type}", event_type);
+            if subject.contains("{key}") {
+                let Some(key) = key else {
+                    return Err(format!(
+                        "subject {:?} needs a key and the event has none",
+                        self.subject
+                    ));
+                };
+                if key.is_empty() || !key.chars().all(subject_char) {
+                    return Err(format!(
+                        "key {key:?} cannot stand in subject {:?} (no whitespace, '.', '*' or '>')",
+                        self.subject
+                    ));
+                }
+                subject = subject.replace("{key}", key);
+            }
+            Ok(subject)
+        }
+    }
+
+    /// Whether `c` may stand in a subject token (NATS: no whitespace, no
+    /// separator `.`, no wildcard `*` or `>`).
+    fn subject_char(c: char) -> bool {
+        !(c.is_whitespace() || c.is_control() || matches!(c, '.' | '*' | '>'))
+    }
+
+    /// Checks and parses a NATS JetStream handler URL:
+    /// `nats://HOST[:PORT]/SUBJECT` (port [`NATS_PORT`] by default), no
+    /// credentials (they are the node's settings: URLs are shown by the
+    /// API), no query or fragment; SUBJECT is dot-separated tokens without
+    /// wildcards, each non-empty, and may hold [`NATS_PLACEHOLDERS`].
+    ///
+    /// # Errors
+    /// [`Rule::Form`] on `url`, saying what is wrong.
+    pub fn nats(raw: &str) -> Result<NatsTarget, Broken> {
+        let shown = redacted(raw);
+        let form = |m: String| Broken::new("url", Rule::Form, format!("url {shown:?} {m}"));
+        let url = url::Url::parse(raw)
+            .map_err(|e| form(format!("does not parse: {}", tidy(&e.to_string()))))?;
+        if url.scheme() != NATS_SCHEME || !raw.starts_with("nats://") {
+            return Err(form("must start with nats://".into()));
+        }
+        if !url.username().is_empty() || url.password().is_some() {
+            return Err(form(
+                "must not carry credentials (a user or password before \"@\"): urls are \
+                 written to logs and shown by the api; give the node its NATS credentials \
+                 (--nats-user, --nats-password, --nats-token)"
+                    .into(),
+            ));
+        }
+        let host = match url.host() {
+            Some(url::Host::Domain(d)) if !d.is_empty() => d.to_owned(),
+            Some(url::Host::Ipv4(ip)) => ip.to_string(),
+            Some(url::Host::Ipv6(ip)) => ip.to_string(),
+            _ => return Err(form("has no host".into())),
+        };
+        if url.query().is_some() || url.fragment().is_some() {
+            return Err(form("must not have a query or fragment".into()));
+        }
+        let path = url.path().strip_prefix('/').unwrap_or_default();
+        let subject = percent_decode(path).ok_or_else(|| form("has a bad %-escape".into()))?;
+        if subject.is_empty() {
+            return Err(form("has no subject (nats://HOST:PORT/SUBJECT)".into()));
+        }
+        let bare = NATS_PLACEHOLDERS
+            .iter()
+            .fold(subject.clone(), |s, p| s.replace(p, "x"));
+        if bare
+            .split('.')
+            .any(|token| token.is_empty() || !token.chars().all(subject_char))
+            || bare.contains(['{', '}'])
+        {
+            return Err(form(format!(
+                "has subject {subject:?}: expected dot-separated tokens, none empty, without \
+                 whitespace or the wildcards '*' and '>', with {{type}} and {{key}} as the only \
+                 placeholders"
+            )));
+        }
+        Ok(NatsTarget {
+            host,
+            port: url.port().unwrap_or(NATS_PORT),
+            subject,
+        })
+    }
+
+    /// `s` with `%XX` escapes decoded, if they are well-formed UTF-8.
+    fn percent_decode(s: &str) -> Option<String> {
+        let b = s.as_bytes();
+        let mut out = Vec::with_capacity(b.len());
+        let mut i = 0;
+        while i < b.len() {
+            if b[i] == b'%' {
+                let hex = s.get(i + 1..i + 3)?;
+                out.push(u8::from_str_radix(hex, 16).ok()?);
+                i += 3;
+            } else {
+                out.push(b[i]);
+                i += 1;
+            }
+        }
+        String::from_utf8(out).ok()
     }
 
     /// Checks routes: [`ROUTES`] of them, each a valid
@@ -1046,7 +1187,7 @@ mod tests {
         for (url, says) in [
             ("HTTPS://example.com/", "must start with"),
             ("http:example.com/", "must start with"),
-            ("ftp://example.com/", "scheme"),
+            ("ftp://example.com/", "expected http, https or nats"),
             ("https://u:p@example.com/", "credentials"),
             ("https://example.com/a b", "whitespace"),
             ("not a url", "whitespace"),
@@ -1059,6 +1200,49 @@ mod tests {
         }
         assert!(handler::url("http://127.0.0.1:9000/x?q=a@b").is_ok());
         assert_eq!(handler::redacted("https://a:b@h/x@y"), "https://***@h/x@y");
+    }
+
+    #[test]
+    fn nats_urls_name_a_server_and_a_subject_template() {
+        let t = handler::nats("nats://broker.example:4223/orders.{type}.{key}").expect("ok");
+        assert_eq!(t.server(), "broker.example:4223");
+        assert_eq!(t.subject, "orders.{type}.{key}");
+        assert_eq!(
+            t.subject_for("order.paid", Some("o-7")).as_deref(),
+            Ok("orders.order.paid.o-7")
+        );
+        for key in [
+            None,
+            Some("a.b"),
+            Some("a b"),
+            Some("a*"),
+            Some(">"),
+            Some(""),
+        ] {
+            assert!(t.subject_for("t", key).is_err(), "{key:?}");
+        }
+        let t = handler::nats("nats://[::1]/events").expect("ok");
+        assert_eq!(
+            (t.server(), t.subject_for("t", None)),
+            ("[::1]:4222".into(), Ok("events".into()))
+        );
+        for (url, says) in [
+            ("nats://u:p@h:4222/s", "credentials"),
+            ("nats://h:4222/", "no subject"),
+            ("nats://h:4222", "no subject"),
+            ("nats://h/a..b", "tokens"),
+            ("nats://h/a.*", "wildcards"),
+            ("nats://h/a.>", "wildcards"),
+            ("nats://h/a.{id}", "placeholders"),
+            ("nats://h/s?tls=1", "query"),
+            ("nats:///s", "no host"),
+            ("NATS://h/s", "must start with nats://"),
+        ] {
+            let b = handler::url(url).unwrap_err();
+            assert_eq!(b.field, "url");
+            assert!(b.message.contains(says), "{url}: {b}");
+            assert!(!b.message.contains("u:p@"), "{b}");
+        }
     }
 
     #[test]
