@@ -254,6 +254,26 @@ async fn sql_rules_are_the_rulebook() {
         .map_err(db_error)
         .expect_err("refused");
     assert!(refused.1.starts_with("events[1].type: "), "{refused:?}");
+    // Times and arrays the rulebook never sees from Rust: a delivery time
+    // that is not finite, arrays not starting at index 1.
+    for (sql, says) in [
+        (
+            "SELECT lanebus.publish('t', 'k', '{}', deliver_at => '-infinity')",
+            "events[0].deliver_at: deliver_at must be a finite time",
+        ),
+        (
+            "SELECT * FROM lanebus.publish_batch('[0:0]={t}', '[0:0]={k}', '{\"{}\"}')",
+            "events: the arrays must be one-dimensional and start at index 1",
+        ),
+    ] {
+        let (code, message) = sqlx::query(sql)
+            .fetch_all(&pool)
+            .await
+            .map_err(db_error)
+            .expect_err(sql);
+        assert_eq!(code, "22023", "{message}");
+        assert!(message.starts_with(says), "{message}");
+    }
     assert_eq!(
         count(&pool, "SELECT count(*) FROM events").await,
         2,
@@ -263,6 +283,77 @@ async fn sql_rules_are_the_rulebook() {
         count(&pool, "SELECT count(*) FROM key_seqs WHERE key = 'k'").await,
         0
     );
+    common::drop_pg_database(&admin, pool, &db).await;
+}
+
+/// The functions ignore the caller's search_path: a temporary table named
+/// `events` or `handlers`, an `events` table in a schema named after the
+/// caller (`"$user"`) and a caller's path with `pg_temp` first change
+/// nothing; the event is in the store's tables, routed by its handlers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sql_functions_ignore_the_callers_search_path() {
+    let db = format!("lanebus_sqlfn_path_{}", std::process::id());
+    let (admin, store, pool) = common::fresh_pg_store(&db).await;
+    let mut conn = pool.acquire().await.expect("conn");
+    for sql in [
+        "CREATE SCHEMA AUTHORIZATION CURRENT_USER",
+        "CREATE TABLE \"$user\".events (LIKE public.events)",
+        "CREATE TEMP TABLE events (LIKE public.events)",
+        "CREATE TEMP TABLE handlers (LIKE public.handlers)",
+    ] {
+        let sql = sql.replace("\"$user\"", "current_user_schema");
+        let sql = if sql.contains("current_user_schema") {
+            let user: String = sqlx::query_scalar("SELECT quote_ident(current_user)")
+                .fetch_one(&mut *conn)
+                .await
+                .expect("user");
+            sql.replace("current_user_schema", &user)
+        } else {
+            sql
+        };
+        sqlx::query(&sql).execute(&mut *conn).await.expect(&sql);
+    }
+    for path in ["pg_temp, public", "\"$user\", public"] {
+        sqlx::query(&format!("SET search_path = {path}"))
+            .execute(&mut *conn)
+            .await
+            .expect("path");
+        let id = sql_publish(&mut conn, "t", Some("k"), "{}")
+            .await
+            .expect("publish");
+        let elsewhere: i64 = sqlx::query_scalar(
+            "SELECT (SELECT count(*) FROM pg_temp.events) \
+                    + (SELECT count(*) FROM pg_temp.handlers)",
+        )
+        .fetch_one(&mut *conn)
+        .await
+        .expect("temp tables");
+        assert_eq!(
+            elsewhere, 0,
+            "{path}: nothing in the caller's temporary tables"
+        );
+        // The store's own tables, named in full: the store's pool has the
+        // default path, which the caller's "$user" schema now shadows too.
+        let (events, deliveries): (i64, i64) = sqlx::query_as(
+            "SELECT (SELECT count(*) FROM public.events WHERE id = $1), \
+                    (SELECT count(*) FROM public.deliveries WHERE event_id = $1)",
+        )
+        .bind(&id)
+        .fetch_one(&pool)
+        .await
+        .expect("store tables");
+        assert_eq!((events, deliveries), (1, 1), "{path}: stored and routed");
+    }
+    let user_events: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_namespace n JOIN pg_class c ON c.relnamespace = n.oid \
+         WHERE n.nspname = current_user AND c.relname = 'events'",
+    )
+    .fetch_one(&mut *conn)
+    .await
+    .expect("user schema");
+    assert_eq!(user_events, 1, "the caller's own events table exists");
+    drop(conn);
+    drop(store);
     common::drop_pg_database(&admin, pool, &db).await;
 }
 

@@ -4,13 +4,18 @@
 -- NOTIFY in the caller's commit). migrate.rs installs this file whenever its
 -- text changes, with the line '--@publish.sql' replaced by sql/publish.sql:
 -- the statement Store::publish runs is the one these functions run.
--- Functions run with the search_path of the migration (the store's tables).
+-- Every function runs with a pinned search_path: pg_catalog first (no
+-- caller's function shadows a built-in), the store's schema (its tables),
+-- pg_temp last (no temporary table shadows the store's); the caller's own
+-- search_path plays no part. Set here for the installation only.
 CREATE SCHEMA IF NOT EXISTS lanebus;
+SELECT set_config('lanebus.installer_path', current_setting('search_path'), true),
+       set_config('search_path', format('pg_catalog, %I, pg_temp', current_schema()), true);
 
 -- Lane of a key: FNV-1a 64-bit of its UTF-8 bytes mod lanes
 -- (store/src/lane.rs), on two 32-bit halves: prime 0x100000001b3 = 2^40 + 435.
 CREATE OR REPLACE FUNCTION lanebus.lane_of(key text, lanes int) RETURNS int
-LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE AS $fn$
+LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE SET search_path FROM CURRENT AS $fn$
 DECLARE
     b  bytea  := convert_to($1, 'UTF8');
     hi bigint := 3421674724;  -- 0xcbf29ce4, the offset basis's high half
@@ -29,7 +34,7 @@ END $fn$;
 -- A new event id: a UUIDv7 (RFC 9562) of the database server's clock, as
 -- generate_event_id makes on a node.
 CREATE OR REPLACE FUNCTION lanebus.new_event_id() RETURNS text
-LANGUAGE plpgsql VOLATILE AS $fn$
+LANGUAGE plpgsql VOLATILE SET search_path FROM CURRENT AS $fn$
 DECLARE
     b bytea := uuid_send(gen_random_uuid());
     ms bigint := floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint;
@@ -40,11 +45,13 @@ BEGIN
 END $fn$;
 
 -- The publish statement (sql/publish.sql), for publish_batch. Internal: its
--- parameters are publish.sql's, in its order.
+-- parameters are publish.sql's, in its order. Its generic plan, as the
+-- group writer's (store/src/postgres/publish.rs GROUP_SETTINGS: custom
+-- plans cost more planning than execution).
 CREATE OR REPLACE FUNCTION lanebus.publish_rows(
     text[], text[], text[], int[], bytea[], bool[], timestamptz[], bool, bool,
     OUT o_accepted bigint, OUT o_deliveries bigint, OUT o_stored text[], OUT o_seqs bigint[])
-LANGUAGE plpgsql SET search_path FROM CURRENT AS $fn$
+LANGUAGE plpgsql SET search_path FROM CURRENT SET plan_cache_mode = force_generic_plan AS $fn$
 DECLARE
     o_notified bigint;
 BEGIN
@@ -57,11 +64,10 @@ END $fn$;
 CREATE OR REPLACE FUNCTION lanebus.check_event(
     i int, type text, key text, payload jsonb, id text, deliver_at timestamptz,
     expected_seq bigint, t0 timestamptz) RETURNS void
-LANGUAGE plpgsql AS $fn$
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $fn$
 DECLARE
     pre text := format('events[%s].', $1);
     body text;
-    s text;
 BEGIN
     IF $5 IS NOT NULL AND $5 !~ '^[!-~]{1,128}$' THEN
         RAISE EXCEPTION '%id: event id % must be 1 to 128 printable ASCII characters without spaces',
@@ -76,9 +82,9 @@ BEGIN
             pre, to_json($2) USING ERRCODE = '22023';
     END IF;
     IF $3 IS NOT NULL THEN
-        IF octet_length($3) NOT BETWEEN 1 AND 256 THEN
+        IF octet_length(convert_to($3, 'UTF8')) NOT BETWEEN 1 AND 256 THEN
             RAISE EXCEPTION '%key: event key must be 1 to 256 bytes, got % bytes',
-                pre, octet_length($3) USING ERRCODE = '22023';
+                pre, octet_length(convert_to($3, 'UTF8')) USING ERRCODE = '22023';
         END IF;
         IF $3 ~ '[\u0001-\u001f\u007f-\u009f]' THEN
             RAISE EXCEPTION '%key: event key % must not contain control characters',
@@ -99,26 +105,25 @@ BEGIN
         RAISE EXCEPTION '%payload: payload must be a JSON value, got NULL', pre USING ERRCODE = '22023';
     END IF;
     body := $4::text;
-    IF octet_length(body) > 1048576 THEN
+    IF octet_length(convert_to(body, 'UTF8')) > 1048576 THEN
         RAISE EXCEPTION '%payload: payload of % bytes exceeds the limit of 1048576 bytes',
-            pre, octet_length(body) USING ERRCODE = '22023';
+            pre, octet_length(convert_to(body, 'UTF8')) USING ERRCODE = '22023';
     END IF;
-    -- Nesting: 129 levels need 129 opening brackets. Strings out, brackets
-    -- kept, then each pass removes the innermost level.
+    -- Nesting: 129 levels need 129 opening brackets; an array or object at
+    -- level 128 (the root is level 0) is one level too deep.
     IF octet_length(body) > 128 THEN
-        s := regexp_replace(regexp_replace(body, '"(?:[^"\\]|\\.)*"', '', 'g'), '[^][{}]', '', 'g');
-        FOR d IN 1 .. 128 LOOP
-            EXIT WHEN s = '';
-            s := regexp_replace(s, '\[\]|\{\}', '', 'g');
-        END LOOP;
-        IF s <> '' THEN
+        IF jsonb_path_exists($4, 'strict $.**{128} ? (@.type() == "array" || @.type() == "object")') THEN
             RAISE EXCEPTION '%payload: payload nests 129 or more arrays/objects deep; at most 128 are allowed (receivers'' JSON parsers refuse deeper)',
                 pre USING ERRCODE = '22023';
         END IF;
     END IF;
-    IF $6 > $8 + interval '7 days' THEN
+    IF NOT isfinite($6) THEN
+        RAISE EXCEPTION '%deliver_at: deliver_at must be a finite time, got %', pre, $6
+            USING ERRCODE = '22023';
+    END IF;
+    IF $6 > $8 + interval '168 hours' THEN
         RAISE EXCEPTION '%deliver_at: deliver_at % is more than 7 days ahead (latest %)',
-            pre, $6, $8 + interval '7 days' USING ERRCODE = '22023';
+            pre, $6, $8 + interval '168 hours' USING ERRCODE = '22023';
     END IF;
 END $fn$;
 
@@ -172,6 +177,14 @@ BEGIN
        OR coalesce(cardinality($6), n) <> n THEN
         RAISE EXCEPTION 'events: types, keys, payloads, ids, deliver_at and expected_seqs must have one element per event (% types, % payloads)',
             n, coalesce(cardinality($3), 0) USING ERRCODE = '22023';
+    END IF;
+    IF (SELECT bool_or(array_ndims(a) > 1 OR array_lower(a, 1) <> 1)
+        FROM (VALUES ($1), ($2), ($4)) AS v (a))
+       OR array_ndims($3) > 1 OR array_lower($3, 1) <> 1
+       OR array_ndims($5) > 1 OR array_lower($5, 1) <> 1
+       OR array_ndims($6) > 1 OR array_lower($6, 1) <> 1 THEN
+        RAISE EXCEPTION 'events: the arrays must be one-dimensional and start at index 1'
+            USING ERRCODE = '22023';
     END IF;
     IF n = 0 THEN
         RETURN;
@@ -235,7 +248,7 @@ END $fn$;
 CREATE OR REPLACE FUNCTION lanebus.publish(
     type text, key text, payload jsonb, id text DEFAULT NULL,
     deliver_at timestamptz DEFAULT NULL, expected_seq bigint DEFAULT NULL) RETURNS text
-LANGUAGE plpgsql AS $fn$
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $fn$
 DECLARE
     r text;
 BEGIN
@@ -250,7 +263,7 @@ END $fn$;
 -- with that commit and serializes it with other notifying commits. Without
 -- it, events are claimed within the nodes' poll interval (1 s by default).
 CREATE OR REPLACE FUNCTION lanebus.wake() RETURNS void
-LANGUAGE plpgsql AS $fn$
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $fn$
 DECLARE
     pending text := current_setting('lanebus.wake', true);
 BEGIN
@@ -260,3 +273,5 @@ BEGIN
     PERFORM pg_notify('lanebus', CASE WHEN pending = 'all' THEN '' ELSE pending END);
     PERFORM set_config('lanebus.wake', '', false);
 END $fn$;
+
+SELECT set_config('search_path', current_setting('lanebus.installer_path'), true);
