@@ -144,6 +144,12 @@ pub struct Cell {
     /// sample process (`lanebus_testkit::receiver`, signatures verified)
     /// instead of in-process no-ops: the webhook path.
     pub http_sink: bool,
+    /// Dispatch: handlers are NATS JetStream subjects (`nats://`) on a
+    /// nats-server the sample starts (a stream with file storage in the
+    /// work dir): the broker path. A base built before this field reads
+    /// such a cell as in-process: measure it with a base that has it.
+    #[serde(default)]
+    pub nats_sink: bool,
     /// Dispatch: nodes sharing the store. 1: one node owning every lane
     /// (`--single`); more: a Raft cluster of that many members in the
     /// sample process (each with its own runtime thread, store pool, Raft
@@ -171,6 +177,7 @@ impl Default for Cell {
             steady_s: 8.0,
             payload_bytes: 200,
             http_sink: false,
+            nats_sink: false,
             nodes: 1,
         }
     }
@@ -559,6 +566,17 @@ pub fn full() -> Vec<Cell> {
                 1,
                 0,
                 400_000,
+            )
+        },
+        Cell {
+            nats_sink: true,
+            ..dispatch(
+                "pg-dispatch-1n-tuned-nats",
+                "PostgreSQL dispatch to NATS JetStream (one nats-server, file storage), 1 node, tuned",
+                Settings::Tuned,
+                1,
+                0,
+                800_000,
             )
         },
         Cell {

@@ -146,6 +146,17 @@ fn run_set(set: &str, a: RunArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     }
+    let n_nats = cells.iter().filter(|c| c.nats_sink).count();
+    if n_nats > 0 && sample::nats_server().is_none() {
+        eprintln!(
+            "skipping {n_nats} NATS cell(s): no nats-server (LANEBUS_BENCH_NATS_SERVER, PATH, \
+             /usr/sbin; Debian package nats-server)"
+        );
+        cells.retain(|c| !c.nats_sink);
+        if cells.is_empty() {
+            return ExitCode::from(2);
+        }
+    }
     let opts = run::RunOptions {
         cells,
         set: set.into(),

@@ -372,17 +372,23 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
     } else {
         None
     };
+    let nats = if cell.nats_sink {
+        Some(NatsSink::start(&spec.work_dir).await?)
+    } else {
+        None
+    };
     let mut names: Vec<String> = Vec::new();
     let mut handler_idx: HashMap<String, u16> = HashMap::new();
     for i in 0..cell.handlers {
         let name = format!("h{i}");
         let secret = lanebus_store::generate_secret();
-        let url = match &receiver {
-            Some(r) => {
+        let url = match (&receiver, &nats) {
+            (Some(r), _) => {
                 r.set_secret(&name, &secret);
                 r.url(&name)
             }
-            None => format!("{}{name}", lanebus_node::handler::IN_PROCESS_PREFIX),
+            (None, Some(n)) => format!("{}/bench.{name}", n.url),
+            (None, None) => format!("{}{name}", lanebus_node::handler::IN_PROCESS_PREFIX),
         };
         let h = setup
             .create_handler(NewHandler {
@@ -401,7 +407,7 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
     }
     // The in-process handlers of node `node` (none for webhooks).
     let in_process_of = |node: u64| -> HashMap<String, Arc<dyn Handler>> {
-        if receiver.is_some() {
+        if receiver.is_some() || nats.is_some() {
             return HashMap::new();
         }
         names
@@ -492,7 +498,7 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
     let node_options = |id: &str, store: Arc<dyn Store>, node: u64| {
         let mut opts = NodeOptions::new(id, StoreSource::Opened(store));
         opts.in_process = in_process_of(node);
-        if receiver.is_some() {
+        if receiver.is_some() || nats.is_some() {
             opts.egress = lanebus_api::egress::EgressPolicy::allow_loopback();
         }
         if hang {
@@ -515,7 +521,11 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
     } else if cell.nodes <= 1 {
         Some(lanebus_node::start(node_options("bench", store.clone(), 1)).await?)
     } else {
-        if cell.kind != Kind::Dispatch || receiver.is_some() || stores.pg.is_none() {
+        if cell.kind != Kind::Dispatch
+            || receiver.is_some()
+            || nats.is_some()
+            || stores.pg.is_none()
+        {
             bail!("cluster cells are PostgreSQL dispatch cells with in-process handlers");
         }
         let mut all = start_cluster(cell, stores, &cluster_dir, &node_options).await?;
@@ -716,6 +726,10 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
                 (h, at)
             })
             .collect();
+    }
+    if let Some(n) = &nats {
+        // NATS: the messages the stream holds are the hand-overs.
+        handled = n.handled().await?;
     }
     let only: Vec<Handled> = handled.iter().map(|(h, _)| h.clone()).collect();
     let moved = if cell.nodes > 1 {
@@ -1167,5 +1181,116 @@ fn print_repeats(handled: &[Handled], detail: &[Detail]) {
             })
             .collect();
         eprintln!("REPEAT h{handler} event={event}: {}", parts.join(" | "));
+    }
+}
+
+/// A NATS sink cell's server: a nats-server with JetStream on a free
+/// loopback port, its store under the work dir (removed with the sample),
+/// and the stream `BENCH` (subjects `bench.>`, file storage) the handlers
+/// publish to. The server command: `LANEBUS_BENCH_NATS_SERVER`, else
+/// `nats-server` on the PATH, else `/usr/sbin/nats-server` (Debian).
+struct NatsSink {
+    url: String,
+    dir: PathBuf,
+    stream: tokio::sync::Mutex<async_nats::jetstream::stream::Stream>,
+    _server: tokio::process::Child,
+}
+
+/// The nats-server command of [`NatsSink`], if one is installed.
+pub fn nats_server() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("LANEBUS_BENCH_NATS_SERVER") {
+        return Some(PathBuf::from(p));
+    }
+    std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .chain([PathBuf::from("/usr/sbin")])
+        .map(|d| d.join("nats-server"))
+        .find(|p| p.is_file())
+}
+
+impl NatsSink {
+    async fn start(work_dir: &std::path::Path) -> anyhow::Result<NatsSink> {
+        let bin =
+            nats_server().context("no nats-server (LANEBUS_BENCH_NATS_SERVER, PATH, /usr/sbin)")?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let dir = work_dir.join(format!("nats-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir)?;
+        let server = tokio::process::Command::new(&bin)
+            .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+            .arg(&dir)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("cannot run {}", bin.display()))?;
+        let url = format!("nats://127.0.0.1:{port}");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let stream = loop {
+            let made = async {
+                let js = async_nats::jetstream::new(async_nats::connect(&url).await?);
+                anyhow::Ok(
+                    js.get_or_create_stream(async_nats::jetstream::stream::Config {
+                        name: "BENCH".into(),
+                        subjects: vec!["bench.>".into()],
+                        storage: async_nats::jetstream::stream::StorageType::File,
+                        ..Default::default()
+                    })
+                    .await?,
+                )
+            }
+            .await;
+            match made {
+                Ok(s) => break s,
+                Err(e) if Instant::now() > deadline => bail!("nats-server on {port}: {e}"),
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        };
+        Ok(NatsSink {
+            url,
+            dir,
+            stream: tokio::sync::Mutex::new(stream),
+            _server: server,
+        })
+    }
+
+    /// Every message the stream holds, as a hand-over at the time the
+    /// stream stored it.
+    async fn handled(&self) -> anyhow::Result<Vec<(Handled, Instant)>> {
+        let mut stream = self.stream.lock().await;
+        let last = stream.info().await?.state.last_sequence;
+        let now_wall = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_nanos() as i128;
+        let now = Instant::now();
+        let mut out = Vec::with_capacity(last as usize);
+        for seq in 1..=last {
+            let m = stream.get_raw_message(seq).await?;
+            let h = |name: &str| m.headers.get(name).map(|v| v.as_str().to_owned());
+            let ago = (now_wall - m.time.unix_timestamp_nanos()).max(0) as u64;
+            let handler = m
+                .subject
+                .strip_prefix("bench.h")
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(u16::MAX);
+            out.push((
+                Handled {
+                    handler,
+                    event: h("Nats-Msg-Id").unwrap_or_default().as_str().into(),
+                    key: h("lanebus-key").map(|k| k.as_str().into()),
+                    seq: h("lanebus-sequence").and_then(|s| s.parse().ok()),
+                },
+                now.checked_sub(Duration::from_nanos(ago)).unwrap_or(now),
+            ));
+        }
+        Ok(out)
+    }
+}
+
+impl Drop for NatsSink {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
