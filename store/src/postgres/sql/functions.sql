@@ -4,10 +4,13 @@
 -- NOTIFY in the caller's commit). migrate.rs installs this file whenever its
 -- text changes, with the line '--@publish.sql' replaced by sql/publish.sql:
 -- the statement Store::publish runs is the one these functions run.
--- Every function runs with a pinned search_path: pg_catalog first (no
--- caller's function shadows a built-in), the store's schema (its tables),
--- pg_temp last (no temporary table shadows the store's); the caller's own
--- search_path plays no part. Set here for the installation only.
+-- The functions that touch the store's tables or send the wake-up run with
+-- a pinned search_path: pg_catalog first (no caller's function shadows a
+-- built-in), the store's schema (its tables), pg_temp last (no temporary
+-- table shadows the store's); the caller's own search_path plays no part.
+-- The helpers they call (lane_of, new_event_id, check_event) run in that
+-- path too; publish only calls publish_batch by its full name. Set here for
+-- the installation only.
 CREATE SCHEMA IF NOT EXISTS lanebus;
 SELECT set_config('lanebus.installer_path', current_setting('search_path'), true),
        set_config('search_path', format('pg_catalog, %I, pg_temp', current_schema()), true);
@@ -15,7 +18,7 @@ SELECT set_config('lanebus.installer_path', current_setting('search_path'), true
 -- Lane of a key: FNV-1a 64-bit of its UTF-8 bytes mod lanes
 -- (store/src/lane.rs), on two 32-bit halves: prime 0x100000001b3 = 2^40 + 435.
 CREATE OR REPLACE FUNCTION lanebus.lane_of(key text, lanes int) RETURNS int
-LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE SET search_path FROM CURRENT AS $fn$
+LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE AS $fn$
 DECLARE
     b  bytea  := convert_to($1, 'UTF8');
     hi bigint := 3421674724;  -- 0xcbf29ce4, the offset basis's high half
@@ -34,7 +37,7 @@ END $fn$;
 -- A new event id: a UUIDv7 (RFC 9562) of the database server's clock, as
 -- generate_event_id makes on a node.
 CREATE OR REPLACE FUNCTION lanebus.new_event_id() RETURNS text
-LANGUAGE plpgsql VOLATILE SET search_path FROM CURRENT AS $fn$
+LANGUAGE plpgsql VOLATILE AS $fn$
 DECLARE
     b bytea := uuid_send(gen_random_uuid());
     ms bigint := floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint;
@@ -64,7 +67,7 @@ END $fn$;
 CREATE OR REPLACE FUNCTION lanebus.check_event(
     i int, type text, key text, payload jsonb, id text, deliver_at timestamptz,
     expected_seq bigint, t0 timestamptz) RETURNS void
-LANGUAGE plpgsql SET search_path FROM CURRENT AS $fn$
+LANGUAGE plpgsql AS $fn$
 DECLARE
     pre text := format('events[%s].', $1);
     body text;
@@ -178,9 +181,10 @@ BEGIN
         RAISE EXCEPTION 'events: types, keys, payloads, ids, deliver_at and expected_seqs must have one element per event (% types, % payloads)',
             n, coalesce(cardinality($3), 0) USING ERRCODE = '22023';
     END IF;
-    IF (SELECT bool_or(array_ndims(a) > 1 OR array_lower(a, 1) <> 1)
-        FROM (VALUES ($1), ($2), ($4)) AS v (a))
+    IF array_ndims($1) > 1 OR array_lower($1, 1) <> 1
+       OR array_ndims($2) > 1 OR array_lower($2, 1) <> 1
        OR array_ndims($3) > 1 OR array_lower($3, 1) <> 1
+       OR array_ndims($4) > 1 OR array_lower($4, 1) <> 1
        OR array_ndims($5) > 1 OR array_lower($5, 1) <> 1
        OR array_ndims($6) > 1 OR array_lower($6, 1) <> 1 THEN
         RAISE EXCEPTION 'events: the arrays must be one-dimensional and start at index 1'
@@ -189,7 +193,12 @@ BEGIN
     IF n = 0 THEN
         RETURN;
     END IF;
-    SELECT m.value::int INTO STRICT n_lanes FROM meta m WHERE m.key = 'lanes';
+    -- A store's lane count never changes: read once per session.
+    n_lanes := nullif(current_setting('lanebus.lanes', true), '')::int;
+    IF n_lanes IS NULL THEN
+        SELECT m.value::int INTO STRICT n_lanes FROM meta m WHERE m.key = 'lanes';
+        PERFORM set_config('lanebus.lanes', n_lanes::text, false);
+    END IF;
     FOR i IN 1 .. n LOOP
         PERFORM lanebus.check_event(i - 1, $1[i], $2[i], $3[i], $4[i], $5[i], $6[i], t0);
         e_id := coalesce($4[i], lanebus.new_event_id());
@@ -226,7 +235,9 @@ BEGIN
     END LOOP;
     IF w.o_deliveries > 0 THEN
         pending := current_setting('lanebus.wake', true);
-        IF pending IS DISTINCT FROM 'all' THEN
+        IF coalesce(pending, '') = '' AND cardinality(woken) = 1 THEN
+            PERFORM set_config('lanebus.wake', woken[1]::text, false);
+        ELSIF pending IS DISTINCT FROM 'all' THEN
             SELECT array_agg(DISTINCT l ORDER BY l) INTO woken
             FROM unnest(woken || string_to_array(nullif(pending, ''), ',')::int[]) AS l;
             pending := CASE WHEN cardinality(woken) > 512 THEN 'all' ELSE array_to_string(woken, ',') END;
@@ -234,12 +245,10 @@ BEGIN
         END IF;
     END IF;
     FOR i IN 1 .. n LOOP
-        e_id := all_ids[i];
-        IF seq_of ? e_id AND array_position(all_ids, e_id) = i THEN
-            RETURN QUERY SELECT e_id, (seq_of ->> e_id)::bigint, false;
-        ELSE
-            RETURN QUERY SELECT e_id, NULL::bigint, true;
-        END IF;
+        id := all_ids[i];
+        duplicate := NOT (seq_of ? id AND array_position(all_ids, id) = i);
+        seq := CASE WHEN duplicate THEN NULL ELSE (seq_of ->> id)::bigint END;
+        RETURN NEXT;
     END LOOP;
 END $fn$;
 
@@ -248,7 +257,7 @@ END $fn$;
 CREATE OR REPLACE FUNCTION lanebus.publish(
     type text, key text, payload jsonb, id text DEFAULT NULL,
     deliver_at timestamptz DEFAULT NULL, expected_seq bigint DEFAULT NULL) RETURNS text
-LANGUAGE plpgsql SET search_path FROM CURRENT AS $fn$
+LANGUAGE plpgsql AS $fn$
 DECLARE
     r text;
 BEGIN
