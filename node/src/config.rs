@@ -620,6 +620,38 @@ mod tests {
     }
 
     #[test]
+    fn nats_credentials_come_as_user_and_password_or_a_token() {
+        let user = |u: Option<&str>, p: Option<&str>, t: Option<&str>| NodeArgs {
+            nats_user: u.map(Into::into),
+            nats_password: p.map(Into::into),
+            nats_token: t.map(Into::into),
+            ..base()
+        };
+        let c = validate(user(Some("lanebus"), Some("pw"), None)).unwrap();
+        let n = c.node_options().nats;
+        assert_eq!(
+            (n.user.as_deref(), n.password.as_deref()),
+            (Some("lanebus"), Some("pw"))
+        );
+        assert_eq!(
+            validate(user(None, None, Some("t")))
+                .unwrap()
+                .nats
+                .token
+                .as_deref(),
+            Some("t")
+        );
+        for (args, says) in [
+            (user(Some("lanebus"), None, None), "go together"),
+            (user(None, Some("pw"), None), "go together"),
+            (user(Some("u"), Some("p"), Some("t")), "excludes"),
+        ] {
+            let e = validate(args).unwrap_err().to_string();
+            assert!(e.contains(says), "{e}");
+        }
+    }
+
+    #[test]
     fn webhook_source_ip_is_an_ip_address() {
         let c = validate(NodeArgs {
             webhook_source_ip: Some("127.0.0.3".into()),
