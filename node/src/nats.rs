@@ -141,6 +141,9 @@ impl NatsSender {
         headers.insert("lanebus-attempt", attempt.to_string().as_str());
         headers.insert("lanebus-lane", delivery.lane.to_string().as_str());
         headers.insert("lanebus-epoch", delivery.epoch.to_string().as_str());
+        if delivery.replay {
+            headers.insert("lanebus-replay", "true");
+        }
         let body = build_body(
             &delivery.event_type,
             delivery.published_at,
@@ -177,7 +180,11 @@ impl NatsSender {
             })?;
         }
         let s = &self.settings;
-        let mut options = async_nats::ConnectOptions::new().require_tls(s.tls_required);
+        // Only the server the SSRF guard checked: servers it advertises
+        // would get the node's credentials unchecked.
+        let mut options = async_nats::ConnectOptions::new()
+            .require_tls(s.tls_required)
+            .ignore_discovered_servers();
         if let (Some(user), Some(password)) = (&s.user, &s.password) {
             options = options.user_and_password(user.clone(), password.clone());
         }
