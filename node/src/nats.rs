@@ -16,8 +16,8 @@
 //! ("no stream"). Credentials and TLS are the node's settings
 //! ([`NatsSettings`]), for every NATS server it publishes to; the SSRF guard
 //! ([`EgressPolicy`]) checks every address of the host before the first
-//! connection. One connection per server, shared by every handler and lane
-//! of the node; it reconnects by itself after a broker restart.
+//! connection. One connection per server is kept, shared by every handler
+//! and lane of the node; it reconnects by itself after a broker restart.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -62,6 +62,8 @@ pub struct NatsSender {
     settings: NatsSettings,
     /// JetStream contexts by `host:port`.
     contexts: Arc<Mutex<HashMap<String, jetstream::Context>>>,
+    /// Handler URLs parsed once ([`nats`]), by URL.
+    targets: Arc<Mutex<HashMap<String, Arc<NatsTarget>>>>,
 }
 
 /// A failed attempt: its outcome and attempt-log detail.
@@ -82,6 +84,7 @@ impl NatsSender {
             policy,
             settings,
             contexts: Arc::default(),
+            targets: Arc::default(),
         }
     }
 
@@ -94,7 +97,7 @@ impl NatsSender {
         attempt: u32,
     ) -> (AttemptOutcome, AttemptDetail) {
         let timeout = Duration::from_millis(handler.timeout_ms.max(1));
-        let target = match nats(&handler.url) {
+        let target = match self.target(&handler.url) {
             Ok(t) => t,
             Err(b) => return failed(AttemptError::Other, b.to_string()),
         };
@@ -159,7 +162,19 @@ impl NatsSender {
         Ok(())
     }
 
-    /// The JetStream context of `target`'s server, connecting on first use.
+    /// The parsed handler URL `url`, parsed on its first attempt only.
+    fn target(&self, url: &str) -> Result<Arc<NatsTarget>, lanebus_store::rules::Broken> {
+        if let Some(t) = self.targets.lock().expect("nats targets").get(url) {
+            return Ok(t.clone());
+        }
+        let t = Arc::new(nats(url)?);
+        let mut targets = self.targets.lock().expect("nats targets");
+        Ok(targets.entry(url.to_owned()).or_insert(t).clone())
+    }
+
+    /// The JetStream context of `target`'s server, connecting on first use
+    /// (attempts racing to a server's first connection may each connect;
+    /// one connection is kept, the others close).
     async fn context(
         &self,
         target: &NatsTarget,
