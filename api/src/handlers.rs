@@ -103,7 +103,8 @@ pub struct CreateHandler {
     pub name: String,
     /// Absolute `http` or `https` URL with a host (a webhook), or
     /// `nats://HOST[:PORT]/SUBJECT` (a NATS JetStream subject; `{type}` and
-    /// `{key}` in it stand for the event's), up to 2,048 bytes, without
+    /// `{key}` in it stand for the event's), or `kafka://HOST[:PORT]/TOPIC`
+    /// (a Kafka topic; the record key is the event's key), up to 2,048 bytes, without
     /// whitespace or control characters (percent-encode them) and without
     /// credentials (`user:password@`: URLs are logged and answered).
     #[schema(example = "https://example.com/hooks")]

@@ -172,6 +172,42 @@ pub struct NodeArgs {
     #[arg(long, env = "LANEBUS_NATS_TLS_REQUIRED")]
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub nats_tls_required: bool,
+    /// NATS servers (`host:port`, as handler URLs name them) that get the
+    /// NATS credentials, comma-separated; required with credentials, so a
+    /// handler pointed at another server cannot collect them [default: none].
+    #[arg(long, env = "LANEBUS_NATS_CREDENTIAL_SERVERS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nats_credential_servers: Option<String>,
+    /// SASL mechanism for Kafka handlers (`kafka://` URLs): PLAIN,
+    /// SCRAM-SHA-256 or SCRAM-SHA-512, with --kafka-sasl-username and
+    /// --kafka-sasl-password [default: none].
+    #[arg(long, env = "LANEBUS_KAFKA_SASL_MECHANISM")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kafka_sasl_mechanism: Option<String>,
+    /// SASL user name for Kafka handlers [default: none].
+    #[arg(long, env = "LANEBUS_KAFKA_SASL_USERNAME")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kafka_sasl_username: Option<String>,
+    /// SASL password of --kafka-sasl-username [default: none].
+    #[arg(long, env = "LANEBUS_KAFKA_SASL_PASSWORD", hide_env_values = true)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kafka_sasl_password: Option<String>,
+    /// Kafka bootstrap servers (`host:port`, as handler URLs name them)
+    /// that get the SASL credentials, comma-separated; required with
+    /// credentials [default: none].
+    #[arg(long, env = "LANEBUS_KAFKA_CREDENTIAL_SERVERS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kafka_credential_servers: Option<String>,
+    /// Connect to Kafka brokers over TLS [default: false].
+    #[arg(long, env = "LANEBUS_KAFKA_TLS")]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub kafka_tls: bool,
+    /// PEM file of CA certificates Kafka brokers' TLS certificates are
+    /// checked against, instead of the system's; implies --kafka-tls
+    /// [default: none].
+    #[arg(long, env = "LANEBUS_KAFKA_TLS_CA")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kafka_tls_ca: Option<PathBuf>,
     /// API tokens with the `publish` scope (POST /v1/events), comma-separated;
     /// each the token in clear (16+ characters) or `sha256:` + the 64 hex
     /// digits of its SHA-256 hash [default: none].
@@ -223,6 +259,7 @@ pub struct NodeConfig {
     pub prune_interval: Duration,
     pub webhook_allow: Vec<lanebus_api::egress::IpNet>,
     pub nats: lanebus_node::nats::NatsSettings,
+    pub kafka: lanebus_node::kafka::KafkaSettings,
     pub auth: lanebus_api::auth::Auth,
     pub cluster_secret: Option<lanebus_cluster::ClusterSecret>,
     pub join_token: Option<String>,
@@ -264,6 +301,7 @@ impl NodeConfig {
         o.retention.interval = self.prune_interval;
         o.egress = lanebus_api::egress::EgressPolicy::new(self.webhook_allow.clone());
         o.nats = self.nats.clone();
+        o.kafka = self.kafka.clone();
         o.auth = self.auth.clone();
         if !self.single {
             let mut c = lanebus_node::node::ClusterOptions::new(
@@ -481,12 +519,58 @@ pub fn validate(a: NodeArgs) -> anyhow::Result<NodeConfig> {
     if a.nats_token.is_some() && a.nats_user.is_some() {
         bail!("nats_token excludes nats_user and nats_password: give one way to authenticate");
     }
+    let nats_credential_servers = servers("nats_credential_servers", &a.nats_credential_servers)?;
+    let nats_credentials = a.nats_user.is_some() || a.nats_token.is_some();
+    if nats_credentials == nats_credential_servers.is_empty() {
+        bail!(
+            "nats_credential_servers names the NATS servers (host:port) that get the NATS \
+             credentials: give it with nats_user/nats_password or nats_token, and only then"
+        );
+    }
+    readable("nats_tls_ca", a.nats_tls_ca.as_deref())?;
     let nats = lanebus_node::nats::NatsSettings {
         user: a.nats_user.clone(),
         password: a.nats_password.clone(),
         token: a.nats_token.clone(),
+        credential_servers: nats_credential_servers,
         tls_ca: a.nats_tls_ca.clone(),
         tls_required: a.nats_tls_required,
+    };
+    let kafka_credential_servers =
+        servers("kafka_credential_servers", &a.kafka_credential_servers)?;
+    match (
+        &a.kafka_sasl_mechanism,
+        &a.kafka_sasl_username,
+        &a.kafka_sasl_password,
+    ) {
+        (None, None, None) => {}
+        (Some(m), Some(_), Some(_)) => {
+            if !lanebus_node::kafka::SASL_MECHANISMS.contains(&m.as_str()) {
+                bail!(
+                    "kafka_sasl_mechanism is {m:?}, expected one of {}",
+                    lanebus_node::kafka::SASL_MECHANISMS.join(", ")
+                );
+            }
+        }
+        _ => bail!(
+            "kafka_sasl_mechanism, kafka_sasl_username and kafka_sasl_password go together: \
+             give all three or none"
+        ),
+    }
+    if a.kafka_sasl_mechanism.is_some() == kafka_credential_servers.is_empty() {
+        bail!(
+            "kafka_credential_servers names the Kafka bootstrap servers (host:port) that get \
+             the SASL credentials: give it with kafka_sasl_mechanism, and only then"
+        );
+    }
+    readable("kafka_tls_ca", a.kafka_tls_ca.as_deref())?;
+    let kafka = lanebus_node::kafka::KafkaSettings {
+        sasl_mechanism: a.kafka_sasl_mechanism.clone(),
+        sasl_username: a.kafka_sasl_username.clone(),
+        sasl_password: a.kafka_sasl_password.clone(),
+        credential_servers: kafka_credential_servers,
+        tls: a.kafka_tls || a.kafka_tls_ca.is_some(),
+        tls_ca: a.kafka_tls_ca.clone(),
     };
     let (auth, first_clear_admin) = tokens(&a.publish_tokens, &a.admin_tokens)?;
     let cluster_secret = match a.cluster_secret.as_deref().map(str::trim) {
@@ -527,6 +611,7 @@ pub fn validate(a: NodeArgs) -> anyhow::Result<NodeConfig> {
         prune_interval: Duration::from_millis(prune_interval_ms),
         webhook_allow,
         nats,
+        kafka,
         auth,
         cluster_secret,
         join_token,
@@ -535,6 +620,34 @@ pub fn validate(a: NodeArgs) -> anyhow::Result<NodeConfig> {
 
 /// The API tokens of `publish_tokens` and `admin_tokens`, and the first
 /// admin token given in clear (the default join token).
+/// A comma-separated list of `host:port` servers (`field` names it in
+/// errors); none for an absent or blank list.
+fn servers(field: &str, list: &Option<String>) -> anyhow::Result<Vec<String>> {
+    let Some(list) = list else {
+        return Ok(Vec::new());
+    };
+    list.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            let port = s.rsplit_once(':').map(|(h, p)| (h, p.parse::<u16>()));
+            match port {
+                Some((h, Ok(p))) if !h.is_empty() && p > 0 => Ok(s.to_owned()),
+                _ => bail!("{field} holds {s:?}, expected host:port (an IPv6 host in brackets)"),
+            }
+        })
+        .collect()
+}
+
+/// Refuses a file option (`field`) naming a file that cannot be read.
+fn readable(field: &str, path: Option<&std::path::Path>) -> anyhow::Result<()> {
+    if let Some(p) = path {
+        std::fs::metadata(p)
+            .with_context(|| format!("{field} names {}, which cannot be read", p.display()))?;
+    }
+    Ok(())
+}
+
 fn tokens(
     publish: &Option<String>,
     admin: &Option<String>,
@@ -625,6 +738,7 @@ mod tests {
             nats_user: u.map(Into::into),
             nats_password: p.map(Into::into),
             nats_token: t.map(Into::into),
+            nats_credential_servers: Some("nats.internal:4222, [::1]:4222".into()),
             ..base()
         };
         let c = validate(user(Some("lanebus"), Some("pw"), None)).unwrap();
@@ -633,6 +747,7 @@ mod tests {
             (n.user.as_deref(), n.password.as_deref()),
             (Some("lanebus"), Some("pw"))
         );
+        assert_eq!(n.credential_servers, ["nats.internal:4222", "[::1]:4222"]);
         assert_eq!(
             validate(user(None, None, Some("t")))
                 .unwrap()
@@ -645,6 +760,92 @@ mod tests {
             (user(Some("lanebus"), None, None), "go together"),
             (user(None, Some("pw"), None), "go together"),
             (user(Some("u"), Some("p"), Some("t")), "excludes"),
+            (
+                NodeArgs {
+                    nats_credential_servers: None,
+                    ..user(Some("u"), Some("p"), None)
+                },
+                "nats_credential_servers names",
+            ),
+            (
+                NodeArgs {
+                    nats_credential_servers: Some("h:4222".into()),
+                    ..base()
+                },
+                "and only then",
+            ),
+            (
+                NodeArgs {
+                    nats_credential_servers: Some("h".into()),
+                    ..user(Some("u"), Some("p"), None)
+                },
+                "expected host:port",
+            ),
+            (
+                NodeArgs {
+                    nats_tls_ca: Some("/nonexistent/ca.pem".into()),
+                    ..base()
+                },
+                "cannot be read",
+            ),
+        ] {
+            let e = validate(args).unwrap_err().to_string();
+            assert!(e.contains(says), "{e}");
+        }
+    }
+
+    #[test]
+    fn kafka_credentials_come_whole_and_with_their_servers() {
+        let sasl = |m: Option<&str>, u: Option<&str>, p: Option<&str>| NodeArgs {
+            kafka_sasl_mechanism: m.map(Into::into),
+            kafka_sasl_username: u.map(Into::into),
+            kafka_sasl_password: p.map(Into::into),
+            kafka_credential_servers: Some("kafka.internal:9092".into()),
+            ..base()
+        };
+        let k = validate(sasl(Some("SCRAM-SHA-512"), Some("u"), Some("p")))
+            .unwrap()
+            .node_options()
+            .kafka;
+        assert_eq!(
+            (
+                k.sasl_mechanism.as_deref(),
+                k.sasl_username.as_deref(),
+                k.sasl_password.as_deref(),
+                k.credential_servers.as_slice(),
+                k.tls
+            ),
+            (
+                Some("SCRAM-SHA-512"),
+                Some("u"),
+                Some("p"),
+                &["kafka.internal:9092".to_owned()][..],
+                false
+            )
+        );
+        assert_eq!(validate(base()).unwrap().kafka, Default::default());
+        for (args, says) in [
+            (sasl(Some("PLAIN"), Some("u"), None), "go together"),
+            (sasl(None, Some("u"), Some("p")), "go together"),
+            (
+                sasl(Some("GSSAPI"), Some("u"), Some("p")),
+                "expected one of",
+            ),
+            (
+                NodeArgs {
+                    kafka_credential_servers: None,
+                    ..sasl(Some("PLAIN"), Some("u"), Some("p"))
+                },
+                "kafka_credential_servers names",
+            ),
+            (sasl(None, None, None), "and only then"),
+            (
+                NodeArgs {
+                    kafka_tls_ca: Some("/nonexistent/ca.pem".into()),
+                    ..base()
+                },
+                "cannot be read",
+            ),
         ] {
             let e = validate(args).unwrap_err().to_string();
             assert!(e.contains(says), "{e}");

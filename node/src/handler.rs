@@ -1,4 +1,5 @@
-//! Handlers: webhooks, NATS JetStream subjects ([`crate::nats`]) and
+//! Handlers: webhooks, NATS JetStream subjects ([`crate::nats`]), Kafka
+//! topics ([`crate::kafka`]) and
 //! in-process Rust handlers behind one attempt path.
 //!
 //! A registered handler (the store's [`HandlerConfig`]) whose URL is
@@ -24,6 +25,7 @@ use tokio::sync::Semaphore;
 use crate::activity::HandlerActivity;
 use crate::assignment::{OwnerTie, Start};
 use crate::catalog::HandlerCatalog;
+use crate::kafka::{KafkaSender, KafkaSettings};
 use crate::nats::{NatsSender, NatsSettings};
 use crate::retry::AttemptOutcome;
 use crate::webhook::{AttemptDetail, WebhookSender};
@@ -123,6 +125,7 @@ pub struct Sent {
 pub struct Dispatcher {
     webhook: WebhookSender,
     nats: NatsSender,
+    kafka: KafkaSender,
     in_process: Arc<HashMap<String, Arc<dyn Handler>>>,
     permits: Arc<Mutex<Permits>>,
     rates: Arc<crate::rate::RateLimiter>,
@@ -187,6 +190,7 @@ impl Dispatcher {
     ) -> Self {
         Dispatcher {
             nats: NatsSender::new(webhook.policy().clone(), NatsSettings::default()),
+            kafka: KafkaSender::new(webhook.policy().clone(), KafkaSettings::default()),
             webhook,
             in_process: Arc::new(in_process),
             permits: Arc::default(),
@@ -200,6 +204,13 @@ impl Dispatcher {
     /// (credentials, TLS) under the webhooks' SSRF guard.
     pub fn with_nats(mut self, settings: NatsSettings) -> Self {
         self.nats = NatsSender::new(self.webhook.policy().clone(), settings);
+        self
+    }
+
+    /// This dispatcher, its Kafka handlers produced to with `settings`
+    /// (credentials, TLS) under the webhooks' SSRF guard.
+    pub fn with_kafka(mut self, settings: KafkaSettings) -> Self {
+        self.kafka = KafkaSender::new(self.webhook.policy().clone(), settings);
         self
     }
 
@@ -417,8 +428,32 @@ impl Dispatcher {
         if crate::nats::is_nats(&handler.url) {
             return self.nats.send(handler, delivery, attempt).await;
         }
+        if crate::kafka::is_kafka(&handler.url) {
+            return self.kafka.send(handler, delivery, attempt).await;
+        }
         self.webhook.send(handler, delivery, attempt).await
     }
+}
+
+/// Refuses broker `addr` (`host:port`; `what` names it in messages) unless
+/// every address it resolves to passes the SSRF guard `policy`.
+pub(crate) async fn check_server(
+    policy: &lanebus_store::egress::EgressPolicy,
+    what: &str,
+    addr: &str,
+) -> Result<(), (AttemptError, String)> {
+    let found = tokio::net::lookup_host(addr)
+        .await
+        .map_err(|e| (AttemptError::Dns, format!("{what}: {e}")))?;
+    for a in found {
+        policy.check_ip(a.ip()).map_err(|e| {
+            (
+                AttemptError::SsrfGuard,
+                format!("refused by the ssrf guard: {what} points to {e}"),
+            )
+        })?;
+    }
+    Ok(())
 }
 
 /// The attempt log entry of failed attempt number `attempt`, started at

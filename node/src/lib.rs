@@ -29,6 +29,7 @@ pub mod catalog;
 pub mod claim;
 pub mod clock;
 pub mod handler;
+pub mod kafka;
 pub mod metrics;
 pub mod nats;
 pub mod node;

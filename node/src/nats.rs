@@ -14,7 +14,8 @@
 //! The stream itself is the operator's (subjects, storage, duplicate
 //! window): a publish to a subject no stream holds fails the attempt
 //! ("no stream"). Credentials and TLS are the node's settings
-//! ([`NatsSettings`]), for every NATS server it publishes to; the SSRF guard
+//! ([`NatsSettings`]); credentials go only to the servers they are given
+//! for. The SSRF guard
 //! ([`EgressPolicy`]) checks every address of the host before the first
 //! connection. One connection per server is kept, shared by every handler
 //! and lane of the node; it reconnects by itself after a broker restart.
@@ -38,8 +39,8 @@ pub fn is_nats(url: &str) -> bool {
 }
 
 /// Credentials and TLS for the NATS servers a node publishes to
-/// (`--nats-user`, `--nats-password`, `--nats-token`, `--nats-tls-ca`,
-/// `--nats-tls-required`).
+/// (`--nats-user`, `--nats-password`, `--nats-token`,
+/// `--nats-credential-servers`, `--nats-tls-ca`, `--nats-tls-required`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NatsSettings {
     /// User, with [`password`](Self::password).
@@ -48,6 +49,9 @@ pub struct NatsSettings {
     pub password: Option<String>,
     /// Token (instead of a user and password).
     pub token: Option<String>,
+    /// Servers (`host:port`, as in handler URLs) that get the credentials;
+    /// a handler naming another server connects without them.
+    pub credential_servers: Vec<String>,
     /// PEM file of the CA certificates to trust (besides the system's).
     pub tls_ca: Option<PathBuf>,
     /// Refuse servers that do not offer TLS.
@@ -183,28 +187,20 @@ impl NatsSender {
         if let Some(js) = self.contexts.lock().expect("nats contexts").get(&server) {
             return Ok(js.clone());
         }
-        let addrs = tokio::net::lookup_host(&server)
-            .await
-            .map_err(|e| (AttemptError::Dns, format!("nats {server}: {e}")))?;
-        for addr in addrs {
-            self.policy.check_ip(addr.ip()).map_err(|e| {
-                (
-                    AttemptError::SsrfGuard,
-                    format!("refused by the ssrf guard: nats {server} points to {e}"),
-                )
-            })?;
-        }
+        crate::handler::check_server(&self.policy, &format!("nats {server}"), &server).await?;
         let s = &self.settings;
         // Only the server the SSRF guard checked: servers it advertises
         // would get the node's credentials unchecked.
         let mut options = async_nats::ConnectOptions::new()
             .require_tls(s.tls_required)
             .ignore_discovered_servers();
-        if let (Some(user), Some(password)) = (&s.user, &s.password) {
-            options = options.user_and_password(user.clone(), password.clone());
-        }
-        if let Some(token) = &s.token {
-            options = options.token(token.clone());
+        if s.credential_servers.contains(&server) {
+            if let (Some(user), Some(password)) = (&s.user, &s.password) {
+                options = options.user_and_password(user.clone(), password.clone());
+            }
+            if let Some(token) = &s.token {
+                options = options.token(token.clone());
+            }
         }
         if let Some(ca) = &s.tls_ca {
             options = options.add_root_certificates(ca.clone());

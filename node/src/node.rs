@@ -243,6 +243,8 @@ pub struct NodeOptions {
     pub egress: EgressPolicy,
     /// Credentials and TLS of NATS JetStream handlers ([`crate::nats`]).
     pub nats: crate::nats::NatsSettings,
+    /// Credentials and TLS of Kafka handlers ([`crate::kafka`]).
+    pub kafka: crate::kafka::KafkaSettings,
     /// Bearer tokens of the API ([`lanebus_api::auth`]). The default,
     /// [`Auth::open`], allows every request, and is accepted only with a
     /// loopback [`http_addr`](Self::http_addr): [`start`] refuses to serve
@@ -270,6 +272,7 @@ impl NodeOptions {
             retention: crate::retention::RetentionConfig::default(),
             egress: EgressPolicy::default(),
             nats: crate::nats::NatsSettings::default(),
+            kafka: crate::kafka::KafkaSettings::default(),
             auth: Auth::open(),
         }
     }
@@ -887,7 +890,8 @@ async fn boot(opts: NodeOptions) -> Result<Booted, NodeError> {
         opts.in_process.clone(),
         store.lanes(),
     )
-    .with_nats(opts.nats.clone());
+    .with_nats(opts.nats.clone())
+    .with_kafka(opts.kafka.clone());
     let state = Arc::new(NodeState {
         node_id: opts.node_id.clone(),
         store: store.clone(),

@@ -28,7 +28,7 @@
 //! answers there).
 //!
 //! The check runs twice: at registration ([`EgressPolicy::check_url`]: the
-//! scheme must be `http`, `https` or `nats`, and every address the host resolves to
+//! scheme must be `http`, `https`, `nats` or `kafka`, and every address the host resolves to
 //! must pass; a name that does not resolve is accepted, since the send-time
 //! check covers it) and at send time, where the node's HTTP client resolves
 //! names through the policy and connects only to addresses it passed, so a
@@ -134,7 +134,7 @@ impl EgressPolicy {
         )))
     }
 
-    /// The registration check of a handler URL: scheme `http`, `https` or `nats`, a
+    /// The registration check of a handler URL: scheme `http`, `https`, `nats` or `kafka`, a
     /// host, and every address the host resolves to allowed
     /// ([`check_ip`](Self::check_ip)). A name that does not resolve (or not
     /// within [`RESOLVE_TIMEOUT`]) passes: the send-time check covers it.
@@ -143,18 +143,17 @@ impl EgressPolicy {
     /// [`Refused`] naming the URL, the address and the reason.
     pub async fn check_url(&self, raw: &str) -> Result<(), Refused> {
         let url = url::Url::parse(raw).map_err(|e| Refused(format!("url {raw:?}: {e}")))?;
-        let nats = url.scheme() == crate::rules::handler::NATS_SCHEME;
-        if !(nats || matches!(url.scheme(), "http" | "https")) {
-            return Err(Refused(format!(
-                "url {raw:?} has scheme {:?}, expected http, https or nats",
-                url.scheme()
-            )));
-        }
-        let port = url.port_or_known_default().unwrap_or(if nats {
-            crate::rules::handler::NATS_PORT
-        } else {
-            80
-        });
+        use crate::rules::handler::{KAFKA_PORT, KAFKA_SCHEME, NATS_PORT, NATS_SCHEME};
+        let port = match url.scheme() {
+            "http" | "https" => url.port_or_known_default().unwrap_or(80),
+            NATS_SCHEME => url.port().unwrap_or(NATS_PORT),
+            KAFKA_SCHEME => url.port().unwrap_or(KAFKA_PORT),
+            other => {
+                return Err(Refused(format!(
+                    "url {raw:?} has scheme {other:?}, expected http, https, nats or kafka"
+                )))
+            }
+        };
         let addrs: Vec<IpAddr> = match url.host() {
             None => return Err(Refused(format!("url {raw:?} has no host"))),
             Some(url::Host::Ipv4(ip)) => vec![IpAddr::V4(ip)],
@@ -331,6 +330,8 @@ mod tests {
             "http://localhost:9/",
             "nats://127.0.0.1:4222/orders",
             "nats://10.1.2.3/orders",
+            "kafka://10.1.2.3/orders",
+            "kafka://127.0.0.1:9092/orders",
         ] {
             let e = deny.check_url(bad).await;
             assert!(e.is_err(), "{bad} passed");
@@ -348,6 +349,7 @@ mod tests {
         assert!(allow.check_url("http://[::1]:9/").await.is_ok());
         assert!(allow.check_url("http://localhost:9/").await.is_ok());
         assert!(allow.check_url("nats://127.0.0.1/orders").await.is_ok());
+        assert!(allow.check_url("kafka://127.0.0.1/orders").await.is_ok());
         assert!(allow.check_url("http://10.0.0.1/").await.is_err());
     }
 }

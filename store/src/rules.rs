@@ -675,9 +675,12 @@ pub mod handler {
         if url.scheme() == NATS_SCHEME {
             return nats(raw).map(|_| ());
         }
+        if url.scheme() == KAFKA_SCHEME {
+            return kafka(raw).map(|_| ());
+        }
         if !matches!(url.scheme(), "http" | "https") {
             return Err(form(format!(
-                "url {shown:?} has scheme {:?}, expected http, https or nats",
+                "url {shown:?} has scheme {:?}, expected http, https, nats or kafka",
                 url.scheme()
             )));
         }
@@ -697,6 +700,54 @@ pub mod handler {
             )));
         }
         Ok(())
+    }
+
+    /// `host:port`, an IPv6 host in brackets.
+    pub fn host_port(host: &str, port: u16) -> String {
+        if host.contains(':') {
+            format!("[{host}]:{port}")
+        } else {
+            format!("{host}:{port}")
+        }
+    }
+
+    /// The host and port of broker URL `url` (`scheme://HOST[:PORT]/...`,
+    /// `port` when it names none), refusing credentials (`flags` names the
+    /// node settings that hold them), a port 0, a query and a fragment.
+    fn broker_server(
+        url: &url::Url,
+        port: u16,
+        flags: &str,
+        form: impl Fn(String) -> Broken,
+    ) -> Result<(String, u16), Broken> {
+        if !url.username().is_empty() || url.password().is_some() {
+            return Err(form(format!(
+                "must not carry credentials (a user or password before \"@\"): urls are \
+                 written to logs and shown by the api; give the node its credentials ({flags})"
+            )));
+        }
+        let host = match url.host() {
+            Some(url::Host::Domain(d)) if !d.is_empty() => d.to_owned(),
+            Some(url::Host::Ipv4(ip)) => ip.to_string(),
+            Some(url::Host::Ipv6(ip)) => ip.to_string(),
+            _ => return Err(form("has no host".into())),
+        };
+        if url.port() == Some(0) {
+            return Err(form("has port 0".into()));
+        }
+        if url.query().is_some() || url.fragment().is_some() {
+            return Err(form("must not have a query or fragment".into()));
+        }
+        Ok((host, url.port().unwrap_or(port)))
+    }
+
+    /// The path of URL `raw` after its host, as written: `url::Url`
+    /// resolves `a/../b` before its path can be seen.
+    fn raw_path(raw: &str) -> &str {
+        raw.splitn(4, '/')
+            .nth(3)
+            .and_then(|p| p.split(['?', '#']).next())
+            .unwrap_or_default()
     }
 
     /// Scheme of NATS JetStream handler URLs: `nats://HOST[:PORT]/SUBJECT`.
@@ -720,11 +771,7 @@ pub mod handler {
     impl NatsTarget {
         /// `host:port`, an IPv6 host in brackets.
         pub fn server(&self) -> String {
-            if self.host.contains(':') {
-                format!("[{}]:{}", self.host, self.port)
-            } else {
-                format!("{}:{}", self.host, self.port)
-            }
+            host_port(&self.host, self.port)
         }
 
         /// The subject of one event: `{type}` and `{key}` replaced.
@@ -776,25 +823,14 @@ pub mod handler {
         if url.scheme() != NATS_SCHEME || !raw.starts_with("nats://") {
             return Err(form("must start with nats://".into()));
         }
-        if !url.username().is_empty() || url.password().is_some() {
-            return Err(form(
-                "must not carry credentials (a user or password before \"@\"): urls are \
-                 written to logs and shown by the api; give the node its NATS credentials \
-                 (--nats-user, --nats-password, --nats-token)"
-                    .into(),
-            ));
-        }
-        let host = match url.host() {
-            Some(url::Host::Domain(d)) if !d.is_empty() => d.to_owned(),
-            Some(url::Host::Ipv4(ip)) => ip.to_string(),
-            Some(url::Host::Ipv6(ip)) => ip.to_string(),
-            _ => return Err(form("has no host".into())),
-        };
-        if url.query().is_some() || url.fragment().is_some() {
-            return Err(form("must not have a query or fragment".into()));
-        }
-        let path = url.path().strip_prefix('/').unwrap_or_default();
-        let subject = percent_decode(path).ok_or_else(|| form("has a bad %-escape".into()))?;
+        let (host, port) = broker_server(
+            &url,
+            NATS_PORT,
+            "--nats-user, --nats-password, --nats-token",
+            form,
+        )?;
+        let subject =
+            percent_decode(raw_path(raw)).ok_or_else(|| form("has a bad %-escape".into()))?;
         if subject.is_empty() {
             return Err(form("has no subject (nats://HOST:PORT/SUBJECT)".into()));
         }
@@ -814,8 +850,78 @@ pub mod handler {
         }
         Ok(NatsTarget {
             host,
-            port: url.port().unwrap_or(NATS_PORT),
+            port,
             subject,
+        })
+    }
+
+    /// Scheme of Kafka handler URLs: `kafka://HOST[:PORT]/TOPIC`.
+    pub const KAFKA_SCHEME: &str = "kafka";
+    /// Port of a Kafka URL that names none (the Kafka client port).
+    pub const KAFKA_PORT: u16 = 9092;
+    /// Longest Kafka topic name, in bytes (Kafka's `Topic.MAX_NAME_LENGTH`).
+    pub const KAFKA_TOPIC_BYTES: usize = 249;
+
+    /// A Kafka destination, from a handler URL ([`kafka`]).
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct KafkaTarget {
+        /// Bootstrap host name or address (an IPv6 address without brackets).
+        pub host: String,
+        /// Bootstrap port.
+        pub port: u16,
+        /// Topic.
+        pub topic: String,
+    }
+
+    impl KafkaTarget {
+        /// `host:port` of the bootstrap server, an IPv6 host in brackets.
+        pub fn server(&self) -> String {
+            host_port(&self.host, self.port)
+        }
+    }
+
+    /// Checks and parses a Kafka handler URL: `kafka://HOST[:PORT]/TOPIC`
+    /// (port [`KAFKA_PORT`] by default; HOST is the bootstrap server), no
+    /// credentials (they are the node's settings), no query or fragment;
+    /// TOPIC is 1 to [`KAFKA_TOPIC_BYTES`] of `[A-Za-z0-9._-]`, not `.` or
+    /// `..` (Kafka's own topic rule).
+    ///
+    /// # Errors
+    /// [`Rule::Form`] on `url`, saying what is wrong.
+    pub fn kafka(raw: &str) -> Result<KafkaTarget, Broken> {
+        let shown = redacted(raw);
+        let form = |m: String| Broken::new("url", Rule::Form, format!("url {shown:?} {m}"));
+        let url = url::Url::parse(raw)
+            .map_err(|e| form(format!("does not parse: {}", tidy(&e.to_string()))))?;
+        if url.scheme() != KAFKA_SCHEME || !raw.starts_with("kafka://") {
+            return Err(form("must start with kafka://".into()));
+        }
+        let (host, port) = broker_server(
+            &url,
+            KAFKA_PORT,
+            "--kafka-sasl-username, --kafka-sasl-password",
+            form,
+        )?;
+        let path = raw_path(raw);
+        if path.is_empty() {
+            return Err(form("has no topic (kafka://HOST:PORT/TOPIC)".into()));
+        }
+        if path.len() > KAFKA_TOPIC_BYTES
+            || path == "."
+            || path == ".."
+            || !path
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+        {
+            return Err(form(format!(
+                "has topic {path:?}: expected 1 to {KAFKA_TOPIC_BYTES} of the characters \
+                 A-Z a-z 0-9 . _ -, not \".\" or \"..\""
+            )));
+        }
+        Ok(KafkaTarget {
+            host,
+            port,
+            topic: path.to_owned(),
         })
     }
 
@@ -1187,7 +1293,7 @@ mod tests {
         for (url, says) in [
             ("HTTPS://example.com/", "must start with"),
             ("http:example.com/", "must start with"),
-            ("ftp://example.com/", "expected http, https or nats"),
+            ("ftp://example.com/", "expected http, https, nats or kafka"),
             ("https://u:p@example.com/", "credentials"),
             ("https://example.com/a b", "whitespace"),
             ("not a url", "whitespace"),
@@ -1237,6 +1343,43 @@ mod tests {
             ("nats://h/s?tls=1", "query"),
             ("nats:///s", "no host"),
             ("NATS://h/s", "must start with nats://"),
+            ("nats://h:0/s", "port 0"),
+            ("nats://h/a/../b", "tokens"),
+        ] {
+            let b = handler::url(url).unwrap_err();
+            assert_eq!(b.field, "url");
+            assert!(b.message.contains(says), "{url}: {b}");
+            assert!(!b.message.contains("u:p@"), "{b}");
+        }
+    }
+
+    #[test]
+    fn kafka_urls_name_a_bootstrap_server_and_a_topic() {
+        let t = handler::kafka("kafka://broker.example:9093/orders.v1").expect("ok");
+        assert_eq!(
+            (t.server(), t.topic.as_str()),
+            ("broker.example:9093".into(), "orders.v1")
+        );
+        let t = handler::kafka("kafka://[::1]/a_b-c").expect("ok");
+        assert_eq!(
+            (t.server(), t.topic.as_str()),
+            ("[::1]:9092".into(), "a_b-c")
+        );
+        assert!(handler::url(&format!("kafka://h/{}", "t".repeat(249))).is_ok());
+        for (url, says) in [
+            ("kafka://u:p@h:9092/t", "credentials"),
+            ("kafka://h:9092/", "no topic"),
+            ("kafka://h:9092", "no topic"),
+            ("kafka://h:0/t", "port 0"),
+            ("kafka://h/a/../b", "has topic"),
+            ("kafka://h/a/b", "has topic"),
+            ("kafka://h/..", "has topic"),
+            ("kafka://h/a%20b", "has topic"),
+            ("kafka://h/orders.{type}", "has topic"),
+            (&format!("kafka://h/{}", "t".repeat(250)), "has topic"),
+            ("kafka://h/t?acks=1", "query"),
+            ("kafka:///t", "no host"),
+            ("KAFKA://h/t", "must start with kafka://"),
         ] {
             let b = handler::url(url).unwrap_err();
             assert_eq!(b.field, "url");

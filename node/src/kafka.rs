@@ -1,0 +1,385 @@
+//! Kafka handlers: a handler whose URL is `kafka://HOST[:PORT]/TOPIC`
+//! ([`lanebus_store::rules::handler::kafka`]) gets each delivery produced
+//! to TOPIC of the cluster HOST:PORT bootstraps, and the broker's
+//! acknowledgement (`acks=all`) completes it. The record's key is the
+//! event's key (so a key stays on one partition, in order), its value the
+//! webhook body ([`crate::webhook::build_body`]), and its headers
+//! `lanebus-id` (the event id: consumers drop repeats by it),
+//! `lanebus-type`, `lanebus-key`, `lanebus-sequence`, `lanebus-attempt`,
+//! `lanebus-lane`, `lanebus-epoch`, `content-type`, and `lanebus-replay`
+//! on replays and recovers. Key order, retries, dead letters, disabling and
+//! rate limits are the key runners', as for webhooks: a key's next event is
+//! produced only after the previous one was acknowledged.
+//!
+//! The client is librdkafka ([`rdkafka`]) with its idempotent producer
+//! (`enable.idempotence`): the producer's own retries of a record are
+//! written once. A repeat of an attempt (the acknowledgement lost, the
+//! attempt retried, a recover) is a new record: Kafka keeps no id across
+//! produce calls, so consumers de-duplicate by `lanebus-id`, as webhook
+//! receivers do by `webhook-id`.
+//!
+//! An attempt ends when librdkafka reports the record's fate: the
+//! handler's `timeout_ms` is the producer's `message.timeout.ms`, so a
+//! record that timed out is never sent later behind the attempt's back.
+//! One producer is kept per bootstrap server and timeout, shared by every
+//! handler and lane of the node.
+//!
+//! The topic is the operator's (partitions, retention): a topic the broker
+//! does not hold fails the attempt. Credentials and TLS are the node's
+//! settings ([`KafkaSettings`]), and credentials go only to the bootstrap
+//! servers they are given for. The SSRF guard ([`EgressPolicy`]) checks
+//! every address of the bootstrap server before the producer is made, and
+//! every broker the cluster's metadata names before the first record.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use lanebus_store::egress::EgressPolicy;
+use lanebus_store::rules::handler::{host_port, kafka, KafkaTarget};
+use lanebus_store::{AttemptError, Delivery, Handler as HandlerConfig};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::ClientConfig;
+
+use crate::retry::AttemptOutcome;
+use crate::webhook::{build_body, AttemptDetail};
+
+/// Whether a handler URL names a Kafka destination.
+pub fn is_kafka(url: &str) -> bool {
+    url.starts_with("kafka://")
+}
+
+/// SASL mechanisms a node may authenticate with (librdkafka's
+/// `sasl.mechanisms` values).
+pub const SASL_MECHANISMS: [&str; 3] = ["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"];
+
+/// Credentials and TLS for the Kafka clusters a node produces to
+/// (`--kafka-sasl-mechanism`, `--kafka-sasl-username`,
+/// `--kafka-sasl-password`, `--kafka-credential-servers`, `--kafka-tls`,
+/// `--kafka-tls-ca`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KafkaSettings {
+    /// SASL mechanism, one of [`SASL_MECHANISMS`].
+    pub sasl_mechanism: Option<String>,
+    /// SASL user name, with [`sasl_password`](Self::sasl_password).
+    pub sasl_username: Option<String>,
+    /// SASL password.
+    pub sasl_password: Option<String>,
+    /// Bootstrap servers (`host:port`, as in handler URLs) that get the
+    /// credentials; a handler naming another server connects without them.
+    pub credential_servers: Vec<String>,
+    /// Connect over TLS (`security.protocol` `ssl` or `sasl_ssl`).
+    pub tls: bool,
+    /// PEM file of the CA certificates to trust (instead of the system's).
+    pub tls_ca: Option<PathBuf>,
+}
+
+impl KafkaSettings {
+    /// librdkafka's configuration for bootstrap server `server`:
+    /// credentials only if `server` is one of
+    /// [`credential_servers`](Self::credential_servers).
+    fn client_config(&self, server: &str, timeout_ms: u64) -> ClientConfig {
+        let mut c = ClientConfig::new();
+        c.set("bootstrap.servers", server)
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set("message.timeout.ms", timeout_ms.to_string())
+            .set(
+                "request.timeout.ms",
+                timeout_ms.clamp(100, 30_000).to_string(),
+            )
+            .set("socket.connection.setup.timeout.ms", "10000")
+            .set("reconnect.backoff.max.ms", "1000");
+        let sasl =
+            self.sasl_mechanism.is_some() && self.credential_servers.iter().any(|s| s == server);
+        let protocol = match (sasl, self.tls) {
+            (false, false) => "plaintext",
+            (false, true) => "ssl",
+            (true, false) => "sasl_plaintext",
+            (true, true) => "sasl_ssl",
+        };
+        c.set("security.protocol", protocol);
+        if sasl {
+            if let Some(m) = &self.sasl_mechanism {
+                c.set("sasl.mechanisms", m);
+            }
+            if let Some(u) = &self.sasl_username {
+                c.set("sasl.username", u);
+            }
+            if let Some(p) = &self.sasl_password {
+                c.set("sasl.password", p);
+            }
+        }
+        if let Some(ca) = &self.tls_ca {
+            c.set("ssl.ca.location", ca.display().to_string());
+        }
+        c
+    }
+}
+
+/// Producers by bootstrap `host:port` and `message.timeout.ms`, each with
+/// when it was made.
+type Producers = HashMap<(String, u64), (FutureProducer, Instant)>;
+
+/// Produces deliveries to Kafka (see the module docs). Cheap to clone;
+/// clones share their producers.
+#[derive(Clone)]
+pub struct KafkaSender {
+    policy: EgressPolicy,
+    settings: KafkaSettings,
+    producers: Arc<Mutex<Producers>>,
+    /// Handler URLs parsed once ([`kafka`]), by URL.
+    targets: Arc<Mutex<HashMap<String, Arc<KafkaTarget>>>>,
+}
+
+/// A failed attempt: its outcome and attempt-log detail.
+fn failed(class: AttemptError, error: String) -> (AttemptOutcome, AttemptDetail) {
+    (
+        AttemptOutcome::Failed {
+            error,
+            retry_after: None,
+        },
+        AttemptDetail::error(class),
+    )
+}
+
+/// How long metadata may take to arrive when a producer is made.
+const METADATA_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A producer whose records time out or find no broker is replaced by a
+/// new one once it is this old: an idempotent producer that timed out must
+/// bump its epoch, which some Kafka-protocol brokers refuse (tansu 0.6),
+/// and a new producer also reconnects at once.
+const REPLACE_AFTER: Duration = Duration::from_secs(5);
+
+impl KafkaSender {
+    /// A sender to the clusters `policy` allows, with `settings`.
+    pub fn new(policy: EgressPolicy, settings: KafkaSettings) -> Self {
+        KafkaSender {
+            policy,
+            settings,
+            producers: Arc::default(),
+            targets: Arc::default(),
+        }
+    }
+
+    /// Makes attempt number `attempt` of `delivery` to the Kafka handler
+    /// `handler`: its `timeout_ms` bounds the record's time in the
+    /// producer (connecting to a new cluster can add up to 10 s of
+    /// metadata).
+    pub async fn send(
+        &self,
+        handler: &HandlerConfig,
+        delivery: &Delivery,
+        attempt: u32,
+    ) -> (AttemptOutcome, AttemptDetail) {
+        let target = match self.target(&handler.url) {
+            Ok(t) => t,
+            Err(b) => return failed(AttemptError::Other, b.to_string()),
+        };
+        let timeout_ms = handler.timeout_ms.max(1);
+        let producer = match self.producer(&target, timeout_ms).await {
+            Ok(p) => p,
+            Err((class, e)) => return failed(class, e),
+        };
+        let mut headers = OwnedHeaders::new_with_capacity(9)
+            .insert(header("lanebus-id", &delivery.event_id))
+            .insert(header("lanebus-type", &delivery.event_type))
+            .insert(header("content-type", "application/json"));
+        if let Some(key) = &delivery.key {
+            headers = headers.insert(header("lanebus-key", key));
+        }
+        if let Some(seq) = delivery.seq {
+            headers = headers.insert(header("lanebus-sequence", &seq.to_string()));
+        }
+        headers = headers
+            .insert(header("lanebus-attempt", &attempt.to_string()))
+            .insert(header("lanebus-lane", &delivery.lane.to_string()))
+            .insert(header("lanebus-epoch", &delivery.epoch.to_string()));
+        if delivery.replay {
+            headers = headers.insert(header("lanebus-replay", "true"));
+        }
+        let body = build_body(
+            &delivery.event_type,
+            delivery.published_at,
+            &delivery.payload,
+        );
+        let mut record = FutureRecord::<str, [u8]>::to(&target.topic)
+            .payload(&body[..])
+            .headers(headers);
+        if let Some(key) = &delivery.key {
+            record = record.key(key.as_str());
+        }
+        let server = target.server();
+        // librdkafka ends the record itself after message.timeout.ms; the
+        // queue wait (a full local queue) counts against the same bound.
+        match producer
+            .send(record, Duration::from_millis(timeout_ms))
+            .await
+        {
+            Ok(_) => (AttemptOutcome::Delivered, AttemptDetail::default()),
+            Err((e, _)) => {
+                // A producer the broker no longer takes (its id unknown
+                // or fenced, e.g. after a broker restart or an epoch bump
+                // the broker refused) or that failed fatally is replaced:
+                // the next attempt makes a new one, and records still in
+                // flight on this one end on it.
+                let gone = producer.client().fatal_error().is_some() || producer_gone(&e);
+                let stuck = matches!(
+                    e.rdkafka_error_code(),
+                    Some(
+                        RDKafkaErrorCode::MessageTimedOut
+                            | RDKafkaErrorCode::AllBrokersDown
+                            | RDKafkaErrorCode::BrokerTransportFailure
+                    )
+                );
+                if gone || stuck {
+                    let slot = (server.clone(), timeout_ms);
+                    let mut producers = self.producers.lock().expect("kafka producers");
+                    if producers.get(&slot).is_some_and(|(p, made)| {
+                        p.client().native_ptr() == producer.client().native_ptr()
+                            && (gone || made.elapsed() >= REPLACE_AFTER)
+                    }) {
+                        producers.remove(&slot);
+                    }
+                }
+                // librdkafka's teardown may block: not on a runtime thread.
+                tokio::task::spawn_blocking(move || drop(producer));
+                let (class, e) = produce_error(&server, &target.topic, &e);
+                failed(class, e)
+            }
+        }
+    }
+
+    /// The parsed handler URL `url`, parsed on its first attempt only.
+    fn target(&self, url: &str) -> Result<Arc<KafkaTarget>, lanebus_store::rules::Broken> {
+        if let Some(t) = self.targets.lock().expect("kafka targets").get(url) {
+            return Ok(t.clone());
+        }
+        let t = Arc::new(kafka(url)?);
+        let mut targets = self.targets.lock().expect("kafka targets");
+        Ok(targets.entry(url.to_owned()).or_insert(t).clone())
+    }
+
+    /// The producer to `target`'s cluster with `timeout_ms`, made on first
+    /// use once the SSRF guard passed the bootstrap server and every
+    /// broker its metadata names.
+    async fn producer(
+        &self,
+        target: &KafkaTarget,
+        timeout_ms: u64,
+    ) -> Result<FutureProducer, (AttemptError, String)> {
+        let server = target.server();
+        let slot = (server.clone(), timeout_ms);
+        if let Some((p, _)) = self.producers.lock().expect("kafka producers").get(&slot) {
+            return Ok(p.clone());
+        }
+        let what = format!("kafka {server}");
+        crate::handler::check_server(&self.policy, &what, &server).await?;
+        let producer: FutureProducer = self
+            .settings
+            .client_config(&server, timeout_ms)
+            .create()
+            .map_err(|e| (AttemptError::Other, format!("kafka {server}: {e}")))?;
+        let p = producer.clone();
+        let topic = target.topic.clone();
+        let brokers = tokio::task::spawn_blocking(move || {
+            let m = p.client().fetch_metadata(Some(&topic), METADATA_TIMEOUT)?;
+            Ok::<_, KafkaError>(
+                m.brokers()
+                    .iter()
+                    .map(|b| host_port(b.host(), b.port() as u16))
+                    .collect::<Vec<_>>(),
+            )
+        })
+        .await
+        .map_err(|e| (AttemptError::Other, format!("kafka {server}: {e}")))?
+        .map_err(|e| produce_error(&server, &target.topic, &e))?;
+        for at in brokers {
+            crate::handler::check_server(&self.policy, &format!("{what}: broker {at}"), &at)
+                .await?;
+        }
+        let mut producers = self.producers.lock().expect("kafka producers");
+        Ok(producers
+            .entry(slot)
+            .or_insert((producer, Instant::now()))
+            .0
+            .clone())
+    }
+}
+
+/// Whether `e` says the broker refuses the producer's id or epoch.
+fn producer_gone(e: &KafkaError) -> bool {
+    use RDKafkaErrorCode as C;
+    matches!(
+        e.rdkafka_error_code(),
+        Some(
+            C::ProducerFenced
+                | C::InvalidProducerEpoch
+                | C::UnknownProducerId
+                | C::OutOfOrderSequenceNumber
+                | C::InvalidProducerIdMapping
+                | C::Fatal
+        )
+    )
+}
+
+fn header<'a>(key: &'a str, value: &'a str) -> Header<'a, &'a str> {
+    Header {
+        key,
+        value: Some(value),
+    }
+}
+
+/// A produce or metadata error as an attempt-log class and message.
+fn produce_error(server: &str, topic: &str, e: &KafkaError) -> (AttemptError, String) {
+    use RDKafkaErrorCode as C;
+    let class = match e.rdkafka_error_code() {
+        Some(C::MessageTimedOut | C::RequestTimedOut | C::OperationTimedOut) => {
+            AttemptError::Timeout
+        }
+        Some(C::AllBrokersDown | C::BrokerTransportFailure | C::BrokerNotAvailable) => {
+            AttemptError::Refused
+        }
+        Some(C::Resolve) => AttemptError::Dns,
+        Some(C::SSL) => AttemptError::Tls,
+        _ => AttemptError::Other,
+    };
+    let hint = match e.rdkafka_error_code() {
+        Some(C::UnknownTopicOrPartition | C::UnknownTopic) => {
+            " (the cluster holds no such topic: create it)"
+        }
+        _ => "",
+    };
+    (class, format!("kafka {server} topic {topic:?}: {e}{hint}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_go_only_to_their_servers() {
+        let s = KafkaSettings {
+            sasl_mechanism: Some("SCRAM-SHA-256".into()),
+            sasl_username: Some("u".into()),
+            sasl_password: Some("p".into()),
+            credential_servers: vec!["kafka.internal:9092".into()],
+            tls: true,
+            tls_ca: None,
+        };
+        let own = s.client_config("kafka.internal:9092", 5_000);
+        assert_eq!(own.get("sasl.username"), Some("u"));
+        assert_eq!(own.get("sasl.password"), Some("p"));
+        assert_eq!(own.get("security.protocol"), Some("sasl_ssl"));
+        let other = s.client_config("elsewhere.example:9092", 5_000);
+        assert_eq!(other.get("sasl.username"), None);
+        assert_eq!(other.get("sasl.password"), None);
+        assert_eq!(other.get("security.protocol"), Some("ssl"));
+        assert_eq!(other.get("message.timeout.ms"), Some("5000"));
+        assert_eq!(other.get("enable.idempotence"), Some("true"));
+    }
+}
