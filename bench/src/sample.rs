@@ -1278,7 +1278,13 @@ impl NatsSink {
             out.push((
                 Handled {
                     handler,
-                    event: h("Nats-Msg-Id").unwrap_or_default().as_str().into(),
+                    // Nodes before the per-delivery Nats-Msg-Id sent the
+                    // event id there and no lanebus-id (older bases).
+                    event: h("lanebus-id")
+                        .or_else(|| h("Nats-Msg-Id"))
+                        .unwrap_or_default()
+                        .as_str()
+                        .into(),
                     key: h("lanebus-key").map(|k| k.as_str().into()),
                     seq: h("lanebus-sequence").and_then(|s| s.parse().ok()),
                 },

@@ -3,9 +3,10 @@
 //! gets each delivery published to SUBJECT (`{type}` and `{key}` replaced by
 //! the event's) on that server, and the stream's publish acknowledgement
 //! completes it. The message carries the webhook body
-//! ([`crate::webhook::build_body`]), `Nats-Msg-Id` = the event id (so the
-//! stream drops a repeat within its duplicate window, and an acknowledged
-//! repeat counts as delivered), and the headers `lanebus-type`,
+//! ([`crate::webhook::build_body`]), `Nats-Msg-Id` = `EVENT_ID:HANDLER_ID`
+//! (so the stream drops a repeat of a delivery within its duplicate window,
+//! and an acknowledged repeat counts as delivered), and the headers
+//! `lanebus-id` (the event id), `lanebus-type`,
 //! `lanebus-key`, `lanebus-sequence`, `lanebus-attempt`, `lanebus-lane` and
 //! `lanebus-epoch`. Key order, retries, dead letters, disabling and rate
 //! limits are the key runners', as for webhooks: a key's next event is
@@ -133,10 +134,13 @@ impl NatsSender {
     ) -> Result<(), (AttemptError, String)> {
         let js = self.context(target).await?;
         let mut headers = async_nats::HeaderMap::new();
+        // One id per delivery (event and handler): the stream drops a
+        // repeat of it, not another handler's message of the same event.
         headers.insert(
             async_nats::header::NATS_MESSAGE_ID,
-            delivery.event_id.as_str(),
+            format!("{}:{}", delivery.event_id, delivery.handler_id).as_str(),
         );
+        headers.insert("lanebus-id", delivery.event_id.as_str());
         headers.insert("content-type", "application/json");
         headers.insert("lanebus-type", delivery.event_type.as_str());
         if let Some(key) = &delivery.key {

@@ -3,7 +3,8 @@
 //! `scripts/test` sets; the Debian package `nats-server`): a key's events
 //! reach the stream in order across a broker restart, with no loss and no
 //! repeat (the test kit's oracle judges the messages the stream holds), a
-//! repeat is dropped by its `Nats-Msg-Id`, and a stopped broker is retried,
+//! repeat is dropped by its `Nats-Msg-Id` (event and handler), two
+//! handlers on one stream each get their messages, and a stopped broker is retried,
 //! then dead-lettered, then replayed once it is back.
 
 mod common;
@@ -139,7 +140,7 @@ async fn held(stream: &mut jetstream::stream::Stream) -> anyhow::Result<Vec<Rece
         let h = |name: &str| m.headers.get(name).map(|v| v.as_str().to_owned());
         out.push(Received {
             handler: "nats".into(),
-            event_id: h("Nats-Msg-Id").context("Nats-Msg-Id")?,
+            event_id: h("lanebus-id").context("lanebus-id")?,
             key: h("lanebus-key"),
             sequence: h("lanebus-sequence").and_then(|s| s.parse().ok()),
             attempt: h("lanebus-attempt")
@@ -150,7 +151,14 @@ async fn held(stream: &mut jetstream::stream::Stream) -> anyhow::Result<Vec<Rece
             status: 200,
             signature_ok: None,
             body: String::from_utf8_lossy(&m.payload).into_owned(),
-            headers: [("subject".to_owned(), m.subject.to_string())].into(),
+            headers: [
+                ("subject".to_owned(), m.subject.to_string()),
+                (
+                    "Nats-Msg-Id".to_owned(),
+                    h("Nats-Msg-Id").unwrap_or_default(),
+                ),
+            ]
+            .into(),
             sender: None,
         });
     }
@@ -331,6 +339,54 @@ async fn a_stopped_broker_is_retried_then_dead_lettered_then_replayed() -> anyho
         );
     }
 
+    node.shutdown().await?;
+    db.drop_db().await;
+    broker.stop().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_handlers_on_one_stream_each_get_their_messages() -> anyhow::Result<()> {
+    let mut broker = Broker::start("shared").await?;
+    let mut stream = broker.stream().await?;
+    let db = TestDb::new(Backend::Sqlite, "nats_shared").await?;
+    let node = common::start_node(&db.url).await?;
+    let api = Api::new(&node.base_url());
+    let a = api
+        .create_handler_timeout(
+            "a",
+            &format!("{}/orders.a", broker.url()),
+            &["order.*"],
+            10,
+            1_000,
+        )
+        .await?;
+    let b = api
+        .create_handler_timeout(
+            "b",
+            &format!("{}/orders.b", broker.url()),
+            &["order.*"],
+            10,
+            1_000,
+        )
+        .await?;
+    let (json, _) = events("two", 6, 2);
+    api.publish(&json, 10).await?;
+    let got = wait_held(&mut stream, 12, 30).await?;
+    ensure!(got == 12, "the stream holds {got} of 12 messages");
+    for r in held(&mut stream).await? {
+        let handler = if r.headers["subject"] == "orders.a" {
+            &a.id
+        } else {
+            &b.id
+        };
+        let msg_id = &r.headers["Nats-Msg-Id"];
+        ensure!(
+            *msg_id == format!("{}:{handler}", r.event_id),
+            "{msg_id} for {} to {handler}",
+            r.event_id
+        );
+    }
     node.shutdown().await?;
     db.drop_db().await;
     broker.stop().await?;
