@@ -234,6 +234,7 @@ impl KafkaSender {
                         RDKafkaErrorCode::MessageTimedOut
                             | RDKafkaErrorCode::AllBrokersDown
                             | RDKafkaErrorCode::BrokerTransportFailure
+                            | RDKafkaErrorCode::Unknown
                     )
                 );
                 if gone || stuck {
@@ -296,8 +297,16 @@ impl KafkaSender {
             )
         })
         .await
-        .map_err(|e| (AttemptError::Other, format!("kafka {server}: {e}")))?
-        .map_err(|e| produce_error(&server, &target.topic, &e))?;
+        .map_err(|e| (AttemptError::Other, format!("kafka {server}: {e}")))
+        .and_then(|m| m.map_err(|e| produce_error(&server, &target.topic, &e)));
+        let brokers = match brokers {
+            Ok(b) => b,
+            Err(e) => {
+                // librdkafka's teardown may block: not on a runtime thread.
+                tokio::task::spawn_blocking(move || drop(producer));
+                return Err(e);
+            }
+        };
         for at in brokers {
             crate::handler::check_server(&self.policy, &format!("{what}: broker {at}"), &at)
                 .await?;
