@@ -133,6 +133,16 @@ impl NatsSender {
         attempt: u32,
     ) -> Result<(), (AttemptError, String)> {
         let js = self.context(target).await?;
+        // The client queues a publish while it reconnects and sends it
+        // once back, after this attempt counted as failed (a dead letter
+        // of a delivered event, or a repeat past the duplicate window): an
+        // attempt without a connection fails before it is queued.
+        if js.client().connection_state() != async_nats::connection::State::Connected {
+            return Err((
+                AttemptError::Refused,
+                format!("nats {}: not connected (reconnecting)", target.server()),
+            ));
+        }
         let mut headers = async_nats::HeaderMap::new();
         // One id per delivery (event and handler): the stream drops a
         // repeat of it, not another handler's message of the same event.

@@ -392,3 +392,43 @@ async fn two_handlers_on_one_stream_each_get_their_messages() -> anyhow::Result<
     broker.stop().await?;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_attempt_is_not_published_later_behind_its_back() -> anyhow::Result<()> {
+    let mut broker = Broker::start("late").await?;
+    let mut stream = broker.stream().await?;
+    let db = TestDb::new(Backend::Sqlite, "nats_late").await?;
+    let node = common::start_node(&db.url).await?;
+    let api = Api::new(&node.base_url());
+    let url = format!("{}/orders.{{type}}", broker.url());
+    let h = api
+        .create_handler_timeout("nats", &url, &["order.*"], 1, 500)
+        .await?;
+    // One message through, so the node's connection is up.
+    let (warm, _) = events("warm", 1, 1);
+    api.publish(&warm, 10).await?;
+    ensure!(wait_held(&mut stream, 1, 30).await? == 1, "first message");
+    broker.stop().await?;
+    // Attempts while the broker is away fail (one attempt: dead letters).
+    let (json, expected) = events("late", 4, 2);
+    api.publish(&json, 10).await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while api.dead_letters(&h.id).await?.len() < expected.len() {
+        ensure!(tokio::time::Instant::now() < deadline, "no dead letters");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Once the broker is back, the client reconnects: a failed attempt's
+    // message must not reach the stream then, or the dead letter lies.
+    broker.run().await?;
+    let mut stream = broker.stream().await?;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let held_now = stream.info().await?.state.messages;
+    ensure!(
+        held_now == 1,
+        "the stream holds {held_now} messages: failed attempts were published later"
+    );
+    node.shutdown().await?;
+    db.drop_db().await;
+    broker.stop().await?;
+    Ok(())
+}
