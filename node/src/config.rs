@@ -193,11 +193,12 @@ pub struct NodeArgs {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kafka_sasl_password: Option<String>,
     /// Kafka bootstrap servers (`host:port`, as handler URLs name them)
-    /// that get the SASL credentials, comma-separated; required with
-    /// credentials [default: none].
-    #[arg(long, env = "LANEBUS_KAFKA_CREDENTIAL_SERVERS")]
+    /// that Kafka handlers may produce to, comma-separated; they alone get
+    /// the SASL credentials, which require them [default: any server the
+    /// SSRF guard allows, without credentials].
+    #[arg(long, env = "LANEBUS_KAFKA_SERVERS")]
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub kafka_credential_servers: Option<String>,
+    pub kafka_servers: Option<String>,
     /// Connect to Kafka brokers over TLS [default: false].
     #[arg(long, env = "LANEBUS_KAFKA_TLS")]
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -536,8 +537,7 @@ pub fn validate(a: NodeArgs) -> anyhow::Result<NodeConfig> {
         tls_ca: a.nats_tls_ca.clone(),
         tls_required: a.nats_tls_required,
     };
-    let kafka_credential_servers =
-        servers("kafka_credential_servers", &a.kafka_credential_servers)?;
+    let kafka_servers = servers("kafka_servers", &a.kafka_servers)?;
     match (
         &a.kafka_sasl_mechanism,
         &a.kafka_sasl_username,
@@ -557,10 +557,10 @@ pub fn validate(a: NodeArgs) -> anyhow::Result<NodeConfig> {
              give all three or none"
         ),
     }
-    if a.kafka_sasl_mechanism.is_some() == kafka_credential_servers.is_empty() {
+    if a.kafka_sasl_mechanism.is_some() && kafka_servers.is_empty() {
         bail!(
-            "kafka_credential_servers names the Kafka bootstrap servers (host:port) that get \
-             the SASL credentials: give it with kafka_sasl_mechanism, and only then"
+            "kafka_servers names the Kafka bootstrap servers (host:port) that handlers may use \
+             and that get the SASL credentials: give it with kafka_sasl_mechanism"
         );
     }
     readable("kafka_tls_ca", a.kafka_tls_ca.as_deref())?;
@@ -568,7 +568,7 @@ pub fn validate(a: NodeArgs) -> anyhow::Result<NodeConfig> {
         sasl_mechanism: a.kafka_sasl_mechanism.clone(),
         sasl_username: a.kafka_sasl_username.clone(),
         sasl_password: a.kafka_sasl_password.clone(),
-        credential_servers: kafka_credential_servers,
+        servers: kafka_servers,
         tls: a.kafka_tls || a.kafka_tls_ca.is_some(),
         tls_ca: a.kafka_tls_ca.clone(),
     };
@@ -631,8 +631,16 @@ fn servers(field: &str, list: &Option<String>) -> anyhow::Result<Vec<String>> {
         .filter(|s| !s.is_empty())
         .map(|s| {
             let port = s.rsplit_once(':').map(|(h, p)| (h, p.parse::<u16>()));
+            let host_ok = |h: &str| match h.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+                Some(v6) => v6.parse::<std::net::Ipv6Addr>().is_ok(),
+                None => {
+                    !h.is_empty()
+                        && h.chars()
+                            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
+                }
+            };
             match port {
-                Some((h, Ok(p))) if !h.is_empty() && p > 0 => Ok(s.to_owned()),
+                Some((h, Ok(p))) if host_ok(h) && p > 0 => Ok(s.to_owned()),
                 _ => bail!("{field} holds {s:?}, expected host:port (an IPv6 host in brackets)"),
             }
         })
@@ -642,7 +650,7 @@ fn servers(field: &str, list: &Option<String>) -> anyhow::Result<Vec<String>> {
 /// Refuses a file option (`field`) naming a file that cannot be read.
 fn readable(field: &str, path: Option<&std::path::Path>) -> anyhow::Result<()> {
     if let Some(p) = path {
-        std::fs::metadata(p)
+        std::fs::File::open(p)
             .with_context(|| format!("{field} names {}, which cannot be read", p.display()))?;
     }
     Ok(())
@@ -800,7 +808,7 @@ mod tests {
             kafka_sasl_mechanism: m.map(Into::into),
             kafka_sasl_username: u.map(Into::into),
             kafka_sasl_password: p.map(Into::into),
-            kafka_credential_servers: Some("kafka.internal:9092".into()),
+            kafka_servers: Some("kafka.internal:9092".into()),
             ..base()
         };
         let k = validate(sasl(Some("SCRAM-SHA-512"), Some("u"), Some("p")))
@@ -812,7 +820,7 @@ mod tests {
                 k.sasl_mechanism.as_deref(),
                 k.sasl_username.as_deref(),
                 k.sasl_password.as_deref(),
-                k.credential_servers.as_slice(),
+                k.servers.as_slice(),
                 k.tls
             ),
             (
@@ -833,12 +841,25 @@ mod tests {
             ),
             (
                 NodeArgs {
-                    kafka_credential_servers: None,
+                    kafka_servers: None,
                     ..sasl(Some("PLAIN"), Some("u"), Some("p"))
                 },
-                "kafka_credential_servers names",
+                "kafka_servers names",
             ),
-            (sasl(None, None, None), "and only then"),
+            (
+                NodeArgs {
+                    kafka_servers: Some("kafka://h:9092".into()),
+                    ..base()
+                },
+                "expected host:port",
+            ),
+            (
+                NodeArgs {
+                    kafka_servers: Some("::1:9092".into()),
+                    ..base()
+                },
+                "expected host:port",
+            ),
             (
                 NodeArgs {
                     kafka_tls_ca: Some("/nonexistent/ca.pem".into()),

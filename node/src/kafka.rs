@@ -26,10 +26,13 @@
 //!
 //! The topic is the operator's (partitions, retention): a topic the broker
 //! does not hold fails the attempt. Credentials and TLS are the node's
-//! settings ([`KafkaSettings`]), and credentials go only to the bootstrap
-//! servers they are given for. The SSRF guard ([`EgressPolicy`]) checks
-//! every address of the bootstrap server before the producer is made, and
-//! every broker the cluster's metadata names before the first record.
+//! settings ([`KafkaSettings`]): `--kafka-servers` lists the bootstrap
+//! servers handlers may name, which alone get the credentials. The SSRF
+//! guard ([`EgressPolicy`]) checks every address of the bootstrap server
+//! before the producer is made, and every broker the cluster's metadata
+//! names before the first record; librdkafka may have connected to those
+//! brokers by then (it resolves and connects on its own), so only a server
+//! list keeps a handler's cluster from naming brokers the guard refuses.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -39,9 +42,11 @@ use std::time::{Duration, Instant};
 use lanebus_store::egress::EgressPolicy;
 use lanebus_store::rules::handler::{host_port, kafka, KafkaTarget};
 use lanebus_store::{AttemptError, Delivery, Handler as HandlerConfig};
+use rdkafka::client::ClientContext;
+use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
 use rdkafka::ClientConfig;
 
 use crate::retry::AttemptOutcome;
@@ -58,7 +63,7 @@ pub const SASL_MECHANISMS: [&str; 3] = ["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512
 
 /// Credentials and TLS for the Kafka clusters a node produces to
 /// (`--kafka-sasl-mechanism`, `--kafka-sasl-username`,
-/// `--kafka-sasl-password`, `--kafka-credential-servers`, `--kafka-tls`,
+/// `--kafka-sasl-password`, `--kafka-servers`, `--kafka-tls`,
 /// `--kafka-tls-ca`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct KafkaSettings {
@@ -68,9 +73,10 @@ pub struct KafkaSettings {
     pub sasl_username: Option<String>,
     /// SASL password.
     pub sasl_password: Option<String>,
-    /// Bootstrap servers (`host:port`, as in handler URLs) that get the
-    /// credentials; a handler naming another server connects without them.
-    pub credential_servers: Vec<String>,
+    /// Bootstrap servers (`host:port`, as in handler URLs) handlers may
+    /// produce to, and that get the credentials; empty: any server the
+    /// SSRF guard allows, without credentials.
+    pub servers: Vec<String>,
     /// Connect over TLS (`security.protocol` `ssl` or `sasl_ssl`).
     pub tls: bool,
     /// PEM file of the CA certificates to trust (instead of the system's).
@@ -80,7 +86,7 @@ pub struct KafkaSettings {
 impl KafkaSettings {
     /// librdkafka's configuration for bootstrap server `server`:
     /// credentials only if `server` is one of
-    /// [`credential_servers`](Self::credential_servers).
+    /// [`servers`](Self::servers).
     fn client_config(&self, server: &str, timeout_ms: u64) -> ClientConfig {
         let mut c = ClientConfig::new();
         c.set("bootstrap.servers", server)
@@ -93,8 +99,7 @@ impl KafkaSettings {
             )
             .set("socket.connection.setup.timeout.ms", "10000")
             .set("reconnect.backoff.max.ms", "1000");
-        let sasl =
-            self.sasl_mechanism.is_some() && self.credential_servers.iter().any(|s| s == server);
+        let sasl = self.sasl_mechanism.is_some() && self.servers.iter().any(|s| s == server);
         let protocol = match (sasl, self.tls) {
             (false, false) => "plaintext",
             (false, true) => "ssl",
@@ -120,9 +125,14 @@ impl KafkaSettings {
     }
 }
 
-/// Producers by bootstrap `host:port` and `message.timeout.ms`, each with
-/// when it was made.
-type Producers = HashMap<(String, u64), (FutureProducer, Instant)>;
+/// The node's producers.
+type Producer = FutureProducer<Quiet>;
+
+/// A producer's slot: bootstrap `host:port` and `message.timeout.ms`.
+type Slot = (String, u64);
+
+/// Producers by slot, each with when it was made.
+type Producers = HashMap<Slot, (Producer, Instant)>;
 
 /// Produces deliveries to Kafka (see the module docs). Cheap to clone;
 /// clones share their producers.
@@ -131,6 +141,10 @@ pub struct KafkaSender {
     policy: EgressPolicy,
     settings: KafkaSettings,
     producers: Arc<Mutex<Producers>>,
+    /// Per slot, the lock an attempt making its producer holds.
+    making: Arc<Mutex<HashMap<Slot, Arc<tokio::sync::Mutex<()>>>>>,
+    /// Per slot, the last failure to make its producer, and when.
+    failures: Arc<Mutex<HashMap<Slot, (Instant, (AttemptError, String))>>>,
     /// Handler URLs parsed once ([`kafka`]), by URL.
     targets: Arc<Mutex<HashMap<String, Arc<KafkaTarget>>>>,
 }
@@ -146,8 +160,14 @@ fn failed(class: AttemptError, error: String) -> (AttemptOutcome, AttemptDetail)
     )
 }
 
-/// How long metadata may take to arrive when a producer is made.
+/// How long metadata may take to arrive when a producer is made (at most;
+/// the handler's `timeout_ms` when shorter).
 const METADATA_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// After a failure to make a producer, attempts to the same slot fail with
+/// its error for this long instead of each making one (a dead broker would
+/// otherwise cost a librdkafka client, with its threads, per attempt).
+const FAILED_FOR: Duration = Duration::from_secs(2);
 
 /// A producer whose records time out or find no broker is replaced by a
 /// new one once it is this old: an idempotent producer that timed out must
@@ -162,6 +182,8 @@ impl KafkaSender {
             policy,
             settings,
             producers: Arc::default(),
+            making: Arc::default(),
+            failures: Arc::default(),
             targets: Arc::default(),
         }
     }
@@ -272,23 +294,78 @@ impl KafkaSender {
         &self,
         target: &KafkaTarget,
         timeout_ms: u64,
-    ) -> Result<FutureProducer, (AttemptError, String)> {
+    ) -> Result<Producer, (AttemptError, String)> {
         let server = target.server();
         let slot = (server.clone(), timeout_ms);
         if let Some((p, _)) = self.producers.lock().expect("kafka producers").get(&slot) {
             return Ok(p.clone());
         }
         let what = format!("kafka {server}");
-        crate::handler::check_server(&self.policy, &what, &server).await?;
-        let producer: FutureProducer = self
+        if !self.settings.servers.is_empty() && !self.settings.servers.contains(&server) {
+            return Err((
+                AttemptError::SsrfGuard,
+                format!("{what} is not one of the node's --kafka-servers"),
+            ));
+        }
+        // One attempt per slot makes the producer; the others wait for it,
+        // and within FAILED_FOR of a failure they fail with its error.
+        let making = self
+            .making
+            .lock()
+            .expect("kafka making")
+            .entry(slot.clone())
+            .or_default()
+            .clone();
+        let _one = making.lock().await;
+        if let Some((p, _)) = self.producers.lock().expect("kafka producers").get(&slot) {
+            return Ok(p.clone());
+        }
+        if let Some((at, e)) = self.failures.lock().expect("kafka failures").get(&slot) {
+            if at.elapsed() < FAILED_FOR {
+                return Err(e.clone());
+            }
+        }
+        match self.make(target, &server, timeout_ms).await {
+            Ok(producer) => {
+                self.failures.lock().expect("kafka failures").remove(&slot);
+                let mut producers = self.producers.lock().expect("kafka producers");
+                Ok(producers
+                    .entry(slot)
+                    .or_insert((producer, Instant::now()))
+                    .0
+                    .clone())
+            }
+            Err(e) => {
+                self.failures
+                    .lock()
+                    .expect("kafka failures")
+                    .insert(slot, (Instant::now(), e.clone()));
+                Err(e)
+            }
+        }
+    }
+
+    /// A new producer to `target`'s cluster, once the SSRF guard passed
+    /// the bootstrap server and every broker its metadata names (fetched
+    /// within `timeout_ms`, at most [`METADATA_TIMEOUT`]).
+    async fn make(
+        &self,
+        target: &KafkaTarget,
+        server: &str,
+        timeout_ms: u64,
+    ) -> Result<Producer, (AttemptError, String)> {
+        let what = format!("kafka {server}");
+        crate::handler::check_server(&self.policy, &what, server).await?;
+        let producer: Producer = self
             .settings
-            .client_config(&server, timeout_ms)
-            .create()
-            .map_err(|e| (AttemptError::Other, format!("kafka {server}: {e}")))?;
+            .client_config(server, timeout_ms)
+            .create_with_context(Quiet)
+            .map_err(|e| (AttemptError::Other, format!("{what}: {e}")))?;
         let p = producer.clone();
         let topic = target.topic.clone();
+        let wait = Duration::from_millis(timeout_ms).min(METADATA_TIMEOUT);
         let brokers = tokio::task::spawn_blocking(move || {
-            let m = p.client().fetch_metadata(Some(&topic), METADATA_TIMEOUT)?;
+            let m = p.client().fetch_metadata(Some(&topic), wait)?;
             Ok::<_, KafkaError>(
                 m.brokers()
                     .iter()
@@ -297,26 +374,47 @@ impl KafkaSender {
             )
         })
         .await
-        .map_err(|e| (AttemptError::Other, format!("kafka {server}: {e}")))
-        .and_then(|m| m.map_err(|e| produce_error(&server, &target.topic, &e)));
-        let brokers = match brokers {
-            Ok(b) => b,
+        .map_err(|e| (AttemptError::Other, format!("{what}: {e}")))
+        .and_then(|m| m.map_err(|e| produce_error(server, &target.topic, &e)));
+        let checked = match brokers {
+            Ok(brokers) => {
+                let mut checked = Ok(());
+                for at in brokers {
+                    let named = format!("{what}: broker {at}");
+                    checked = crate::handler::check_server(&self.policy, &named, &at).await;
+                    if checked.is_err() {
+                        break;
+                    }
+                }
+                checked
+            }
+            Err(e) => Err(e),
+        };
+        match checked {
+            Ok(()) => Ok(producer),
             Err(e) => {
                 // librdkafka's teardown may block: not on a runtime thread.
                 tokio::task::spawn_blocking(move || drop(producer));
-                return Err(e);
+                Err(e)
             }
-        };
-        for at in brokers {
-            crate::handler::check_server(&self.policy, &format!("{what}: broker {at}"), &at)
-                .await?;
         }
-        let mut producers = self.producers.lock().expect("kafka producers");
-        Ok(producers
-            .entry(slot)
-            .or_insert((producer, Instant::now()))
-            .0
-            .clone())
+    }
+}
+
+/// The librdkafka client context of the node's producers: librdkafka's
+/// errors and logs at debug level, since each attempt's outcome already
+/// says what failed (a dead broker would otherwise log thousands of
+/// `AllBrokersDown` lines a second).
+#[derive(Clone, Copy, Debug)]
+pub struct Quiet;
+
+impl ClientContext for Quiet {
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
+        tracing::debug!(target: "librdkafka", ?level, "{fac} {log_message}");
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        tracing::debug!(target: "librdkafka", "{error}: {reason}");
     }
 }
 
@@ -376,7 +474,7 @@ mod tests {
             sasl_mechanism: Some("SCRAM-SHA-256".into()),
             sasl_username: Some("u".into()),
             sasl_password: Some("p".into()),
-            credential_servers: vec!["kafka.internal:9092".into()],
+            servers: vec!["kafka.internal:9092".into()],
             tls: true,
             tls_ca: None,
         };

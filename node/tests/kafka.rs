@@ -429,3 +429,59 @@ async fn a_stopped_kafka_broker_is_retried_then_dead_lettered_then_replayed() ->
     broker.stop().await?;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_servers_bound_the_clusters_handlers_may_name() -> anyhow::Result<()> {
+    let broker = Broker::start("servers").await?;
+    let db = TestDb::new(Backend::Sqlite, "kafka_servers").await?;
+    let mut opts = common::test_options(&db.url);
+    opts.kafka.servers = vec![broker.server()];
+    let node = lanebus_node::start(opts).await?;
+    let api = Api::new(&node.base_url());
+    let listed = api
+        .create_handler_timeout(
+            "kafka",
+            &format!("kafka://{}/{TOPIC}", broker.server()),
+            &["order.*"],
+            1,
+            1_000,
+        )
+        .await?;
+    // The same broker under another name is another server.
+    let other = api
+        .create_handler_timeout(
+            "other",
+            &format!("kafka://localhost:{}/{TOPIC}", broker.port),
+            &["order.*"],
+            1,
+            1_000,
+        )
+        .await?;
+    let (json, expected) = events("l", 3, 1);
+    api.publish(&json, 10).await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let dead = loop {
+        let dead = api.dead_letters(&other.id).await?;
+        if dead.len() == expected.len() {
+            break dead;
+        }
+        ensure!(tokio::time::Instant::now() < deadline, "no dead letters");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let error = dead[0]["last_error"].as_str().unwrap_or_default();
+    ensure!(error.contains("--kafka-servers"), "{error}");
+    ensure!(
+        api.dead_letters(&listed.id).await?.is_empty(),
+        "listed server refused"
+    );
+    let records = broker.records(expected.len(), 30)?;
+    let v = verdict(&first_of_each(&records), &expected);
+    ensure!(
+        v.exact() && records.len() == expected.len(),
+        "{v:?} {}",
+        records.len()
+    );
+    node.shutdown().await?;
+    db.drop_db().await;
+    Ok(())
+}
