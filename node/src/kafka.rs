@@ -131,8 +131,74 @@ type Producer = FutureProducer<Quiet>;
 /// A producer's slot: bootstrap `host:port` and `message.timeout.ms`.
 type Slot = (String, u64);
 
-/// Producers by slot, each with when it was made.
-type Producers = HashMap<Slot, (Producer, Instant)>;
+/// Why an attempt failed: its class and message.
+type Failure = (AttemptError, String);
+
+/// A producer kept for its slot.
+struct Kept {
+    producer: Producer,
+    /// When it was made.
+    made: Instant,
+    /// When an attempt last took it.
+    used: Instant,
+}
+
+/// The node's producers by slot. Producers no attempt took for
+/// [`IDLE`] are dropped (a sweep at most once per [`IDLE`] / 10).
+struct Producers {
+    kept: HashMap<Slot, Kept>,
+    swept: Instant,
+}
+
+impl Default for Producers {
+    fn default() -> Self {
+        Producers {
+            kept: HashMap::new(),
+            swept: Instant::now(),
+        }
+    }
+}
+
+impl Producers {
+    /// The producer of `slot`, marked used at `now`, and the producers
+    /// idle for `idle` that a sweep due at `now` took out (to drop off the
+    /// runtime threads).
+    fn take(
+        &mut self,
+        slot: &Slot,
+        now: Instant,
+        idle: Duration,
+    ) -> (Option<Producer>, Vec<Producer>) {
+        let mut idled = Vec::new();
+        if now.saturating_duration_since(self.swept) >= idle / 10 {
+            self.swept = now;
+            self.kept.retain(|s, k| {
+                let keep = s == slot || now.saturating_duration_since(k.used) < idle;
+                if !keep {
+                    idled.push(k.producer.clone());
+                }
+                keep
+            });
+        }
+        let found = self.kept.get_mut(slot).map(|k| {
+            k.used = now;
+            k.producer.clone()
+        });
+        (found, idled)
+    }
+}
+
+/// How long a producer no attempt takes is kept (its handlers deleted,
+/// their timeouts changed).
+const IDLE: Duration = Duration::from_secs(600);
+
+/// Drops producers off the runtime threads: librdkafka's teardown may
+/// block.
+fn drop_off_runtime(producers: Vec<Producer>) {
+    if !producers.is_empty() {
+        tokio::task::spawn_blocking(move || drop(producers));
+    }
+}
 
 /// Produces deliveries to Kafka (see the module docs). Cheap to clone;
 /// clones share their producers.
@@ -144,7 +210,7 @@ pub struct KafkaSender {
     /// Per slot, the lock an attempt making its producer holds.
     making: Arc<Mutex<HashMap<Slot, Arc<tokio::sync::Mutex<()>>>>>,
     /// Per slot, the last failure to make its producer, and when.
-    failures: Arc<Mutex<HashMap<Slot, (Instant, (AttemptError, String))>>>,
+    failures: Arc<Mutex<HashMap<Slot, (Instant, Failure)>>>,
     /// Handler URLs parsed once ([`kafka`]), by URL.
     targets: Arc<Mutex<HashMap<String, Arc<KafkaTarget>>>>,
 }
@@ -262,11 +328,11 @@ impl KafkaSender {
                 if gone || stuck {
                     let slot = (server.clone(), timeout_ms);
                     let mut producers = self.producers.lock().expect("kafka producers");
-                    if producers.get(&slot).is_some_and(|(p, made)| {
-                        p.client().native_ptr() == producer.client().native_ptr()
-                            && (gone || made.elapsed() >= REPLACE_AFTER)
+                    if producers.kept.get(&slot).is_some_and(|k| {
+                        k.producer.client().native_ptr() == producer.client().native_ptr()
+                            && (gone || k.made.elapsed() >= REPLACE_AFTER)
                     }) {
-                        producers.remove(&slot);
+                        producers.kept.remove(&slot);
                     }
                 }
                 // librdkafka's teardown may block: not on a runtime thread.
@@ -297,8 +363,14 @@ impl KafkaSender {
     ) -> Result<Producer, (AttemptError, String)> {
         let server = target.server();
         let slot = (server.clone(), timeout_ms);
-        if let Some((p, _)) = self.producers.lock().expect("kafka producers").get(&slot) {
-            return Ok(p.clone());
+        let (found, idled) =
+            self.producers
+                .lock()
+                .expect("kafka producers")
+                .take(&slot, Instant::now(), IDLE);
+        drop_off_runtime(idled);
+        if let Some(p) = found {
+            return Ok(p);
         }
         let what = format!("kafka {server}");
         if !self.settings.servers.is_empty() && !self.settings.servers.contains(&server) {
@@ -317,8 +389,14 @@ impl KafkaSender {
             .or_default()
             .clone();
         let _one = making.lock().await;
-        if let Some((p, _)) = self.producers.lock().expect("kafka producers").get(&slot) {
-            return Ok(p.clone());
+        if let Some(k) = self
+            .producers
+            .lock()
+            .expect("kafka producers")
+            .kept
+            .get(&slot)
+        {
+            return Ok(k.producer.clone());
         }
         if let Some((at, e)) = self.failures.lock().expect("kafka failures").get(&slot) {
             if at.elapsed() < FAILED_FOR {
@@ -328,11 +406,17 @@ impl KafkaSender {
         match self.make(target, &server, timeout_ms).await {
             Ok(producer) => {
                 self.failures.lock().expect("kafka failures").remove(&slot);
+                let now = Instant::now();
                 let mut producers = self.producers.lock().expect("kafka producers");
                 Ok(producers
+                    .kept
                     .entry(slot)
-                    .or_insert((producer, Instant::now()))
-                    .0
+                    .or_insert(Kept {
+                        producer,
+                        made: now,
+                        used: now,
+                    })
+                    .producer
                     .clone())
             }
             Err(e) => {
@@ -467,6 +551,47 @@ fn produce_error(server: &str, topic: &str, e: &KafkaError) -> (AttemptError, St
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn producers_no_attempt_takes_are_dropped() {
+        let made = |server: &str| -> Producer {
+            KafkaSettings::default()
+                .client_config(server, 1_000)
+                .create_with_context(Quiet)
+                .expect("producer")
+        };
+        let t0 = Instant::now();
+        let idle = Duration::from_secs(600);
+        let mut p = Producers {
+            kept: HashMap::new(),
+            swept: t0,
+        };
+        for s in ["a:9092", "b:9092"] {
+            p.kept.insert(
+                (s.into(), 1_000),
+                Kept {
+                    producer: made(s),
+                    made: t0,
+                    used: t0,
+                },
+            );
+        }
+        let a = ("a:9092".to_owned(), 1_000);
+        let b = ("b:9092".to_owned(), 1_000);
+        // `a` is taken at 5 min, `b` never again.
+        let (found, idled) = p.take(&a, t0 + Duration::from_secs(300), idle);
+        assert!(found.is_some() && idled.is_empty());
+        let (found, idled) = p.take(&a, t0 + Duration::from_secs(601), idle);
+        assert!(found.is_some());
+        assert_eq!(idled.len(), 1, "b idle for 10 min is dropped");
+        assert!(!p.kept.contains_key(&b) && p.kept.contains_key(&a));
+        // No sweep again within a minute, and `a` was used at 10 min.
+        let (_, idled) = p.take(&b, t0 + Duration::from_secs(1_250), idle);
+        assert_eq!(idled.len(), 1, "a idle since 601 s is dropped at 1,250 s");
+        tokio::task::spawn_blocking(move || drop((found, idled, p.kept)))
+            .await
+            .expect("dropped");
+    }
 
     #[test]
     fn credentials_go_only_to_their_servers() {
