@@ -67,6 +67,8 @@ pub struct NatsSender {
     settings: NatsSettings,
     /// JetStream contexts by `host:port`.
     contexts: Arc<Mutex<HashMap<String, jetstream::Context>>>,
+    /// Per server, the lock an attempt connecting to it holds.
+    connecting: Arc<Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>>,
     /// Handler URLs parsed once ([`nats`]), by URL.
     targets: Arc<Mutex<HashMap<String, Arc<NatsTarget>>>>,
 }
@@ -89,6 +91,7 @@ impl NatsSender {
             policy,
             settings,
             contexts: Arc::default(),
+            connecting: Arc::default(),
             targets: Arc::default(),
         }
     }
@@ -191,13 +194,24 @@ impl NatsSender {
     }
 
     /// The JetStream context of `target`'s server, connecting on first use
-    /// (attempts racing to a server's first connection may each connect;
-    /// one connection is kept, the others close).
+    /// (one attempt connects, the others wait for it).
     async fn context(
         &self,
         target: &NatsTarget,
     ) -> Result<jetstream::Context, (AttemptError, String)> {
         let server = target.server();
+        if let Some(js) = self.contexts.lock().expect("nats contexts").get(&server) {
+            return Ok(js.clone());
+        }
+        // One attempt per server connects; the others wait for it.
+        let connecting = self
+            .connecting
+            .lock()
+            .expect("nats connecting")
+            .entry(server.clone())
+            .or_default()
+            .clone();
+        let _one = connecting.lock().await;
         if let Some(js) = self.contexts.lock().expect("nats contexts").get(&server) {
             return Ok(js.clone());
         }
