@@ -435,6 +435,18 @@ impl Dispatcher {
     }
 }
 
+/// A failed broker attempt (NATS, Kafka): its outcome, with `error` as the
+/// delivery's `last_error`, and its attempt-log detail of class `class`.
+pub(crate) fn failed(class: AttemptError, error: String) -> (AttemptOutcome, AttemptDetail) {
+    (
+        AttemptOutcome::Failed {
+            error,
+            retry_after: None,
+        },
+        AttemptDetail::error(class),
+    )
+}
+
 /// Refuses broker `addr` (`host:port`; `what` names it in messages) unless
 /// every address it resolves to passes the SSRF guard `policy`.
 pub(crate) async fn check_server(

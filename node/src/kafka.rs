@@ -49,6 +49,7 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
 use rdkafka::ClientConfig;
 
+use crate::handler::failed;
 use crate::retry::AttemptOutcome;
 use crate::webhook::{build_body, AttemptDetail};
 
@@ -215,17 +216,6 @@ pub struct KafkaSender {
     targets: Arc<Mutex<HashMap<String, Arc<KafkaTarget>>>>,
 }
 
-/// A failed attempt: its outcome and attempt-log detail.
-fn failed(class: AttemptError, error: String) -> (AttemptOutcome, AttemptDetail) {
-    (
-        AttemptOutcome::Failed {
-            error,
-            retry_after: None,
-        },
-        AttemptDetail::error(class),
-    )
-}
-
 /// How long metadata may take to arrive when a producer is made (at most;
 /// the handler's `timeout_ms` when shorter).
 const METADATA_TIMEOUT: Duration = Duration::from_secs(10);
@@ -256,8 +246,8 @@ impl KafkaSender {
 
     /// Makes attempt number `attempt` of `delivery` to the Kafka handler
     /// `handler`: its `timeout_ms` bounds the record's time in the
-    /// producer (connecting to a new cluster can add up to 10 s of
-    /// metadata).
+    /// producer, and making a producer for a new cluster adds at most as
+    /// long again (its metadata fetch).
     pub async fn send(
         &self,
         handler: &HandlerConfig,

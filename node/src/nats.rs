@@ -31,6 +31,7 @@ use lanebus_store::egress::EgressPolicy;
 use lanebus_store::rules::handler::{nats, NatsTarget};
 use lanebus_store::{AttemptError, Delivery, Handler as HandlerConfig};
 
+use crate::handler::failed;
 use crate::retry::AttemptOutcome;
 use crate::webhook::{build_body, AttemptDetail};
 
@@ -71,17 +72,6 @@ pub struct NatsSender {
     connecting: Arc<Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>>,
     /// Handler URLs parsed once ([`nats`]), by URL.
     targets: Arc<Mutex<HashMap<String, Arc<NatsTarget>>>>,
-}
-
-/// A failed attempt: its outcome and attempt-log detail.
-fn failed(class: AttemptError, error: String) -> (AttemptOutcome, AttemptDetail) {
-    (
-        AttemptOutcome::Failed {
-            error,
-            retry_after: None,
-        },
-        AttemptDetail::error(class),
-    )
 }
 
 impl NatsSender {
