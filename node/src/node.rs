@@ -325,6 +325,10 @@ pub struct NodeState {
     attempts: Arc<AttemptCounter>,
     /// The dispatcher's per-handler samples of recent attempts.
     activity: Arc<HandlerActivity>,
+    /// The store wakes the lanes of its own publishes that this node runs
+    /// ([`set_runs`](lanebus_store::wake::WakeReceiver::set_runs)): the API's hint after a publish would
+    /// wake them twice.
+    store_wakes_publishes: bool,
 }
 
 impl NodeState {
@@ -472,7 +476,9 @@ impl NodeView for NodeState {
     }
 
     fn published(&self, lanes: &[Lane]) {
-        self.wake(lanes.iter().copied());
+        if !self.store_wakes_publishes {
+            self.wake(lanes.iter().copied());
+        }
     }
 
     fn handlers_changed(&self) {
@@ -883,6 +889,11 @@ async fn boot(opts: NodeOptions) -> Result<Booted, NodeError> {
     let metrics_handle = metrics::install_recorder();
     let (store, catalog) = open_store(&opts).await?;
     let wakeups = store.wakeups().await?;
+    let owners = Owners::default();
+    let store_wakes_publishes = match &wakeups {
+        Wakeups::Push(rx) => rx.set_runs(runs_lane(&owners)),
+        Wakeups::Poll => false,
+    };
     let (listener, addr) = bind_api(&opts).await?;
     let cluster = start_cluster(&opts, &store, addr).await?;
     let dispatcher = Dispatcher::new(
@@ -896,7 +907,7 @@ async fn boot(opts: NodeOptions) -> Result<Booted, NodeError> {
         node_id: opts.node_id.clone(),
         store: store.clone(),
         cluster: cluster.clone(),
-        owners: Owners::default(),
+        owners,
         board: Arc::new(LaneBoard::default()),
         catalog: catalog.clone(),
         metrics: metrics_handle,
@@ -906,6 +917,7 @@ async fn boot(opts: NodeOptions) -> Result<Booted, NodeError> {
         fenced_out: FencedOutLanes::default(),
         attempts: dispatcher.attempt_counter(),
         activity: dispatcher.activity(),
+        store_wakes_publishes,
     });
     let retention = {
         let (store, board, config) = (store.clone(), Arc::downgrade(&state.board), opts.retention);
@@ -1146,6 +1158,21 @@ async fn start_lane_supervisor(
         .await
         .map_err(|e| NodeError::Runtime(format!("lane supervisor: {e}")))?;
     Ok(supervisor)
+}
+
+/// Whether this node runs `lane`, as the store asks before it leaves a
+/// publish's NOTIFY out ([`set_runs`](lanebus_store::wake::WakeReceiver::set_runs)): an owner that is
+/// running and not handing the lane over (during a handover the next owner,
+/// on another node, must hear of new work).
+fn runs_lane(owners: &Owners) -> lanebus_store::wake::RunsLane {
+    let owners = owners.clone();
+    Arc::new(move |lane| {
+        owners
+            .lock()
+            .expect("not poisoned")
+            .get(&lane)
+            .is_some_and(|o| !o.draining && o.addr.connected())
+    })
 }
 
 /// Passes the store's wake-ups (if it pushes them) to the owners of the

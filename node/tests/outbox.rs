@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::ensure;
 use common::{start_node, Api, Backend, TestDb};
-use lanebus_store::NewEvent;
+use lanebus_store::{NewEvent, Store as _};
 use lanebus_testkit::receiver::Receiver;
 
 fn event(id: &str, key: &str) -> NewEvent {
@@ -175,6 +175,67 @@ async fn run_postgres() -> anyhow::Result<()> {
         counts.events == 52,
         "store holds {} events, expected 52",
         counts.events
+    );
+    node.shutdown().await?;
+    db.drop_db().await;
+    Ok(())
+}
+
+/// PostgreSQL: a node's own publishes (API, and `Store::publish` on the
+/// node's store) wake its lanes in process and send no NOTIFY, which would
+/// serialize their commits on PostgreSQL's notify lock; another process's
+/// publishes, `publish_in` then `wake_after_commit` and `Store::publish`,
+/// still wake the node through NOTIFY. The poll interval is a minute, so
+/// every delivery here comes from a wake-up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn own_publishes_wake_in_process_others_by_notify_postgres() {
+    own_publishes_postgres().await.unwrap();
+}
+
+async fn own_publishes_postgres() -> anyhow::Result<()> {
+    let db = TestDb::new(Backend::Postgres, "own_wake").await?;
+    let rx = Receiver::start().await?;
+    let mut opts = common::test_options(&db.url);
+    opts.poll_interval = Some(Duration::from_secs(60));
+    let node = lanebus_node::start(opts).await?;
+    let api = Api::new(&node.base_url());
+    let h = api.create_handler("all", &rx.url("all"), &["*"], 8).await?;
+    rx.set_secret("all", &h.secret);
+    let mut outside = sqlx::postgres::PgListener::connect(&db.url).await?;
+    outside.listen("lanebus").await?;
+
+    for i in 0..10 {
+        api.publish(&api_events(&format!("api-{i}"), 1, &format!("k-{i}")), 1)
+            .await?;
+    }
+    node.store()
+        .publish(vec![event("in-node", "k-node")])
+        .await?;
+    ensure!(
+        rx.wait_accepted(11, Duration::from_secs(20)).await,
+        "the node's own publishes were not delivered without polling"
+    );
+    let heard = tokio::time::timeout(Duration::from_millis(500), outside.recv()).await;
+    ensure!(
+        heard.is_err(),
+        "a NOTIFY went out for a publish whose lanes this node runs: {heard:?}"
+    );
+
+    let app = lanebus_store::postgres::PgStore::connect(&db.url).await?;
+    let mut tx = app.pool().begin().await?;
+    let out = app
+        .publish_in(&mut tx, vec![event("from-app-tx", "k-app")])
+        .await?;
+    tx.commit().await?;
+    app.wake_after_commit(&out).await?;
+    app.publish(vec![event("from-app", "k-app")]).await?;
+    ensure!(
+        rx.wait_accepted(13, Duration::from_secs(20)).await,
+        "another process's publishes did not wake the node"
+    );
+    ensure!(
+        got(&rx, "from-app-tx") && got(&rx, "from-app"),
+        "both of the other process's events"
     );
     node.shutdown().await?;
     db.drop_db().await;

@@ -4,10 +4,18 @@
 //!
 //! The channel merges what it queues and never drops a lane: when its queue
 //! is full, the receiver's next wake-up names every lane.
+//!
+//! A receiver may tell its store which lanes its node runs
+//! ([`WakeReceiver::set_runs`]). A store that supports it (PostgreSQL) then
+//! wakes those lanes of its own publishes through the channel, in process,
+//! right after the commit, and sends no NOTIFY for a write whose lanes all
+//! run in process ([`InProcess`]): a NOTIFY takes PostgreSQL's
+//! database-wide notify lock through the commit, so notifying commits run
+//! one at a time.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use tokio::sync::mpsc;
 
@@ -83,8 +91,89 @@ pub fn channel(capacity: usize) -> (WakeSender, WakeReceiver) {
             tx,
             overflow: Arc::clone(&overflow),
         },
-        WakeReceiver { rx, overflow },
+        WakeReceiver {
+            rx,
+            overflow,
+            runs: None,
+        },
     )
+}
+
+/// Whether the node runs a lane (has a lane owner for it that claims), as
+/// a receiver tells its store ([`WakeReceiver::set_runs`]). Called on the
+/// store's publish path: it must be quick and must not block.
+pub type RunsLane = Arc<dyn Fn(Lane) -> bool + Send + Sync>;
+
+/// The wake-up channels a store handed out whose receivers said which
+/// lanes they run: the store's own publishes wake those lanes through them.
+/// Shared by a store and its clones.
+#[derive(Default)]
+pub(crate) struct InProcess {
+    subscribers: Mutex<Vec<Subscriber>>,
+}
+
+impl std::fmt::Debug for InProcess {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.lock().len();
+        f.debug_struct("InProcess")
+            .field("subscribers", &n)
+            .finish()
+    }
+}
+
+struct Subscriber {
+    tx: WakeSender,
+    runs: Arc<OnceLock<RunsLane>>,
+}
+
+impl InProcess {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Subscriber>> {
+        self.subscribers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A channel of `capacity` wake-ups ([`channel`]) whose receiver may
+    /// say which lanes it runs; `tx` also feeds it in process from then on.
+    pub(crate) fn channel(&self, capacity: usize) -> (WakeSender, WakeReceiver) {
+        let (tx, mut rx) = channel(capacity);
+        let runs = Arc::new(OnceLock::new());
+        rx.runs = Some(Arc::clone(&runs));
+        let mut subs = self.lock();
+        subs.retain(|s| !s.tx.is_closed());
+        subs.push(Subscriber {
+            tx: tx.clone(),
+            runs,
+        });
+        (tx, rx)
+    }
+
+    /// Whether every lane of `lanes` runs in process (at a receiver that
+    /// said so); `false` for no lanes.
+    pub(crate) fn runs_all(&self, lanes: &[Lane]) -> bool {
+        if lanes.is_empty() {
+            return false;
+        }
+        let subs = self.lock();
+        let runs: Vec<&RunsLane> = subs
+            .iter()
+            .filter(|s| !s.tx.is_closed())
+            .filter_map(|s| s.runs.get())
+            .collect();
+        !runs.is_empty() && lanes.iter().all(|&l| runs.iter().any(|r| r(l)))
+    }
+
+    /// Wakes, through each receiver that said which lanes it runs, those it
+    /// runs of `lanes`.
+    pub(crate) fn wake(&self, lanes: &[Lane]) {
+        for s in self.lock().iter() {
+            let Some(runs) = s.runs.get() else { continue };
+            let mine: BTreeSet<Lane> = lanes.iter().copied().filter(|&l| runs(l)).collect();
+            if !mine.is_empty() {
+                s.tx.send(Woken::Lanes(mine));
+            }
+        }
+    }
 }
 
 /// The store's side of a wake-up channel.
@@ -119,13 +208,37 @@ impl WakeSender {
 }
 
 /// The lane owners' side of a wake-up channel.
-#[derive(Debug)]
 pub struct WakeReceiver {
     rx: mpsc::Receiver<Woken>,
     overflow: Arc<AtomicBool>,
+    /// Set by [`WakeReceiver::set_runs`] for a store that wakes its own
+    /// publishes in process.
+    runs: Option<Arc<OnceLock<RunsLane>>>,
+}
+
+impl std::fmt::Debug for WakeReceiver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WakeReceiver")
+            .field("queued", &self.rx.len())
+            .field("runs_told", &self.runs.as_ref().map(|r| r.get().is_some()))
+            .finish()
+    }
 }
 
 impl WakeReceiver {
+    /// Tells the store which lanes this receiver's node runs. From then on
+    /// the store's own publishes (through this store value or its clones)
+    /// wake the lanes it runs through this channel right after their
+    /// commit, and a write whose lanes all run here sends no wake-up to
+    /// other processes. Other processes' publishes still arrive as before.
+    ///
+    /// Returns `false`, and changes nothing, when the store does not do
+    /// this (the node must then wake its own publishes itself) or when it
+    /// was told already.
+    pub fn set_runs(&self, runs: RunsLane) -> bool {
+        self.runs.as_ref().is_some_and(|r| r.set(runs).is_ok())
+    }
+
     /// The next wake-up merged with every other one queued; `None` once the
     /// store's side is gone.
     pub async fn recv(&mut self) -> Option<Woken> {

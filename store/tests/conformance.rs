@@ -2903,6 +2903,105 @@ mod postgres_only {
         h.cleanup().await;
     }
 
+    /// Whether `l` hears nothing for 400 ms.
+    async fn quiet(l: &mut sqlx::postgres::PgListener) -> bool {
+        tokio::time::timeout(std::time::Duration::from_millis(400), l.recv())
+            .await
+            .is_err()
+    }
+
+    /// The payload of the next NOTIFY `l` hears, within 5 s.
+    async fn heard(l: &mut sqlx::postgres::PgListener, what: &str) -> String {
+        tokio::time::timeout(std::time::Duration::from_secs(5), l.recv())
+            .await
+            .unwrap_or_else(|_| panic!("no NOTIFY {what}"))
+            .expect("listen")
+            .payload()
+            .to_string()
+    }
+
+    /// A receiver that says which lanes its node runs gets the store's own
+    /// publishes into them in process, and no NOTIFY goes out for a write
+    /// whose lanes all run there; other lanes, other processes' publishes
+    /// and a dropped receiver still go through NOTIFY.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn own_publishes_wake_lanes_run_in_process_without_notify() {
+        let h = PgHarness::new().await;
+        let s = h.store();
+        handler(&*s, "t", &["t.*"]).await;
+        let Wakeups::Push(mut rx) = s.wakeups().await.expect("wakeups") else {
+            panic!("postgres pushes wake-ups");
+        };
+        let here = lane_of_key("here", s.lanes());
+        let there = (0..)
+            .map(|i| format!("there-{i}"))
+            .find(|k| lane_of_key(k, s.lanes()) != here)
+            .expect("a key in another lane");
+        let elsewhere = lane_of_key(&there, s.lanes());
+        assert!(rx.set_runs(std::sync::Arc::new(move |l| l == here)));
+        assert!(
+            !rx.set_runs(std::sync::Arc::new(|_| true)),
+            "told once only"
+        );
+        let mut outside = sqlx::postgres::PgListener::connect(&h.url)
+            .await
+            .expect("listen");
+        outside.listen("lanebus").await.expect("listen");
+
+        // A lane run here: woken in process, nothing for other processes.
+        s.publish(vec![ev(None, "t.x", Some("here"))])
+            .await
+            .expect("publish");
+        let woken = next_wake(&mut rx, 5, "the in-process wake-up").await;
+        assert_eq!(woken, wake::Woken::Lanes([here].into()));
+        assert!(quiet(&mut outside).await, "no NOTIFY for a lane run here");
+        // publish_in, then the wake-up after the commit: likewise.
+        let mut tx = h.store.pool().begin().await.expect("begin");
+        let out = h
+            .store
+            .publish_in(&mut tx, vec![ev(None, "t.x", Some("here"))])
+            .await
+            .expect("publish_in");
+        tx.commit().await.expect("commit");
+        h.store.wake_after_commit(&out).await.expect("wake");
+        let woken = next_wake(&mut rx, 5, "the in-process wake-up").await;
+        assert_eq!(woken, wake::Woken::Lanes([here].into()));
+        assert!(quiet(&mut outside).await, "no NOTIFY after publish_in");
+
+        // A lane run elsewhere: one NOTIFY, which this receiver hears too.
+        s.publish(vec![ev(None, "t.x", Some(&there))])
+            .await
+            .expect("publish");
+        assert_eq!(
+            heard(&mut outside, "for a lane run elsewhere").await,
+            elsewhere.to_string()
+        );
+        let woken = next_wake(&mut rx, 5, "the NOTIFY, heard here").await;
+        assert_eq!(woken, wake::Woken::Lanes([elsewhere].into()));
+
+        // Another process's publish into a lane run here: NOTIFY.
+        let other = h.reopen().await;
+        other
+            .publish(vec![ev(None, "t.x", Some("here"))])
+            .await
+            .expect("publish");
+        assert_eq!(
+            heard(&mut outside, "for another process's publish").await,
+            here.to_string()
+        );
+
+        // Once the receiver is gone, no lane runs here: NOTIFY again.
+        drop(rx);
+        s.publish(vec![ev(None, "t.x", Some("here"))])
+            .await
+            .expect("publish");
+        assert_eq!(
+            heard(&mut outside, "once the receiver is gone").await,
+            here.to_string()
+        );
+        h.cleanup().await;
+    }
+
     /// Several nodes connecting to one new database at once: the migration
     /// runs once (advisory lock), all agree on the lanes.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -462,12 +462,14 @@ mod tests {
 }
 
 /// [`Store::wakeups`](crate::Store::wakeups): a `LISTEN` on [`CHANNEL`],
-/// fed to the receiver by a task until the receiver is dropped.
-pub(super) async fn wakeups(pool: &PgPool) -> Result<Wakeups> {
+/// fed to the receiver by a task until the receiver is dropped, and, once
+/// the receiver says which lanes it runs, the store's own publishes into
+/// them ([`crate::wake::InProcess`]).
+pub(super) async fn wakeups(pool: &PgPool, in_process: &crate::wake::InProcess) -> Result<Wakeups> {
     // Subscribe before answering, so a publish right after this returns
     // is not missed.
     let listener = subscribe(pool).await.map_err(map_err)?;
-    let (tx, rx) = crate::wake::channel(WAKE_QUEUE);
+    let (tx, rx) = in_process.channel(WAKE_QUEUE);
     tokio::spawn(listen_loop(pool.clone(), tx, Some(listener)));
     Ok(Wakeups::Push(rx))
 }

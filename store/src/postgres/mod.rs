@@ -46,7 +46,9 @@
 //!   caller's transaction ([`PgStore::publish_in`]): its wake-up is sent
 //!   after its commit ([`PgStore::wake_after_commit`], or
 //!   [`PgStore::transaction`], which also runs the caller's closure at an
-//!   isolation level and retries serialization failures).
+//!   isolation level and retries serialization failures). None at all
+//!   for a write whose lanes all run at a node in this process
+//!   ([`wake::WakeReceiver::set_runs`]): that node is woken in process.
 //! - Migrations are plain idempotent SQL (`store/migrations/postgres/`),
 //!   applied in one transaction under an advisory lock and recorded in
 //!   `meta.schema_version`.
@@ -263,6 +265,8 @@ pub struct PgStore {
     lanes: u16,
     group: Arc<Grouper>,
     wakes: Arc<publish::Wakes>,
+    /// The lanes nodes in this process run ([`wake::InProcess`]).
+    in_process: Arc<wake::InProcess>,
 }
 
 impl PgStore {
@@ -333,6 +337,7 @@ impl PgStore {
             lanes,
             group: Arc::default(),
             wakes: Arc::default(),
+            in_process: Arc::default(),
         };
         store.lanes = migrate::migrate(&store.pool, lanes).await?;
         Ok(store)
@@ -428,20 +433,33 @@ impl PgStore {
         if published.accepted == 0 {
             return Ok(());
         }
-        self.wakes
-            .wake(&self.pool, wake::Woken::of_lanes(&published.lanes))
+        self.wake_committed(wake::Woken::of_lanes(&published.lanes))
             .await
+    }
+
+    /// Wakes the owners of `woken` after a commit: in process when a node
+    /// here runs every lane it names ([`wake::InProcess`]), otherwise
+    /// through [`publish::Wakes`] (one coalesced NOTIFY).
+    pub(super) async fn wake_committed(&self, woken: wake::Woken) -> Result<()> {
+        if let wake::Woken::Lanes(lanes) = &woken {
+            let lanes: Vec<Lane> = lanes.iter().copied().collect();
+            if self.in_process.runs_all(&lanes) {
+                self.in_process.wake(&lanes);
+                return Ok(());
+            }
+        }
+        self.wakes.wake(&self.pool, woken).await
     }
 }
 
 #[async_trait]
 impl GroupWriter for PgStore {
     async fn write_plan(&self, plan: &PublishPlan) -> Result<HashSet<String>> {
-        publish::write(&self.pool, plan).await
+        publish::write(&self.pool, plan, &self.in_process).await
     }
 
     async fn write_group(&self, plan: &PublishPlan) -> Result<HashSet<String>> {
-        publish::write(&self.writer, plan).await
+        publish::write(&self.writer, plan, &self.in_process).await
     }
 }
 
@@ -628,6 +646,6 @@ impl Store for PgStore {
     }
 
     async fn wakeups(&self) -> Result<Wakeups> {
-        dispatch::wakeups(&self.pool).await
+        dispatch::wakeups(&self.pool, &self.in_process).await
     }
 }

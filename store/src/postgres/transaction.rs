@@ -193,7 +193,7 @@ impl PgStore {
                 Ok(value) => {
                     if !t.woken.is_empty() {
                         // A failure is logged by the wake-up's task.
-                        let _ = self.wakes.wake(&self.pool, Woken::Lanes(t.woken)).await;
+                        let _ = self.wake_committed(Woken::Lanes(t.woken)).await;
                     }
                     return Ok(value);
                 }
