@@ -3002,6 +3002,38 @@ mod postgres_only {
         h.cleanup().await;
     }
 
+    /// A lane that stops running here between the write's check and its
+    /// commit (handed over meanwhile) gets its NOTIFY after the commit.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_lane_handed_over_during_the_write_still_gets_its_notify() {
+        let h = PgHarness::new().await;
+        let s = h.store();
+        handler(&*s, "t", &["t.*"]).await;
+        let Wakeups::Push(rx) = s.wakeups().await.expect("wakeups") else {
+            panic!("postgres pushes wake-ups");
+        };
+        let here = lane_of_key("here", s.lanes());
+        // Runs here when the write looks, no longer once it committed.
+        let looks = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let seen = looks.clone();
+        assert!(rx.set_runs(Arc::new(move |l| {
+            l == here && seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0
+        })));
+        let mut outside = sqlx::postgres::PgListener::connect(&h.url)
+            .await
+            .expect("listen");
+        outside.listen("lanebus").await.expect("listen");
+        s.publish(vec![ev(None, "t.x", Some("here"))])
+            .await
+            .expect("publish");
+        assert_eq!(
+            heard(&mut outside, "after the commit for a lane handed over").await,
+            here.to_string()
+        );
+        assert!(looks.load(std::sync::atomic::Ordering::SeqCst) >= 2);
+        h.cleanup().await;
+    }
+
     /// Several nodes connecting to one new database at once: the migration
     /// runs once (advisory lock), all agree on the lanes.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

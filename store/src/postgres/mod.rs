@@ -450,16 +450,34 @@ impl PgStore {
         }
         self.wakes.wake(&self.pool, woken).await
     }
+
+    /// [`publish::write`] on `pool`, without its NOTIFY when a node in this
+    /// process runs every lane of `plan`; that node is then woken after the
+    /// commit by [`PgStore::wake_committed`], which looks again: a lane
+    /// handed over meanwhile gets its NOTIFY after the commit, so its next
+    /// owner cannot have claimed before it.
+    async fn write_on(&self, pool: &PgPool, plan: &PublishPlan) -> Result<HashSet<String>> {
+        let lanes = plan.lanes();
+        let in_process = self.in_process.runs_all(&lanes);
+        let (stored, delivered) = publish::write(pool, plan, !in_process).await?;
+        if in_process && delivered {
+            let woken = wake::Woken::Lanes(lanes.into_iter().collect());
+            if let Err(e) = self.wake_committed(woken).await {
+                tracing::warn!(error = %e, "wake-up after a publish failed; lanes poll");
+            }
+        }
+        Ok(stored)
+    }
 }
 
 #[async_trait]
 impl GroupWriter for PgStore {
     async fn write_plan(&self, plan: &PublishPlan) -> Result<HashSet<String>> {
-        publish::write(&self.pool, plan, &self.in_process).await
+        self.write_on(&self.pool, plan).await
     }
 
     async fn write_group(&self, plan: &PublishPlan) -> Result<HashSet<String>> {
-        publish::write(&self.writer, plan, &self.in_process).await
+        self.write_on(&self.writer, plan).await
     }
 }
 

@@ -13,8 +13,8 @@
 //! lock (notifying commits are serialized), which the caller's transaction
 //! must not take. Its wake-up is a NOTIFY of its own after the caller's
 //! commit ([`notify`]). A write whose lanes all run at a node of this
-//! process ([`InProcess`]) sends no NOTIFY: that node is woken in process
-//! after the commit.
+//! process ([`crate::wake::InProcess`]) sends no NOTIFY: that node is woken
+//! in process after the commit ([`super::PgStore::wake_committed`]).
 //!
 //! A batch with expected sequences ([`crate::NewEvent::expected_seq`]) is
 //! checked between the statement and the commit: the statement returns the
@@ -36,7 +36,7 @@ use super::error::map_err;
 use super::transaction::TxError;
 use super::CHANNEL;
 use crate::common::{check_expected, PublishPlan};
-use crate::wake::{InProcess, Woken};
+use crate::wake::Woken;
 use crate::{PublishOutcome, Result};
 
 /// Attempts of a publish that lost a race (a concurrent publisher of the same
@@ -272,38 +272,28 @@ async fn run_checked(
 /// One write of [`Store::publish`](crate::Store::publish) (a group of
 /// batches, see [`crate::group`], on [`writer_pool`]'s connection; or a
 /// batch of a failed group alone, on the store's pool): the statement in
-/// autocommit, so one round trip and one NOTIFY, again after a lost race
-/// (up to [`PUBLISH_ATTEMPTS`]). When nodes of this process run every lane
-/// of the plan ([`InProcess::runs_all`]), the statement sends no NOTIFY and
-/// those nodes are woken in process after the commit instead. On the writer's connection a lock wait
-/// past its `lock_timeout` (`55P03`) ends it as
+/// autocommit, so one round trip and, if `notify`, one NOTIFY, again after
+/// a lost race (up to [`PUBLISH_ATTEMPTS`]). On the writer's connection a
+/// lock wait past its `lock_timeout` (`55P03`) ends it as
 /// [`crate::StoreError::Timeout`]. A plan with expected sequences runs in a
-/// transaction ([`run_checked`]). Returns the ids found already stored.
+/// transaction ([`run_checked`]). Returns the ids found already stored, and
+/// whether deliveries were written.
 pub(super) async fn write(
     pool: &PgPool,
     plan: &PublishPlan,
-    local: &InProcess,
-) -> Result<HashSet<String>> {
+    notify: bool,
+) -> Result<(HashSet<String>, bool)> {
     let args = PublishArgs::new(plan);
-    let lanes = plan.lanes();
-    let in_process = local.runs_all(&lanes);
     let mut attempt = 1;
     loop {
         let mut conn = pool.acquire().await.map_err(map_err)?;
         let ran = if args.expects {
-            run_checked(&mut conn, plan, &args, !in_process).await
+            run_checked(&mut conn, plan, &args, notify).await
         } else {
-            run(&mut conn, &args, !in_process)
-                .await
-                .map_err(TxError::from)
+            run(&mut conn, &args, notify).await.map_err(TxError::from)
         };
         match ran {
-            Ok(ran) => {
-                if in_process && ran.deliveries > 0 {
-                    local.wake(&lanes);
-                }
-                return Ok(ran.stored.into_iter().collect());
-            }
+            Ok(ran) => return Ok((ran.stored.into_iter().collect(), ran.deliveries > 0)),
             Err(TxError::Sql(e)) if attempt < PUBLISH_ATTEMPTS && is_retryable(&e) => {
                 tracing::debug!(attempt, error = %e, "publish raced another publisher; retrying");
                 attempt += 1;
