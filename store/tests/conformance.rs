@@ -2903,6 +2903,15 @@ mod postgres_only {
         h.cleanup().await;
     }
 
+    /// A connection of another process listening on the wake-up channel.
+    async fn listener(url: &str) -> sqlx::postgres::PgListener {
+        let mut l = sqlx::postgres::PgListener::connect(url)
+            .await
+            .expect("connect");
+        l.listen("lanebus").await.expect("listen");
+        l
+    }
+
     /// Whether `l` hears nothing for 400 ms.
     async fn quiet(l: &mut sqlx::postgres::PgListener) -> bool {
         tokio::time::timeout(std::time::Duration::from_millis(400), l.recv())
@@ -2943,10 +2952,7 @@ mod postgres_only {
             !rx.set_runs(std::sync::Arc::new(|_| true)),
             "told once only"
         );
-        let mut outside = sqlx::postgres::PgListener::connect(&h.url)
-            .await
-            .expect("listen");
-        outside.listen("lanebus").await.expect("listen");
+        let mut outside = listener(&h.url).await;
 
         // A lane run here: woken in process, nothing for other processes.
         s.publish(vec![ev(None, "t.x", Some("here"))])
@@ -3019,10 +3025,7 @@ mod postgres_only {
         assert!(rx.set_runs(Arc::new(move |l| {
             l == here && seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0
         })));
-        let mut outside = sqlx::postgres::PgListener::connect(&h.url)
-            .await
-            .expect("listen");
-        outside.listen("lanebus").await.expect("listen");
+        let mut outside = listener(&h.url).await;
         s.publish(vec![ev(None, "t.x", Some("here"))])
             .await
             .expect("publish");
