@@ -29,7 +29,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use actix::prelude::*;
@@ -889,13 +889,15 @@ async fn boot(opts: NodeOptions) -> Result<Booted, NodeError> {
     let metrics_handle = metrics::install_recorder();
     let (store, catalog) = open_store(&opts).await?;
     let wakeups = store.wakeups().await?;
-    let owners = Owners::default();
-    let store_wakes_publishes = match &wakeups {
-        Wakeups::Push(rx) => rx.set_runs(runs_lane(&owners)),
-        Wakeups::Poll => false,
-    };
     let (listener, addr) = bind_api(&opts).await?;
     let cluster = start_cluster(&opts, &store, addr).await?;
+    let (owners, fenced_out) = (Owners::default(), FencedOutLanes::default());
+    let store_wakes_publishes = match &wakeups {
+        Wakeups::Push(rx) => {
+            rx.set_runs(runs_lane(&owners, work_gate(cluster.as_ref()), &fenced_out))
+        }
+        Wakeups::Poll => false,
+    };
     let dispatcher = Dispatcher::new(
         WebhookSender::with_source_ip(opts.egress.clone(), opts.webhook_source_ip)?,
         opts.in_process.clone(),
@@ -914,7 +916,7 @@ async fn boot(opts: NodeOptions) -> Result<Booted, NodeError> {
         ready: watch::channel(false).0,
         retention: opts.retention.retention,
         lease: opts.cluster.as_ref().map(|c| c.lease),
-        fenced_out: FencedOutLanes::default(),
+        fenced_out,
         attempts: dispatcher.attempt_counter(),
         activity: dispatcher.activity(),
         store_wakes_publishes,
@@ -1161,17 +1163,29 @@ async fn start_lane_supervisor(
 }
 
 /// Whether this node runs `lane`, as the store asks before it leaves a
-/// publish's NOTIFY out ([`set_runs`](lanebus_store::wake::WakeReceiver::set_runs)): an owner that is
-/// running and not handing the lane over (during a handover the next owner,
-/// on another node, must hear of new work).
-fn runs_lane(owners: &Owners) -> lanebus_store::wake::RunsLane {
-    let owners = owners.clone();
+/// publish's NOTIFY out ([`set_runs`](lanebus_store::wake::WakeReceiver::set_runs)):
+/// an owner is running and not handing the lane over (the next owner, on
+/// another node, must hear of new work), the node may work (`gate`: in a
+/// cluster, its lease is valid), and no process outside the cluster holds
+/// the lane (`fenced_out`). Called on the store's publish path: a poisoned
+/// lock is read all the same.
+fn runs_lane(
+    owners: &Owners,
+    gate: WorkGate,
+    fenced_out: &FencedOutLanes,
+) -> lanebus_store::wake::RunsLane {
+    let (owners, fenced_out) = (owners.clone(), fenced_out.clone());
     Arc::new(move |lane| {
-        owners
-            .lock()
-            .expect("not poisoned")
-            .get(&lane)
-            .is_some_and(|o| !o.draining && o.addr.connected())
+        gate.open()
+            && owners
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .get(&lane)
+                .is_some_and(|o| !o.draining && o.addr.connected())
+            && !fenced_out
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .contains_key(&lane)
     })
 }
 

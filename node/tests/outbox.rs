@@ -208,9 +208,16 @@ async fn own_publishes_postgres() -> anyhow::Result<()> {
         api.publish(&api_events(&format!("api-{i}"), 1, &format!("k-{i}")), 1)
             .await?;
     }
-    node.store()
-        .publish(vec![event("in-node", "k-node")])
-        .await?;
+    // In a lane of its own: a claim for another event cannot pick it up.
+    let lanes = node.store().lanes();
+    let api_lanes: Vec<u16> = (0..10)
+        .map(|i| lanebus_store::lane_of_key(&format!("k-{i}"), lanes))
+        .collect();
+    let key = (0..)
+        .map(|i| format!("k-node-{i}"))
+        .find(|k| !api_lanes.contains(&lanebus_store::lane_of_key(k, lanes)))
+        .expect("a key in another lane");
+    node.store().publish(vec![event("in-node", &key)]).await?;
     ensure!(
         rx.wait_accepted(11, Duration::from_secs(20)).await,
         "the node's own publishes were not delivered without polling"

@@ -155,23 +155,35 @@ impl InProcess {
             return false;
         }
         let subs = self.lock();
-        let runs: Vec<&RunsLane> = subs
-            .iter()
-            .filter(|s| !s.tx.is_closed())
-            .filter_map(|s| s.runs.get())
-            .collect();
+        let runs: Vec<&RunsLane> = subs.iter().filter_map(Subscriber::runs).collect();
         !runs.is_empty() && lanes.iter().all(|&l| runs.iter().any(|r| r(l)))
     }
 
     /// Wakes, through each receiver that said which lanes it runs, those it
-    /// runs of `lanes`.
-    pub(crate) fn wake(&self, lanes: &[Lane]) {
-        for s in self.lock().iter() {
-            let Some(runs) = s.runs.get() else { continue };
+    /// runs of `lanes`, and says whether every lane of `lanes` was woken so
+    /// (looked at and sent under one lock); `false` for no lanes.
+    pub(crate) fn wake(&self, lanes: &[Lane]) -> bool {
+        let subs = self.lock();
+        let mut covered = BTreeSet::new();
+        for s in subs.iter() {
+            let Some(runs) = s.runs() else { continue };
             let mine: BTreeSet<Lane> = lanes.iter().copied().filter(|&l| runs(l)).collect();
             if !mine.is_empty() {
+                covered.extend(mine.iter().copied());
                 s.tx.send(Woken::Lanes(mine));
             }
+        }
+        !lanes.is_empty() && lanes.iter().all(|l| covered.contains(l))
+    }
+}
+
+impl Subscriber {
+    /// What the receiver said it runs, while it is there.
+    fn runs(&self) -> Option<&RunsLane> {
+        if self.tx.is_closed() {
+            None
+        } else {
+            self.runs.get()
         }
     }
 }

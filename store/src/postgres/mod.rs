@@ -30,7 +30,7 @@
 //!   a BRIN index on `completed_at` serves retention.
 //! - **One statement per operation, prepared.** A publish is a single
 //!   statement (`sql/publish.sql`: id check, key counters, events,
-//!   deliveries, one `pg_notify`), run in autocommit once per group of
+//!   deliveries, at most one `pg_notify`), run in autocommit once per group of
 //!   concurrent publishes, so one round trip and no `BEGIN`/`COMMIT`, on a
 //!   connection of its own whose session has the group's lock wait and the
 //!   statement's generic plan (`publish.rs`, `GROUP_SETTINGS`). A batched claim of many lanes is one statement
@@ -412,11 +412,13 @@ impl PgStore {
         Ok(outcome)
     }
 
-    /// Wakes the lane owners (every node's, through one NOTIFY on
-    /// [`CHANNEL`] in a transaction of its own) for what a
-    /// [`PgStore::publish_in`] returned, once its transaction has committed:
-    /// the owners of its [`PublishOutcome::lanes`] (of every lane when it
-    /// names none).
+    /// Wakes the lane owners for what a [`PgStore::publish_in`] returned,
+    /// once its transaction has committed: the owners of its
+    /// [`PublishOutcome::lanes`] (of every lane when it names none). Those
+    /// that run at a node started on this store value (or a clone) in this
+    /// process are woken in process; unless that covers every lane, every
+    /// node's are woken through one NOTIFY on [`CHANNEL`] in a transaction
+    /// of its own.
     /// Sends nothing when `published` accepted no event. Called before the
     /// commit it wakes owners too early: they find nothing and the events
     /// wait for the poll interval.
@@ -437,14 +439,14 @@ impl PgStore {
             .await
     }
 
-    /// Wakes the owners of `woken` after a commit: in process when a node
-    /// here runs every lane it names ([`wake::InProcess`]), otherwise
-    /// through [`publish::Wakes`] (one coalesced NOTIFY).
+    /// Wakes the owners of `woken` after a commit: in process those that
+    /// run at a node of this process ([`wake::InProcess`]), and, unless
+    /// that covered every lane it names, every owner through
+    /// [`publish::Wakes`] (one coalesced NOTIFY).
     pub(super) async fn wake_committed(&self, woken: wake::Woken) -> Result<()> {
         if let wake::Woken::Lanes(lanes) = &woken {
             let lanes: Vec<Lane> = lanes.iter().copied().collect();
-            if self.in_process.runs_all(&lanes) {
-                self.in_process.wake(&lanes);
+            if self.in_process.wake(&lanes) {
                 return Ok(());
             }
         }
@@ -452,18 +454,21 @@ impl PgStore {
     }
 
     /// [`publish::write`] on `pool`, without its NOTIFY when a node in this
-    /// process runs every lane of `plan`; that node is then woken after the
-    /// commit by [`PgStore::wake_committed`], which looks again: a lane
-    /// handed over meanwhile gets its NOTIFY after the commit, so its next
-    /// owner cannot have claimed before it.
+    /// process runs every lane of `plan`. After the commit, the lanes run
+    /// here are woken in process; a lane that stopped running here since
+    /// the first look (handed over meanwhile) then gets one NOTIFY, sent
+    /// after the commit, so its next owner cannot have claimed before it.
     async fn write_on(&self, pool: &PgPool, plan: &PublishPlan) -> Result<HashSet<String>> {
         let lanes = plan.lanes();
         let in_process = self.in_process.runs_all(&lanes);
         let (stored, delivered) = publish::write(pool, plan, !in_process).await?;
-        if in_process && delivered {
-            let woken = wake::Woken::Lanes(lanes.into_iter().collect());
-            if let Err(e) = self.wake_committed(woken).await {
-                tracing::warn!(error = %e, "wake-up after a publish failed; lanes poll");
+        if delivered {
+            let all_here = self.in_process.wake(&lanes);
+            if in_process && !all_here {
+                let woken = wake::Woken::Lanes(lanes.into_iter().collect());
+                if let Err(e) = self.wakes.wake(&self.pool, woken).await {
+                    tracing::warn!(error = %e, "wake-up after a publish failed; lanes poll");
+                }
             }
         }
         Ok(stored)

@@ -5,8 +5,8 @@
 //! and one delivery per matching handler (disabled ones too), and sends one
 //! NOTIFY when asked. It runs in autocommit once per group of concurrent
 //! publishes for [`Store::publish`](crate::Store::publish)
-//! ([`crate::group`]: one round trip and one NOTIFY per group, on the group
-//! writer's connection, [`writer_pool`]), likewise alone for a batch of a
+//! ([`crate::group`]: one round trip and at most one NOTIFY per group, on
+//! the group writer's connection, [`writer_pool`]), likewise alone for a batch of a
 //! failed group (on the store's pool), or inside the caller's transaction
 //! for [`PgStore::publish_in`](super::PgStore::publish_in), without the
 //! NOTIFY: a notifying commit takes PostgreSQL's database-wide notify-queue
@@ -177,7 +177,8 @@ async fn notify(pool: &PgPool, woken: &Woken) -> Result<()> {
 }
 
 /// The wake-ups of publishes that ran without one (inside a caller's
-/// transaction), each asked for after that transaction committed, shared
+/// transaction, or left to a node of this process that no longer ran a
+/// lane when the write committed), each asked for after the commit, shared
 /// by a store and its clones. Coalesced: one NOTIFY in flight at a time
 /// (notifying commits are serialized by PostgreSQL anyway); a wake-up asked
 /// for meanwhile is served by one more NOTIFY, begun when the current one

@@ -138,9 +138,10 @@ impl PgStore {
     /// failed statement (with `?`) for the retry to see it.
     ///
     /// Events published with [`PgTx::publish`] exist if and only if the
-    /// transaction commits; after the commit one NOTIFY, in a transaction of
-    /// its own and coalesced as in [`PgStore::wake_after_commit`], wakes the
-    /// lane owners (none when no delivery was written), so
+    /// transaction commits; after the commit the lane owners are woken as
+    /// by [`PgStore::wake_after_commit`] (in process, or one coalesced
+    /// NOTIFY in a transaction of its own; nothing when no delivery was
+    /// written), so
     /// the events are claimed at once rather than within the poll interval.
     /// A failed NOTIFY is logged: the events are then claimed within the
     /// poll interval.
