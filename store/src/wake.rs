@@ -304,6 +304,38 @@ mod tests {
         }
     }
 
+    #[test]
+    fn in_process_receivers_get_their_own_lanes_and_cover_only_while_there() {
+        let here = InProcess::default();
+        let (_a_tx, mut a) = here.channel(8);
+        let (_b_tx, mut b) = here.channel(8);
+        let (_c_tx, mut c) = here.channel(8);
+        assert!(!here.runs_all(&[1]), "nobody said which lanes it runs");
+        assert!(a.set_runs(Arc::new(|l| l < 10)));
+        assert!(b.set_runs(Arc::new(|l| l >= 10 && l < 20)));
+        // Between them they run 0..20; c said nothing and gets nothing.
+        assert!(here.runs_all(&[1, 15]));
+        assert!(!here.runs_all(&[1, 25]));
+        assert!(!here.runs_all(&[]), "no lanes: nothing to leave out");
+        assert!(here.wake(&[1, 2, 15]));
+        assert_eq!(a.try_recv(), Some(lanes(&[1, 2])));
+        assert_eq!(b.try_recv(), Some(lanes(&[15])));
+        assert_eq!(c.try_recv(), None);
+        // A lane nobody here runs: the others are still woken, and the
+        // caller hears that a NOTIFY is needed.
+        assert!(!here.wake(&[3, 25]));
+        assert_eq!(a.try_recv(), Some(lanes(&[3])));
+        assert_eq!(b.try_recv(), None);
+        // A receiver that is gone runs nothing.
+        drop(b);
+        assert!(!here.runs_all(&[15]));
+        assert!(!here.wake(&[15]));
+        assert!(here.runs_all(&[4]));
+        // A channel of a store that does not wake in process refuses.
+        let (_tx, plain) = channel(8);
+        assert!(!plain.set_runs(Arc::new(|_| true)));
+    }
+
     #[tokio::test]
     async fn queued_wake_ups_are_merged() {
         let (tx, mut rx) = channel(8);
