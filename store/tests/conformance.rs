@@ -3008,6 +3008,41 @@ mod postgres_only {
         h.cleanup().await;
     }
 
+    /// The in-process wake-up names the lanes that got deliveries, not
+    /// those of events no handler routes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn in_process_wake_ups_name_only_lanes_with_deliveries() {
+        let h = PgHarness::new().await;
+        let s = h.store();
+        handler(&*s, "t", &["t.*"]).await;
+        let Wakeups::Push(mut rx) = s.wakeups().await.expect("wakeups") else {
+            panic!("postgres pushes wake-ups");
+        };
+        assert!(rx.set_runs(Arc::new(|_| true)));
+        let routed = lane_of_key("routed", s.lanes());
+        let other = (0..)
+            .map(|i| format!("unrouted-{i}"))
+            .find(|k| lane_of_key(k, s.lanes()) != routed)
+            .expect("a key in another lane");
+        let mut outside = listener(&h.url).await;
+        s.publish(vec![
+            ev(None, "t.x", Some("routed")),
+            ev(None, "u.x", Some(&other)),
+        ])
+        .await
+        .expect("publish");
+        let woken = next_wake(&mut rx, 5, "the in-process wake-up").await;
+        assert_eq!(woken, wake::Woken::Lanes([routed].into()));
+        // Nothing routed at all: no wake-up.
+        s.publish(vec![ev(None, "u.x", Some(&other))])
+            .await
+            .expect("publish");
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        assert_eq!(rx.try_recv(), None);
+        assert!(quiet(&mut outside).await, "no NOTIFY: every lane runs here");
+        h.cleanup().await;
+    }
+
     /// A lane that stops running here between the write's check and its
     /// commit (handed over meanwhile) gets its NOTIFY after the commit.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

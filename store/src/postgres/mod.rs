@@ -454,15 +454,15 @@ impl PgStore {
     }
 
     /// [`publish::write`] on `pool`, without its NOTIFY when a node in this
-    /// process runs every lane of `plan`. After the commit, the lanes run
-    /// here are woken in process; a lane that stopped running here since
-    /// the first look (handed over meanwhile) then gets one NOTIFY, sent
-    /// after the commit, so its next owner cannot have claimed before it.
+    /// process runs every lane of `plan`. After the commit, the lanes that
+    /// got deliveries and run here are woken in process; a lane that
+    /// stopped running here since the first look (handed over meanwhile)
+    /// then gets one NOTIFY, sent after the commit, so its next owner
+    /// cannot have claimed before it.
     async fn write_on(&self, pool: &PgPool, plan: &PublishPlan) -> Result<HashSet<String>> {
-        let lanes = plan.lanes();
-        let in_process = self.in_process.runs_all(&lanes);
-        let (stored, delivered) = publish::write(pool, plan, !in_process).await?;
-        if delivered {
+        let in_process = self.in_process.runs_all(&plan.lanes());
+        let (stored, lanes) = publish::write(pool, plan, !in_process).await?;
+        if !lanes.is_empty() {
             let all_here = self.in_process.wake(&lanes);
             if in_process && !all_here {
                 let woken = wake::Woken::Lanes(lanes.into_iter().collect());

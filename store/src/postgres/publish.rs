@@ -37,7 +37,7 @@ use super::transaction::TxError;
 use super::CHANNEL;
 use crate::common::{check_expected, PublishPlan};
 use crate::wake::Woken;
-use crate::{PublishOutcome, Result};
+use crate::{Lane, PublishOutcome, Result};
 
 /// Attempts of a publish that lost a race (a concurrent publisher of the same
 /// id, or a deadlock between two publishers inserting each other's ids).
@@ -109,6 +109,8 @@ pub(super) struct Ran {
     /// With [`PublishArgs::expects`], the sequence number of each event
     /// written (`None` when unkeyed), in batch order.
     pub seqs: Vec<Option<i64>>,
+    /// The lanes that got deliveries, ascending.
+    pub lanes: Vec<Lane>,
 }
 
 /// Checks the expected sequences of `plan`'s events that `ran` wrote
@@ -135,15 +137,17 @@ pub(super) async fn run(
             deliveries: 0,
             stored: Vec::new(),
             seqs: Vec::new(),
+            lanes: Vec::new(),
         });
     }
     #[allow(clippy::type_complexity)]
-    let (accepted, deliveries, _notified, stored, seqs): (
+    let (accepted, deliveries, _notified, stored, seqs, lanes): (
         i64,
         i64,
         i64,
         Option<Vec<String>>,
         Option<Vec<Option<i64>>>,
+        Option<Vec<i32>>,
     ) = sqlx::query_as(include_str!("sql/publish.sql"))
         .bind(&args.ids)
         .bind(&args.types)
@@ -161,6 +165,11 @@ pub(super) async fn run(
         deliveries: usize::try_from(deliveries).unwrap_or_default(),
         stored: stored.unwrap_or_default(),
         seqs: seqs.unwrap_or_default(),
+        lanes: lanes
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|l| Lane::try_from(l).ok())
+            .collect(),
     })
 }
 
@@ -278,12 +287,12 @@ async fn run_checked(
 /// lock wait past its `lock_timeout` (`55P03`) ends it as
 /// [`crate::StoreError::Timeout`]. A plan with expected sequences runs in a
 /// transaction ([`run_checked`]). Returns the ids found already stored, and
-/// whether deliveries were written.
+/// the lanes that got deliveries (ascending).
 pub(super) async fn write(
     pool: &PgPool,
     plan: &PublishPlan,
     notify: bool,
-) -> Result<(HashSet<String>, bool)> {
+) -> Result<(HashSet<String>, Vec<Lane>)> {
     let args = PublishArgs::new(plan);
     let mut attempt = 1;
     loop {
@@ -294,7 +303,7 @@ pub(super) async fn write(
             run(&mut conn, &args, notify).await.map_err(TxError::from)
         };
         match ran {
-            Ok(ran) => return Ok((ran.stored.into_iter().collect(), ran.deliveries > 0)),
+            Ok(ran) => return Ok((ran.stored.into_iter().collect(), ran.lanes)),
             Err(TxError::Sql(e)) if attempt < PUBLISH_ATTEMPTS && is_retryable(&e) => {
                 tracing::debug!(attempt, error = %e, "publish raced another publisher; retrying");
                 attempt += 1;

@@ -57,9 +57,10 @@ CREATE OR REPLACE FUNCTION lanebus.publish_rows(
 LANGUAGE plpgsql SET search_path FROM CURRENT SET plan_cache_mode = force_generic_plan AS $fn$
 DECLARE
     o_notified bigint;
+    o_lanes int[];
 BEGIN
 --@publish.sql
-    INTO o_accepted, o_deliveries, o_notified, o_stored, o_seqs;
+    INTO o_accepted, o_deliveries, o_notified, o_stored, o_seqs, o_lanes;
 END $fn$;
 
 -- Raises the broken rule of an event (store/src/rules.rs, event::check), as

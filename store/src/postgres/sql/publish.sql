@@ -10,8 +10,10 @@
 --      expected sequences before it commits; publish.rs)
 -- Returns accepted (new events), deliveries (rows created), notified,
 -- stored: the client-supplied ids found already stored (NULL when none),
--- and seqs: with $9, each written event's sequence number (NULL unkeyed),
--- in batch order (NULL without $9 or when nothing was written).
+-- seqs: with $9, each written event's sequence number (NULL unkeyed),
+-- in batch order (NULL without $9 or when nothing was written), and
+-- lanes: the lanes that got deliveries (NULL when none), for a wake-up
+-- sent by the caller instead of the NOTIFY.
 WITH input AS (
     -- Ids already stored are duplicates. Only client-supplied ids are looked
     -- up (generated UUIDv7s are new). A concurrent publisher of the same id
@@ -97,4 +99,5 @@ SELECT
     (SELECT array_agg(x.id)
      FROM unnest($1::text[], $6::bool[]) AS x (id, client)
      WHERE x.client AND NOT EXISTS (SELECT 1 FROM input i WHERE i.id = x.id)) AS stored,
-    (SELECT array_agg(n.seq ORDER BY n.ord) FROM numbered n WHERE $9) AS seqs
+    (SELECT array_agg(n.seq ORDER BY n.ord) FROM numbered n WHERE $9) AS seqs,
+    (SELECT array_agg(DISTINCT lane::int) FROM dl) AS lanes
