@@ -326,8 +326,8 @@ pub struct NodeState {
     /// The dispatcher's per-handler samples of recent attempts.
     activity: Arc<HandlerActivity>,
     /// The store wakes the lanes of its own publishes that this node runs
-    /// ([`set_runs`](lanebus_store::wake::WakeReceiver::set_runs)): the API's hint after a publish would
-    /// wake them twice.
+    /// ([`set_runs`](lanebus_store::wake::WakeReceiver::set_runs)): the
+    /// API's hint after a publish would wake them twice.
     store_wakes_publishes: bool,
 }
 

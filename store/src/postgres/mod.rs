@@ -462,13 +462,13 @@ impl PgStore {
     async fn write_on(&self, pool: &PgPool, plan: &PublishPlan) -> Result<HashSet<String>> {
         let in_process = self.in_process.runs_all(&plan.lanes());
         let (stored, lanes) = publish::write(pool, plan, !in_process).await?;
-        if !lanes.is_empty() {
-            let all_here = self.in_process.wake(&lanes);
-            if in_process && !all_here {
-                let woken = wake::Woken::Lanes(lanes.into_iter().collect());
-                if let Err(e) = self.wakes.wake(&self.pool, woken).await {
-                    tracing::warn!(error = %e, "wake-up after a publish failed; lanes poll");
-                }
+        if !in_process {
+            // The statement's NOTIFY went out with the commit.
+            self.in_process.wake(&lanes);
+        } else if !lanes.is_empty() {
+            let woken = wake::Woken::Lanes(lanes.into_iter().collect());
+            if let Err(e) = self.wake_committed(woken).await {
+                tracing::warn!(error = %e, "wake-up after a publish failed; lanes poll");
             }
         }
         Ok(stored)
