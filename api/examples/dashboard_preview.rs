@@ -150,6 +150,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         max_in_flight: 64,
         secret: lanebus_store::generate_secret(),
         rate_limit: None,
+        filter: None,
     };
     store
         .create_handler(handler("billing", &["invoice.*"]))

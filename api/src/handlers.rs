@@ -243,6 +243,7 @@ impl From<Handler> for HandlerView {
             state_changed_at,
             state_reason,
             failing_since,
+            filter: _,
         } = h;
         HandlerView {
             id,
@@ -309,6 +310,7 @@ pub fn validate_handler(req: CreateHandler) -> Result<NewHandler, ApiError> {
         max_in_flight: req.max_in_flight.unwrap_or(handler_defaults::MAX_IN_FLIGHT),
         secret: req.secret.unwrap_or_else(generate_secret),
         rate_limit: req.rate_limit.map(rate_limit),
+        filter: None,
     };
     rules::handler::check(&new).map_err(broken)?;
     Ok(new)
@@ -405,6 +407,7 @@ pub fn validate_patch(req: UpdateHandler) -> Result<HandlerPatch, ApiError> {
         timeout_ms: required("timeout_ms", req.timeout_ms)?,
         max_in_flight: required("max_in_flight", req.max_in_flight)?,
         rate_limit: req.rate_limit.map(|r| r.map(rate_limit)),
+        filter: None,
     };
     rules::handler::check_patch(&patch).map_err(broken)?;
     Ok(patch)

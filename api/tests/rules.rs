@@ -460,6 +460,7 @@ fn new_handler(v: &Value) -> NewHandler {
         max_in_flight: u32_of(&v["max_in_flight"]).unwrap_or(handler_defaults::MAX_IN_FLIGHT),
         secret: v["secret"].as_str().unwrap_or_default().to_owned(),
         rate_limit: v.get("rate_limit").filter(|r| !r.is_null()).map(rate_limit),
+        filter: None,
     }
 }
 
@@ -474,6 +475,7 @@ fn patch(v: &Value) -> HandlerPatch {
         rate_limit: v
             .get("rate_limit")
             .map(|r| (!r.is_null()).then(|| rate_limit(r))),
+        filter: None,
     }
 }
 

@@ -400,6 +400,7 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
                 max_in_flight: cell.settings.max_in_flight(),
                 secret,
                 rate_limit: None,
+                filter: None,
             })
             .await?;
         handler_idx.insert(h.id.to_string(), i as u16);

@@ -88,6 +88,7 @@ pub async fn run(store_url: &str, orders: usize, customers: usize) -> anyhow::Re
                 max_in_flight: 16,
                 secret: lanebus_store::generate_secret(),
                 rate_limit: None,
+                filter: None,
             })
             .await?;
     }

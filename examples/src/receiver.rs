@@ -168,6 +168,7 @@ pub async fn run(store_url: &str, orders: usize) -> anyhow::Result<Vec<serde_jso
             max_in_flight: 16,
             secret,
             rate_limit: None,
+            filter: None,
         })
         .await?;
     let mut opts =

@@ -569,6 +569,7 @@ mod tests {
             max_in_flight,
             secret: lanebus_store::generate_secret(),
             rate_limit: None,
+            filter: None,
         }
     }
 

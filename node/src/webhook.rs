@@ -667,6 +667,7 @@ mod tests {
                     max_in_flight: 1,
                     secret: SECRET.into(),
                     rate_limit: None,
+                    filter: None,
                 },
                 Utc::now(),
             )
@@ -699,6 +700,7 @@ mod tests {
                 max_in_flight: 1,
                 secret: new.clone(),
                 rate_limit: None,
+                filter: None,
             },
             sent_at,
         );

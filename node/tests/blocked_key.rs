@@ -195,6 +195,7 @@ async fn disabled_handler_does_not_hold_up_its_lane(backend: Backend) -> anyhow:
             max_in_flight: 64,
             secret: lanebus_store::generate_secret(),
             rate_limit: None,
+            filter: None,
         })
         .await?;
     rx.set_secret("paused", &paused.secret);

@@ -38,6 +38,7 @@ async fn large_backlog_stays_within_the_budget(backend: Backend) -> anyhow::Resu
             max_in_flight: 64,
             secret: lanebus_store::generate_secret(),
             rate_limit: None,
+            filter: None,
         })
         .await?;
     rx.set_secret("big", &h.secret);
@@ -53,6 +54,7 @@ async fn large_backlog_stays_within_the_budget(backend: Backend) -> anyhow::Resu
             max_in_flight: 64,
             secret: lanebus_store::generate_secret(),
             rate_limit: None,
+            filter: None,
         })
         .await?;
     let filler = "x".repeat(PAYLOAD - 20);

@@ -102,6 +102,7 @@ impl Fixture {
                     max_in_flight: handler_defaults::MAX_IN_FLIGHT,
                     secret: lanebus_store::generate_secret(),
                     rate_limit: None,
+                    filter: None,
                 })
                 .await?;
             rx.set_secret(name, &h.secret);
@@ -519,6 +520,7 @@ async fn handler_added_after_start(backend: Backend) -> anyhow::Result<()> {
             max_in_flight: handler_defaults::MAX_IN_FLIGHT,
             secret: lanebus_store::generate_secret(),
             rate_limit: None,
+            filter: None,
         })
         .await?;
     f.rx.set_secret("slow", &slow.secret);
@@ -639,6 +641,7 @@ async fn same_id_twice(backend: Backend) -> anyhow::Result<()> {
             max_in_flight: handler_defaults::MAX_IN_FLIGHT,
             secret: lanebus_store::generate_secret(),
             rate_limit: None,
+            filter: None,
         })
         .await?;
     rx.set_secret("all", &h.secret);
@@ -905,6 +908,7 @@ async fn lease_shorter_than_a_handler_timeout_is_refused() {
             max_in_flight: 1,
             secret: lanebus_store::generate_secret(),
             rate_limit: None,
+            filter: None,
         })
         .await
         .unwrap();

@@ -829,6 +829,7 @@ async fn orphans_of_a_deleted_handler_are_discarded_sqlite() -> anyhow::Result<(
             max_in_flight: 64,
             secret: lanebus_store::generate_secret(),
             rate_limit: None,
+            filter: None,
         })
         .await?;
     store

@@ -63,6 +63,7 @@ async fn run() -> anyhow::Result<()> {
             max_in_flight: 16,
             secret: lanebus_store::generate_secret(),
             rate_limit: None,
+            filter: None,
         })
         .await?;
     lanebus_api::NodeView::handlers_changed(&*node.state);
@@ -157,6 +158,7 @@ async fn max_in_flight() -> anyhow::Result<()> {
             max_in_flight: 3,
             secret: lanebus_store::generate_secret(),
             rate_limit: None,
+            filter: None,
         })
         .await?;
     lanebus_api::NodeView::handlers_changed(&*node.state);
@@ -239,6 +241,7 @@ async fn shutdown_drain() -> anyhow::Result<()> {
             max_in_flight: 100,
             secret: lanebus_store::generate_secret(),
             rate_limit: None,
+            filter: None,
         })
         .await?;
     lanebus_api::NodeView::handlers_changed(&*node.state);

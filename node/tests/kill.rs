@@ -75,6 +75,7 @@ async fn killed_and_restarted(backend: Backend) -> anyhow::Result<()> {
                 max_in_flight: handler_defaults::MAX_IN_FLIGHT,
                 secret: lanebus_store::generate_secret(),
                 rate_limit: None,
+                filter: None,
             })
             .await?;
         rx.set_secret(name, &h.secret);

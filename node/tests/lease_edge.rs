@@ -42,6 +42,7 @@ async fn register(
             max_in_flight,
             secret: lanebus_store::generate_secret(),
             rate_limit: None,
+            filter: None,
         })
         .await?;
     lanebus_api::NodeView::handlers_changed(&*node.state);

@@ -289,6 +289,7 @@ async fn late_write_of_a_deposed_owner(backend: Backend) -> anyhow::Result<()> {
             max_in_flight: 16,
             secret,
             rate_limit: None,
+            filter: None,
         })
         .await?;
 

@@ -60,6 +60,7 @@ fn handler(name: &str, url: &str) -> NewHandler {
         max_in_flight: 256,
         secret: lanebus_store::generate_secret(),
         rate_limit: None,
+        filter: None,
     }
 }
 

@@ -305,6 +305,7 @@ async fn last_error_of(
             max_in_flight: handler_defaults::MAX_IN_FLIGHT,
             secret: lanebus_store::generate_secret(),
             rate_limit: None,
+            filter: None,
         })
         .await?;
     let api = Api::new(&node.base_url());

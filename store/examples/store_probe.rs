@@ -104,6 +104,7 @@ async fn run(
                 max_in_flight: 64,
                 secret: String::new(),
                 rate_limit: None,
+                filter: None,
             })
             .await?;
     }

@@ -75,6 +75,8 @@ pub use common::MAX_BATCH;
 mod group;
 pub use group::{GroupStats, GROUP_EVENTS, GROUP_PAYLOAD_BYTES};
 pub mod egress;
+pub mod filter;
+pub use filter::Filter;
 pub mod operational;
 mod state;
 pub use state::change_state;
@@ -292,6 +294,10 @@ pub struct NewHandler {
     pub secret: String,
     /// Requests per second per node, or `None` for no limit.
     pub rate_limit: Option<RateLimit>,
+    /// Payload filter ([`filter`]): the handler gets only the events whose
+    /// payload matches it (decided at publish); `None` for every event its
+    /// routes match.
+    pub filter: Option<Filter>,
 }
 
 /// A registered handler.
@@ -336,6 +342,9 @@ pub struct Handler {
     /// nodes record it ([`Store::mark_handler_failing`]); `None` when the
     /// last recorded outcome was a success.
     pub failing_since: Option<DateTime<Utc>>,
+    /// Payload filter ([`filter`]), or `None`: every event its routes match.
+    #[serde(default)]
+    pub filter: Option<Filter>,
 }
 
 impl Handler {
@@ -359,6 +368,7 @@ impl Handler {
             state_changed_at: None,
             state_reason: None,
             failing_since: None,
+            filter: h.filter,
         }
     }
 
@@ -403,6 +413,9 @@ pub struct HandlerPatch {
     pub max_in_flight: Option<u32>,
     /// `Some(None)` removes the rate limit; `Some(Some(r))` sets it.
     pub rate_limit: Option<Option<RateLimit>>,
+    /// `Some(None)` removes the payload filter; `Some(Some(f))` sets it
+    /// (applies to events published after the change).
+    pub filter: Option<Option<Filter>>,
 }
 
 /// One delivery as a claim returns it: the (event, handler) pair with what is

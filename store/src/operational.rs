@@ -205,6 +205,7 @@ mod tests {
                 max_in_flight: 1,
                 secret: crate::generate_secret(),
                 rate_limit: None,
+                filter: None,
             },
             Utc::now(),
         )

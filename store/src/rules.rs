@@ -23,6 +23,13 @@
 //! | handler | `timeout_ms` | 100 to 300,000 |
 //! | handler | `max_in_flight` | 1 to 10,000 |
 //! | handler | `rate_limit.per_second`, `rate_limit.burst` | 1 to 100,000 |
+//! | handler | `filter` | a payload filter ([`crate::filter`]): at most 8 levels of `and`/`or`/`not`, 32 conditions, 8,192 bytes of JSON |
+//! | handler | `filter…path` | a JSON pointer (RFC 6901) of at most 256 bytes |
+//! | handler | `filter…and`, `filter…or` | 1 or more filters |
+//! | handler | `filter…in` | 1 to 100 strings, numbers, booleans or `null` |
+//! | handler | `filter…equals` | a string, number, boolean or `null` |
+//! | handler | `filter…gt`, `gte`, `lt`, `lte` | a number |
+//! | handler | `filter…exists` | `true` or `false` |
 //! | secret | `secret` | `whsec_` + standard base64 of 24 to 64 bytes |
 //!
 //! Rules of the HTTP request's shape stay with the API: well-formed JSON,
@@ -559,11 +566,297 @@ pub mod secret {
     }
 }
 
+/// Payload filter rules ([`crate::filter::Filter`], a handler's `filter`).
+pub mod filter {
+    use serde_json::{Map, Value};
+
+    use super::{Broken, Rule};
+    use crate::filter::{Condition, Filter, Test};
+
+    /// Deepest nesting of a filter: a condition alone is 1 level, each
+    /// `and`, `or` or `not` around it one more.
+    pub const MAX_DEPTH: usize = 8;
+    /// Most conditions (`{"path": ...}` objects) in one filter.
+    pub const MAX_CONDITIONS: usize = 32;
+    /// Most values in one `in` list.
+    pub const MAX_IN_VALUES: usize = 100;
+    /// Largest filter, in bytes of its compact JSON.
+    pub const MAX_BYTES: usize = 8_192;
+    /// Longest `path`, in bytes.
+    pub const MAX_PATH_BYTES: usize = 256;
+    /// The operators of a condition.
+    pub const OPERATORS: [&str; 7] = ["equals", "in", "exists", "gt", "gte", "lt", "lte"];
+
+    fn form(field: &str, message: String) -> Broken {
+        Broken::new(field, Rule::Form, format!("{field}: {message}"))
+    }
+
+    /// Parses a filter's JSON ([`crate::filter`] shape) and checks it
+    /// ([`check`]).
+    ///
+    /// # Errors
+    /// The first broken rule, its field named from `filter` on
+    /// (`filter.and[1].path`): [`Rule::Form`] for a wrong shape (not an
+    /// object, unknown or missing operator, two operators, an operand of
+    /// the wrong type, a bad JSON pointer), [`Rule::Length`],
+    /// [`Rule::Depth`] or [`Rule::Size`] for a bound.
+    pub fn parse(v: &Value) -> Result<Filter, Broken> {
+        let f = parse_at(v, "filter", 1)?;
+        check(&f)?;
+        Ok(f)
+    }
+
+    fn parse_at(v: &Value, field: &str, depth: usize) -> Result<Filter, Broken> {
+        if depth > MAX_DEPTH {
+            return Err(too_deep(field));
+        }
+        let Value::Object(m) = v else {
+            return Err(form(
+                field,
+                "a filter must be a JSON object: {\"path\": ..., OP: ...}, {\"and\": [...]}, \
+                 {\"or\": [...]} or {\"not\": ...}"
+                    .into(),
+            ));
+        };
+        let list = |key: &str, items: &Value| -> Result<Vec<Filter>, Broken> {
+            let at = format!("{field}.{key}");
+            let Value::Array(items) = items else {
+                return Err(form(&at, "must be a list of filters".into()));
+            };
+            items
+                .iter()
+                .enumerate()
+                .map(|(i, f)| parse_at(f, &format!("{at}[{i}]"), depth + 1))
+                .collect()
+        };
+        if m.len() == 1 {
+            if let Some(items) = m.get("and") {
+                return Ok(Filter::And(list("and", items)?));
+            }
+            if let Some(items) = m.get("or") {
+                return Ok(Filter::Or(list("or", items)?));
+            }
+            if let Some(inner) = m.get("not") {
+                let at = format!("{field}.not");
+                return Ok(Filter::Not(Box::new(parse_at(inner, &at, depth + 1)?)));
+            }
+        }
+        condition(m, field).map(Filter::Field)
+    }
+
+    fn condition(m: &Map<String, Value>, field: &str) -> Result<Condition, Broken> {
+        let Some(path) = m.get("path") else {
+            return Err(form(
+                field,
+                format!(
+                    "expected \"and\", \"or\" or \"not\" alone, or \"path\" with one operator of \
+                     {OPERATORS:?}; got the keys {:?}",
+                    m.keys().collect::<Vec<_>>()
+                ),
+            ));
+        };
+        let Value::String(path) = path else {
+            return Err(form(&format!("{field}.path"), "must be a string".into()));
+        };
+        let ops: Vec<&String> = m.keys().filter(|k| *k != "path").collect();
+        let [op] = ops.as_slice() else {
+            return Err(form(
+                field,
+                format!("a condition takes exactly one operator of {OPERATORS:?}; got {ops:?}"),
+            ));
+        };
+        let at = format!("{field}.{op}");
+        let operand = &m[op.as_str()];
+        let number = || match operand {
+            Value::Number(n) => Ok(n.clone()),
+            _ => Err(form(&at, format!("{op} takes a number, got {operand}"))),
+        };
+        let test = match op.as_str() {
+            "equals" => Test::Equals(operand.clone()),
+            "in" => match operand {
+                Value::Array(vs) => Test::In(vs.clone()),
+                _ => return Err(form(&at, "in takes a list of values".into())),
+            },
+            "exists" => match operand {
+                Value::Bool(b) => Test::Exists(*b),
+                _ => {
+                    return Err(form(
+                        &at,
+                        format!("exists takes true or false, got {operand}"),
+                    ))
+                }
+            },
+            "gt" => Test::Gt(number()?),
+            "gte" => Test::Gte(number()?),
+            "lt" => Test::Lt(number()?),
+            "lte" => Test::Lte(number()?),
+            _ => {
+                return Err(form(
+                    field,
+                    format!("unknown operator {op:?}; expected one of {OPERATORS:?}"),
+                ))
+            }
+        };
+        Ok(Condition {
+            path: path.clone(),
+            test,
+        })
+    }
+
+    fn too_deep(field: &str) -> Broken {
+        Broken::new(
+            field,
+            Rule::Depth,
+            format!("{field}: filter nests more than {MAX_DEPTH} levels of and/or/not"),
+        )
+    }
+
+    /// Checks a filter's bounds ([`MAX_DEPTH`], [`MAX_CONDITIONS`],
+    /// [`MAX_IN_VALUES`], [`MAX_BYTES`], [`MAX_PATH_BYTES`]), its paths
+    /// (JSON pointers: empty, or `/` and tokens in which `~` is followed by
+    /// `0` or `1`), its operands (`equals` and `in`: scalars; comparisons: a
+    /// finite number), and that `and`/`or` lists are not empty.
+    ///
+    /// # Errors
+    /// The first broken rule, its field named from `filter` on.
+    pub fn check(f: &Filter) -> Result<(), Broken> {
+        let mut conditions = 0;
+        walk(f, "filter", 1, &mut conditions)?;
+        if conditions > MAX_CONDITIONS {
+            return Err(Broken::new(
+                "filter",
+                Rule::Length,
+                format!(
+                    "filter: holds {conditions} conditions; at most {MAX_CONDITIONS} are allowed"
+                ),
+            ));
+        }
+        let bytes = f.to_json().to_string().len();
+        if bytes > MAX_BYTES {
+            return Err(Broken::new(
+                "filter",
+                Rule::Size,
+                format!("filter: {bytes} bytes of JSON exceed the limit of {MAX_BYTES} bytes"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn walk(f: &Filter, field: &str, depth: usize, conditions: &mut usize) -> Result<(), Broken> {
+        if depth > MAX_DEPTH {
+            return Err(too_deep(field));
+        }
+        let (key, items) = match f {
+            Filter::And(items) => ("and", items),
+            Filter::Or(items) => ("or", items),
+            Filter::Not(inner) => {
+                return walk(inner, &format!("{field}.not"), depth + 1, conditions)
+            }
+            Filter::Field(c) => {
+                *conditions += 1;
+                return check_condition(c, field);
+            }
+        };
+        let at = format!("{field}.{key}");
+        if items.is_empty() {
+            return Err(Broken::new(
+                &at,
+                Rule::Length,
+                format!("{at}: must hold at least one filter"),
+            ));
+        }
+        for (i, item) in items.iter().enumerate() {
+            walk(item, &format!("{at}[{i}]"), depth + 1, conditions)?;
+        }
+        Ok(())
+    }
+
+    fn check_condition(c: &Condition, field: &str) -> Result<(), Broken> {
+        pointer(&c.path).map_err(|b| {
+            Broken::new(
+                &format!("{field}.path"),
+                b.rule,
+                format!("{field}.{}", b.message),
+            )
+        })?;
+        let at = format!("{field}.{}", c.test.name());
+        let scalar = |v: &Value, at: &str| match v {
+            Value::Array(_) | Value::Object(_) => Err(form(
+                at,
+                format!("takes a string, number, boolean or null, got {v}"),
+            )),
+            _ => Ok(()),
+        };
+        match &c.test {
+            Test::Equals(v) => scalar(v, &at),
+            Test::In(vs) => {
+                if vs.is_empty() || vs.len() > MAX_IN_VALUES {
+                    return Err(Broken::new(
+                        &at,
+                        Rule::Length,
+                        format!(
+                            "{at}: list of {} values must hold 1 to {MAX_IN_VALUES}",
+                            vs.len()
+                        ),
+                    ));
+                }
+                for (i, v) in vs.iter().enumerate() {
+                    scalar(v, &format!("{at}[{i}]"))?;
+                }
+                Ok(())
+            }
+            Test::Exists(_) => Ok(()),
+            Test::Gt(n) | Test::Gte(n) | Test::Lt(n) | Test::Lte(n) => {
+                if n.as_f64().is_some_and(f64::is_finite) {
+                    Ok(())
+                } else {
+                    Err(form(&at, format!("{n} is not a finite number")))
+                }
+            }
+        }
+    }
+
+    /// Checks a JSON pointer (RFC 6901): empty (the whole payload), or `/`
+    /// followed by tokens separated by `/`, in which `~` is followed by `0`
+    /// or `1`; at most [`MAX_PATH_BYTES`].
+    ///
+    /// # Errors
+    /// [`Rule::Length`] or [`Rule::Form`] on `path`.
+    pub fn pointer(path: &str) -> Result<(), Broken> {
+        if path.len() > MAX_PATH_BYTES {
+            return Err(Broken::new(
+                "path",
+                Rule::Length,
+                format!(
+                    "path of {} bytes exceeds the limit of {MAX_PATH_BYTES} bytes",
+                    path.len()
+                ),
+            ));
+        }
+        let escapes_ok = path
+            .split('~')
+            .skip(1)
+            .all(|rest| rest.starts_with('0') || rest.starts_with('1'));
+        if !(path.is_empty() || path.starts_with('/')) || !escapes_ok {
+            return Err(Broken::new(
+                "path",
+                Rule::Form,
+                format!(
+                    "path {path:?} must be a JSON pointer (RFC 6901): empty, or \"/\" and \
+                     members or indexes separated by \"/\", with \"~1\" for \"/\" and \"~0\" \
+                     for \"~\""
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Handler rules ([`NewHandler`], [`HandlerPatch`]).
 pub mod handler {
     use std::ops::RangeInclusive;
 
-    use super::{in_range, route, secret, tidy, Broken, Rule};
+    use super::{filter, in_range, route, secret, tidy, Broken, Rule};
     use crate::{HandlerPatch, NewHandler, RateLimit};
 
     /// Allowed length of `name`, in characters.
@@ -1023,6 +1316,9 @@ pub mod handler {
         if let Some(r) = &h.rate_limit {
             rate_limit(r)?;
         }
+        if let Some(f) = &h.filter {
+            filter::check(f)?;
+        }
         Ok(())
     }
 
@@ -1053,6 +1349,9 @@ pub mod handler {
         }
         if let Some(Some(r)) = &p.rate_limit {
             rate_limit(r)?;
+        }
+        if let Some(Some(f)) = &p.filter {
+            filter::check(f)?;
         }
         Ok(())
     }
@@ -1120,6 +1419,9 @@ impl Handler {
         }
         if let Some(v) = patch.rate_limit {
             h.rate_limit = v;
+        }
+        if let Some(v) = &patch.filter {
+            h.filter = v.clone();
         }
         Ok(h)
     }
@@ -1402,6 +1704,7 @@ mod tests {
                 max_in_flight: 1,
                 secret: crate::generate_secret(),
                 rate_limit: None,
+                filter: None,
             },
             chrono::Utc::now(),
         );
@@ -1440,5 +1743,96 @@ mod tests {
             assert_eq!(b.field, "secret");
             assert!(!b.message.contains(&bad), "{b}");
         }
+    }
+
+    #[test]
+    fn filters_are_refused_naming_the_field_and_rule() {
+        use serde_json::json;
+        let cases = [
+            (json!([1]), "filter", Rule::Form),
+            (json!({"path": "/a"}), "filter", Rule::Form),
+            (
+                json!({"path": "/a", "equals": 1, "gt": 2}),
+                "filter",
+                Rule::Form,
+            ),
+            (json!({"path": "/a", "like": "x"}), "filter", Rule::Form),
+            (json!({"path": "a", "equals": 1}), "filter.path", Rule::Form),
+            (
+                json!({"path": "/a~2", "equals": 1}),
+                "filter.path",
+                Rule::Form,
+            ),
+            (json!({"path": 1, "equals": 1}), "filter.path", Rule::Form),
+            (
+                json!({"and": [{"path": "/a", "gt": "1"}]}),
+                "filter.and[0].gt",
+                Rule::Form,
+            ),
+            (
+                json!({"or": [{"path": "/a", "exists": 1}]}),
+                "filter.or[0].exists",
+                Rule::Form,
+            ),
+            (
+                json!({"path": "/a", "equals": {"b": 1}}),
+                "filter.equals",
+                Rule::Form,
+            ),
+            (
+                json!({"path": "/a", "in": [1, [2]]}),
+                "filter.in[1]",
+                Rule::Form,
+            ),
+            (json!({"path": "/a", "in": []}), "filter.in", Rule::Length),
+            (
+                json!({"path": "/a", "in": vec![1; filter::MAX_IN_VALUES + 1]}),
+                "filter.in",
+                Rule::Length,
+            ),
+            (json!({"and": []}), "filter.and", Rule::Length),
+            (
+                json!({"not": {"not": {"not": {"not": {"not": {"not": {"not": {"not":
+                {"path": "", "exists": true}}}}}}}}}),
+                "filter.not.not.not.not.not.not.not.not",
+                Rule::Depth,
+            ),
+            (
+                json!({"path": format!("/{}", "a".repeat(filter::MAX_PATH_BYTES)), "exists": true}),
+                "filter.path",
+                Rule::Length,
+            ),
+        ];
+        for (v, field, rule) in cases {
+            let b = filter::parse(&v).expect_err(&v.to_string());
+            assert_eq!((b.field.as_str(), b.rule), (field, rule), "{v}: {b}");
+            assert!(b.message.starts_with(field), "{b}");
+        }
+        let many: Vec<_> = (0..=filter::MAX_CONDITIONS)
+            .map(|i| json!({"path": format!("/{i}"), "exists": true}))
+            .collect();
+        let b = filter::parse(&json!({"or": many})).unwrap_err();
+        assert_eq!((b.field.as_str(), b.rule), ("filter", Rule::Length));
+        let big = json!({"path": "/a", "in": vec!["x".repeat(100); filter::MAX_IN_VALUES]});
+        let b = filter::parse(&big).unwrap_err();
+        assert_eq!((b.field.as_str(), b.rule), ("filter", Rule::Size));
+        // Within the bounds: accepted, and checked again by the handler rules.
+        let ok = json!({"and": [{"path": "/order/total", "gte": 100},
+                                {"path": "/country", "in": ["DE", "FR"]}]});
+        let f = filter::parse(&ok).unwrap();
+        let mut h = NewHandler {
+            name: "n".into(),
+            url: "https://example.com/".into(),
+            event_types: vec!["*".into()],
+            max_attempts: 1,
+            timeout_ms: 1000,
+            max_in_flight: 1,
+            secret: String::new(),
+            rate_limit: None,
+            filter: Some(f),
+        };
+        assert!(handler::check(&h).is_ok());
+        h.filter = Some(crate::Filter::And(vec![]));
+        assert_eq!(handler::check(&h).unwrap_err().field, "filter.and");
     }
 }

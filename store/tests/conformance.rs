@@ -468,6 +468,12 @@ conformance!(
     a_broken_expectation_stores_nothing_of_the_batch,
     a_broken_expectation_fails_only_its_caller,
     a_broken_expectation_in_a_caller_transaction,
+    filters_decide_deliveries_at_publish,
+    a_filter_that_matches_nothing_creates_no_delivery_row,
+    filters_hold_for_publish_in,
+    handler_filter_round_trips_and_patch_sets_and_removes_it,
+    invalid_filters_are_refused_and_store_nothing,
+    recover_puts_back_only_what_the_filter_let_through,
 );
 
 // ---------------------------------------------------------------------------
@@ -495,6 +501,7 @@ fn new_handler(name: &str, types: &[&str]) -> NewHandler {
         max_in_flight: handler_defaults::MAX_IN_FLIGHT,
         secret: String::new(),
         rate_limit: None,
+        filter: None,
     }
 }
 
@@ -2286,6 +2293,458 @@ async fn failing_since_is_set_once_and_cleared(h: &dyn Harness) {
         s.mark_handler_failing("hdl_nope", true, Utc::now()).await,
         Err(StoreError::NotFound(_))
     ));
+}
+
+// ---------------------------------------------------------------------------
+// Payload filters (store/src/filter.rs)
+// ---------------------------------------------------------------------------
+
+fn filter(v: serde_json::Value) -> Filter {
+    Filter::parse(&v).expect("valid filter")
+}
+
+async fn filtered_handler(
+    s: &dyn Store,
+    name: &str,
+    types: &[&str],
+    f: serde_json::Value,
+) -> Handler {
+    s.create_handler(NewHandler {
+        filter: Some(filter(f)),
+        ..new_handler(name, types)
+    })
+    .await
+    .expect("create filtered handler")
+}
+
+fn with_payload(id: &str, ty: &str, key: Option<&str>, payload: &[u8]) -> NewEvent {
+    NewEvent {
+        payload: payload.to_vec(),
+        ..ev(Some(id), ty, key)
+    }
+}
+
+/// Each case: a filter, and payloads with whether they match. The answers
+/// are the documented semantics; every store must give them.
+fn filter_cases() -> Vec<(serde_json::Value, Vec<(&'static str, bool)>)> {
+    use serde_json::json;
+    vec![
+        (
+            json!({"path": "/n", "equals": 1}),
+            vec![
+                (r#"{"n":1}"#, true),
+                (r#"{"n":1.0}"#, true),
+                (r#"{"n":1e0}"#, true),
+                (r#"{"n":"1"}"#, false),
+                (r#"{"n":true}"#, false),
+                (r#"{}"#, false),
+            ],
+        ),
+        (
+            json!({"path": "/s", "equals": "1"}),
+            vec![(r#"{"s":"1"}"#, true), (r#"{"s":1}"#, false)],
+        ),
+        (
+            json!({"path": "/s", "equals": "é/x"}),
+            vec![(r#"{"s":"\u00e9\/x"}"#, true), (r#"{"s":"e/x"}"#, false)],
+        ),
+        (
+            json!({"path": "/z", "equals": null}),
+            vec![
+                (r#"{"z":null}"#, true),
+                (r#"{}"#, false),
+                (r#"{"z":false}"#, false),
+            ],
+        ),
+        (
+            json!({"path": "/b", "equals": false}),
+            vec![
+                (r#"{"b":false}"#, true),
+                (r#"{"b":0}"#, false),
+                (r#"{"b":null}"#, false),
+            ],
+        ),
+        (
+            json!({"path": "/c", "in": ["DE", "FR", 2]}),
+            vec![
+                (r#"{"c":"DE"}"#, true),
+                (r#"{"c":"US"}"#, false),
+                (r#"{"c":2.0}"#, true),
+                (r#"{"c":"2"}"#, false),
+                (r#"{}"#, false),
+                (r#"{"c":["DE"]}"#, false),
+            ],
+        ),
+        (
+            json!({"path": "/a/0/b", "exists": true}),
+            vec![
+                (r#"{"a":[{"b":null}]}"#, true),
+                (r#"{"a":[{}]}"#, false),
+                (r#"{"a":{"0":{"b":1}}}"#, true),
+                (r#"{"a":[]}"#, false),
+                (r#"{"a":"x"}"#, false),
+            ],
+        ),
+        (
+            json!({"path": "/a/01", "exists": true}),
+            vec![(r#"{"a":[1,2]}"#, false), (r#"{"a":{"01":1}}"#, true)],
+        ),
+        (
+            json!({"path": "/x", "exists": false}),
+            vec![(r#"{}"#, true), (r#"{"x":null}"#, false)],
+        ),
+        (
+            json!({"path": "/t", "gt": 100}),
+            vec![
+                (r#"{"t":100.5}"#, true),
+                (r#"{"t":100}"#, false),
+                (r#"{"t":"200"}"#, false),
+                (r#"{"t":null}"#, false),
+                (r#"{}"#, false),
+                (r#"{"t":[200]}"#, false),
+                (r#"{"t":true}"#, false),
+            ],
+        ),
+        (
+            json!({"path": "/t", "gte": 100}),
+            vec![(r#"{"t":100.0}"#, true), (r#"{"t":99.99}"#, false)],
+        ),
+        (
+            json!({"path": "/t", "lt": 0}),
+            vec![
+                (r#"{"t":-1}"#, true),
+                (r#"{"t":0}"#, false),
+                (r#"{"t":-0.5}"#, true),
+            ],
+        ),
+        (
+            json!({"path": "/t", "lte": 1.5}),
+            vec![(r#"{"t":1.5}"#, true), (r#"{"t":2}"#, false)],
+        ),
+        (
+            json!({"path": "/a~1b/~0c", "equals": 1}),
+            vec![
+                (r#"{"a/b":{"~c":1}}"#, true),
+                (r#"{"a":{"b":{"~c":1}}}"#, false),
+            ],
+        ),
+        (
+            json!({"path": "", "equals": 5}),
+            vec![("5", true), (r#""5""#, false)],
+        ),
+        (
+            json!({"and": [
+                {"path": "/total", "gte": 100},
+                {"or": [{"path": "/c", "in": ["DE"]}, {"path": "/vip", "equals": true}]},
+                {"not": {"path": "/test", "exists": true}}
+            ]}),
+            vec![
+                (r#"{"total":150,"c":"DE"}"#, true),
+                (r#"{"total":100,"c":"US","vip":true}"#, true),
+                (r#"{"total":150,"c":"US"}"#, false),
+                (r#"{"total":150,"c":"DE","test":false}"#, false),
+                (r#"{"total":99,"c":"DE"}"#, false),
+            ],
+        ),
+        (
+            json!({"not": {"path": "/x", "exists": true}}),
+            vec![(r#"{}"#, true), ("not json", false), (r#"{"x":1}"#, false)],
+        ),
+    ]
+}
+
+async fn filters_decide_deliveries_at_publish(h: &dyn Harness) {
+    let s = h.store();
+    let plain = handler(&*s, "plain", &["f.*"]).await;
+    let cases = filter_cases();
+    let mut handlers = Vec::new();
+    let mut events = Vec::new();
+    let mut expected: HashSet<(String, String)> = HashSet::new();
+    for (i, (f, payloads)) in cases.iter().enumerate() {
+        let ty = format!("f.{i}");
+        let hd = filtered_handler(&*s, &format!("f{i}"), &[&ty], f.clone()).await;
+        for (j, (payload, matches)) in payloads.iter().enumerate() {
+            let id = format!("e{i}-{j}");
+            // The Rust evaluator agrees with the table too.
+            assert_eq!(
+                hd.filter
+                    .as_ref()
+                    .unwrap()
+                    .matches_payload(payload.as_bytes()),
+                *matches,
+                "{f} {payload}"
+            );
+            if *matches {
+                expected.insert((hd.id.clone(), id.clone()));
+            }
+            events.push(with_payload(&id, &ty, None, payload.as_bytes()));
+        }
+        handlers.push(hd);
+    }
+    let n = events.len();
+    s.publish(events).await.expect("publish");
+    let ds = claim_all(&*s).await;
+    let got: HashSet<(String, String)> = ds
+        .iter()
+        .filter(|d| d.handler_id != plain.id)
+        .map(|d| (d.handler_id.clone(), d.event_id.clone()))
+        .collect();
+    let mut missing: Vec<_> = expected.difference(&got).collect();
+    let mut extra: Vec<_> = got.difference(&expected).collect();
+    missing.sort();
+    extra.sort();
+    assert!(
+        missing.is_empty() && extra.is_empty(),
+        "missing {missing:?}, extra {extra:?}"
+    );
+    // The handler without a filter gets every event its route matches.
+    assert_eq!(ds.iter().filter(|d| d.handler_id == plain.id).count(), n);
+    assert_eq!(counts(&*s).await.deliveries as usize, n + expected.len());
+}
+
+async fn a_filter_that_matches_nothing_creates_no_delivery_row(h: &dyn Harness) {
+    let s = h.store();
+    let plain = handler(&*s, "plain", &["o.*"]).await;
+    let none = filtered_handler(
+        &*s,
+        "none",
+        &["o.*"],
+        serde_json::json!({"path": "/never", "exists": true}),
+    )
+    .await;
+    let some = filtered_handler(
+        &*s,
+        "some",
+        &["o.*"],
+        serde_json::json!({"path": "/n", "gte": 2}),
+    )
+    .await;
+    let events: Vec<NewEvent> = (1..=6)
+        .map(|i| {
+            with_payload(
+                &format!("o{i}"),
+                "o.x",
+                Some("k"),
+                format!(r#"{{"n":{i}}}"#).as_bytes(),
+            )
+        })
+        .collect();
+    s.publish(events).await.expect("publish");
+    assert_eq!(counts(&*s).await.deliveries, 6 + 5);
+    let ds = claim_all(&*s).await;
+    assert!(ds.iter().all(|d| d.handler_id != none.id));
+    let page = s
+        .handler_deliveries(&HandlerDeliveriesQuery {
+            handler_id: none.id.clone(),
+            state: DeliveryListState::Pending,
+            key: None,
+            after: None,
+            limit: 100,
+            completed_since: Utc::now() - chrono::TimeDelta::days(1),
+        })
+        .await
+        .expect("handler deliveries");
+    assert!(page.is_empty(), "{page:?}");
+    // Per key, a filtered handler's deliveries keep the sequence order.
+    let of = |hd: &Handler| -> Vec<Delivery> {
+        ds.iter()
+            .filter(|d| d.handler_id == hd.id)
+            .cloned()
+            .collect()
+    };
+    assert_eq!(seqs_of_key(&of(&some), "k"), vec![2, 3, 4, 5, 6]);
+    assert_eq!(seqs_of_key(&of(&plain), "k"), vec![1, 2, 3, 4, 5, 6]);
+    let ids: Vec<i64> = of(&some).iter().map(|d| d.id).collect();
+    assert!(
+        ids.windows(2).all(|w| w[0] < w[1]),
+        "ids follow the sequence: {ids:?}"
+    );
+}
+
+async fn filters_hold_for_publish_in(h: &dyn Harness) {
+    let s = h.store();
+    let f = filtered_handler(
+        &*s,
+        "f",
+        &["p.x"],
+        serde_json::json!({"path": "/ok", "equals": true}),
+    )
+    .await;
+    let out = h
+        .publish_in_many(
+            vec![
+                vec![with_payload("p1", "p.x", None, br#"{"ok":true}"#)],
+                vec![with_payload("p2", "p.x", None, br#"{"ok":false}"#)],
+            ],
+            true,
+        )
+        .await
+        .expect("publish_in");
+    assert_eq!(out.len(), 2);
+    let ds = claim_all(&*s).await;
+    let got: Vec<&str> = ds
+        .iter()
+        .filter(|d| d.handler_id == f.id)
+        .map(|d| d.event_id.as_str())
+        .collect();
+    assert_eq!(got, vec!["p1"]);
+}
+
+async fn handler_filter_round_trips_and_patch_sets_and_removes_it(h: &dyn Harness) {
+    use serde_json::json;
+    let s = h.store();
+    let f1 =
+        json!({"and": [{"path": "/n", "gte": 1.5}, {"path": "/c", "in": ["a", 1, null, true]}]});
+    let hd = filtered_handler(&*s, "f", &["q.*"], f1.clone()).await;
+    assert_eq!(hd.filter.as_ref().map(Filter::to_json), Some(f1.clone()));
+    let read = s.get_handler(&hd.id).await.expect("get");
+    assert_eq!(read, hd, "stored as answered");
+    assert_eq!(s.list_handlers().await.expect("list")[0].filter, hd.filter);
+    // Another field changed: the filter stays.
+    let renamed = s
+        .update_handler(
+            &hd.id,
+            &HandlerPatch {
+                name: Some("g".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("rename");
+    assert_eq!(renamed.filter, hd.filter);
+    s.publish(vec![with_payload("q1", "q.x", None, br#"{"n":2,"c":"a"}"#)])
+        .await
+        .expect("publish");
+    // Set another filter: applies to events published after the change.
+    let f2 = filter(json!({"path": "/n", "lt": 0}));
+    let set = s
+        .update_handler(
+            &hd.id,
+            &HandlerPatch {
+                filter: Some(Some(f2.clone())),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("set filter");
+    assert_eq!(set.filter.as_ref(), Some(&f2));
+    assert_eq!(
+        s.get_handler(&hd.id).await.expect("get").filter.as_ref(),
+        Some(&f2)
+    );
+    s.publish(vec![
+        with_payload("q2", "q.x", None, br#"{"n":2,"c":"a"}"#),
+        with_payload("q3", "q.x", None, br#"{"n":-1}"#),
+    ])
+    .await
+    .expect("publish");
+    // Remove it: every routed event again.
+    let removed = s
+        .update_handler(
+            &hd.id,
+            &HandlerPatch {
+                filter: Some(None),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("remove filter");
+    assert_eq!(removed.filter, None);
+    assert_eq!(s.get_handler(&hd.id).await.expect("get").filter, None);
+    s.publish(vec![with_payload("q4", "q.x", None, b"[]")])
+        .await
+        .expect("publish");
+    let mut got: Vec<String> = claim_all(&*s)
+        .await
+        .into_iter()
+        .map(|d| d.event_id)
+        .collect();
+    got.sort();
+    assert_eq!(got, vec!["q1", "q3", "q4"]);
+}
+
+async fn invalid_filters_are_refused_and_store_nothing(h: &dyn Harness) {
+    use serde_json::json;
+    let s = h.store();
+    let hd = handler(&*s, "h", &["*"]).await;
+    for bad in [
+        Filter::And(vec![]),
+        Filter::Field(filter::Condition {
+            path: "no-slash".into(),
+            test: filter::Test::Exists(true),
+        }),
+        Filter::Field(filter::Condition {
+            path: "/a".into(),
+            test: filter::Test::In(vec![json!([1])]),
+        }),
+        Filter::Field(filter::Condition {
+            path: "/a".into(),
+            test: filter::Test::In(vec![json!(1); rules::filter::MAX_IN_VALUES + 1]),
+        }),
+    ] {
+        let err = s
+            .create_handler(NewHandler {
+                filter: Some(bad.clone()),
+                ..new_handler("bad", &["*"])
+            })
+            .await
+            .expect_err("refused");
+        assert!(
+            matches!(&err, StoreError::Invalid(m) if m.starts_with("filter")),
+            "{err}"
+        );
+        let err = s
+            .update_handler(
+                &hd.id,
+                &HandlerPatch {
+                    filter: Some(Some(bad)),
+                    ..Default::default()
+                },
+            )
+            .await
+            .expect_err("refused");
+        assert!(
+            matches!(&err, StoreError::Invalid(m) if m.starts_with("filter")),
+            "{err}"
+        );
+    }
+    let all = s.list_handlers().await.expect("list");
+    assert_eq!(all.len(), 1);
+    assert_eq!(all[0], hd, "unchanged");
+}
+
+async fn recover_puts_back_only_what_the_filter_let_through(h: &dyn Harness) {
+    let s = h.store();
+    let hd = filtered_handler(
+        &*s,
+        "f",
+        &["r.x"],
+        serde_json::json!({"path": "/keep", "equals": true}),
+    )
+    .await;
+    let t = Utc::now() - chrono::TimeDelta::seconds(10);
+    s.publish(vec![
+        with_payload("r1", "r.x", Some("k"), br#"{"keep":true}"#),
+        with_payload("r2", "r.x", Some("k"), br#"{"keep":false}"#),
+        with_payload("r3", "r.x", Some("k"), br#"{"keep":true}"#),
+    ])
+    .await
+    .expect("publish");
+    let ds = claim_all(&*s).await;
+    assert_eq!(
+        ds.iter().map(|d| d.event_id.as_str()).collect::<Vec<_>>(),
+        vec!["r1", "r3"]
+    );
+    let refs: Vec<DeliveryRef> = ds.iter().map(|d| dref(d, Epoch(0), 1)).collect();
+    s.complete(&refs).await.expect("complete");
+    let out = s.recover(&hd.id, t).await.expect("recover");
+    assert_eq!((out.recovered, out.already_pending), (2, 0));
+    let back: Vec<String> = claim_all(&*s)
+        .await
+        .into_iter()
+        .map(|d| d.event_id)
+        .collect();
+    assert_eq!(back, vec!["r1", "r3"]);
 }
 
 /// Tests of PostgreSQL-only behaviour: commit-ordered cursor, NOTIFY.

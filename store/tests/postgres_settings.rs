@@ -123,6 +123,7 @@ async fn lock_and_statement_timeouts_are_timeouts() {
             max_in_flight: 1,
             secret: lanebus_store::generate_secret(),
             rate_limit: None,
+            filter: None,
         })
         .await
         .unwrap();

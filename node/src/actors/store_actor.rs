@@ -477,6 +477,7 @@ mod tests {
                 max_in_flight: 8,
                 secret: lanebus_store::generate_secret(),
                 rate_limit: None,
+                filter: None,
             })
             .await
             .expect("handler");

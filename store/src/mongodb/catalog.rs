@@ -57,6 +57,7 @@ pub(super) async fn create_handler(s: &MongoStore, h: NewHandler) -> Result<Hand
             "created_at": to_micros(handler.created_at),
             "rate_limit_per_s": rate_limit_field(handler.rate_limit.as_ref(), |r| r.per_second),
             "rate_limit_burst": rate_limit_field(handler.rate_limit.as_ref(), |r| r.burst),
+            "filter": filter_field(handler.filter.as_ref()),
         })
         .await
         .map_err(map_err)?;
@@ -74,8 +75,13 @@ fn handler_from_doc(d: &Document) -> Result<Handler> {
                 .ok_or_else(|| StoreError::Database(format!("handlers.event_types holds {b:?}")))
         })
         .collect::<Result<_>>()?;
+    let id = get_string(d, "_id")?;
+    let filter = get_opt_string(d, "filter")?
+        .map(|f| Filter::from_stored(&id, &f))
+        .transpose()?;
     Ok(Handler {
-        id: get_string(d, "_id")?,
+        id,
+        filter,
         name: get_string(d, "name")?,
         url: get_string(d, "url")?,
         event_types,
@@ -170,6 +176,14 @@ fn rate_limit_field(r: Option<&RateLimit>, f: fn(&RateLimit) -> u32) -> ::mongod
     })
 }
 
+/// A payload filter as stored: its compact JSON as a string (numbers kept
+/// exactly as given), `null` for none.
+pub(super) fn filter_field(f: Option<&Filter>) -> ::mongodb::bson::Bson {
+    f.map_or(::mongodb::bson::Bson::Null, |f| {
+        ::mongodb::bson::Bson::String(f.to_stored())
+    })
+}
+
 /// Read, merge, check, write (the last of concurrent changes wins).
 pub(super) async fn update_handler(
     s: &MongoStore,
@@ -191,6 +205,7 @@ pub(super) async fn update_handler(
                 "max_in_flight": i64::from(h.max_in_flight),
                 "rate_limit_per_s": rate(|r| r.per_second),
                 "rate_limit_burst": rate(|r| r.burst),
+                "filter": filter_field(h.filter.as_ref()),
             } },
         )
         .await

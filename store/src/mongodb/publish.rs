@@ -30,6 +30,7 @@ use super::{
     delivery_id, get_int, get_string, names, opt_i64, opt_str, MongoStore, TxnResult, FULL_BATCH,
 };
 use crate::common::{check_expected, to_micros, PublishPlan};
+use crate::filter::{Filter, Payload};
 use crate::{route, PublishOutcome, StoreError};
 
 /// Counter id of a key's sequence.
@@ -203,10 +204,10 @@ async fn publish_with(
 
     // Handlers in creation order, read in the transaction's snapshot;
     // disabled ones too (their deliveries are kept until they are enabled).
-    let handlers: Vec<(String, Vec<String>)> = s
+    let handlers: Vec<(String, Vec<String>, Option<Filter>)> = s
         .coll(names::HANDLERS)
         .find(doc! {})
-        .projection(doc! { "_id": 1, "event_types": 1 })
+        .projection(doc! { "_id": 1, "event_types": 1, "filter": 1 })
         .sort(doc! { "seq": 1 })
         .batch_size(FULL_BATCH)
         .session(&mut *session)
@@ -222,17 +223,24 @@ async fn publish_with(
                 .iter()
                 .filter_map(|b| b.as_str().map(str::to_owned))
                 .collect();
-            Ok((get_string(d, "_id")?, types))
+            let id = get_string(d, "_id")?;
+            let filter = match d.get("filter") {
+                Some(Bson::String(f)) => Some(Filter::from_stored(&id, f)?),
+                _ => None,
+            };
+            Ok((id, types, filter))
         })
         .collect::<crate::Result<_>>()?;
 
-    // One delivery per (event, matching handler), in batch order, so a
-    // key's positions follow its sequence numbers.
+    // One delivery per (event, handler whose routes and payload filter
+    // match), in batch order, so a key's positions follow its sequence
+    // numbers.
     let mut pairs: Vec<(usize, &str)> = Vec::new();
     let mut incs: BTreeMap<String, i64> = BTreeMap::new();
     for (i, e) in plan.fresh.iter().enumerate() {
-        for (hid, types) in &handlers {
-            if route::any_matches(types, &e.event_type) {
+        let mut payload = Payload::new(&e.payload);
+        for (hid, types, filter) in &handlers {
+            if route::any_matches(types, &e.event_type) && payload.passes(filter.as_ref()) {
                 pairs.push((i, hid));
                 *incs.entry(lane_counter(e.lane)).or_default() += 1;
             }

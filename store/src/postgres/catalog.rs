@@ -14,7 +14,7 @@ const DEFAULT_DEAD_LETTER_PAGE: u32 = 100;
 const HANDLER_COLUMNS: &str =
     "id, name, url, event_types, max_attempts, timeout_ms, max_in_flight, secret, state, created_at, \
      rate_limit_per_s, rate_limit_burst, previous_secret, previous_secret_until, state_changed_at, \
-     state_reason, failing_since";
+     state_reason, failing_since, filter::text AS filter";
 
 pub(super) async fn create_handler(pool: &PgPool, h: NewHandler) -> Result<Handler> {
     let handler = Handler::registered(
@@ -25,7 +25,8 @@ pub(super) async fn create_handler(pool: &PgPool, h: NewHandler) -> Result<Handl
     );
     sqlx::query(
         "INSERT INTO handlers (id, name, url, event_types, max_attempts, timeout_ms, max_in_flight, secret, state, created_at, \
-         rate_limit_per_s, rate_limit_burst) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+         rate_limit_per_s, rate_limit_burst, filter) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13::jsonb)",
     )
     .bind(&handler.id)
     .bind(&handler.name)
@@ -39,6 +40,7 @@ pub(super) async fn create_handler(pool: &PgPool, h: NewHandler) -> Result<Handl
     .bind(handler.created_at)
     .bind(handler.rate_limit.map(|r| i32::try_from(r.per_second).unwrap_or(i32::MAX)))
     .bind(handler.rate_limit.map(|r| i32::try_from(r.burst).unwrap_or(i32::MAX)))
+    .bind(handler.filter.as_ref().map(Filter::to_stored))
     .execute(pool)
     .await
     .map_err(map_err)?;
@@ -50,8 +52,15 @@ fn handler_from_row(row: &PgRow) -> Result<Handler> {
     let timeout_ms: i64 = row.try_get("timeout_ms").map_err(map_err)?;
     let max_attempts: i32 = row.try_get("max_attempts").map_err(map_err)?;
     let max_in_flight: i32 = row.try_get("max_in_flight").map_err(map_err)?;
+    let id: String = row.try_get("id").map_err(map_err)?;
+    let filter = row
+        .try_get::<Option<String>, _>("filter")
+        .map_err(map_err)?
+        .map(|f| Filter::from_stored(&id, &f))
+        .transpose()?;
     Ok(Handler {
-        id: row.try_get("id").map_err(map_err)?,
+        id,
+        filter,
         name: row.try_get("name").map_err(map_err)?,
         url: row.try_get("url").map_err(map_err)?,
         event_types: row.try_get("event_types").map_err(map_err)?,
@@ -170,7 +179,8 @@ pub(super) async fn update_handler(
     let h = handler_from_row(&row)?.patched(patch)?;
     sqlx::query(
         "UPDATE handlers SET name = $2, url = $3, event_types = $4, max_attempts = $5, \
-                timeout_ms = $6, max_in_flight = $7, rate_limit_per_s = $8, rate_limit_burst = $9 \
+                timeout_ms = $6, max_in_flight = $7, rate_limit_per_s = $8, rate_limit_burst = $9, \
+                filter = $10::jsonb \
          WHERE id = $1",
     )
     .bind(id)
@@ -188,6 +198,7 @@ pub(super) async fn update_handler(
         h.rate_limit
             .map(|r| i32::try_from(r.burst).unwrap_or(i32::MAX)),
     )
+    .bind(h.filter.as_ref().map(Filter::to_stored))
     .execute(&mut *tx)
     .await
     .map_err(map_err)?;

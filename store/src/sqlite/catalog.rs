@@ -15,7 +15,7 @@ const DEFAULT_DEAD_LETTER_PAGE: u32 = 100;
 const HANDLER_COLUMNS: &str =
     "id, name, url, event_types, max_attempts, timeout_ms, max_in_flight, secret, state, created_at, \
      rate_limit_per_s, rate_limit_burst, previous_secret, previous_secret_until, state_changed_at, \
-     state_reason, failing_since";
+     state_reason, failing_since, filter";
 
 pub(super) async fn create_handler(conn: &mut SqliteConnection, h: NewHandler) -> Result<Handler> {
     let handler = Handler::registered(
@@ -26,7 +26,7 @@ pub(super) async fn create_handler(conn: &mut SqliteConnection, h: NewHandler) -
     );
     sqlx::query(
         "INSERT INTO handlers (id, name, url, event_types, max_attempts, timeout_ms, max_in_flight, secret, state, created_at, \
-         rate_limit_per_s, rate_limit_burst) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
+         rate_limit_per_s, rate_limit_burst, filter) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
     )
     .bind(&handler.id)
     .bind(&handler.name)
@@ -40,6 +40,7 @@ pub(super) async fn create_handler(conn: &mut SqliteConnection, h: NewHandler) -
     .bind(to_micros(handler.created_at))
     .bind(handler.rate_limit.map(|r| i64::from(r.per_second)))
     .bind(handler.rate_limit.map(|r| i64::from(r.burst)))
+    .bind(filter_json(handler.filter.as_ref()))
     .execute(conn)
     .await
     .map_err(map_err)?;
@@ -50,8 +51,8 @@ fn handler_from_row(row: &SqliteRow) -> Result<Handler> {
     let types: String = row.try_get("event_types").map_err(map_err)?;
     let state: String = row.try_get("state").map_err(map_err)?;
     let timeout_ms: i64 = row.try_get("timeout_ms").map_err(map_err)?;
+    let id: String = row.try_get("id").map_err(map_err)?;
     Ok(Handler {
-        id: row.try_get("id").map_err(map_err)?,
         name: row.try_get("name").map_err(map_err)?,
         url: row.try_get("url").map_err(map_err)?,
         event_types: serde_json::from_str(&types).map_err(|e| {
@@ -82,7 +83,18 @@ fn handler_from_row(row: &SqliteRow) -> Result<Handler> {
         state_changed_at: time(row, "state_changed_at")?,
         state_reason: row.try_get("state_reason").map_err(map_err)?,
         failing_since: time(row, "failing_since")?,
+        filter: row
+            .try_get::<Option<String>, _>("filter")
+            .map_err(map_err)?
+            .map(|f| Filter::from_stored(&id, &f))
+            .transpose()?,
+        id,
     })
+}
+
+/// A filter as stored: compact JSON, `NULL` for none.
+fn filter_json(f: Option<&Filter>) -> Option<String> {
+    f.map(Filter::to_stored)
 }
 
 fn time(row: &SqliteRow, column: &str) -> Result<Option<chrono::DateTime<Utc>>> {
@@ -253,7 +265,8 @@ pub(super) async fn update_handler(
     let h = get_handler(&mut *conn, id).await?.patched(patch)?;
     sqlx::query(
         "UPDATE handlers SET name = ?2, url = ?3, event_types = ?4, max_attempts = ?5, \
-                timeout_ms = ?6, max_in_flight = ?7, rate_limit_per_s = ?8, rate_limit_burst = ?9 \
+                timeout_ms = ?6, max_in_flight = ?7, rate_limit_per_s = ?8, rate_limit_burst = ?9, \
+                filter = ?10 \
          WHERE id = ?1",
     )
     .bind(id)
@@ -265,6 +278,7 @@ pub(super) async fn update_handler(
     .bind(i64::from(h.max_in_flight))
     .bind(h.rate_limit.map(|r| i64::from(r.per_second)))
     .bind(h.rate_limit.map(|r| i64::from(r.burst)))
+    .bind(filter_json(h.filter.as_ref()))
     .execute(conn)
     .await
     .map_err(map_err)?;

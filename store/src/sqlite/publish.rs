@@ -4,7 +4,10 @@
 //! ([`crate::group`]), inside one `BEGIN IMMEDIATE` transaction: one
 //! stored-id check (only when the batch has client-supplied ids), one
 //! key-counter upsert (only when the batch has keys), one multi-row event
-//! insert per [`EVENT_CHUNK`] events, and one delivery insert.
+//! insert per [`EVENT_CHUNK`] events, one delivery insert for the handlers
+//! without a payload filter, one read of the handlers with one (an empty
+//! index read when there are none) and, when any of their filters
+//! matched, one more delivery insert.
 //!
 //! Expected sequences ([`crate::NewEvent::expected_seq`]) are checked right
 //! after the key-counter upsert, under the write lock, so the numbers seen
@@ -21,7 +24,8 @@ use sqlx::{Connection as _, SqliteConnection};
 use super::error::map_err;
 use super::SqliteStore;
 use crate::common::{check_expected, to_micros, PublishPlan};
-use crate::{PublishOutcome, Result, StoreError};
+use crate::filter::{Filter, Payload};
+use crate::{route, PublishOutcome, Result, StoreError};
 
 /// Events per multi-row insert (7 parameters each; SQLite allows 32,766).
 const EVENT_CHUNK: usize = 500;
@@ -111,8 +115,51 @@ async fn write_in(conn: &mut SqliteConnection, plan: &PublishPlan) -> Result<Has
             .execute(&mut *conn)
             .await
             .map_err(map_err)?;
+        insert_filtered(conn, &plan).await?;
     }
     Ok(stored)
+}
+
+/// Inserts the deliveries of the handlers with a payload filter (which
+/// `insert_deliveries.sql` skips) whose routes and filter match, in batch
+/// order: per (handler, key) the ids follow the sequence numbers, as each
+/// handler's rows come from one of the two statements only.
+async fn insert_filtered(conn: &mut SqliteConnection, plan: &PublishPlan) -> Result<()> {
+    let rows: Vec<(String, String, String)> =
+        sqlx::query_as(include_str!("sql/filtered_handlers.sql"))
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(map_err)?;
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let handlers = rows
+        .into_iter()
+        .map(|(id, types, filter)| {
+            let types: Vec<String> = serde_json::from_str(&types)
+                .map_err(|e| StoreError::Database(format!("handlers.event_types of {id}: {e}")))?;
+            let filter = Filter::from_stored(&id, &filter)?;
+            Ok((id, types, filter))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut pairs: Vec<(&str, &str, Option<i64>)> = Vec::new();
+    for e in &plan.fresh {
+        let mut payload = Payload::new(&e.payload);
+        for (hid, types, filter) in &handlers {
+            if route::any_matches(types, &e.event_type) && payload.passes(Some(filter)) {
+                pairs.push((&e.id, hid, e.deliver_at.map(to_micros)));
+            }
+        }
+    }
+    if !pairs.is_empty() {
+        sqlx::query(include_str!("sql/insert_filtered.sql"))
+            .bind(json(&pairs)?)
+            .bind(to_micros(Utc::now()))
+            .execute(&mut *conn)
+            .await
+            .map_err(map_err)?;
+    }
+    Ok(())
 }
 
 /// Raises the batch's key counters and returns each fresh event's sequence

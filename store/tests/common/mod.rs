@@ -47,6 +47,7 @@ pub async fn fresh_pg_store(
             max_in_flight: handler_defaults::MAX_IN_FLIGHT,
             secret: String::new(),
             rate_limit: None,
+            filter: None,
         })
         .await
         .expect("create handler");

@@ -47,6 +47,91 @@ BEGIN
     RETURN encode(b, 'hex')::uuid::text;
 END $fn$;
 
+-- Type-strict equality of a payload value with a filter's scalar operand;
+-- numbers by value as doubles (store/src/filter.rs).
+CREATE OR REPLACE FUNCTION lanebus.filter_equal(v jsonb, x jsonb) RETURNS boolean
+LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $fn$
+    SELECT CASE WHEN jsonb_typeof($1) <> jsonb_typeof($2) THEN false
+                WHEN jsonb_typeof($1) = 'number' THEN $1::float8 = $2::float8
+                ELSE $1 = $2 END
+$fn$;
+
+-- Whether payload document doc matches payload filter f: the semantics of
+-- store/src/filter.rs (its tests and the conformance tests hold both to
+-- the same answers). The JSON pointer is walked as serde_json does: a
+-- member of an object, or an index 0, 1, ... without leading zeros of an
+-- array; anything else is a missing value (SQL NULL, unlike JSON null).
+CREATE OR REPLACE FUNCTION lanebus.filter_matches(f jsonb, doc jsonb) RETURNS boolean
+LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE AS $fn$
+DECLARE
+    item jsonb;
+    v jsonb := doc;
+    tok text;
+BEGIN
+    IF f ? 'and' THEN
+        FOR item IN SELECT jsonb_array_elements(f -> 'and') LOOP
+            IF NOT lanebus.filter_matches(item, doc) THEN
+                RETURN false;
+            END IF;
+        END LOOP;
+        RETURN true;
+    ELSIF f ? 'or' THEN
+        FOR item IN SELECT jsonb_array_elements(f -> 'or') LOOP
+            IF lanebus.filter_matches(item, doc) THEN
+                RETURN true;
+            END IF;
+        END LOOP;
+        RETURN false;
+    ELSIF f ? 'not' THEN
+        RETURN NOT lanebus.filter_matches(f -> 'not', doc);
+    END IF;
+    IF f ->> 'path' <> '' THEN
+        FOREACH tok IN ARRAY regexp_split_to_array(substr(f ->> 'path', 2), '/') LOOP
+            tok := replace(replace(tok, '~1', '/'), '~0', '~');
+            IF jsonb_typeof(v) = 'object' THEN
+                v := v -> tok;
+            ELSIF jsonb_typeof(v) = 'array' AND tok ~ '^(0|[1-9][0-9]{0,8})$' THEN
+                v := v -> tok::int;
+            ELSE
+                v := NULL;
+            END IF;
+            EXIT WHEN v IS NULL;
+        END LOOP;
+    END IF;
+    IF f ? 'exists' THEN
+        RETURN (v IS NOT NULL) = (f -> 'exists')::boolean;
+    ELSIF v IS NULL THEN
+        RETURN false;
+    ELSIF f ? 'equals' THEN
+        RETURN lanebus.filter_equal(v, f -> 'equals');
+    ELSIF f ? 'in' THEN
+        RETURN EXISTS (SELECT 1 FROM jsonb_array_elements(f -> 'in') AS x (x)
+                       WHERE lanebus.filter_equal(v, x.x));
+    ELSIF jsonb_typeof(v) <> 'number' THEN
+        RETURN false;
+    ELSIF f ? 'gt' THEN
+        RETURN v::float8 > (f -> 'gt')::float8;
+    ELSIF f ? 'gte' THEN
+        RETURN v::float8 >= (f -> 'gte')::float8;
+    ELSIF f ? 'lt' THEN
+        RETURN v::float8 < (f -> 'lt')::float8;
+    ELSIF f ? 'lte' THEN
+        RETURN v::float8 <= (f -> 'lte')::float8;
+    END IF;
+    RETURN false;
+END $fn$;
+
+-- Whether the payload bytes match filter f (publish.sql): false when they
+-- are not a JSON document, or hold a number beyond the double range where
+-- the filter compares it (as the Rust evaluator, which cannot parse those).
+CREATE OR REPLACE FUNCTION lanebus.filter_payload(f jsonb, payload bytea) RETURNS boolean
+LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE AS $fn$
+BEGIN
+    RETURN lanebus.filter_matches(f, convert_from(payload, 'UTF8')::jsonb);
+EXCEPTION WHEN data_exception THEN
+    RETURN false;
+END $fn$;
+
 -- The publish statement (sql/publish.sql), for publish_batch. Internal: its
 -- parameters are publish.sql's, in its order. Its generic plan, as the
 -- group writer's (store/src/postgres/publish.rs GROUP_SETTINGS: custom

@@ -68,6 +68,9 @@ dl AS (
     -- ev's rows: every numbered row is inserted (or the statement fails).
     -- txid: this transaction's id where the key raised xid above it (the
     -- claim reads a transaction that was in progress by either; 0006).
+    -- A handler with a payload filter only for events whose payload
+    -- matches it (lanebus.filter_payload, functions.sql); one without costs
+    -- the IS NULL test.
     INSERT INTO deliveries (xid, txid, lane, handler_id, event_id, key, seq, due_at, held)
     SELECT coalesce(n.xid, pg_current_xact_id()::text::bigint),
            CASE WHEN n.xid > pg_current_xact_id()::text::bigint THEN pg_current_xact_id()::text::bigint END,
@@ -81,6 +84,7 @@ dl AS (
                OR (right(p, 1) = '*' AND starts_with(n.type, left(p, -1))
                    AND (NOT starts_with(n.type, 'lanebus.') OR starts_with(p, 'lanebus.')))
          )
+     AND (h.filter IS NULL OR lanebus.filter_payload(h.filter, n.payload))
     ORDER BY n.seq, n.id, h.pos
     RETURNING lane
 )
