@@ -2756,6 +2756,56 @@ mod postgres_only {
         one_lane_claim(lane, Epoch(0), after, limit)
     }
 
+    /// `lanebus.publish()` and `lanebus.publish_batch()`, from SQL in another
+    /// session, honour payload filters: the filtered handler gets no
+    /// delivery row for an event its filter does not match.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn sql_publish_honours_payload_filters() {
+        let h = PgHarness::new().await;
+        let s = h.store();
+        let f = filtered_handler(
+            &*s,
+            "f",
+            &["s.x"],
+            serde_json::json!({"path": "/amount", "gt": 10}),
+        )
+        .await;
+        let plain = handler(&*s, "plain", &["s.x"]).await;
+        let mut conn = sqlx::PgConnection::connect(&h.url).await.expect("connect");
+        let mut tx = conn.begin().await.expect("begin");
+        for (id, payload) in [
+            ("s1", r#"{"amount": 11}"#),
+            ("s2", r#"{"amount": "11"}"#),
+            ("s3", r#"{"amount": 10.0}"#),
+        ] {
+            sqlx::query_scalar::<_, String>("SELECT lanebus.publish('s.x', NULL, $1::jsonb, $2)")
+                .bind(payload)
+                .bind(id)
+                .fetch_one(&mut *tx)
+                .await
+                .expect("lanebus.publish");
+        }
+        sqlx::query(
+            "SELECT * FROM lanebus.publish_batch(ARRAY['s.x', 's.x'], ARRAY[NULL, NULL]::text[], \
+             ARRAY['{\"amount\": 10.5}', '{}']::jsonb[], ARRAY['s4', 's5'])",
+        )
+        .fetch_all(&mut *tx)
+        .await
+        .expect("lanebus.publish_batch");
+        tx.commit().await.expect("commit");
+        let ds = claim_all(&*s).await;
+        let mut got: Vec<&str> = ds
+            .iter()
+            .filter(|d| d.handler_id == f.id)
+            .map(|d| d.event_id.as_str())
+            .collect();
+        got.sort_unstable();
+        assert_eq!(got, vec!["s1", "s4"]);
+        assert_eq!(ds.iter().filter(|d| d.handler_id == plain.id).count(), 5);
+        assert_eq!(counts(&*s).await.deliveries, 7);
+        Harness::cleanup(&h).await;
+    }
+
     /// The late-commit pitfall: a publish transaction that got its id before
     /// another publish committed, and commits after a claim read the other.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
