@@ -4,14 +4,16 @@
 //! ```text
 //! POST /v1/handlers {"name", "url", "event_types": [...], "max_attempts"?,
 //!                    "timeout_ms"?, "max_in_flight"?, "secret"?,
-//!                    "rate_limit"?: {"per_second", "burst"?}}
+//!                    "rate_limit"?: {"per_second", "burst"?}, "filter"?}
 //!   201 {"id", "name", "url", "event_types", "max_attempts", "timeout_ms",
-//!        "max_in_flight", "secret", "state", "created_at", "rate_limit", ...}
+//!        "max_in_flight", "secret", "state", "created_at", "rate_limit",
+//!        "filter", ...}
 //! GET /v1/handlers          200 {"handlers": [<handler>, ...]}  (creation order)
 //!                           | 503 store_unavailable (no answer within 2 s)
 //! GET /v1/handlers/{id}     200 <handler> | 404 not_found | 503 (as above)
 //! PATCH /v1/handlers/{id} {"name"?, "url"?, "event_types"?, "max_attempts"?,
-//!                          "timeout_ms"?, "max_in_flight"?, "rate_limit"?}
+//!                          "timeout_ms"?, "max_in_flight"?, "rate_limit"?,
+//!                          "filter"?}
 //!                           200 <handler> | 404 | 422 invalid_handler
 //! DELETE /v1/handlers/{id}  200 {"deleted": id, "discarded_deliveries": n,
 //!                               "discarded_dead_letters": m} | 404
@@ -30,9 +32,13 @@
 //!
 //! `PATCH` is a JSON merge patch of the settings: absent fields stay,
 //! `"rate_limit": null` removes the limit, a `rate_limit` object replaces it
-//! whole (not merged field by field); other fields cannot be null. The
-//! result is checked like a registration. Route changes apply to events
-//! published after the change.
+//! whole (not merged field by field), and so for `filter`; other fields
+//! cannot be null. The result is checked like a registration. Route and
+//! filter changes apply to events published after the change.
+//!
+//! A `filter` is a payload filter (`lanebus_store::filter` has the shape
+//! and semantics; docs/api.md): the handler gets a delivery only for events
+//! whose payload matches it, decided when the event is published.
 //!
 //! Secret rotation: the new secret (given, or generated) signs at once;
 //! the old one keeps signing next to it for `grace_period_s` (default 24 h),
@@ -49,7 +55,7 @@ use axum::http::StatusCode;
 use chrono::{DateTime, Utc};
 use lanebus_store::rules::{self, Broken};
 use lanebus_store::{
-    change_state, generate_secret, handler_defaults, Handler, HandlerPatch, HandlerState,
+    change_state, generate_secret, handler_defaults, Filter, Handler, HandlerPatch, HandlerState,
     NewHandler, RateLimit,
 };
 use serde::{Deserialize, Serialize};
@@ -132,7 +138,31 @@ pub struct CreateHandler {
     /// absent or `null` for no limit (change it later with `PATCH`).
     #[serde(default)]
     pub rate_limit: Option<RateLimitView>,
+    /// Payload filter: the handler gets only the events whose payload
+    /// matches (absent or `null`: every event its routes match).
+    #[serde(default)]
+    pub filter: Option<FilterView>,
 }
+
+/// A payload filter, decided when an event is published: a condition
+/// `{"path": P, OP: V}` on the payload value at JSON pointer `P` (RFC
+/// 6901), with exactly one operator `OP`: `equals` (a string, number,
+/// boolean or `null`), `in` (a list of 1 to 100 of those), `exists`
+/// (`true`/`false`), `gt`, `gte`, `lt`, `lte` (a number); or a
+/// combination `{"and": [...]}`, `{"or": [...]}`, `{"not": {...}}`.
+/// Equality is type-strict (`"1"` is not `1`), numbers compare by value
+/// (`1` equals `1.0`), comparisons hold only for numbers, a missing value
+/// is not `null`. At most 8 levels, 32 conditions, 8,192 bytes; paths up to
+/// 256 bytes.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(transparent)]
+#[schema(
+    as = Filter,
+    value_type = Object,
+    example = json!({"and": [{"path": "/order/total", "gte": 100},
+                             {"path": "/country", "in": ["DE", "FR"]}]})
+)]
+pub struct FilterView(pub serde_json::Value);
 
 /// Lifecycle of a handler, as answered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
@@ -198,6 +228,8 @@ pub struct HandlerView {
     /// 3339), `null` when the last outcome was a success.
     #[schema(value_type = Option<String>, format = DateTime)]
     pub failing_since: Option<DateTime<Utc>>,
+    /// Payload filter, `null` when the handler has none.
+    pub filter: Option<FilterView>,
 }
 
 /// A per-handler rate limit: a token bucket per handler on each node.
@@ -243,7 +275,7 @@ impl From<Handler> for HandlerView {
             state_changed_at,
             state_reason,
             failing_since,
-            filter: _,
+            filter,
         } = h;
         HandlerView {
             id,
@@ -261,6 +293,7 @@ impl From<Handler> for HandlerView {
             state_changed_at,
             state_reason,
             failing_since,
+            filter: filter.as_ref().map(|f| FilterView(f.to_json())),
         }
     }
 }
@@ -310,7 +343,11 @@ pub fn validate_handler(req: CreateHandler) -> Result<NewHandler, ApiError> {
         max_in_flight: req.max_in_flight.unwrap_or(handler_defaults::MAX_IN_FLIGHT),
         secret: req.secret.unwrap_or_else(generate_secret),
         rate_limit: req.rate_limit.map(rate_limit),
-        filter: None,
+        filter: req
+            .filter
+            .map(|f| Filter::parse(&f.0))
+            .transpose()
+            .map_err(broken)?,
     };
     rules::handler::check(&new).map_err(broken)?;
     Ok(new)
@@ -362,6 +399,11 @@ pub struct UpdateHandler {
     #[serde(default, deserialize_with = "present")]
     #[schema(value_type = Option<RateLimitView>)]
     pub rate_limit: Option<Option<RateLimitView>>,
+    /// A payload filter (replaces the one set), or `null` to remove it;
+    /// applies to events published after the change.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<FilterView>)]
+    pub filter: Option<Option<FilterView>>,
 }
 
 /// A rate limit with its burst filled in (default: `per_second`).
@@ -407,7 +449,11 @@ pub fn validate_patch(req: UpdateHandler) -> Result<HandlerPatch, ApiError> {
         timeout_ms: required("timeout_ms", req.timeout_ms)?,
         max_in_flight: required("max_in_flight", req.max_in_flight)?,
         rate_limit: req.rate_limit.map(|r| r.map(rate_limit)),
-        filter: None,
+        filter: req
+            .filter
+            .map(|f| f.map(|f| Filter::parse(&f.0)).transpose())
+            .transpose()
+            .map_err(broken)?,
     };
     rules::handler::check_patch(&patch).map_err(broken)?;
     Ok(patch)

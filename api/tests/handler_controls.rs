@@ -425,7 +425,120 @@ async fn rotation_without_a_body_and_non_object_bodies(app: TestApp) {
     assert_eq!(res.status, StatusCode::BAD_REQUEST, "not JSON: {res:?}");
 }
 
+/// A payload filter given at registration is answered and read back as
+/// given, decides at publish which events get a delivery, and `PATCH`
+/// replaces it or (with `null`) removes it.
+async fn a_filter_is_answered_applied_changed_and_removed(app: TestApp) {
+    let filter = json!({"and": [{"path": "/order/total", "gte": 100},
+                                {"path": "/country", "in": ["DE", "FR"]}]});
+    let res = app
+        .post(
+            "/v1/handlers",
+            json!({"name": "big", "url": "https://example.com/big", "event_types": ["order.*"],
+                   "filter": filter}),
+        )
+        .await;
+    assert_eq!(res.status, StatusCode::CREATED, "{res:?}");
+    assert_eq!(res.json["filter"], filter);
+    let id = res.json["id"].as_str().expect("id").to_owned();
+    let got = app.get(&format!("/v1/handlers/{id}")).await;
+    assert_eq!(got.json, res.json, "read back as answered");
+    let plain = app.create_handler("plain", &["order.*"]).await;
+    assert_eq!(
+        app.get(&format!("/v1/handlers/{plain}")).await.json["filter"],
+        Value::Null
+    );
+    let res = app
+        .post(
+            "/v1/events",
+            json!({"events": [
+                {"type": "order.placed", "payload": {"order": {"total": 150}, "country": "DE"}},
+                {"type": "order.placed", "payload": {"order": {"total": "150"}, "country": "DE"}},
+                {"type": "order.placed", "payload": {"order": {"total": 99}, "country": "FR"}},
+            ]}),
+        )
+        .await;
+    assert_eq!(res.status, StatusCode::ACCEPTED, "{res:?}");
+    assert_eq!(app.store.counts().await.expect("counts").deliveries, 3 + 1);
+
+    let other = json!({"path": "/country", "equals": "IT"});
+    let res = patch(&app, &id, json!({"filter": other})).await;
+    assert_eq!(res.status, StatusCode::OK, "{res:?}");
+    assert_eq!(res.json["filter"], other);
+    let res = patch(&app, &id, json!({"name": "renamed"})).await;
+    assert_eq!(res.json["filter"], other, "absent: kept");
+    let res = patch(&app, &id, json!({"filter": null})).await;
+    assert_eq!(res.status, StatusCode::OK, "{res:?}");
+    assert_eq!(res.json["filter"], Value::Null);
+    assert_eq!(
+        app.get(&format!("/v1/handlers/{id}")).await.json["filter"],
+        Value::Null
+    );
+}
+
+/// A filter that breaks a rule is `422 invalid_handler` naming the field
+/// and the rule, at registration and in a `PATCH`; nothing is stored.
+async fn bad_filters_are_refused_naming_the_field(app: TestApp) {
+    let id = app.create_handler("billing", &["invoice.*"]).await;
+    let before = app.snapshot().await;
+    let cases: Vec<(Value, &str)> = vec![
+        (
+            json!({"and": [{"path": "/n", "gt": "5"}]}),
+            "filter.and[0].gt: gt takes a number",
+        ),
+        (
+            json!({"path": "n", "equals": 1}),
+            "filter.path \"n\" must be a JSON pointer",
+        ),
+        (
+            json!({"path": "/n", "like": "x"}),
+            "filter: unknown operator \"like\"",
+        ),
+        (
+            json!({"path": "/n", "equals": 1, "in": [1]}),
+            "filter: a condition takes exactly one operator",
+        ),
+        (
+            json!({"or": []}),
+            "filter.or: must hold at least one filter",
+        ),
+        (
+            json!({"path": "/n", "in": [{"a": 1}]}),
+            "filter.in[0]: takes a string, number, boolean or null",
+        ),
+        (json!([]), "filter: a filter must be a JSON object"),
+    ];
+    for (filter, message) in cases {
+        let res = app
+            .post(
+                "/v1/handlers",
+                json!({"name": "f", "url": "https://example.com/f", "event_types": ["*"],
+                       "filter": filter}),
+            )
+            .await;
+        assert_eq!(
+            res.status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{filter}: {res:?}"
+        );
+        assert_eq!(res.json["error"]["code"], "invalid_handler", "{res:?}");
+        let got = res.json["error"]["message"].as_str().expect("message");
+        assert!(got.starts_with(message), "{filter}: {got}");
+        let res = patch(&app, &id, json!({"filter": filter})).await;
+        assert_eq!(
+            res.status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{filter}: {res:?}"
+        );
+        let got = res.json["error"]["message"].as_str().expect("message");
+        assert!(got.starts_with(message), "{filter}: {got}");
+    }
+    assert_eq!(app.snapshot().await, before, "nothing stored");
+}
+
 on_every_backend!(
+    a_filter_is_answered_applied_changed_and_removed,
+    bad_filters_are_refused_naming_the_field,
     rotation_without_a_body_and_non_object_bodies,
     a_rate_limit_can_be_given_at_registration,
     patch_changes_only_the_fields_given,
