@@ -18,8 +18,11 @@ use base64::Engine as _;
 use chrono::{DateTime, Utc};
 use common::{Backend, StubNode, TestApp};
 use lanebus_api::Limits;
+use lanebus_store::filter::{Condition, Test};
 use lanebus_store::rules::{self, Broken, Rule};
-use lanebus_store::{handler_defaults, HandlerPatch, NewEvent, NewHandler, RateLimit, StoreError};
+use lanebus_store::{
+    handler_defaults, Filter, HandlerPatch, NewEvent, NewHandler, RateLimit, StoreError,
+};
 use serde_json::{json, Value};
 
 /// What a case feeds in.
@@ -404,6 +407,73 @@ fn cases() -> Vec<Case> {
             Input::Patch(json!({"rate_limit": {"per_second": 1, "burst": 0}})),
             "rate_limit.burst",
         ),
+        // Payload filters (their shape errors never reach an embedded
+        // store, which takes a typed filter: api tests handler_controls).
+        ok(
+            "filter at its bounds",
+            handler(json!({"filter": {"or": [
+                {"path": "/c", "in": values(100)},
+                {"path": format!("/{}", "p".repeat(255)), "exists": true},
+                nested_filter(7)
+            ]}})),
+        ),
+        bad(
+            "filter 9 deep",
+            handler(json!({"filter": nested_filter(9)})),
+            "filter.not.not.not.not.not.not.not.not",
+        ),
+        bad(
+            "filter in of 101",
+            handler(json!({"filter": {"path": "/c", "in": values(101)}})),
+            "filter.in",
+        ),
+        bad(
+            "filter in of 0",
+            handler(json!({"filter": {"path": "/c", "in": []}})),
+            "filter.in",
+        ),
+        bad(
+            "filter empty and",
+            handler(json!({"filter": {"and": []}})),
+            "filter.and",
+        ),
+        bad(
+            "filter 33 conditions",
+            handler(json!({"filter": {"or": (0..33)
+                .map(|i| json!({"path": format!("/{i}"), "exists": true}))
+                .collect::<Vec<_>>()}})),
+            "filter",
+        ),
+        bad(
+            "filter of 8,193 bytes",
+            handler(json!({"filter": {"path": "/c", "equals": "x".repeat(8_170)}})),
+            "filter",
+        ),
+        bad(
+            "filter path of 257",
+            handler(json!({"filter": {"path": format!("/{}", "p".repeat(256)), "exists": true}})),
+            "filter.path",
+        ),
+        bad(
+            "filter path without a slash",
+            handler(json!({"filter": {"path": "c", "exists": true}})),
+            "filter.path",
+        ),
+        bad(
+            "filter equals an object",
+            handler(json!({"filter": {"path": "/c", "equals": {"a": 1}}})),
+            "filter.equals",
+        ),
+        ok(
+            "patch filter",
+            Input::Patch(json!({"filter": {"path": "/c", "gte": 1.5}})),
+        ),
+        ok("remove the filter", Input::Patch(json!({"filter": null}))),
+        bad(
+            "patch filter in of 101",
+            Input::Patch(json!({"filter": {"not": {"path": "/c", "in": values(101)}}})),
+            "filter.not.in",
+        ),
     ];
     // Names must be unique: failures are reported by name.
     v.sort_by(|a, b| a.name.cmp(&b.name));
@@ -411,7 +481,58 @@ fn cases() -> Vec<Case> {
     v
 }
 
+/// `n` distinct values of an `in` list.
+fn values(n: usize) -> Vec<Value> {
+    (0..n).map(|i| json!(i)).collect()
+}
+
+/// A filter `n` levels deep: `n - 1` nots around a condition.
+fn nested_filter(n: usize) -> Value {
+    (1..n).fold(
+        json!({"path": "/c", "exists": false}),
+        |f, _| json!({"not": f}),
+    )
+}
+
 // --- The store's side: the JSON as an embedded caller would build it. ---
+
+/// A typed filter from its JSON as an embedded caller would build it: the
+/// shape only, no bound checked (that is the store's part).
+fn typed_filter(v: &Value) -> Filter {
+    let list = |v: &Value| {
+        v.as_array()
+            .expect("list")
+            .iter()
+            .map(typed_filter)
+            .collect()
+    };
+    if let Some(fs) = v.get("and") {
+        return Filter::And(list(fs));
+    }
+    if let Some(fs) = v.get("or") {
+        return Filter::Or(list(fs));
+    }
+    if let Some(f) = v.get("not") {
+        return Filter::Not(Box::new(typed_filter(f)));
+    }
+    let m = v.as_object().expect("condition");
+    let (op, x) = m.iter().find(|(k, _)| *k != "path").expect("operator");
+    let number = || x.as_number().expect("number").clone();
+    let test = match op.as_str() {
+        "equals" => Test::Equals(x.clone()),
+        "in" => Test::In(x.as_array().expect("in").clone()),
+        "exists" => Test::Exists(x.as_bool().expect("exists")),
+        "gt" => Test::Gt(number()),
+        "gte" => Test::Gte(number()),
+        "lt" => Test::Lt(number()),
+        "lte" => Test::Lte(number()),
+        other => panic!("operator {other}"),
+    };
+    Filter::Field(Condition {
+        path: m["path"].as_str().expect("path").to_owned(),
+        test,
+    })
+}
 
 fn new_event(v: &Value) -> NewEvent {
     NewEvent {
@@ -460,7 +581,7 @@ fn new_handler(v: &Value) -> NewHandler {
         max_in_flight: u32_of(&v["max_in_flight"]).unwrap_or(handler_defaults::MAX_IN_FLIGHT),
         secret: v["secret"].as_str().unwrap_or_default().to_owned(),
         rate_limit: v.get("rate_limit").filter(|r| !r.is_null()).map(rate_limit),
-        filter: None,
+        filter: v.get("filter").filter(|f| !f.is_null()).map(typed_filter),
     }
 }
 
@@ -475,7 +596,9 @@ fn patch(v: &Value) -> HandlerPatch {
         rate_limit: v
             .get("rate_limit")
             .map(|r| (!r.is_null()).then(|| rate_limit(r))),
-        filter: None,
+        filter: v
+            .get("filter")
+            .map(|f| (!f.is_null()).then(|| typed_filter(f))),
     }
 }
 
