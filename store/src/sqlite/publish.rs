@@ -4,7 +4,8 @@
 //! ([`crate::group`]), inside one `BEGIN IMMEDIATE` transaction: one
 //! stored-id check (only when the batch has client-supplied ids), one
 //! key-counter upsert (only when the batch has keys), one multi-row event
-//! insert per [`EVENT_CHUNK`] events, and one delivery insert.
+//! insert per [`EVENT_CHUNK`] events, and one delivery insert; first, one
+//! read of the catalog version ([`checked`]).
 //!
 //! Expected sequences ([`crate::NewEvent::expected_seq`]) are checked right
 //! after the key-counter upsert, under the write lock, so the numbers seen
@@ -19,8 +20,10 @@ use chrono::Utc;
 use sqlx::{Connection as _, SqliteConnection};
 
 use super::error::map_err;
+use super::event_types::checked;
 use super::SqliteStore;
 use crate::common::{check_expected, to_micros, PublishPlan};
+use crate::event_types::Cache;
 use crate::{PublishOutcome, Result, StoreError};
 
 /// Events per multi-row insert (7 parameters each; SQLite allows 32,766).
@@ -31,7 +34,7 @@ const EVENT_CHUNK: usize = 500;
 /// Returns the ids found already stored.
 pub(super) async fn write(store: &SqliteStore, plan: &PublishPlan) -> Result<HashSet<String>> {
     let (_guard, mut tx) = store.begin_write().await?;
-    match write_in(&mut tx, plan).await {
+    match write_in(&mut tx, &store.catalog, plan).await {
         Ok(stored) => {
             tx.commit().await.map_err(map_err)?;
             Ok(stored)
@@ -51,12 +54,13 @@ pub(super) async fn write(store: &SqliteStore, plan: &PublishPlan) -> Result<Has
 /// outcome; the caller commits.
 pub(super) async fn publish_in(
     conn: &mut SqliteConnection,
+    catalog: &Cache,
     mut plan: PublishPlan,
 ) -> Result<PublishOutcome> {
     let stored = if plan.expects() {
         // A broken expectation rolls back the batch's writes only.
         let mut savepoint = conn.begin().await.map_err(map_err)?;
-        let stored = write_in(&mut savepoint, &plan).await;
+        let stored = write_in(&mut savepoint, catalog, &plan).await;
         match stored {
             Ok(stored) => {
                 savepoint.commit().await.map_err(map_err)?;
@@ -68,7 +72,7 @@ pub(super) async fn publish_in(
             }
         }
     } else {
-        write_in(conn, &plan).await?
+        write_in(conn, catalog, &plan).await?
     };
     plan.drop_stored(&stored);
     Ok(PublishOutcome {
@@ -80,8 +84,14 @@ pub(super) async fn publish_in(
 }
 
 /// Writes `plan.fresh` but the ids already stored, which it returns, on
-/// `conn` inside a write transaction.
-async fn write_in(conn: &mut SqliteConnection, plan: &PublishPlan) -> Result<HashSet<String>> {
+/// `conn` inside a write transaction, after checking it against the stored
+/// catalog ([`checked`]).
+async fn write_in(
+    conn: &mut SqliteConnection,
+    catalog: &Cache,
+    plan: &PublishPlan,
+) -> Result<HashSet<String>> {
+    let mut plan = checked(conn, catalog, plan).await?;
     let client_ids = plan.client_ids();
     let mut stored = HashSet::new();
     if !client_ids.is_empty() {
@@ -92,7 +102,6 @@ async fn write_in(conn: &mut SqliteConnection, plan: &PublishPlan) -> Result<Has
             .map_err(map_err)?;
         stored.extend(found);
     }
-    let mut plan = std::borrow::Cow::Borrowed(plan);
     if !stored.is_empty() {
         plan.to_mut().drop_stored(&stored);
     }
@@ -100,10 +109,16 @@ async fn write_in(conn: &mut SqliteConnection, plan: &PublishPlan) -> Result<Has
         let seqs = assign_seqs(conn, &plan).await?;
         check_expected(plan.fresh.iter().zip(seqs.iter().copied()))?;
         insert_events(conn, &plan, &seqs).await?;
-        let ids: Vec<(&str, Option<i64>)> = plan
+        let ids: Vec<(&str, Option<i64>, Option<&[String]>)> = plan
             .fresh
             .iter()
-            .map(|e| (e.id.as_str(), e.deliver_at.map(to_micros)))
+            .map(|e| {
+                (
+                    e.id.as_str(),
+                    e.deliver_at.map(to_micros),
+                    e.aliases.as_deref(),
+                )
+            })
             .collect();
         sqlx::query(include_str!("sql/insert_deliveries.sql"))
             .bind(json(&ids)?)
