@@ -345,6 +345,10 @@ impl PgStore {
             catalog: Arc::default(),
         };
         store.lanes = migrate::migrate(&store.pool, lanes).await?;
+        // The catalog as it is now, so the first publish need not load it.
+        store
+            .catalog
+            .replace(&event_types::read(&store.pool).await?)?;
         Ok(store)
     }
 
