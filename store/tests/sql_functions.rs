@@ -499,20 +499,11 @@ async fn sql_wake_after_commit_names_the_lanes() {
 /// cannot validate it); with the strict setting, so is an uncataloged type.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sql_functions_honour_the_event_type_catalog() {
-    use lanebus_store::{handler_defaults, CatalogSettings, NewEventType, NewHandler};
+    use lanebus_store::{CatalogSettings, NewEventType};
     let db = format!("lanebus_sqlfn_catalog_{}", std::process::id());
     let (admin, store, pool) = common::fresh_pg_store(&db).await;
     let by_alias = store
-        .create_handler(NewHandler {
-            name: "old".into(),
-            url: "http://127.0.0.1:9/old".into(),
-            event_types: vec!["payment.done".into()],
-            max_attempts: handler_defaults::MAX_ATTEMPTS,
-            timeout_ms: handler_defaults::TIMEOUT_MS,
-            max_in_flight: handler_defaults::MAX_IN_FLIGHT,
-            secret: String::new(),
-            rate_limit: None,
-        })
+        .create_handler(common::new_handler("old", &["payment.done"]))
         .await
         .expect("handler");
     store
