@@ -59,6 +59,7 @@ use utoipa::ToSchema;
 mod admin;
 pub mod auth;
 mod deliveries;
+pub mod event_types;
 /// The SSRF guard, kept with the handler rules in the store crate (the
 /// delivery path checks it at each send).
 pub use lanebus_store::egress;

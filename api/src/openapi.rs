@@ -51,7 +51,11 @@ use crate::admin::{
     Replayed,
 };
 use crate::deliveries::{DeliveriesPage, DeliveriesQuery};
+use crate::error::ApiError;
 use crate::error::{ErrorBody, ErrorCode};
+use crate::event_types::{
+    CatalogSettingsView, CreateEventType, EventTypeList, EventTypeView, UpdateEventType,
+};
 use crate::events::{PublishAnswer, PublishRequest};
 use crate::handlers::{
     CreateHandler, Deleted, HandlerList, HandlerView, RotateSecret, UpdateHandler,
@@ -61,7 +65,10 @@ use crate::health::Status;
 use crate::lookup::EventView;
 use crate::recovery::{RecoverRequest, Recovered};
 use crate::routes::{Operation, ROUTES};
+use crate::ApiState;
 use crate::{ClusterView, HandlerActivity, JoinRequest, RemoveRequest};
+use axum::extract::State;
+use lanebus_store::EventType;
 
 /// Media type of JSON bodies.
 const JSON: &str = "application/json";
@@ -90,12 +97,78 @@ pub fn document_json() -> &'static [u8] {
     })
 }
 
-/// Handler of `GET /openapi.json`.
-pub(crate) async fn serve() -> Response {
-    let mut res = document_json().into_response();
+/// Handler of `GET /openapi.json`: [`document`] with a `webhooks` section
+/// generated from the event-type catalog at request time ([`webhooks`]).
+/// `503 store_unavailable` when the catalog cannot be read.
+pub(crate) async fn serve(State(state): State<ApiState>) -> Result<Response, ApiError> {
+    let store = &state.store;
+    let types = crate::health::bounded(store.backend(), store.list_event_types()).await??;
+    let mut doc: serde_json::Value = serde_json::from_slice(document_json())
+        .map_err(|e| ApiError::new(ErrorCode::Internal, format!("openapi document: {e}")))?;
+    doc["webhooks"] = webhooks(&types);
+    let mut res = axum::Json(doc).into_response();
     res.headers_mut()
         .insert(header::CONTENT_TYPE, HeaderValue::from_static(JSON));
-    res
+    Ok(res)
+}
+
+/// The `webhooks` section (OpenAPI 3.1) of a catalog: per type, keyed by
+/// its wire name, the `POST` lanebus sends to a handler routed to it, with
+/// the Standard Webhooks headers and the body
+/// `{"type": <wire name>, "timestamp": <publish time>, "data": <payload>}`,
+/// `data` being the type's schema (any JSON without one). Receivers can
+/// generate their handlers from it.
+pub fn webhooks(types: &[EventType]) -> serde_json::Value {
+    let header = |name: &str, description: &str| {
+        serde_json::json!({
+            "name": name, "in": "header", "required": true,
+            "description": description, "schema": {"type": "string"}
+        })
+    };
+    let parameters = serde_json::json!([
+        header("webhook-id", "the event id; the same on every attempt"),
+        header("webhook-timestamp", "unix seconds of this attempt"),
+        header(
+            "webhook-signature",
+            "v1,<base64 HMAC-SHA256 of \"{webhook-id}.{webhook-timestamp}.{body}\">, \
+             space-separated when two secrets sign"
+        ),
+    ]);
+    let entries = types.iter().map(|t| {
+        let data = t.schema.clone().unwrap_or_else(|| serde_json::json!({}));
+        let body = serde_json::json!({
+            "type": "object",
+            "required": ["type", "timestamp", "data"],
+            "properties": {
+                "type": {"const": t.name, "description": "the wire name"},
+                "timestamp": {"type": "string", "format": "date-time",
+                              "description": "the event's publish time"},
+                "data": data,
+            },
+        });
+        let mut description = t.description.clone();
+        if !t.aliases.is_empty() {
+            description = format!(
+                "{description}\n\nPublishers may also send it as: {}.",
+                t.aliases.join(", ")
+            )
+            .trim_start()
+            .to_owned();
+        }
+        let operation = serde_json::json!({
+            "operationId": format!("webhook:{}", t.name),
+            "summary": format!("event {}", t.name),
+            "description": description,
+            "deprecated": t.deprecated,
+            "parameters": parameters.clone(),
+            "requestBody": {"required": true, "content": {JSON: {"schema": body}}},
+            "responses": {
+                "2XX": {"description": "delivered; any other answer is retried"},
+            },
+        });
+        (t.name.clone(), serde_json::json!({ "post": operation }))
+    });
+    serde_json::Value::Object(entries.collect())
 }
 
 /// Collects component schemas while operations reference them.
@@ -134,6 +207,19 @@ fn path_id(description: &str, schema: RefOr<Schema>) -> Parameter {
         .required(Required::True)
         .description(Some(description))
         .schema(Some(schema))
+        .build()
+}
+
+/// The `{name}` of `/v1/event-types/{name}`: a wire name or an alias.
+fn type_name() -> Parameter {
+    ParameterBuilder::new()
+        .name("name")
+        .parameter_in(ParameterIn::Path)
+        .required(Required::True)
+        .description(Some(
+            "the type's wire name or one of its aliases; any other value is `404 not_found`",
+        ))
+        .schema(Some(String::schema()))
         .build()
 }
 
@@ -385,6 +471,98 @@ fn describe(op: Operation, s: &mut Schemas) -> Described {
                 ),
             )
         },
+        Operation::CreateEventType => Described {
+            body: Some(s.of::<CreateEventType>()),
+            ..d(
+                "event types",
+                "Add a type to the event-type catalog",
+                "A type has one wire name (the `type` its events are stored and sent under), \
+                 aliases publishers may still send (stored as the wire name; routes naming an \
+                 alias keep matching), and an optional JSON Schema (draft 2020-12): every \
+                 published payload of the type must satisfy it, or the publish is refused \
+                 whole (`422 invalid_input` naming `events[i]`, the JSON pointer in the payload \
+                 and the failed keyword). A schema that is no valid draft 2020-12 schema, or \
+                 refers to an external `$ref`, is `422 invalid_input`; a name or alias already \
+                 a type's is `409 conflict`. Every node honours the change at its next \
+                 publish.",
+                (
+                    StatusCode::CREATED,
+                    "the type is cataloged",
+                    json(s.of::<EventTypeView>()),
+                ),
+            )
+        },
+        Operation::ListEventTypes => d(
+            "event types",
+            "List the event-type catalog",
+            "Every type, by wire name.",
+            (StatusCode::OK, "the catalog", json(s.of::<EventTypeList>())),
+        ),
+        Operation::GetEventType => Described {
+            parameters: vec![type_name()],
+            ..d(
+                "event types",
+                "Get one event type",
+                "By wire name or alias.",
+                (StatusCode::OK, "the type", json(s.of::<EventTypeView>())),
+            )
+        },
+        Operation::UpdateEventType => Described {
+            parameters: vec![type_name()],
+            body: Some(s.of::<UpdateEventType>()),
+            ..d(
+                "event types",
+                "Change or rename an event type",
+                "Absent fields stay as they are; `\"schema\": null` removes the schema; \
+                 `aliases` replaces them whole. A new `name` renames the type: the old wire \
+                 name becomes an alias, so publishers still sending it and routes naming it \
+                 keep working, and events published from then on are stored and sent under \
+                 the new name. `\"deprecated\": false` undoes a deprecation.",
+                (
+                    StatusCode::OK,
+                    "the type, changed",
+                    json(s.of::<EventTypeView>()),
+                ),
+            )
+        },
+        Operation::DeprecateEventType => Described {
+            parameters: vec![type_name()],
+            ..d(
+                "event types",
+                "Deprecate an event type",
+                "As in Svix: its events are still accepted, and it is shown deprecated.",
+                (
+                    StatusCode::OK,
+                    "the type, deprecated",
+                    json(s.of::<EventTypeView>()),
+                ),
+            )
+        },
+        Operation::GetCatalogSettings => d(
+            "event types",
+            "The store-wide catalog setting",
+            "",
+            (
+                StatusCode::OK,
+                "the setting",
+                json(s.of::<CatalogSettingsView>()),
+            ),
+        ),
+        Operation::SetCatalogSettings => Described {
+            body: Some(s.of::<CatalogSettingsView>()),
+            ..d(
+                "event types",
+                "Set the store-wide catalog setting",
+                "With `strict`, a publish of a type that is neither a wire name nor an alias \
+                 in the catalog is refused (`422 invalid_input`); lanebus's own `lanebus.` \
+                 types are exempt. Stored, so every node honours it at its next publish.",
+                (
+                    StatusCode::OK,
+                    "the setting",
+                    json(s.of::<CatalogSettingsView>()),
+                ),
+            )
+        },
         Operation::ListDeadLetters => Described {
             parameters: DeadLetterQuery::into_params(|| Some(ParameterIn::Query)),
             ..d(
@@ -529,7 +707,10 @@ fn describe(op: Operation, s: &mut Schemas) -> Described {
         Operation::OpenApi => d(
             "operations",
             "This OpenAPI document",
-            "",
+            "With a `webhooks` section generated from the event-type catalog at request \
+             time: per type, keyed by its wire name, the POST lanebus sends (Standard \
+             Webhooks headers, body `{\"type\", \"timestamp\", \"data\"}` with `data` \
+             the type's schema), from which receivers can generate their handlers.",
             (
                 StatusCode::OK,
                 "the OpenAPI 3.1 document",
@@ -738,6 +919,10 @@ fn build() -> OpenApi {
     let tags = [
         ("events", "Publish events"),
         ("handlers", "The handler catalog"),
+        (
+            "event types",
+            "The event-type catalog: wire names, aliases, payload schemas",
+        ),
         ("dead letters", "Deliveries that exhausted their attempts"),
         (
             "cluster",

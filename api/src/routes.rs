@@ -15,11 +15,14 @@
 use axum::extract::DefaultBodyLimit;
 use axum::http::{header, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, patch, post, MethodRouter};
+use axum::routing::{delete, get, patch, post, put, MethodRouter};
 use axum::Router;
 
 use crate::error::{error_response, ApiError, ErrorCode};
-use crate::{admin, deliveries, events, handlers, health, lookup, openapi, recovery, ui, ApiState};
+use crate::{
+    admin, deliveries, event_types, events, handlers, health, lookup, openapi, recovery, ui,
+    ApiState,
+};
 
 /// What a route does; one variant per (method, path).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,6 +57,21 @@ pub enum Operation {
     /// `POST /v1/handlers/{id}/recover`: deliver again the events completed
     /// for a handler since a time (marked `lanebus-replay: true`).
     RecoverHandler,
+    /// `POST /v1/event-types`: add a type to the event-type catalog (201).
+    CreateEventType,
+    /// `GET /v1/event-types`: the catalog.
+    ListEventTypes,
+    /// `GET /v1/event-types/{name}`: one type, by wire name or alias.
+    GetEventType,
+    /// `PATCH /v1/event-types/{name}`: change (or rename) a type.
+    UpdateEventType,
+    /// `POST /v1/event-types/{name}/deprecate`: deprecate a type (its
+    /// events are still accepted).
+    DeprecateEventType,
+    /// `GET /v1/catalog/settings`: the store-wide catalog setting.
+    GetCatalogSettings,
+    /// `PUT /v1/catalog/settings`: set it.
+    SetCatalogSettings,
     /// `GET /admin/dead-letters`: list dead letters.
     ListDeadLetters,
     /// `POST /admin/dead-letters/{id}/replay`: replay one dead letter.
@@ -130,6 +148,13 @@ impl Operation {
             Operation::RotateHandlerSecret => "rotateHandlerSecret",
             Operation::RecoverHandler => "recoverHandler",
             Operation::ListHandlerDeliveries => "listHandlerDeliveries",
+            Operation::CreateEventType => "createEventType",
+            Operation::ListEventTypes => "listEventTypes",
+            Operation::GetEventType => "getEventType",
+            Operation::UpdateEventType => "updateEventType",
+            Operation::DeprecateEventType => "deprecateEventType",
+            Operation::GetCatalogSettings => "getCatalogSettings",
+            Operation::SetCatalogSettings => "setCatalogSettings",
             Operation::ListDeadLetters => "listDeadLetters",
             Operation::ReplayDeadLetter => "replayDeadLetter",
             Operation::ReplayDeadLetters => "replayDeadLetters",
@@ -178,7 +203,31 @@ impl Operation {
                 &STORE,
             ]
             .concat(),
-            Operation::ListHandlers | Operation::HandlerSummaries => STORE.to_vec(),
+            Operation::ListHandlers
+            | Operation::HandlerSummaries
+            | Operation::ListEventTypes
+            | Operation::GetCatalogSettings
+            // The catalog, read for the document's `webhooks`.
+            | Operation::OpenApi => STORE.to_vec(),
+            // `invalid_input`: a broken catalog rule (a schema that is no
+            // valid JSON Schema included); `conflict`: a name or alias
+            // already a type's.
+            Operation::CreateEventType => [
+                &JSON_BODY[..],
+                &[E::InvalidInput, E::Conflict],
+                &STORE,
+            ]
+            .concat(),
+            Operation::UpdateEventType => [
+                &JSON_BODY[..],
+                &[E::InvalidParameter, E::NotFound, E::InvalidInput, E::Conflict],
+                &STORE,
+            ]
+            .concat(),
+            Operation::GetEventType | Operation::DeprecateEventType => {
+                [&[E::InvalidParameter, E::NotFound][..], &STORE].concat()
+            }
+            Operation::SetCatalogSettings => [&JSON_BODY[..], &STORE].concat(),
             Operation::UpdateHandler | Operation::RotateHandlerSecret => [
                 &JSON_BODY[..],
                 &[E::InvalidParameter, E::NotFound, E::InvalidHandler],
@@ -224,7 +273,6 @@ impl Operation {
             Operation::GetCluster
             | Operation::Metrics
             | Operation::Healthz
-            | Operation::OpenApi
             | Operation::DashboardRedirect
             | Operation::Dashboard
             | Operation::DashboardScript
@@ -281,6 +329,13 @@ impl Operation {
             Operation::RotateHandlerSecret => post(handlers::rotate_secret),
             Operation::RecoverHandler => post(recovery::recover),
             Operation::ListHandlerDeliveries => get(deliveries::list),
+            Operation::CreateEventType => post(event_types::create),
+            Operation::ListEventTypes => get(event_types::list),
+            Operation::GetEventType => get(event_types::get),
+            Operation::UpdateEventType => patch(event_types::update),
+            Operation::DeprecateEventType => post(event_types::deprecate),
+            Operation::GetCatalogSettings => get(event_types::settings),
+            Operation::SetCatalogSettings => put(event_types::set_settings),
             Operation::ListDeadLetters => get(admin::list_dead_letters),
             Operation::ReplayDeadLetter => post(admin::replay_one),
             Operation::ReplayDeadLetters => post(admin::replay_bulk),
@@ -359,6 +414,33 @@ pub const ROUTES: &[RouteSpec] = &[
         Method::POST,
         "/v1/handlers/{id}/recover",
         Operation::RecoverHandler,
+    ),
+    spec(Method::POST, "/v1/event-types", Operation::CreateEventType),
+    spec(Method::GET, "/v1/event-types", Operation::ListEventTypes),
+    spec(
+        Method::GET,
+        "/v1/event-types/{name}",
+        Operation::GetEventType,
+    ),
+    spec(
+        Method::PATCH,
+        "/v1/event-types/{name}",
+        Operation::UpdateEventType,
+    ),
+    spec(
+        Method::POST,
+        "/v1/event-types/{name}/deprecate",
+        Operation::DeprecateEventType,
+    ),
+    spec(
+        Method::GET,
+        "/v1/catalog/settings",
+        Operation::GetCatalogSettings,
+    ),
+    spec(
+        Method::PUT,
+        "/v1/catalog/settings",
+        Operation::SetCatalogSettings,
     ),
     spec(
         Method::GET,

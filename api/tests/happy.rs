@@ -1041,6 +1041,21 @@ mod stalled {
         async fn publish(&self, _: Vec<NewEvent>) -> Result<PublishOutcome> {
             pending().await
         }
+        async fn create_event_type(&self, _: NewEventType) -> Result<EventType> {
+            pending().await
+        }
+        async fn list_event_types(&self) -> Result<Vec<EventType>> {
+            pending().await
+        }
+        async fn update_event_type(&self, _: &str, _: &EventTypePatch) -> Result<EventType> {
+            pending().await
+        }
+        async fn catalog_settings(&self) -> Result<CatalogSettings> {
+            pending().await
+        }
+        async fn set_catalog_settings(&self, _: CatalogSettings) -> Result<CatalogSettings> {
+            pending().await
+        }
         async fn fence(&self, _: Lane, _: &str, _: Epoch) -> Result<bool> {
             pending().await
         }

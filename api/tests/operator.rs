@@ -66,7 +66,7 @@ async fn openapi_document_and_router_agree(app: TestApp) {
         Method::DELETE,
     ];
     for (path, item) in doc["paths"].as_object().expect("paths") {
-        let concrete = path.replace("{id}", "1");
+        let concrete = path.replace("{id}", "1").replace("{name}", "t");
         for method in &probe_methods {
             let listed = item.get(method.as_str().to_lowercase()).is_some();
             let res = app.call(method.clone(), &concrete, None, Vec::new()).await;

@@ -60,6 +60,11 @@ pub(crate) struct PlannedEvent {
     /// The key's sequence expected just before this event
     /// ([`NewEvent::expected_seq`]; checked by [`check_expected`]).
     pub expected_seq: Option<i64>,
+    /// The type as published when the catalog rewrote an alias to the
+    /// wire name in `event_type` ([`crate::event_types`]).
+    pub sent_type: Option<String>,
+    /// The cataloged type's aliases, which routes also match.
+    pub aliases: Option<std::sync::Arc<[String]>>,
 }
 
 /// A validated publish batch.
@@ -71,6 +76,9 @@ pub(crate) struct PublishPlan {
     pub fresh: Vec<PlannedEvent>,
     /// Duplicates found so far (within the batch, then already stored).
     pub duplicates: usize,
+    /// The catalog version the events were checked against
+    /// ([`crate::event_types::Snapshot::apply`]); `None`: not checked.
+    pub catalog_version: Option<i64>,
 }
 
 impl PublishPlan {
@@ -120,12 +128,15 @@ impl PublishPlan {
                 client_id,
                 deliver_at: e.deliver_at,
                 expected_seq: e.expected_seq,
+                sent_type: None,
+                aliases: None,
             });
         }
         PublishPlan {
             ids,
             fresh,
             duplicates,
+            catalog_version: None,
         }
     }
 

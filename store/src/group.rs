@@ -282,7 +282,9 @@ fn merge<'a>(
     let mut seen = HashSet::new();
     let mut fresh = Vec::new();
     let mut owners = Vec::new();
+    let mut plans_versions = Vec::with_capacity(plans.len());
     for (i, plan) in plans.enumerate() {
+        plans_versions.push(plan.catalog_version);
         for e in &plan.fresh {
             if seen.insert(e.id.as_str()) {
                 fresh.push(e.clone());
@@ -292,10 +294,14 @@ fn merge<'a>(
             }
         }
     }
+    let mut versions = plans_versions.into_iter();
+    let first = versions.next().flatten();
     let merged = PublishPlan {
         ids: Vec::new(),
         fresh,
         duplicates: 0,
+        // Checked against one catalog, or checked again by the write.
+        catalog_version: first.filter(|_| versions.all(|v| v == first)),
     };
     (merged, owners, repeated)
 }

@@ -75,6 +75,8 @@ pub use common::MAX_BATCH;
 mod group;
 pub use group::{GroupStats, GROUP_EVENTS, GROUP_PAYLOAD_BYTES};
 pub mod egress;
+pub mod event_types;
+pub use event_types::{CatalogSettings, EventType, EventTypePatch, NewEventType};
 pub mod filter;
 pub use filter::Filter;
 pub mod operational;
@@ -1215,6 +1217,58 @@ pub trait Store: Send + Sync + 'static {
     /// lane owners, which discard deliveries of an unknown handler, and a
     /// repeated call sweeps it before answering `NotFound`).
     async fn delete_handler(&self, id: &str) -> Result<DeletedHandler>;
+
+    /// Adds a type to the event-type catalog ([`event_types`]) and raises
+    /// the catalog version, so every node's next publish honours it.
+    ///
+    /// # Errors
+    /// [`StoreError::Invalid`] for a broken [`rules::event_type`] rule (a
+    /// schema that is not a valid draft 2020-12 JSON Schema included);
+    /// [`StoreError::Conflict`] when its name or an alias is already a
+    /// type's wire name or alias.
+    async fn create_event_type(&self, new: NewEventType) -> Result<EventType>;
+
+    /// Every cataloged type, by wire name.
+    async fn list_event_types(&self) -> Result<Vec<EventType>>;
+
+    /// The type whose wire name or alias is `name`;
+    /// [`StoreError::NotFound`] if none.
+    async fn get_event_type(&self, name: &str) -> Result<EventType> {
+        self.list_event_types()
+            .await?
+            .into_iter()
+            .find(|t| t.names().any(|n| n == name))
+            .ok_or_else(|| event_types::not_found(name))
+    }
+
+    /// Changes the type whose wire name or alias is `name`
+    /// ([`EventTypePatch`]; a new name renames it, the old wire name
+    /// becoming an alias) and raises the catalog version.
+    ///
+    /// # Errors
+    /// [`StoreError::NotFound`] for an unknown name; otherwise as
+    /// [`create_event_type`](Self::create_event_type).
+    async fn update_event_type(&self, name: &str, patch: &EventTypePatch) -> Result<EventType>;
+
+    /// Marks the type whose wire name or alias is `name` deprecated: its
+    /// events are still accepted (as in Svix), and it is shown deprecated.
+    ///
+    /// # Errors
+    /// [`StoreError::NotFound`] for an unknown name.
+    async fn deprecate_event_type(&self, name: &str) -> Result<EventType> {
+        let patch = EventTypePatch {
+            deprecated: Some(true),
+            ..EventTypePatch::default()
+        };
+        self.update_event_type(name, &patch).await
+    }
+
+    /// The store-wide catalog setting (stored, so every node agrees).
+    async fn catalog_settings(&self) -> Result<CatalogSettings>;
+
+    /// Stores the catalog setting and raises the catalog version, so every
+    /// node's next publish honours it. Returns it.
+    async fn set_catalog_settings(&self, settings: CatalogSettings) -> Result<CatalogSettings>;
 
     /// Lists dead letters, oldest first.
     async fn list_dead_letters(&self, filter: &DeadLetterFilter) -> Result<Vec<DeadLetter>>;

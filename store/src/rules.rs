@@ -31,6 +31,12 @@
 //! | handler | `filter…gt`, `gte`, `lt`, `lte` | a number |
 //! | handler | `filter…exists` | `true` or `false` |
 //! | secret | `secret` | `whsec_` + standard base64 of 24 to 64 bytes |
+//! | event type | `name`, `aliases[i]` | an event type (as `type` above), not reserved; a name is one type's wire name or alias, never two |
+//! | event type | `aliases` | at most 20, none repeated, not the wire name |
+//! | event type | `description` | at most 1,024 characters |
+//! | event type | `schema` | a JSON Schema (draft 2020-12) that compiles, at most 64 KiB as JSON, no external `$ref` |
+//! | event | `payload` | satisfies its type's schema, if the catalog has one ([`crate::event_types`]) |
+//! | event | `type` | in the catalog, when the store-wide strict setting is on |
 //!
 //! Rules of the HTTP request's shape stay with the API: well-formed JSON,
 //! unknown fields, an RFC 3339 `deliver_at`, a non-empty `events` list (an
@@ -73,6 +79,12 @@ pub enum Rule {
     /// A field given without another one it needs (`expected_seq` without
     /// `key`).
     Requires,
+    /// A payload that does not satisfy its event type's JSON Schema, or a
+    /// schema that is not a valid one.
+    Schema,
+    /// An event type not in the catalog while the store-wide strict
+    /// setting is on.
+    Uncataloged,
 }
 
 /// A broken rule: which field, which kind of rule, and a message for
@@ -452,6 +464,165 @@ pub mod event {
             }
         }
         None
+    }
+}
+
+/// Event-type catalog rules ([`crate::event_types`]).
+pub mod event_type {
+    use super::{event, route, tidy, Broken, Rule};
+    use crate::event_types::{EventTypePatch, NewEventType};
+
+    /// Most aliases of one type.
+    pub const MAX_ALIASES: usize = 20;
+    /// Longest description, in characters.
+    pub const MAX_DESCRIPTION_CHARS: usize = 1_024;
+    /// Largest schema, in bytes of compact JSON.
+    pub const MAX_SCHEMA_BYTES: usize = 64 << 10;
+
+    /// Checks a wire name or alias given as `field`: an event type, not
+    /// reserved.
+    ///
+    /// # Errors
+    /// [`Rule::Form`] or [`Rule::Reserved`] on `field`.
+    pub fn name(field: &str, n: &str) -> Result<(), Broken> {
+        let rename = |b: Broken| Broken::new(field, b.rule, b.message);
+        route::event_type(n).map_err(rename)?;
+        event::unreserved(n).map_err(rename)
+    }
+
+    /// Checks a type's aliases next to its wire name `wire`.
+    ///
+    /// # Errors
+    /// [`Rule::Length`] on `aliases`; a broken name on `aliases[i]`;
+    /// [`Rule::Form`] for an alias repeated or equal to the wire name.
+    pub fn aliases(wire: &str, aliases: &[String]) -> Result<(), Broken> {
+        if aliases.len() > MAX_ALIASES {
+            return Err(Broken::new(
+                "aliases",
+                Rule::Length,
+                format!(
+                    "{} aliases exceed the limit of {MAX_ALIASES}",
+                    aliases.len()
+                ),
+            ));
+        }
+        for (i, a) in aliases.iter().enumerate() {
+            let field = format!("aliases[{i}]");
+            name(&field, a)?;
+            if a == wire || aliases[..i].contains(a) {
+                return Err(Broken::new(
+                    &field,
+                    Rule::Form,
+                    format!("{field} {a:?} repeats a name of the type"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks a description.
+    ///
+    /// # Errors
+    /// [`Rule::Length`] on `description`.
+    pub fn description(d: &str) -> Result<(), Broken> {
+        let n = d.chars().count();
+        if n > MAX_DESCRIPTION_CHARS {
+            return Err(Broken::new(
+                "description",
+                Rule::Length,
+                format!("description of {n} characters exceeds {MAX_DESCRIPTION_CHARS}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks a schema: at most [`MAX_SCHEMA_BYTES`] as JSON, and a valid
+    /// draft 2020-12 JSON Schema that compiles (an external `$ref` does
+    /// not: nothing is fetched).
+    ///
+    /// # Errors
+    /// [`Rule::Size`] or [`Rule::Schema`] on `schema`, saying what is wrong.
+    pub fn schema(s: &serde_json::Value) -> Result<(), Broken> {
+        let bytes = s.to_string().len();
+        if bytes > MAX_SCHEMA_BYTES {
+            return Err(Broken::new(
+                "schema",
+                Rule::Size,
+                format!("schema of {bytes} bytes exceeds {MAX_SCHEMA_BYTES} bytes"),
+            ));
+        }
+        let broken = |what: String| {
+            Broken::new(
+                "schema",
+                Rule::Schema,
+                format!("schema is not a valid JSON Schema (draft 2020-12): {what}"),
+            )
+        };
+        if let Err(e) = jsonschema::draft202012::meta::validate(s) {
+            let at = e.instance_path().as_str().to_owned();
+            let at = if at.is_empty() { "/".to_owned() } else { at };
+            return Err(broken(format!(
+                "at {at}: {}",
+                tidy(&e.masked().to_string())
+            )));
+        }
+        jsonschema::draft202012::new(s).map_err(|e| broken(tidy(&e.to_string())))?;
+        Ok(())
+    }
+
+    /// Checks a type to create.
+    ///
+    /// # Errors
+    /// The first [`Broken`] rule, naming the field.
+    pub fn check(t: &NewEventType) -> Result<(), Broken> {
+        name("name", &t.name)?;
+        description(&t.description)?;
+        aliases(&t.name, &t.aliases)?;
+        t.schema.as_ref().map_or(Ok(()), schema)
+    }
+
+    /// Checks the fields of a change (the aliases again on the result,
+    /// [`aliases`]).
+    ///
+    /// # Errors
+    /// The first [`Broken`] rule, naming the field.
+    pub fn check_patch(p: &EventTypePatch) -> Result<(), Broken> {
+        if let Some(n) = &p.name {
+            name("name", n)?;
+        }
+        if let Some(d) = &p.description {
+            description(d)?;
+        }
+        if let Some(Some(s)) = &p.schema {
+            schema(s)?;
+        }
+        Ok(())
+    }
+
+    /// The rule broken by a payload of type `wire` failing its schema at
+    /// the JSON pointer `at` ("" for the whole payload) by `keyword`.
+    pub fn payload_fails(wire: &str, at: &str, keyword: &str, why: &str) -> Broken {
+        let at = if at.is_empty() { "/" } else { at };
+        Broken::new(
+            "payload",
+            Rule::Schema,
+            format!(
+                "payload at {at} breaks the schema of event type {wire:?} \
+                 (keyword {keyword:?}): {}",
+                tidy(why)
+            ),
+        )
+    }
+
+    /// The rule broken by a type not in the catalog while strict.
+    pub fn not_cataloged(t: &str) -> Broken {
+        Broken::new(
+            "type",
+            Rule::Uncataloged,
+            format!(
+                "event type {t:?} is not in the catalog, and the store refuses types not in it"
+            ),
+        )
     }
 }
 

@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use common::with_database;
+use common::{new_handler, with_database};
 use lanebus_store::postgres::PgStore;
 use lanebus_store::sqlite::SqliteStore;
 use lanebus_store::*;
@@ -474,6 +474,11 @@ conformance!(
     handler_filter_round_trips_and_patch_sets_and_removes_it,
     invalid_filters_are_refused_and_store_nothing,
     recover_puts_back_only_what_the_filter_let_through,
+    event_type_schemas_validate_payloads_and_refuse_whole_batches,
+    an_alias_is_stored_and_routed_under_the_wire_name,
+    the_strict_setting_refuses_types_not_in_the_catalog,
+    a_catalog_change_is_honoured_by_the_next_publish_elsewhere,
+    event_type_names_and_aliases_are_unique,
 );
 
 // ---------------------------------------------------------------------------
@@ -488,20 +493,6 @@ fn ev(id: Option<&str>, ty: &str, key: Option<&str>) -> NewEvent {
         payload: br#"{"n":1}"#.to_vec(),
         deliver_at: None,
         expected_seq: None,
-    }
-}
-
-fn new_handler(name: &str, types: &[&str]) -> NewHandler {
-    NewHandler {
-        name: name.into(),
-        url: format!("http://127.0.0.1:9/{name}"),
-        event_types: types.iter().map(|s| s.to_string()).collect(),
-        max_attempts: handler_defaults::MAX_ATTEMPTS,
-        timeout_ms: handler_defaults::TIMEOUT_MS,
-        max_in_flight: handler_defaults::MAX_IN_FLIGHT,
-        secret: String::new(),
-        rate_limit: None,
-        filter: None,
     }
 }
 
@@ -6308,4 +6299,445 @@ async fn a_broken_expectation_in_a_caller_transaction(h: &dyn Harness) {
             "nothing of the refused batch"
         );
     }
+}
+
+// ---------------------------------------------------------------------------
+// Event-type catalog
+// ---------------------------------------------------------------------------
+
+fn payload_ev(id: &str, ty: &str, payload: &str) -> NewEvent {
+    NewEvent {
+        payload: payload.as_bytes().to_vec(),
+        ..ev(Some(id), ty, None)
+    }
+}
+
+fn order_schema() -> serde_json::Value {
+    serde_json::json!({
+        "type": "object",
+        "required": ["amount"],
+        "properties": {"amount": {"type": "integer", "minimum": 1}}
+    })
+}
+
+fn new_type(name: &str, schema: Option<serde_json::Value>, aliases: &[&str]) -> NewEventType {
+    NewEventType {
+        name: name.into(),
+        description: format!("{name} happened"),
+        schema,
+        aliases: aliases.iter().map(|a| a.to_string()).collect(),
+    }
+}
+
+fn invalid_message(e: StoreError) -> String {
+    match e {
+        StoreError::Invalid(m) => m,
+        other => panic!("expected Invalid, got {other:?}"),
+    }
+}
+
+async fn event_type_schemas_validate_payloads_and_refuse_whole_batches(h: &dyn Harness) {
+    let s = h.store();
+    handler(&*s, "all", &["*"]).await;
+    let t = s
+        .create_event_type(new_type("order.paid", Some(order_schema()), &[]))
+        .await
+        .expect("create");
+    assert_eq!(t.schema, Some(order_schema()));
+    assert!(!t.deprecated);
+    s.create_event_type(new_type("order.noted", None, &[]))
+        .await
+        .expect("create without schema");
+
+    // A schema that is not a valid draft 2020-12 schema is refused, naming it.
+    for bad in [
+        serde_json::json!({"type": "integr"}),
+        serde_json::json!({"minimum": "one"}),
+        serde_json::json!({"$ref": "https://example.com/s.json"}),
+    ] {
+        let e = s
+            .create_event_type(new_type("bad.schema", Some(bad.clone()), &[]))
+            .await
+            .expect_err("invalid schema");
+        assert!(invalid_message(e).contains("schema"), "{bad}");
+    }
+
+    s.publish(vec![
+        payload_ev("ok-1", "order.paid", r#"{"amount": 5}"#),
+        payload_ev("ok-2", "order.noted", r#"[1, "anything"]"#),
+        payload_ev("ok-3", "uncataloged", r#""free""#),
+    ])
+    .await
+    .expect("valid payloads");
+
+    let before = counts(&*s).await;
+    for (batch_bad, pointer, keyword) in [
+        (r#"{"amount": 0}"#, "/amount", "minimum"),
+        (r#"{"amount": "5"}"#, "/amount", "type"),
+        (r#"{}"#, "/", "required"),
+    ] {
+        let batch = vec![
+            payload_ev("fine", "order.paid", r#"{"amount": 2}"#),
+            payload_ev("broken", "order.paid", batch_bad),
+        ];
+        let m = invalid_message(s.publish(batch.clone()).await.expect_err("refused"));
+        assert!(m.contains("events[1]"), "{m}");
+        assert!(m.contains(&format!("at {pointer} ")), "{m}");
+        assert!(m.contains(&format!("{keyword:?}")), "{m}");
+        let e = h
+            .publish_in_many(vec![batch], true)
+            .await
+            .expect_err("refused in a caller transaction too");
+        assert!(invalid_message(e).contains("events[1]"));
+    }
+    // Concurrent batches, one of them invalid: only its caller fails.
+    let mut tasks = Vec::new();
+    for i in 0..6 {
+        let s = Arc::clone(&s);
+        tasks.push(tokio::spawn(async move {
+            let amount = if i == 3 { 0 } else { 1 };
+            s.publish(vec![payload_ev(
+                &format!("c-{i}"),
+                "order.paid",
+                &format!(r#"{{"amount": {amount}}}"#),
+            )])
+            .await
+        }));
+    }
+    for (i, t) in tasks.into_iter().enumerate() {
+        let r = t.await.expect("join");
+        assert_eq!(r.is_err(), i == 3, "batch {i}: {r:?}");
+    }
+    let after = counts(&*s).await;
+    assert_eq!(
+        after.events,
+        before.events + 5,
+        "nothing of a refused batch"
+    );
+
+    // Removing the schema lets any payload through.
+    s.update_event_type(
+        "order.paid",
+        &EventTypePatch {
+            schema: Some(None),
+            ..Default::default()
+        },
+    )
+    .await
+    .expect("drop schema");
+    s.publish(vec![payload_ev("late", "order.paid", "{}")])
+        .await
+        .expect("no schema any more");
+}
+
+async fn an_alias_is_stored_and_routed_under_the_wire_name(h: &dyn Harness) {
+    let s = h.store();
+    let by_old = handler(&*s, "old", &["payment.done"]).await;
+    let by_prefix = handler(&*s, "prefix", &["payment.*"]).await;
+    let by_wire = handler(&*s, "wire", &["order.paid"]).await;
+    let other = handler(&*s, "other", &["order.refunded"]).await;
+    s.create_event_type(new_type("order.paid", None, &["payment.done"]))
+        .await
+        .expect("create");
+    s.publish(vec![ev(Some("a1"), "payment.done", Some("k"))])
+        .await
+        .expect("publish under the alias");
+    h.publish_in_many(vec![vec![ev(Some("a2"), "payment.done", None)]], true)
+        .await
+        .expect("publish_in under the alias");
+    s.publish(vec![ev(Some("a3"), "order.paid", None)])
+        .await
+        .expect("publish under the wire name");
+    let ds = claim_all(&*s).await;
+    for id in ["a1", "a2", "a3"] {
+        let got: HashSet<&str> = ds
+            .iter()
+            .filter(|d| d.event_id == id)
+            .map(|d| {
+                assert_eq!(
+                    d.event_type, "order.paid",
+                    "{id} stored under the wire name"
+                );
+                d.handler_id.as_str()
+            })
+            .collect();
+        let want = HashSet::from([
+            by_old.id.as_str(),
+            by_prefix.id.as_str(),
+            by_wire.id.as_str(),
+        ]);
+        assert_eq!(
+            got, want,
+            "{id}: routes on the alias, a pattern of it, the wire name"
+        );
+    }
+    assert!(ds.iter().all(|d| d.handler_id != other.id));
+    let looked = s.lookup_event("a1").await.expect("lookup").expect("stored");
+    assert_eq!(looked.event_type, "order.paid");
+
+    // A rename: the old wire name becomes an alias; everything keeps matching.
+    let renamed = s
+        .update_event_type(
+            "payment.done",
+            &EventTypePatch {
+                name: Some("order.settled".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("rename");
+    assert_eq!(renamed.name, "order.settled");
+    assert_eq!(renamed.aliases, vec!["payment.done", "order.paid"]);
+    assert_eq!(
+        renamed.created_at,
+        s.get_event_type("order.settled")
+            .await
+            .expect("get")
+            .created_at
+    );
+    assert_eq!(
+        s.get_event_type("order.paid")
+            .await
+            .expect("by old name")
+            .name,
+        "order.settled"
+    );
+    s.publish(vec![ev(Some("r1"), "order.paid", None)])
+        .await
+        .expect("publish under the old wire name");
+    let ds = claim_all(&*s).await;
+    let r1: Vec<&Delivery> = ds.iter().filter(|d| d.event_id == "r1").collect();
+    assert_eq!(r1.len(), 3, "{r1:?}");
+    assert!(r1.iter().all(|d| d.event_type == "order.settled"));
+}
+
+async fn the_strict_setting_refuses_types_not_in_the_catalog(h: &dyn Harness) {
+    let s = h.store();
+    let hd = handler(&*s, "all", &["*", "lanebus.*"]).await;
+    assert_eq!(
+        s.catalog_settings().await.expect("read"),
+        CatalogSettings::default()
+    );
+    s.publish(vec![ev(Some("u1"), "unknown.kind", None)])
+        .await
+        .expect("off by default");
+    s.create_event_type(new_type("known.kind", None, &["known.old"]))
+        .await
+        .expect("create");
+    let on = CatalogSettings { strict: true };
+    assert_eq!(s.set_catalog_settings(on).await.expect("set"), on);
+    assert_eq!(s.catalog_settings().await.expect("read"), on);
+    let m = invalid_message(
+        s.publish(vec![
+            ev(Some("k1"), "known.kind", None),
+            ev(Some("u2"), "unknown.kind", None),
+        ])
+        .await
+        .expect_err("strict"),
+    );
+    assert!(m.contains("events[1]") && m.contains("unknown.kind"), "{m}");
+    h.publish_in_many(vec![vec![ev(Some("u3"), "unknown.kind", None)]], true)
+        .await
+        .expect_err("strict in a caller transaction too");
+    // Cataloged names and aliases pass, deprecated types too.
+    let dep = s
+        .deprecate_event_type("known.old")
+        .await
+        .expect("deprecate");
+    assert!(dep.deprecated);
+    assert!(
+        s.get_event_type("known.kind")
+            .await
+            .expect("get")
+            .deprecated
+    );
+    s.publish(vec![
+        ev(Some("k2"), "known.kind", None),
+        ev(Some("k3"), "known.old", None),
+    ])
+    .await
+    .expect("cataloged types pass");
+    // lanebus's own operational events are exempt.
+    s.set_handler_state(&hd.id, HandlerState::Disabled)
+        .await
+        .expect("disable publishes an operational event");
+    let ds = claim_all(&*s).await;
+    assert!(
+        ds.iter().any(|d| d.event_type.starts_with("lanebus.")),
+        "{ds:?}"
+    );
+    assert!(ds
+        .iter()
+        .all(|d| !["u2", "k1", "u3"].contains(&d.event_id.as_str())));
+    s.set_catalog_settings(CatalogSettings { strict: false })
+        .await
+        .expect("off");
+    s.publish(vec![ev(Some("u4"), "unknown.kind", None)])
+        .await
+        .expect("off again");
+}
+
+async fn a_catalog_change_is_honoured_by_the_next_publish_elsewhere(h: &dyn Harness) {
+    let s = h.store();
+    handler(&*s, "all", &["*"]).await;
+    // Both store values have published (cached the catalog) before.
+    let other = h.reopen().await;
+    s.publish(vec![payload_ev("w1", "order.paid", "{}")])
+        .await
+        .expect("warm");
+    other
+        .publish(vec![payload_ev("w2", "order.paid", "{}")])
+        .await
+        .expect("warm");
+    other
+        .create_event_type(new_type("order.paid", Some(order_schema()), &["order.old"]))
+        .await
+        .expect("create elsewhere");
+    s.publish(vec![payload_ev("x1", "order.paid", "{}")])
+        .await
+        .expect_err("the very next publish honours the schema");
+    h.publish_in_many(vec![vec![payload_ev("x2", "order.paid", "{}")]], true)
+        .await
+        .expect_err("publish_in too");
+    s.publish(vec![payload_ev("x3", "order.old", r#"{"amount": 1}"#)])
+        .await
+        .expect("alias");
+    other
+        .set_catalog_settings(CatalogSettings { strict: true })
+        .await
+        .expect("strict elsewhere");
+    s.publish(vec![payload_ev("x4", "else.where", "{}")])
+        .await
+        .expect_err("strict honoured at once");
+    other
+        .update_event_type(
+            "order.paid",
+            &EventTypePatch {
+                aliases: Some(vec!["order.older".into()]),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("update elsewhere");
+    s.publish(vec![payload_ev("x5", "order.old", r#"{"amount": 1}"#)])
+        .await
+        .expect_err("the removed alias is unknown now");
+    s.publish(vec![payload_ev("x6", "order.older", r#"{"amount": 1}"#)])
+        .await
+        .expect("the new alias");
+    let ds = claim_all(&*s).await;
+    let types: HashMap<&str, &str> = ds
+        .iter()
+        .map(|d| (d.event_id.as_str(), d.event_type.as_str()))
+        .collect();
+    assert_eq!(types.get("x3"), Some(&"order.paid"));
+    assert_eq!(types.get("x6"), Some(&"order.paid"));
+    for id in ["x1", "x2", "x4", "x5"] {
+        assert!(!types.contains_key(id), "{id} stored");
+    }
+}
+
+async fn event_type_names_and_aliases_are_unique(h: &dyn Harness) {
+    let s = h.store();
+    let a = s
+        .create_event_type(new_type("a.kind", None, &["a.old"]))
+        .await
+        .expect("create a");
+    for (name, aliases) in [
+        ("a.kind", vec![]),
+        ("a.old", vec![]),
+        ("b.kind", vec!["a.kind"]),
+        ("b.kind", vec!["a.old"]),
+    ] {
+        let e = s
+            .create_event_type(new_type(name, None, &aliases))
+            .await
+            .expect_err("taken");
+        assert!(
+            matches!(e, StoreError::Conflict(_)),
+            "{name} {aliases:?}: {e:?}"
+        );
+    }
+    s.create_event_type(new_type("b.kind", None, &[]))
+        .await
+        .expect("create b");
+    for patch in [
+        EventTypePatch {
+            aliases: Some(vec!["a.old".into()]),
+            ..Default::default()
+        },
+        EventTypePatch {
+            name: Some("a.kind".into()),
+            ..Default::default()
+        },
+    ] {
+        let e = s
+            .update_event_type("b.kind", &patch)
+            .await
+            .expect_err("taken");
+        assert!(matches!(e, StoreError::Conflict(_)), "{patch:?}: {e:?}");
+    }
+    for bad in [
+        new_type("lanebus.mine", None, &[]),
+        new_type("has space", None, &[]),
+        new_type("c.kind", None, &["c.kind"]),
+        new_type("c.kind", None, &["x", "x"]),
+        NewEventType {
+            aliases: (0..=rules::event_type::MAX_ALIASES)
+                .map(|i| format!("c.{i}"))
+                .collect(),
+            ..new_type("c.kind", None, &[])
+        },
+        NewEventType {
+            description: "d".repeat(rules::event_type::MAX_DESCRIPTION_CHARS + 1),
+            ..new_type("c.kind", None, &[])
+        },
+    ] {
+        let e = s.create_event_type(bad.clone()).await.expect_err("invalid");
+        assert!(matches!(e, StoreError::Invalid(_)), "{bad:?}: {e:?}");
+    }
+    let e = s
+        .update_event_type("nope", &EventTypePatch::default())
+        .await
+        .expect_err("unknown");
+    assert!(matches!(e, StoreError::NotFound(_)), "{e:?}");
+    assert!(matches!(
+        s.get_event_type("nope").await,
+        Err(StoreError::NotFound(_))
+    ));
+    assert_eq!(s.get_event_type("a.old").await.expect("by alias"), a);
+    let names: Vec<String> = s
+        .list_event_types()
+        .await
+        .expect("list")
+        .into_iter()
+        .map(|t| t.name)
+        .collect();
+    assert_eq!(names, vec!["a.kind", "b.kind"]);
+    // A type may take back a name it gave up.
+    let moved = s
+        .update_event_type(
+            "a.kind",
+            &EventTypePatch {
+                name: Some("a.new".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("rename");
+    assert_eq!(moved.aliases, vec!["a.old", "a.kind"]);
+    let back = s
+        .update_event_type(
+            "a.new",
+            &EventTypePatch {
+                name: Some("a.kind".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("rename back");
+    assert_eq!(
+        (back.name.as_str(), back.aliases.clone()),
+        ("a.kind", vec!["a.old".to_string(), "a.new".to_string()])
+    );
 }

@@ -113,6 +113,21 @@ impl Store for Wrapped {
     async fn list_dead_letters(&self, filter: &DeadLetterFilter) -> Result<Vec<DeadLetter>> {
         self.inner.list_dead_letters(filter).await
     }
+    async fn create_event_type(&self, new: NewEventType) -> Result<EventType> {
+        self.inner.create_event_type(new).await
+    }
+    async fn list_event_types(&self) -> Result<Vec<EventType>> {
+        self.inner.list_event_types().await
+    }
+    async fn update_event_type(&self, name: &str, patch: &EventTypePatch) -> Result<EventType> {
+        self.inner.update_event_type(name, patch).await
+    }
+    async fn catalog_settings(&self) -> Result<CatalogSettings> {
+        self.inner.catalog_settings().await
+    }
+    async fn set_catalog_settings(&self, settings: CatalogSettings) -> Result<CatalogSettings> {
+        self.inner.set_catalog_settings(settings).await
+    }
     async fn replay_dead_letters(&self, ids: &[i64], handler_id: Option<&str>) -> Result<u64> {
         self.inner.replay_dead_letters(ids, handler_id).await
     }

@@ -4,7 +4,7 @@
 use super::*;
 
 /// Schema version written to `meta` (collections and indexes of this build).
-const SCHEMA_VERSION: i64 = 1;
+const SCHEMA_VERSION: i64 = 2;
 
 /// Creates the collections and indexes (idempotent; safe while other nodes
 /// use the store), records the schema version and, for a new store, creates
@@ -71,6 +71,24 @@ pub(super) async fn migrate(s: &MongoStore, lanes: u16) -> Result<u16> {
         .create_index(index(doc! { "seq": 1 }, "creation_order", false))
         .await
         .map_err(map_err)?;
+    // Version 2: the event-type catalog. A wire name or alias belongs to
+    // one type only (`names`: the wire name and the aliases).
+    s.coll(names::EVENT_TYPES)
+        .create_index(index(doc! { "names": 1 }, "unique_names", true))
+        .await
+        .map_err(map_err)?;
+    let meta = s.coll(names::META);
+    let catalog = meta
+        .update_one(
+            doc! { "_id": super::event_types::CATALOG_DOC },
+            doc! { "$setOnInsert": { "version": 0i64, "strict": false } },
+        )
+        .upsert(true);
+    if let Err(e) = catalog.await {
+        if !is_duplicate_key(&e) {
+            return Err(map_err(e));
+        }
+    }
 
     // The lane count is fixed by whoever creates the store first.
     let meta = s.coll(names::META);

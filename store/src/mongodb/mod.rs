@@ -220,6 +220,8 @@ pub struct MongoStore {
     prune_resume: std::sync::Arc<std::sync::Mutex<Option<dispatch::PruneResume>>>,
     /// Concurrent publishes, written in groups; shared by clones.
     group: std::sync::Arc<Grouper>,
+    /// The event-type catalog, compiled ([`crate::event_types`]).
+    catalog: std::sync::Arc<crate::event_types::Cache>,
 }
 
 /// The collections, by name.
@@ -232,7 +234,8 @@ pub(crate) mod names {
     pub const DELIVERIES: &str = "deliveries";
     pub const COMPLETIONS: &str = "completions";
     pub const DEAD_LETTERS: &str = "dead_letters";
-    pub const ALL: [&str; 8] = [
+    pub const EVENT_TYPES: &str = "event_types";
+    pub const ALL: [&str; 9] = [
         META,
         LANES,
         COUNTERS,
@@ -241,6 +244,7 @@ pub(crate) mod names {
         DELIVERIES,
         COMPLETIONS,
         DEAD_LETTERS,
+        EVENT_TYPES,
     ];
 }
 
@@ -353,10 +357,16 @@ macro_rules! in_transaction {
 mod catalog;
 mod dispatch;
 mod error;
+mod event_types;
 mod migrate;
 mod publish;
 
 impl MongoStore {
+    /// The stored event-type catalog, read in a transaction of its own.
+    async fn stored_catalog(&self) -> Result<crate::event_types::Stored> {
+        in_transaction!(self, |sess| event_types::load(self, sess))
+    }
+
     /// Connects to `url` (`mongodb://...`), checks that the server offers
     /// transactions, creates collections and indexes ([`MongoStore::migrate`])
     /// and, for a new store, [`DEFAULT_LANES`] lanes.
@@ -425,8 +435,11 @@ impl MongoStore {
             lanes,
             prune_resume: std::sync::Arc::default(),
             group: std::sync::Arc::default(),
+            catalog: std::sync::Arc::default(),
         };
         store.lanes = migrate::migrate(&store, lanes).await?;
+        // The catalog as it is now, so the first publish need not load it.
+        store.catalog.replace(&store.stored_catalog().await?)?;
         Ok(store)
     }
 
@@ -636,12 +649,14 @@ impl Store for MongoStore {
     }
 
     async fn publish(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
-        let plan = PublishPlan::new(events, self.lanes)?;
+        let mut plan = PublishPlan::new(events, self.lanes)?;
+        self.catalog.check(&mut plan, self.stored_catalog()).await?;
         self.group.publish(self, plan).await
     }
 
     async fn publish_operational(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
-        let plan = PublishPlan::operational(events, self.lanes)?;
+        let mut plan = PublishPlan::operational(events, self.lanes)?;
+        self.catalog.check(&mut plan, self.stored_catalog()).await?;
         self.group.publish(self, plan).await
     }
 
@@ -746,6 +761,44 @@ impl Store for MongoStore {
             return Err(StoreError::NotFound(format!("handler {id}")));
         }
         Ok(discarded)
+    }
+
+    async fn create_event_type(&self, new: NewEventType) -> Result<EventType> {
+        let change = crate::event_types::Change::Create(new);
+        in_transaction!(self, |sess| event_types::change_in(
+            self,
+            sess,
+            change.clone()
+        ))?
+        .into_type()
+    }
+
+    async fn list_event_types(&self) -> Result<Vec<EventType>> {
+        Ok(self.stored_catalog().await?.types)
+    }
+
+    async fn update_event_type(&self, name: &str, patch: &EventTypePatch) -> Result<EventType> {
+        let change = crate::event_types::Change::Update(name.to_owned(), patch.clone());
+        in_transaction!(self, |sess| event_types::change_in(
+            self,
+            sess,
+            change.clone()
+        ))?
+        .into_type()
+    }
+
+    async fn catalog_settings(&self) -> Result<CatalogSettings> {
+        Ok(self.stored_catalog().await?.settings)
+    }
+
+    async fn set_catalog_settings(&self, settings: CatalogSettings) -> Result<CatalogSettings> {
+        let change = crate::event_types::Change::Settings(settings);
+        in_transaction!(self, |sess| event_types::change_in(
+            self,
+            sess,
+            change.clone()
+        ))?;
+        Ok(settings)
     }
 
     async fn list_dead_letters(&self, filter: &DeadLetterFilter) -> Result<Vec<DeadLetter>> {

@@ -2,7 +2,8 @@
 //! delivery documents, all inside the caller's (or our own) transaction.
 //!
 //! Round trips per publish, or per group of concurrent publishes
-//! ([`crate::group`]): one stored-id `find` (only when the batch has
+//! ([`crate::group`]): one catalog-version `find` (and a catalog reload
+//! when it changed: [`super::event_types::checked`]), one stored-id `find` (only when the batch has
 //! client-supplied ids), one handlers `find`, [`read_counters`] (a counters
 //! `find`), [`raise_counters`] (an `insertMany` of counters seen for the
 //! first time, one `updateOne`/`updateMany`), one events `insertMany` and
@@ -181,6 +182,7 @@ async fn publish_with(
     session: &mut ClientSession,
     mut plan: PublishPlan,
 ) -> TxnResult<(PublishOutcome, HashSet<String>)> {
+    super::event_types::checked(s, session, &mut plan).await?;
     let client_ids = plan.client_ids();
     let mut stored = HashSet::new();
     if !client_ids.is_empty() {
@@ -240,7 +242,12 @@ async fn publish_with(
     for (i, e) in plan.fresh.iter().enumerate() {
         let mut payload = Payload::new(&e.payload);
         for (hid, types, filter) in &handlers {
-            if route::any_matches(types, &e.event_type) && payload.passes(filter.as_ref()) {
+            // A cataloged type's aliases match as the type does.
+            let aliases = e.aliases.as_deref().unwrap_or_default();
+            if (route::any_matches(types, &e.event_type)
+                || aliases.iter().any(|a| route::any_matches(types, a)))
+                && payload.passes(filter.as_ref())
+            {
                 pairs.push((i, hid));
                 *incs.entry(lane_counter(e.lane)).or_default() += 1;
             }

@@ -154,7 +154,7 @@ pub(super) async fn change_handler_state(
         .flatten()
     {
         let plan = crate::common::PublishPlan::operational(vec![e], lanes)?;
-        let (outcome, _) = super::publish::publish_in(&mut tx, plan).await?;
+        let (outcome, _) = super::publish::publish_in(&mut tx, None, plan).await?;
         told = Some(outcome);
     }
     tx.commit().await.map_err(map_err)?;

@@ -19,6 +19,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../migrations/postgres/0005_held_backfill.sql"),
     include_str!("../../migrations/postgres/0006_claim_txid.sql"),
     include_str!("../../migrations/postgres/0007_attempt_log.sql"),
+    include_str!("../../migrations/postgres/0008_event_types.sql"),
     include_str!("../../migrations/postgres/0009_handler_filters.sql"),
 ];
 

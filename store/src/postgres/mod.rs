@@ -172,6 +172,7 @@
 mod catalog;
 mod dispatch;
 mod error;
+mod event_types;
 mod migrate;
 mod publish;
 mod transaction;
@@ -186,6 +187,7 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Postgres, Transaction};
 
 use crate::common::PublishPlan;
+use crate::event_types::{Cache, Change};
 use crate::group::{GroupWriter, Grouper};
 use crate::*;
 use error::map_err;
@@ -267,6 +269,8 @@ pub struct PgStore {
     wakes: Arc<publish::Wakes>,
     /// The lanes nodes in this process run ([`wake::InProcess`]).
     in_process: Arc<wake::InProcess>,
+    /// The event-type catalog, compiled ([`crate::event_types`]).
+    catalog: Arc<Cache>,
 }
 
 impl PgStore {
@@ -338,8 +342,13 @@ impl PgStore {
             group: Arc::default(),
             wakes: Arc::default(),
             in_process: Arc::default(),
+            catalog: Arc::default(),
         };
         store.lanes = migrate::migrate(&store.pool, lanes).await?;
+        // The catalog as it is now, so the first publish need not load it.
+        store
+            .catalog
+            .replace(&event_types::read(&store.pool).await?)?;
         Ok(store)
     }
 
@@ -408,7 +417,7 @@ impl PgStore {
         events: Vec<NewEvent>,
     ) -> Result<PublishOutcome> {
         let plan = PublishPlan::new(events, self.lanes)?;
-        let (outcome, _) = publish::publish_in(tx, plan).await?;
+        let (outcome, _) = publish::publish_in(tx, Some(&self.catalog), plan).await?;
         Ok(outcome)
     }
 
@@ -461,7 +470,7 @@ impl PgStore {
     /// cannot have claimed before it.
     async fn write_on(&self, pool: &PgPool, plan: &PublishPlan) -> Result<HashSet<String>> {
         let in_process = self.in_process.runs_all(&plan.lanes());
-        let (stored, lanes) = publish::write(pool, plan, !in_process).await?;
+        let (stored, lanes) = publish::write(pool, &self.catalog, plan, !in_process).await?;
         if !in_process {
             // The statement's NOTIFY went out with the commit.
             self.in_process.wake(&lanes);
@@ -497,12 +506,18 @@ impl Store for PgStore {
     }
 
     async fn publish(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
-        let plan = PublishPlan::new(events, self.lanes)?;
+        let mut plan = PublishPlan::new(events, self.lanes)?;
+        self.catalog
+            .check(&mut plan, event_types::read(&self.pool))
+            .await?;
         self.group.publish(self, plan).await
     }
 
     async fn publish_operational(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
-        let plan = PublishPlan::operational(events, self.lanes)?;
+        let mut plan = PublishPlan::operational(events, self.lanes)?;
+        self.catalog
+            .check(&mut plan, event_types::read(&self.pool))
+            .await?;
         self.group.publish(self, plan).await
     }
 
@@ -593,6 +608,29 @@ impl Store for PgStore {
 
     async fn delete_handler(&self, id: &str) -> Result<DeletedHandler> {
         catalog::delete_handler(&self.pool, id).await
+    }
+
+    async fn create_event_type(&self, new: NewEventType) -> Result<EventType> {
+        let write = event_types::change(&self.pool, Change::Create(new)).await?;
+        write.into_type()
+    }
+
+    async fn list_event_types(&self) -> Result<Vec<EventType>> {
+        Ok(event_types::read(&self.pool).await?.types)
+    }
+
+    async fn update_event_type(&self, name: &str, patch: &EventTypePatch) -> Result<EventType> {
+        let change = Change::Update(name.to_owned(), patch.clone());
+        event_types::change(&self.pool, change).await?.into_type()
+    }
+
+    async fn catalog_settings(&self) -> Result<CatalogSettings> {
+        Ok(event_types::read(&self.pool).await?.settings)
+    }
+
+    async fn set_catalog_settings(&self, settings: CatalogSettings) -> Result<CatalogSettings> {
+        event_types::change(&self.pool, Change::Settings(settings)).await?;
+        Ok(settings)
     }
 
     async fn list_dead_letters(&self, filter: &DeadLetterFilter) -> Result<Vec<DeadLetter>> {

@@ -25,6 +25,7 @@
 //! autocommit, and inside a caller's transaction in a savepoint, which a
 //! broken expectation rolls back (the caller's transaction stays usable).
 
+use std::borrow::Cow;
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
@@ -36,6 +37,7 @@ use super::error::map_err;
 use super::transaction::TxError;
 use super::CHANNEL;
 use crate::common::{check_expected, PublishPlan};
+use crate::event_types::Cache;
 use crate::wake::Woken;
 use crate::{Lane, PublishOutcome, Result};
 
@@ -68,6 +70,10 @@ pub(super) struct PublishArgs<'a> {
     payloads: Vec<&'a [u8]>,
     client: Vec<bool>,
     deliver_at: Vec<Option<chrono::DateTime<chrono::Utc>>>,
+    /// Per event, its cataloged type's aliases joined by ' '.
+    aliases: Vec<Option<String>>,
+    /// The catalog version the plan was checked against (`None`: no check).
+    catalog: Option<i64>,
     /// The batch has expected sequences: return the sequence numbers.
     expects: bool,
 }
@@ -83,6 +89,8 @@ impl<'a> PublishArgs<'a> {
             payloads: Vec::with_capacity(n),
             client: Vec::with_capacity(n),
             deliver_at: Vec::with_capacity(n),
+            aliases: Vec::with_capacity(n),
+            catalog: plan.catalog_version,
             expects: plan.expects(),
         };
         for e in &plan.fresh {
@@ -93,6 +101,7 @@ impl<'a> PublishArgs<'a> {
             a.payloads.push(&e.payload);
             a.client.push(e.client_id);
             a.deliver_at.push(e.deliver_at);
+            a.aliases.push(e.aliases.as_ref().map(|a| a.join(" ")));
         }
         a
     }
@@ -111,6 +120,9 @@ pub(super) struct Ran {
     pub seqs: Vec<Option<i64>>,
     /// The lanes that got deliveries, ascending.
     pub lanes: Vec<Lane>,
+    /// The stored catalog version differed from the plan's: nothing was
+    /// written (check the plan again and rerun).
+    pub stale: bool,
 }
 
 /// Checks the expected sequences of `plan`'s events that `ran` wrote
@@ -138,16 +150,18 @@ pub(super) async fn run(
             stored: Vec::new(),
             seqs: Vec::new(),
             lanes: Vec::new(),
+            stale: false,
         });
     }
     #[allow(clippy::type_complexity)]
-    let (accepted, deliveries, _notified, stored, seqs, lanes): (
+    let (accepted, deliveries, _notified, stored, seqs, lanes, catalog): (
         i64,
         i64,
         i64,
         Option<Vec<String>>,
         Option<Vec<Option<i64>>>,
         Option<Vec<i32>>,
+        i64,
     ) = sqlx::query_as(include_str!("sql/publish.sql"))
         .bind(&args.ids)
         .bind(&args.types)
@@ -158,6 +172,8 @@ pub(super) async fn run(
         .bind(&args.deliver_at)
         .bind(notify)
         .bind(args.expects)
+        .bind(args.catalog)
+        .bind(&args.aliases)
         .fetch_one(conn)
         .await?;
     Ok(Ran {
@@ -170,7 +186,38 @@ pub(super) async fn run(
             .into_iter()
             .filter_map(|l| Lane::try_from(l).ok())
             .collect(),
+        stale: args.catalog.is_some_and(|v| v != catalog),
     })
+}
+
+/// Most reruns of a publish after a catalog change (each reloads the
+/// catalog); past them the publish fails with
+/// [`crate::StoreError::Conflict`].
+const CATALOG_RERUNS: usize = 8;
+
+/// `plan` checked against the stored catalog read on `conn`, the cache
+/// reloaded (after a run found its version stale, or for a plan not
+/// checked yet).
+///
+/// # Errors
+/// As [`crate::event_types::Snapshot::apply`];
+/// [`crate::StoreError::Conflict`] after [`CATALOG_RERUNS`].
+async fn recheck<'p>(
+    conn: &mut PgConnection,
+    catalog: &Cache,
+    plan: Cow<'p, PublishPlan>,
+    reruns: &mut usize,
+) -> Result<Cow<'p, PublishPlan>> {
+    *reruns += 1;
+    if *reruns > CATALOG_RERUNS {
+        return Err(crate::StoreError::Conflict(
+            "the event-type catalog kept changing during the publish; retry".into(),
+        ));
+    }
+    let snapshot = catalog.replace(&super::event_types::load(conn).await?)?;
+    let mut plan = plan.into_owned();
+    snapshot.apply(&mut plan)?;
+    Ok(Cow::Owned(plan))
 }
 
 /// One NOTIFY on [`CHANNEL`] in autocommit on `pool`, naming what `woken`
@@ -271,6 +318,10 @@ async fn run_checked(
 ) -> Result<Ran, TxError> {
     let mut tx = conn.begin().await?;
     let ran = run(&mut tx, args, notify).await?;
+    if ran.stale {
+        tx.rollback().await?;
+        return Ok(ran);
+    }
     if let Err(e) = expectations(plan, &ran) {
         tx.rollback().await?;
         return Err(e.into());
@@ -290,19 +341,31 @@ async fn run_checked(
 /// the lanes that got deliveries (ascending).
 pub(super) async fn write(
     pool: &PgPool,
+    catalog: &Cache,
     plan: &PublishPlan,
     notify: bool,
 ) -> Result<(HashSet<String>, Vec<Lane>)> {
-    let args = PublishArgs::new(plan);
+    let mut plan = Cow::Borrowed(plan);
+    let mut reruns = 0;
+    if plan.catalog_version.is_none() {
+        // A group of batches checked against different catalogs.
+        let mut conn = pool.acquire().await.map_err(map_err)?;
+        plan = recheck(&mut conn, catalog, plan, &mut reruns).await?;
+    }
     let mut attempt = 1;
     loop {
+        let args = PublishArgs::new(&plan);
         let mut conn = pool.acquire().await.map_err(map_err)?;
         let ran = if args.expects {
-            run_checked(&mut conn, plan, &args, notify).await
+            run_checked(&mut conn, &plan, &args, notify).await
         } else {
             run(&mut conn, &args, notify).await.map_err(TxError::from)
         };
         match ran {
+            Ok(ran) if ran.stale => {
+                drop(args);
+                plan = recheck(&mut conn, catalog, plan, &mut reruns).await?;
+            }
             Ok(ran) => return Ok((ran.stored.into_iter().collect(), ran.lanes)),
             Err(TxError::Sql(e)) if attempt < PUBLISH_ATTEMPTS && is_retryable(&e) => {
                 tracing::debug!(attempt, error = %e, "publish raced another publisher; retrying");
@@ -381,17 +444,44 @@ pub(super) fn side_pool(pool: &PgPool, settings: &[(&str, &str)], size: u32) -> 
 /// [`crate::StoreError::SeqConflict`].
 pub(super) async fn publish_in(
     conn: &mut PgConnection,
-    plan: PublishPlan,
+    catalog: Option<&Cache>,
+    mut plan: PublishPlan,
 ) -> Result<(PublishOutcome, usize), TxError> {
-    let args = PublishArgs::new(&plan);
-    if !args.expects && !plan.fresh.iter().any(|e| e.client_id) {
-        let ran = run(conn, &args, false).await?;
-        return Ok((outcome(plan, ran.accepted), ran.deliveries));
+    let mut reruns = 0;
+    if let Some(catalog) = catalog {
+        if catalog.get().apply(&mut plan).is_err() {
+            // The cache may be older than the caller's snapshot.
+            plan = recheck(conn, catalog, Cow::Owned(plan), &mut reruns)
+                .await?
+                .into_owned();
+        }
     }
     let mut attempt = 1;
     loop {
+        let args = PublishArgs::new(&plan);
+        if !args.expects && !plan.fresh.iter().any(|e| e.client_id) {
+            let ran = run(conn, &args, false).await?;
+            if let (true, Some(catalog)) = (ran.stale, catalog) {
+                drop(args);
+                plan = recheck(conn, catalog, Cow::Owned(plan), &mut reruns)
+                    .await?
+                    .into_owned();
+                continue;
+            }
+            return Ok((outcome(plan, ran.accepted), ran.deliveries));
+        }
         let mut savepoint = conn.begin().await?;
         match run(&mut savepoint, &args, false).await {
+            Ok(ran) if ran.stale => {
+                savepoint.rollback().await?;
+                let catalog = catalog.ok_or_else(|| {
+                    crate::StoreError::Database("a plan without catalog came back stale".into())
+                })?;
+                drop(args);
+                plan = recheck(conn, catalog, Cow::Owned(plan), &mut reruns)
+                    .await?
+                    .into_owned();
+            }
             Ok(ran) => {
                 if let Err(e) = expectations(&plan, &ran) {
                     savepoint.rollback().await?;

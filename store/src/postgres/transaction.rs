@@ -93,6 +93,7 @@ impl From<TxError> for StoreError {
 pub struct PgTx {
     tx: Transaction<'static, Postgres>,
     lanes: u16,
+    catalog: std::sync::Arc<crate::event_types::Cache>,
     /// The lanes [`PgTx::publish`] wrote deliveries into in this attempt.
     woken: BTreeSet<Lane>,
 }
@@ -117,7 +118,8 @@ impl PgTx {
     /// returns it).
     pub async fn publish(&mut self, events: Vec<NewEvent>) -> Result<PublishOutcome, TxError> {
         let plan = PublishPlan::new(events, self.lanes)?;
-        let (outcome, deliveries) = publish::publish_in(&mut self.tx, plan).await?;
+        let (outcome, deliveries) =
+            publish::publish_in(&mut self.tx, Some(&self.catalog), plan).await?;
         if deliveries > 0 {
             self.woken.extend(&outcome.lanes);
         }
@@ -179,6 +181,7 @@ impl PgStore {
             let mut t = PgTx {
                 tx: self.pool.begin_with(isolation.begin()).await?,
                 lanes: self.lanes,
+                catalog: std::sync::Arc::clone(&self.catalog),
                 woken: BTreeSet::new(),
             };
             let ran = match f(&mut t).await {

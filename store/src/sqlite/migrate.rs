@@ -15,6 +15,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../migrations/sqlite/0004_late_completions.sql"),
     include_str!("../../migrations/sqlite/0005_held_backfill.sql"),
     include_str!("../../migrations/sqlite/0006_attempt_log.sql"),
+    include_str!("../../migrations/sqlite/0007_event_types.sql"),
     include_str!("../../migrations/sqlite/0008_handler_filters.sql"),
 ];
 

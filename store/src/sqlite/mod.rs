@@ -38,6 +38,7 @@
 mod catalog;
 mod dispatch;
 mod error;
+mod event_types;
 mod migrate;
 mod publish;
 
@@ -54,6 +55,7 @@ use sqlx::{Sqlite, Transaction};
 use tokio::sync::{Mutex, MutexGuard};
 
 use crate::common::PublishPlan;
+use crate::event_types::Change;
 use crate::group::{GroupWriter, Grouper};
 use crate::*;
 use error::{is_busy, map_err};
@@ -71,6 +73,7 @@ pub struct SqliteStore {
     lanes: u16,
     write_lock: Arc<Mutex<()>>,
     group: Arc<Grouper>,
+    catalog: Arc<crate::event_types::Cache>,
 }
 
 /// Takes lanebus's own `synchronous=full|normal` parameter (default `full`)
@@ -184,8 +187,11 @@ impl SqliteStore {
             lanes,
             write_lock: Arc::new(Mutex::new(())),
             group: Arc::default(),
+            catalog: Arc::default(),
         };
         store.lanes = migrate::migrate(&store, lanes).await?;
+        // The catalog as it is now, so the first publish need not load it.
+        store.catalog.replace(&event_types::read(&store).await?)?;
         Ok(store)
     }
 
@@ -235,7 +241,7 @@ impl SqliteStore {
         events: Vec<NewEvent>,
     ) -> Result<PublishOutcome> {
         let plan = PublishPlan::new(events, self.lanes)?;
-        publish::publish_in(tx, plan).await
+        publish::publish_in(tx, &self.catalog, plan).await
     }
 
     /// Starts a write transaction: the in-process write queue, then
@@ -270,12 +276,18 @@ impl Store for SqliteStore {
     }
 
     async fn publish(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
-        let plan = PublishPlan::new(events, self.lanes)?;
+        let mut plan = PublishPlan::new(events, self.lanes)?;
+        self.catalog
+            .check(&mut plan, event_types::read(self))
+            .await?;
         self.group.publish(self, plan).await
     }
 
     async fn publish_operational(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
-        let plan = PublishPlan::operational(events, self.lanes)?;
+        let mut plan = PublishPlan::operational(events, self.lanes)?;
+        self.catalog
+            .check(&mut plan, event_types::read(self))
+            .await?;
         self.group.publish(self, plan).await
     }
 
@@ -369,7 +381,7 @@ impl Store for SqliteStore {
             .flatten()
         {
             let plan = PublishPlan::operational(vec![e], self.lanes)?;
-            publish::publish_in(&mut tx, plan).await?;
+            publish::publish_in(&mut tx, &self.catalog, plan).await?;
         }
         tx.commit().await.map_err(map_err)?;
         Ok(StateChange { handler, was })
@@ -413,6 +425,29 @@ impl Store for SqliteStore {
         let discarded = catalog::delete_handler(&mut tx, id).await?;
         tx.commit().await.map_err(map_err)?;
         Ok(discarded)
+    }
+
+    async fn create_event_type(&self, new: NewEventType) -> Result<EventType> {
+        let write = event_types::change(self, Change::Create(new)).await?;
+        write.into_type()
+    }
+
+    async fn list_event_types(&self) -> Result<Vec<EventType>> {
+        Ok(event_types::read(self).await?.types)
+    }
+
+    async fn update_event_type(&self, name: &str, patch: &EventTypePatch) -> Result<EventType> {
+        let change = Change::Update(name.to_owned(), patch.clone());
+        event_types::change(self, change).await?.into_type()
+    }
+
+    async fn catalog_settings(&self) -> Result<CatalogSettings> {
+        Ok(event_types::read(self).await?.settings)
+    }
+
+    async fn set_catalog_settings(&self, settings: CatalogSettings) -> Result<CatalogSettings> {
+        event_types::change(self, Change::Settings(settings)).await?;
+        Ok(settings)
     }
 
     async fn list_dead_letters(&self, filter: &DeadLetterFilter) -> Result<Vec<DeadLetter>> {

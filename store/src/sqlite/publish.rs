@@ -7,7 +7,8 @@
 //! insert per [`EVENT_CHUNK`] events, one delivery insert for the handlers
 //! without a payload filter, one read of the handlers with one (an empty
 //! index read when there are none) and, when any of their filters
-//! matched, one more delivery insert.
+//! matched, one more delivery insert; first, one read of the catalog
+//! version ([`checked`]).
 //!
 //! Expected sequences ([`crate::NewEvent::expected_seq`]) are checked right
 //! after the key-counter upsert, under the write lock, so the numbers seen
@@ -22,10 +23,16 @@ use chrono::Utc;
 use sqlx::{Connection as _, SqliteConnection};
 
 use super::error::map_err;
+use super::event_types::checked;
 use super::SqliteStore;
 use crate::common::{check_expected, to_micros, PublishPlan};
+use crate::event_types::Cache;
 use crate::filter::{Filter, Payload};
 use crate::{route, PublishOutcome, Result, StoreError};
+
+/// One new event as `sql/insert_deliveries.sql` reads it: its id, its
+/// `deliver_at` (µs) and its cataloged type's aliases.
+type DeliveryArg<'a> = (&'a str, Option<i64>, Option<&'a [String]>);
 
 /// Events per multi-row insert (7 parameters each; SQLite allows 32,766).
 const EVENT_CHUNK: usize = 500;
@@ -35,7 +42,7 @@ const EVENT_CHUNK: usize = 500;
 /// Returns the ids found already stored.
 pub(super) async fn write(store: &SqliteStore, plan: &PublishPlan) -> Result<HashSet<String>> {
     let (_guard, mut tx) = store.begin_write().await?;
-    match write_in(&mut tx, plan).await {
+    match write_in(&mut tx, &store.catalog, plan).await {
         Ok(stored) => {
             tx.commit().await.map_err(map_err)?;
             Ok(stored)
@@ -55,12 +62,13 @@ pub(super) async fn write(store: &SqliteStore, plan: &PublishPlan) -> Result<Has
 /// outcome; the caller commits.
 pub(super) async fn publish_in(
     conn: &mut SqliteConnection,
+    catalog: &Cache,
     mut plan: PublishPlan,
 ) -> Result<PublishOutcome> {
     let stored = if plan.expects() {
         // A broken expectation rolls back the batch's writes only.
         let mut savepoint = conn.begin().await.map_err(map_err)?;
-        let stored = write_in(&mut savepoint, &plan).await;
+        let stored = write_in(&mut savepoint, catalog, &plan).await;
         match stored {
             Ok(stored) => {
                 savepoint.commit().await.map_err(map_err)?;
@@ -72,7 +80,7 @@ pub(super) async fn publish_in(
             }
         }
     } else {
-        write_in(conn, &plan).await?
+        write_in(conn, catalog, &plan).await?
     };
     plan.drop_stored(&stored);
     Ok(PublishOutcome {
@@ -84,8 +92,14 @@ pub(super) async fn publish_in(
 }
 
 /// Writes `plan.fresh` but the ids already stored, which it returns, on
-/// `conn` inside a write transaction.
-async fn write_in(conn: &mut SqliteConnection, plan: &PublishPlan) -> Result<HashSet<String>> {
+/// `conn` inside a write transaction, after checking it against the stored
+/// catalog ([`checked`]).
+async fn write_in(
+    conn: &mut SqliteConnection,
+    catalog: &Cache,
+    plan: &PublishPlan,
+) -> Result<HashSet<String>> {
+    let mut plan = checked(conn, catalog, plan).await?;
     let client_ids = plan.client_ids();
     let mut stored = HashSet::new();
     if !client_ids.is_empty() {
@@ -96,7 +110,6 @@ async fn write_in(conn: &mut SqliteConnection, plan: &PublishPlan) -> Result<Has
             .map_err(map_err)?;
         stored.extend(found);
     }
-    let mut plan = std::borrow::Cow::Borrowed(plan);
     if !stored.is_empty() {
         plan.to_mut().drop_stored(&stored);
     }
@@ -104,10 +117,16 @@ async fn write_in(conn: &mut SqliteConnection, plan: &PublishPlan) -> Result<Has
         let seqs = assign_seqs(conn, &plan).await?;
         check_expected(plan.fresh.iter().zip(seqs.iter().copied()))?;
         insert_events(conn, &plan, &seqs).await?;
-        let ids: Vec<(&str, Option<i64>)> = plan
+        let ids: Vec<DeliveryArg> = plan
             .fresh
             .iter()
-            .map(|e| (e.id.as_str(), e.deliver_at.map(to_micros)))
+            .map(|e| {
+                (
+                    e.id.as_str(),
+                    e.deliver_at.map(to_micros),
+                    e.aliases.as_deref(),
+                )
+            })
             .collect();
         sqlx::query(include_str!("sql/insert_deliveries.sql"))
             .bind(json(&ids)?)
@@ -146,7 +165,12 @@ async fn insert_filtered(conn: &mut SqliteConnection, plan: &PublishPlan) -> Res
     for e in &plan.fresh {
         let mut payload = Payload::new(&e.payload);
         for (hid, types, filter) in &handlers {
-            if route::any_matches(types, &e.event_type) && payload.passes(Some(filter)) {
+            // A cataloged type's aliases match as the type does.
+            let aliases = e.aliases.as_deref().unwrap_or_default();
+            if (route::any_matches(types, &e.event_type)
+                || aliases.iter().any(|a| route::any_matches(types, a)))
+                && payload.passes(Some(filter))
+            {
                 pairs.push((&e.id, hid, e.deliver_at.map(to_micros)));
             }
         }

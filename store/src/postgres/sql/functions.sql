@@ -136,16 +136,19 @@ END $fn$;
 -- parameters are publish.sql's, in its order. Its generic plan, as the
 -- group writer's (store/src/postgres/publish.rs GROUP_SETTINGS: custom
 -- plans cost more planning than execution).
+DROP FUNCTION IF EXISTS lanebus.publish_rows(
+    text[], text[], text[], int[], bytea[], bool[], timestamptz[], bool, bool);
 CREATE OR REPLACE FUNCTION lanebus.publish_rows(
-    text[], text[], text[], int[], bytea[], bool[], timestamptz[], bool, bool,
+    text[], text[], text[], int[], bytea[], bool[], timestamptz[], bool, bool, bigint, text[],
     OUT o_accepted bigint, OUT o_deliveries bigint, OUT o_stored text[], OUT o_seqs bigint[])
 LANGUAGE plpgsql SET search_path FROM CURRENT SET plan_cache_mode = force_generic_plan AS $fn$
 DECLARE
     o_notified bigint;
     o_lanes int[];
+    o_catalog bigint;
 BEGIN
 --@publish.sql
-    INTO o_accepted, o_deliveries, o_notified, o_stored, o_seqs, o_lanes;
+    INTO o_accepted, o_deliveries, o_notified, o_stored, o_seqs, o_lanes, o_catalog;
 END $fn$;
 
 -- Raises the broken rule of an event (store/src/rules.rs, event::check), as
@@ -248,6 +251,9 @@ DECLARE
     f_client bool[] := '{}';
     f_at timestamptz[] := '{}';
     f_expect bigint[] := '{}';
+    f_aliases text[] := '{}';
+    only_cataloged boolean;
+    cat record;
     w record;
     seq_of jsonb := '{}';
     first_of jsonb := '{}';
@@ -285,13 +291,32 @@ BEGIN
         SELECT m.value::int INTO STRICT n_lanes FROM meta m WHERE m.key = 'lanes';
         PERFORM set_config('lanebus.lanes', n_lanes::text, false);
     END IF;
+    SELECT c.strict INTO STRICT only_cataloged FROM catalog c WHERE c.id = 0;
     FOR i IN 1 .. n LOOP
         PERFORM lanebus.check_event(i - 1, $1[i], $2[i], $3[i], $4[i], $5[i], $6[i], t0);
+        -- The event-type catalog (store/src/event_types.rs): an alias is
+        -- stored under its wire name; a type with a JSON Schema is refused
+        -- (only lanebus's own publish paths validate payloads); with the
+        -- strict setting, so is a type not in the catalog.
+        SELECT t.name, t.schema IS NOT NULL AS has_schema,
+               nullif(array_to_string(t.aliases, ' '), '') AS aliases INTO cat
+        FROM event_type_names x JOIN event_types t ON t.name = x.wire
+        WHERE x.name = $1[i];
+        IF NOT FOUND THEN
+            IF only_cataloged THEN
+                RAISE EXCEPTION 'events[%].type: event type % is not in the catalog, and the store refuses types not in it',
+                    i - 1, to_json($1[i]) USING ERRCODE = '22023';
+            END IF;
+        ELSIF cat.has_schema THEN
+            RAISE EXCEPTION 'events[%].type: event type % has a JSON Schema, which only lanebus''s own publish (Store::publish, publish_in, the HTTP API) checks',
+                i - 1, to_json($1[i]) USING ERRCODE = '22023';
+        END IF;
         e_id := coalesce($4[i], lanebus.new_event_id());
         all_ids := all_ids || e_id;
         CONTINUE WHEN e_id = ANY (f_ids);
         f_ids := f_ids || e_id;
-        f_types := f_types || $1[i];
+        f_types := f_types || coalesce(cat.name, $1[i]);
+        f_aliases := f_aliases || cat.aliases;
         f_keys := f_keys || $2[i];
         f_lanes := f_lanes || lanebus.lane_of(coalesce($2[i], e_id), n_lanes);
         f_payloads := f_payloads || convert_to($3[i]::text, 'UTF8');
@@ -300,7 +325,8 @@ BEGIN
         f_expect := f_expect || $6[i];
     END LOOP;
     SELECT * INTO STRICT w
-    FROM lanebus.publish_rows(f_ids, f_types, f_keys, f_lanes, f_payloads, f_client, f_at, false, true);
+    FROM lanebus.publish_rows(f_ids, f_types, f_keys, f_lanes, f_payloads, f_client, f_at, false, true,
+                              NULL, f_aliases);
     -- Sequence numbers of the events written (those not already stored), in
     -- order; expectations checked as store/src/common.rs check_expected.
     FOR k IN 1 .. cardinality(f_ids) LOOP

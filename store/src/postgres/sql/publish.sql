@@ -8,21 +8,28 @@
 --      whose commit must not take the NOTIFY lock; see PgStore::wake_after_commit)
 --   $9 seqs bool: return the sequence numbers (for the caller to check
 --      expected sequences before it commits; publish.rs)
+--   $10 catalog bigint: the catalog version the batch was checked against
+--      (store/src/event_types.rs); when the stored one differs, nothing is
+--      written (the caller checks again and reruns); NULL: no check
+--   $11 aliases text[]: per event, its cataloged type's aliases joined by
+--      ' ' (NULL: none), which routes match as they match the type
 -- Returns accepted (new events), deliveries (rows created), notified,
 -- stored: the client-supplied ids found already stored (NULL when none),
 -- seqs: with $9, each written event's sequence number (NULL unkeyed),
--- in batch order (NULL without $9 or when nothing was written), and
+-- in batch order (NULL without $9 or when nothing was written),
 -- lanes: the lanes that got deliveries (NULL when none), for a wake-up
--- sent by the caller instead of the NOTIFY.
+-- sent by the caller instead of the NOTIFY, and catalog: the stored catalog
+-- version (when it is not $10, nothing was written).
 WITH input AS (
     -- Ids already stored are duplicates. Only client-supplied ids are looked
     -- up (generated UUIDv7s are new). A concurrent publisher of the same id
     -- makes the events insert fail with a unique violation; the caller
     -- retries the whole statement, which then sees the stored row.
     SELECT i.*
-    FROM unnest($1::text[], $2::text[], $3::text[], $4::int[], $5::bytea[], $6::bool[], $7::timestamptz[])
-         WITH ORDINALITY AS i (id, type, key, lane, payload, client, deliver_at, ord)
+    FROM unnest($1::text[], $2::text[], $3::text[], $4::int[], $5::bytea[], $6::bool[], $7::timestamptz[], $11::text[])
+         WITH ORDINALITY AS i (id, type, key, lane, payload, client, deliver_at, aliases, ord)
     WHERE NOT (i.client AND EXISTS (SELECT 1 FROM events x WHERE x.id = i.id))
+      AND ($10::bigint IS NULL OR $10::bigint = (SELECT c.version FROM catalog c WHERE c.id = 0))
 ),
 ks AS (
     -- Raise each key's counter by its count in the batch, locking the key
@@ -42,7 +49,7 @@ numbered AS (
     -- The batch's numbers for a key are seq - count + 1 ..= seq, in batch
     -- order: counted back from the key's last event in the batch, which
     -- takes the counter's new value (one window, one sort).
-    SELECT i.id, i.type, i.key, i.lane, i.payload, i.deliver_at, i.ord, ks.xid,
+    SELECT i.id, i.type, i.key, i.lane, i.payload, i.deliver_at, i.aliases, i.ord, ks.xid,
            ks.seq + 1 - row_number() OVER (PARTITION BY i.key ORDER BY i.ord DESC) AS seq
     FROM input i
     LEFT JOIN ks ON ks.key = i.key
@@ -78,12 +85,17 @@ dl AS (
            coalesce(n.deliver_at, now()), CASE WHEN n.deliver_at IS NOT NULL THEN true END
     FROM numbered n
     JOIN handlers h
-      ON EXISTS (
+      ON (EXISTS (
             SELECT 1 FROM unnest(h.event_types) AS p
             WHERE p = n.type
                OR (right(p, 1) = '*' AND starts_with(n.type, left(p, -1))
                    AND (NOT starts_with(n.type, 'lanebus.') OR starts_with(p, 'lanebus.')))
          )
+      -- A cataloged type's aliases (never reserved) match as the type does.
+      OR (n.aliases IS NOT NULL AND EXISTS (
+            SELECT 1 FROM unnest(h.event_types) AS p, unnest(string_to_array(n.aliases, ' ')) AS a
+            WHERE p = a OR (right(p, 1) = '*' AND starts_with(a, left(p, -1)))
+         )))
      AND (h.filter IS NULL OR lanebus.filter_payload(h.filter, n.payload))
     ORDER BY n.seq, n.id, h.pos
     RETURNING lane
@@ -104,4 +116,5 @@ SELECT
      FROM unnest($1::text[], $6::bool[]) AS x (id, client)
      WHERE x.client AND NOT EXISTS (SELECT 1 FROM input i WHERE i.id = x.id)) AS stored,
     (SELECT array_agg(n.seq ORDER BY n.ord) FROM numbered n WHERE $9) AS seqs,
-    (SELECT array_agg(DISTINCT lane::int) FROM dl) AS lanes
+    (SELECT array_agg(DISTINCT lane::int) FROM dl) AS lanes,
+    (SELECT c.version FROM catalog c WHERE c.id = 0) AS catalog

@@ -1,0 +1,286 @@
+//! The event-type catalog over HTTP: `/v1/event-types`, `/v1/catalog/settings`,
+//! publishes refused by a schema or the strict setting (`422`, nothing
+//! stored), and the `webhooks` section of `/openapi.json`, validated with
+//! `openapi-spec-validator` (Python, `LANEBUS_TEST_PYTHON`, which
+//! `scripts/test` sets).
+
+mod common;
+
+use axum::http::{Method, StatusCode};
+use common::{Res, TestApp};
+use serde_json::{json, Value};
+
+async fn send(app: &TestApp, method: Method, path: &str, body: Value) -> Res {
+    app.call(
+        method,
+        path,
+        Some("application/json"),
+        body.to_string().into_bytes(),
+    )
+    .await
+}
+
+fn order_schema() -> Value {
+    json!({
+        "type": "object",
+        "required": ["amount"],
+        "properties": {"amount": {"type": "integer", "minimum": 1}}
+    })
+}
+
+async fn event_types_are_created_listed_renamed_and_deprecated(app: TestApp) {
+    let res = app
+        .post(
+            "/v1/event-types",
+            json!({"name": "order.paid", "description": "an order was paid",
+                   "schema": order_schema(), "aliases": ["payment.done"]}),
+        )
+        .await;
+    assert_eq!(res.status, StatusCode::CREATED, "{res:?}");
+    assert_eq!(res.json["name"], "order.paid");
+    assert_eq!(res.json["schema"], order_schema());
+    assert_eq!(res.json["deprecated"], false);
+
+    for (body, status, code) in [
+        (
+            json!({"name": "payment.done"}),
+            StatusCode::CONFLICT,
+            "conflict",
+        ),
+        (
+            json!({"name": "x.y", "schema": {"type": "integr"}}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_input",
+        ),
+        (
+            json!({"name": "lanebus.mine"}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_input",
+        ),
+        (
+            json!({"name": "x.y", "colour": "red"}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_body",
+        ),
+    ] {
+        let res = app.post("/v1/event-types", body.clone()).await;
+        assert_eq!(res.status, status, "{body}: {res:?}");
+        assert_eq!(res.json["error"]["code"], code, "{body}: {res:?}");
+    }
+    let res = app
+        .post(
+            "/v1/event-types",
+            json!({"name": "x.y", "schema": {"minimum": "one"}}),
+        )
+        .await;
+    let message = res.json["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("schema") && message.contains("/minimum"),
+        "{message}"
+    );
+
+    let res = app.get("/v1/event-types/payment.done").await;
+    assert_eq!(res.status, StatusCode::OK, "{res:?}");
+    assert_eq!(res.json["name"], "order.paid");
+    let res = app.get("/v1/event-types/nope").await;
+    assert_eq!(res.status, StatusCode::NOT_FOUND, "{res:?}");
+    assert_eq!(res.json["error"]["code"], "not_found");
+
+    let res = send(
+        &app,
+        Method::PATCH,
+        "/v1/event-types/order.paid",
+        json!({"name": "order.settled", "description": "settled"}),
+    )
+    .await;
+    assert_eq!(res.status, StatusCode::OK, "{res:?}");
+    assert_eq!(res.json["name"], "order.settled");
+    assert_eq!(res.json["aliases"], json!(["payment.done", "order.paid"]));
+    let res = send(
+        &app,
+        Method::PATCH,
+        "/v1/event-types/order.settled",
+        json!({"schema": {"type": 5}}),
+    )
+    .await;
+    assert_eq!(res.status, StatusCode::UNPROCESSABLE_ENTITY, "{res:?}");
+
+    let res = app
+        .post("/v1/event-types/order.paid/deprecate", json!({}))
+        .await;
+    assert_eq!(res.status, StatusCode::OK, "{res:?}");
+    assert_eq!(res.json["deprecated"], true);
+    let res = app.get("/v1/event-types").await;
+    assert_eq!(res.status, StatusCode::OK, "{res:?}");
+    let types = res.json["event_types"].as_array().expect("list");
+    assert_eq!(types.len(), 1);
+    assert_eq!(types[0]["deprecated"], true);
+    // Deprecated types are still accepted, under their wire name.
+    let res = app
+        .post(
+            "/v1/events",
+            json!({"events": [{"type": "payment.done", "payload": {"amount": 3}}]}),
+        )
+        .await;
+    assert_eq!(res.status, StatusCode::ACCEPTED, "{res:?}");
+    let id = res.json["ids"][0].as_str().expect("id").to_owned();
+    let res = app.get(&format!("/v1/events/{id}")).await;
+    assert_eq!(res.json["type"], "order.settled", "{res:?}");
+}
+
+async fn a_payload_breaking_its_schema_refuses_the_batch(app: TestApp) {
+    let res = app
+        .post(
+            "/v1/event-types",
+            json!({"name": "order.paid", "schema": order_schema()}),
+        )
+        .await;
+    assert_eq!(res.status, StatusCode::CREATED, "{res:?}");
+    let before = app.store.counts().await.expect("counts");
+    let res = app
+        .post(
+            "/v1/events",
+            json!({"events": [
+                {"type": "order.paid", "payload": {"amount": 2}},
+                {"type": "order.paid", "payload": {"amount": 0}}
+            ]}),
+        )
+        .await;
+    assert_eq!(res.status, StatusCode::UNPROCESSABLE_ENTITY, "{res:?}");
+    assert_eq!(res.json["error"]["code"], "invalid_input");
+    let message = res.json["error"]["message"].as_str().unwrap_or_default();
+    for part in ["events[1]", "/amount", "\"minimum\"", "order.paid"] {
+        assert!(message.contains(part), "{part} in {message}");
+    }
+    assert_eq!(
+        app.store.counts().await.expect("counts"),
+        before,
+        "nothing stored"
+    );
+    let res = app
+        .post(
+            "/v1/events",
+            json!({"events": [{"type": "order.paid", "payload": {"amount": 2}}]}),
+        )
+        .await;
+    assert_eq!(res.status, StatusCode::ACCEPTED, "{res:?}");
+}
+
+async fn the_strict_setting_refuses_uncataloged_types(app: TestApp) {
+    let res = app.get("/v1/catalog/settings").await;
+    assert_eq!(res.status, StatusCode::OK, "{res:?}");
+    assert_eq!(res.json, json!({"strict": false}));
+    let publish = |t: &str| json!({"events": [{"type": t, "payload": {}}]});
+    let res = app.post("/v1/events", publish("any.thing")).await;
+    assert_eq!(res.status, StatusCode::ACCEPTED, "{res:?}");
+    let res = send(
+        &app,
+        Method::PUT,
+        "/v1/catalog/settings",
+        json!({"strict": true}),
+    )
+    .await;
+    assert_eq!(res.status, StatusCode::OK, "{res:?}");
+    assert_eq!(res.json, json!({"strict": true}));
+    assert_eq!(
+        app.get("/v1/catalog/settings").await.json,
+        json!({"strict": true})
+    );
+    let res = app.post("/v1/events", publish("any.thing")).await;
+    assert_eq!(res.status, StatusCode::UNPROCESSABLE_ENTITY, "{res:?}");
+    assert!(res.json["error"]["message"]
+        .as_str()
+        .is_some_and(|m| m.contains("not in the catalog")));
+    app.post("/v1/event-types", json!({"name": "any.thing"}))
+        .await;
+    let res = app.post("/v1/events", publish("any.thing")).await;
+    assert_eq!(res.status, StatusCode::ACCEPTED, "{res:?}");
+    let res = send(
+        &app,
+        Method::PUT,
+        "/v1/catalog/settings",
+        json!({"strict": "yes"}),
+    )
+    .await;
+    assert_eq!(res.status, StatusCode::UNPROCESSABLE_ENTITY, "{res:?}");
+}
+
+/// Validates `doc` as an OpenAPI document with `openapi-spec-validator`.
+fn validate_openapi(doc: &Value) {
+    let python = std::env::var("LANEBUS_TEST_PYTHON").expect(
+        "LANEBUS_TEST_PYTHON must name a Python with openapi-spec-validator: run the tests \
+         with scripts/test, which installs it",
+    );
+    let path = std::env::temp_dir().join(format!(
+        "lanebus-openapi-{}.json",
+        uuid::Uuid::new_v4().simple()
+    ));
+    std::fs::write(&path, doc.to_string()).expect("write document");
+    let out = std::process::Command::new(python)
+        .args([
+            "-c",
+            "import json, sys\n\
+             from openapi_spec_validator import validate\n\
+             validate(json.load(open(sys.argv[1])))\n",
+        ])
+        .arg(&path)
+        .output()
+        .expect("run python");
+    let _ = std::fs::remove_file(&path);
+    assert!(
+        out.status.success(),
+        "openapi-spec-validator refused the document: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+async fn openapi_webhooks_list_each_cataloged_type(app: TestApp) {
+    let empty = app.get("/openapi.json").await;
+    assert_eq!(empty.status, StatusCode::OK, "{empty:?}");
+    assert_eq!(empty.json["webhooks"], json!({}));
+    for body in [
+        json!({"name": "order.paid", "description": "paid", "schema": order_schema(),
+               "aliases": ["payment.done"]}),
+        json!({"name": "order.noted"}),
+        json!({"name": "user.created", "schema": {
+            "$schema": "https://json-schema.org/draft/2020-12/schema",
+            "type": "object",
+            "properties": {"id": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
+            "$defs": {"unused": {"type": "null"}}
+        }}),
+    ] {
+        let res = app.post("/v1/event-types", body).await;
+        assert_eq!(res.status, StatusCode::CREATED, "{res:?}");
+    }
+    app.post("/v1/event-types/order.noted/deprecate", json!({}))
+        .await;
+    let res = app.get("/openapi.json").await;
+    assert_eq!(res.status, StatusCode::OK, "{res:?}");
+    let doc = res.json;
+    let hooks = doc["webhooks"].as_object().expect("webhooks");
+    let names: Vec<&str> = hooks.keys().map(String::as_str).collect();
+    assert_eq!(names, vec!["order.noted", "order.paid", "user.created"]);
+    for t in app.store.list_event_types().await.expect("list") {
+        let op = &hooks[&t.name]["post"];
+        let body = &op["requestBody"]["content"]["application/json"]["schema"];
+        assert_eq!(body["properties"]["type"]["const"], t.name.as_str());
+        assert_eq!(
+            body["properties"]["data"],
+            t.schema.clone().unwrap_or_else(|| json!({})),
+            "{}",
+            t.name
+        );
+        assert_eq!(body["required"], json!(["type", "timestamp", "data"]));
+        assert_eq!(op["deprecated"], t.deprecated);
+    }
+    // The paths are the route table's still.
+    assert_eq!(doc["paths"], common::document()["paths"]);
+    validate_openapi(&doc);
+}
+
+on_every_backend!(
+    event_types_are_created_listed_renamed_and_deprecated,
+    a_payload_breaking_its_schema_refuses_the_batch,
+    the_strict_setting_refuses_uncataloged_types,
+    openapi_webhooks_list_each_cataloged_type,
+);
