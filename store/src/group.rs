@@ -283,8 +283,10 @@ fn merge<'a>(
     let mut fresh = Vec::new();
     let mut owners = Vec::new();
     let mut plans_versions = Vec::with_capacity(plans.len());
+    let mut sealed = true;
     for (i, plan) in plans.enumerate() {
         plans_versions.push(plan.catalog_version);
+        sealed &= plan.sealed;
         for e in &plan.fresh {
             if seen.insert(e.id.as_str()) {
                 fresh.push(e.clone());
@@ -302,6 +304,7 @@ fn merge<'a>(
         duplicates: 0,
         // Checked against one catalog, or checked again by the write.
         catalog_version: first.filter(|_| versions.all(|v| v == first)),
+        sealed,
     };
     (merged, owners, repeated)
 }

@@ -287,7 +287,7 @@ async fn publish_with(
                 "key": opt_str(e.key.as_deref()),
                 "lane": i32::from(e.lane),
                 "seq": opt_i64(*seq),
-                "payload": Bson::Binary(Binary { subtype: BinarySubtype::Generic, bytes: e.payload.clone() }),
+                "payload": Bson::Binary(Binary { subtype: BinarySubtype::Generic, bytes: e.stored_payload().to_vec() }),
                 "published_at": now,
             }
         })

@@ -16,6 +16,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../migrations/sqlite/0005_held_backfill.sql"),
     include_str!("../../migrations/sqlite/0006_attempt_log.sql"),
     include_str!("../../migrations/sqlite/0007_event_types.sql"),
+    include_str!("../../migrations/sqlite/0009_subject_keys.sql"),
 ];
 
 /// Applies pending migrations in one write transaction (idempotent; safe

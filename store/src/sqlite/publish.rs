@@ -181,7 +181,7 @@ async fn insert_events(
                 .bind(&e.key)
                 .bind(i64::from(e.lane))
                 .bind(*seq)
-                .bind(&e.payload)
+                .bind(e.stored_payload())
                 .bind(now);
         }
         q.execute(&mut *conn).await.map_err(map_err)?;
