@@ -138,6 +138,12 @@ impl std::fmt::Debug for MasterKey {
     }
 }
 
+impl PartialEq for MasterKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.id == other.id
+    }
+}
+
 impl MasterKey {
     /// A master key from its text: 32 bytes as 64 hex digits or as base64
     /// (standard alphabet, padded), surrounding whitespace ignored.
@@ -316,11 +322,11 @@ impl std::fmt::Debug for Bounded {
 
 impl Keyring {
     /// Sets the master key (the node does at start).
-    pub fn set_master(&self, key: MasterKey) {
+    pub fn set_master(&self, key: impl Into<Arc<MasterKey>>) {
         *self
             .master
             .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Arc::new(key));
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(key.into());
         self.cache().keys.clear();
     }
 
