@@ -297,7 +297,10 @@ async fn personal_fields_need_a_subject_a_master_key_and_erase_per_subject(app: 
         "user": {"type": "string"},
         "email": {"type": "string", "x-lanebus-personal": true}}});
     let res = app
-        .post("/v1/event-types", json!({"name": "user.seen", "schema": schema}))
+        .post(
+            "/v1/event-types",
+            json!({"name": "user.seen", "schema": schema}),
+        )
         .await;
     assert_eq!(res.status, StatusCode::CREATED, "{res:?}");
     app.create_handler("h", &["*"]).await;
@@ -307,13 +310,17 @@ async fn personal_fields_need_a_subject_a_master_key_and_erase_per_subject(app: 
     assert_eq!(res.status, StatusCode::SERVICE_UNAVAILABLE, "{res:?}");
     assert_eq!(res.json["error"]["code"], "store_unavailable");
 
-    app.store.keyring().set_master(
-        lanebus_store::personal::MasterKey::from_bytes(&[3; 32]).expect("key"),
-    );
+    app.store
+        .keyring()
+        .set_master(lanebus_store::personal::MasterKey::from_bytes(&[3; 32]).expect("key"));
     let res = app.post("/v1/events", event).await;
     assert_eq!(res.status, StatusCode::ACCEPTED, "{res:?}");
     assert_eq!(
-        app.store.subject_keys(&["u1".into()]).await.expect("keys").len(),
+        app.store
+            .subject_keys(&["u1".into()])
+            .await
+            .expect("keys")
+            .len(),
         1
     );
     for _ in 0..2 {
