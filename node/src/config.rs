@@ -913,6 +913,30 @@ mod tests {
     }
 
     #[test]
+    fn master_key_comes_from_a_file_or_the_environment_not_both() {
+        let dir = std::env::temp_dir().join(format!("lanebus-mk-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("master.key");
+        std::fs::write(&file, format!("{}\n", "ab".repeat(32))).unwrap();
+        let from_file = master_key(Some(&file), None).unwrap().unwrap();
+        let b64 = "q6urq6urq6urq6urq6urq6urq6urq6urq6urq6urq6s=";
+        let from_env = master_key(None, Some(b64)).unwrap().unwrap();
+        assert_eq!(
+            from_file, from_env,
+            "the same 32 bytes (0xab), hex and base64"
+        );
+        assert!(master_key(None, None).unwrap().is_none());
+        let both = master_key(Some(&file), Some(b64)).unwrap_err().to_string();
+        assert!(both.contains("not both"), "{both}");
+        let short = master_key(None, Some("abcd")).unwrap_err().to_string();
+        assert!(
+            short.contains("32 bytes") && !short.contains("abcd"),
+            "{short}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn webhook_source_ip_is_an_ip_address() {
         let c = validate(NodeArgs {
             webhook_source_ip: Some("127.0.0.3".into()),
