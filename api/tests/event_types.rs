@@ -315,6 +315,14 @@ async fn personal_fields_need_a_subject_a_master_key_and_erase_per_subject(app: 
         .set_master(lanebus_store::personal::MasterKey::from_bytes(&[3; 32]).expect("key"));
     let res = app.post("/v1/events", event).await;
     assert_eq!(res.status, StatusCode::ACCEPTED, "{res:?}");
+    let res = app
+        .post(
+            "/v1/events",
+            json!({"events": [{"type": "user.seen", "payload": {"email": "x@example.org"}}]}),
+        )
+        .await;
+    assert_eq!(res.status, StatusCode::UNPROCESSABLE_ENTITY, "{res:?}");
+    assert_eq!(res.json["error"]["code"], "invalid_input");
     assert_eq!(
         app.store
             .subject_keys(&["u1".into()])

@@ -397,7 +397,8 @@ fn subject_of(payload: &Value, spec: &Spec) -> std::result::Result<String, Broke
 /// # Errors
 /// [`StoreError::Invalid`] for a payload without its subject;
 /// [`StoreError::Unavailable`] when events have personal fields and the
-/// store has no master key; the store's errors.
+/// store has no master key, or one that does not open a stored data key;
+/// the store's errors.
 pub(crate) async fn seal_plan<S: Store + ?Sized>(
     store: &S,
     plan: &mut crate::common::PublishPlan,
@@ -518,7 +519,12 @@ async fn keys_for<S: Store + ?Sized>(
     let ring = store.keyring();
     let mut out = HashMap::with_capacity(rows.len());
     for r in &rows {
-        out.insert(r.subject.clone(), ring.key(master, r)?);
+        // A key this node's master does not open: its configuration is
+        // at fault (a master key rotated without it), not the publisher.
+        let key = ring
+            .key(master, r)
+            .map_err(|e| StoreError::Unavailable(e.to_string()))?;
+        out.insert(r.subject.clone(), key);
     }
     for s in subjects {
         if !out.contains_key(s) {
