@@ -450,7 +450,8 @@ pub(crate) async fn seal_plan<S: Store + ?Sized>(
 /// stored one), seals its personal fields and writes it in `group`. A
 /// write refused because the stored catalog gave a type other
 /// personal-field marks than the cached one (the write reloaded the cache)
-/// is checked, sealed and written once more, from a copy of the plan.
+/// is checked, sealed and written once more (the group hands the plan
+/// back with such an error).
 ///
 /// # Errors
 /// As the check, [`seal_plan`] and the write.
@@ -468,15 +469,14 @@ where
 {
     catalog.check(&mut plan, load()).await?;
     seal_plan(store, &mut plan).await?;
-    let copy = plan.clone();
-    match group.publish(store, plan).await {
-        Err(StoreError::Conflict(m)) if m.contains(PERSONAL_CHANGED) => {
-            let mut plan = copy;
+    match group.publish_or_back(store, plan).await {
+        Ok(out) => Ok(out),
+        Err((StoreError::Conflict(m), Some(mut plan))) if m.contains(PERSONAL_CHANGED) => {
             catalog.check(&mut plan, load()).await?;
             seal_plan(store, &mut plan).await?;
             group.publish(store, plan).await
         }
-        other => other,
+        Err((e, _)) => Err(e),
     }
 }
 
