@@ -11,6 +11,9 @@
 //! PUT   /v1/catalog/settings             {"strict"} → {"strict"}
 //! ```
 //!
+//! Reads answer `503 store_unavailable` when the store does not answer
+//! within 2 s, as handler reads do.
+//!
 //! As in Svix, deprecating keeps a type's events accepted; `PATCH` with
 //! `"deprecated": false` undoes it. A `PATCH` with a new `name` renames the
 //! type: the old wire name becomes an alias, so publishers still sending it
@@ -161,7 +164,8 @@ pub(crate) async fn create(
 pub(crate) async fn list(
     State(state): State<ApiState>,
 ) -> Result<axum::Json<EventTypeList>, ApiError> {
-    let types = state.store.list_event_types().await?;
+    let store = &state.store;
+    let types = crate::health::bounded(store.backend(), store.list_event_types()).await??;
     Ok(axum::Json(EventTypeList {
         event_types: types.into_iter().map(Into::into).collect(),
     }))
@@ -172,7 +176,10 @@ pub(crate) async fn get(
     State(state): State<ApiState>,
     Path(name): Path<String>,
 ) -> Result<axum::Json<EventTypeView>, ApiError> {
-    let t = state.store.get_event_type(&name).await.map_err(refused)?;
+    let store = &state.store;
+    let t = crate::health::bounded(store.backend(), store.get_event_type(&name))
+        .await?
+        .map_err(refused)?;
     Ok(axum::Json(t.into()))
 }
 
@@ -217,7 +224,8 @@ pub(crate) async fn deprecate(
 pub(crate) async fn settings(
     State(state): State<ApiState>,
 ) -> Result<axum::Json<CatalogSettingsView>, ApiError> {
-    let s = state.store.catalog_settings().await?;
+    let store = &state.store;
+    let s = crate::health::bounded(store.backend(), store.catalog_settings()).await??;
     Ok(axum::Json(CatalogSettingsView { strict: s.strict }))
 }
 

@@ -312,7 +312,10 @@ impl Snapshot {
     /// [`apply`](Self::apply), before sealing when `sealed` is false.
     fn apply_as(&self, plan: &mut PublishPlan, sealed: bool) -> Result<()> {
         plan.catalog_version = Some(self.version);
-        if self.by_name.is_empty() && !self.strict {
+        if self.by_name.is_empty()
+            && !self.strict
+            && plan.fresh.iter().all(|e| e.sent_type.is_none())
+        {
             return Ok(());
         }
         for e in &mut plan.fresh {
@@ -513,5 +516,89 @@ impl Change {
             }
             Change::Settings(s) => Write::Settings(s),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::NewEvent;
+
+    fn stored(version: i64, types: &[(&str, &[&str], Option<Value>)]) -> Stored {
+        let now = Utc::now();
+        Stored {
+            version,
+            settings: CatalogSettings::default(),
+            types: types
+                .iter()
+                .map(|(name, aliases, schema)| EventType {
+                    name: (*name).into(),
+                    description: String::new(),
+                    schema: schema.clone(),
+                    aliases: aliases.iter().map(|a| (*a).into()).collect(),
+                    deprecated: false,
+                    created_at: now,
+                    updated_at: now,
+                })
+                .collect(),
+        }
+    }
+
+    fn plan(types: &[&str]) -> PublishPlan {
+        let events = types
+            .iter()
+            .map(|t| NewEvent {
+                event_type: (*t).into(),
+                payload: br#"{"n":1}"#.to_vec(),
+                ..NewEvent::default()
+            })
+            .collect();
+        PublishPlan::new(events, 16).expect("valid")
+    }
+
+    #[test]
+    fn a_plan_checked_again_follows_the_newer_catalog() {
+        let old = Snapshot::build(&stored(1, &[("b.new", &["a.old"], None)])).expect("build");
+        let mut p = plan(&["a.old", "b.new", "c.other"]);
+        old.apply(&mut p).expect("apply");
+        let types: Vec<&str> = p.fresh.iter().map(|e| e.event_type.as_str()).collect();
+        assert_eq!(types, ["b.new", "b.new", "c.other"]);
+        assert_eq!(p.fresh[0].sent_type.as_deref(), Some("a.old"));
+        assert!(p.fresh[1].aliases.is_some() && p.fresh[2].aliases.is_none());
+        assert_eq!(p.catalog_version, Some(1));
+
+        // The alias moved to another type: the names as published decide.
+        let newer = stored(2, &[("b.new", &[], None), ("d.next", &["a.old"], None)]);
+        Snapshot::build(&newer)
+            .expect("build")
+            .apply(&mut p)
+            .expect("apply");
+        let types: Vec<&str> = p.fresh.iter().map(|e| e.event_type.as_str()).collect();
+        assert_eq!(types, ["d.next", "b.new", "c.other"]);
+        assert!(p.fresh[1].aliases.is_none());
+
+        // The alias dropped: the event keeps the name it was published with.
+        let newest = stored(
+            3,
+            &[("d.next", &[], Some(serde_json::json!({"type": "object"})))],
+        );
+        Snapshot::build(&newest)
+            .expect("build")
+            .apply(&mut p)
+            .expect("apply");
+        let types: Vec<&str> = p.fresh.iter().map(|e| e.event_type.as_str()).collect();
+        assert_eq!(types, ["a.old", "b.new", "c.other"]);
+        assert_eq!(p.catalog_version, Some(3));
+    }
+
+    #[test]
+    fn a_cache_keeps_the_newest_catalog() {
+        let cache = Cache::default();
+        assert_eq!(cache.get().version, -1);
+        cache.replace(&stored(5, &[])).expect("replace");
+        cache
+            .replace(&stored(4, &[("x.y", &[], None)]))
+            .expect("older");
+        assert_eq!(cache.get().version, 5);
     }
 }

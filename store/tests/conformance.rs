@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use common::with_database;
+use common::{new_handler, with_database};
 use lanebus_store::postgres::PgStore;
 use lanebus_store::sqlite::SqliteStore;
 use lanebus_store::*;
@@ -532,19 +532,6 @@ fn ev(id: Option<&str>, ty: &str, key: Option<&str>) -> NewEvent {
         payload: br#"{"n":1}"#.to_vec(),
         deliver_at: None,
         expected_seq: None,
-    }
-}
-
-fn new_handler(name: &str, types: &[&str]) -> NewHandler {
-    NewHandler {
-        name: name.into(),
-        url: format!("http://127.0.0.1:9/{name}"),
-        event_types: types.iter().map(|s| s.to_string()).collect(),
-        max_attempts: handler_defaults::MAX_ATTEMPTS,
-        timeout_ms: handler_defaults::TIMEOUT_MS,
-        max_in_flight: handler_defaults::MAX_IN_FLIGHT,
-        secret: String::new(),
-        rate_limit: None,
     }
 }
 

@@ -492,3 +492,70 @@ async fn sql_wake_after_commit_names_the_lanes() {
     drop(listener);
     common::drop_pg_database(&admin, pool, &db).await;
 }
+
+/// The event-type catalog through the SQL functions: an alias is stored as
+/// the wire name and routed as the Rust path routes it (a route naming the
+/// alias matches); a type with a JSON Schema is refused (the functions
+/// cannot validate it); with the strict setting, so is an uncataloged type.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sql_functions_honour_the_event_type_catalog() {
+    use lanebus_store::{CatalogSettings, NewEventType};
+    let db = format!("lanebus_sqlfn_catalog_{}", std::process::id());
+    let (admin, store, pool) = common::fresh_pg_store(&db).await;
+    let by_alias = store
+        .create_handler(common::new_handler("old", &["payment.done"]))
+        .await
+        .expect("handler");
+    store
+        .create_event_type(NewEventType {
+            name: "order.paid".into(),
+            aliases: vec!["payment.done".into()],
+            ..NewEventType::default()
+        })
+        .await
+        .expect("type");
+    store
+        .create_event_type(NewEventType {
+            name: "order.checked".into(),
+            schema: Some(serde_json::json!({"type": "object"})),
+            ..NewEventType::default()
+        })
+        .await
+        .expect("type with schema");
+    let mut conn = pool.acquire().await.expect("conn");
+    let id = sql_publish(&mut conn, "payment.done", None, "{}")
+        .await
+        .expect("alias");
+    let e = store
+        .lookup_event(&id)
+        .await
+        .expect("lookup")
+        .expect("stored");
+    assert_eq!(e.event_type, "order.paid");
+    let ds = common::claim_all(&store).await;
+    assert!(
+        ds.iter().any(|d| d.event_id == id
+            && d.handler_id == by_alias.id
+            && d.event_type == "order.paid"),
+        "{ds:?}"
+    );
+    let (code, message) = sql_publish(&mut conn, "order.checked", None, "{}")
+        .await
+        .expect_err("a type with a schema");
+    assert_eq!(code, "22023");
+    assert!(message.contains("JSON Schema"), "{message}");
+    sql_publish(&mut conn, "else.where", None, "{}")
+        .await
+        .expect("not strict");
+    store
+        .set_catalog_settings(CatalogSettings { strict: true })
+        .await
+        .expect("strict");
+    let (code, message) = sql_publish(&mut conn, "else.where", None, "{}")
+        .await
+        .expect_err("strict");
+    assert_eq!(code, "22023");
+    assert!(message.contains("not in the catalog"), "{message}");
+    drop(conn);
+    common::drop_pg_database(&admin, pool, &db).await;
+}

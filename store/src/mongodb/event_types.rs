@@ -39,6 +39,17 @@ async fn state(s: &MongoStore, session: &mut ClientSession) -> TxnResult<(i64, b
 /// The stored catalog in the transaction's snapshot.
 pub(super) async fn load(s: &MongoStore, session: &mut ClientSession) -> TxnResult<Stored> {
     let (version, strict) = state(s, session).await?;
+    load_types(s, session, version, strict).await
+}
+
+/// The stored types, with the catalog `version` and `strict` setting read
+/// before in the same transaction.
+async fn load_types(
+    s: &MongoStore,
+    session: &mut ClientSession,
+    version: i64,
+    strict: bool,
+) -> TxnResult<Stored> {
     let docs: Vec<Document> = s
         .coll(names::EVENT_TYPES)
         .find(doc! {})
@@ -147,13 +158,14 @@ pub(super) async fn checked(
     session: &mut ClientSession,
     plan: &mut PublishPlan,
 ) -> TxnResult<()> {
-    let (version, _) = state(s, session).await?;
+    let (version, strict) = state(s, session).await?;
     if plan.catalog_version == Some(version) {
         return Ok(());
     }
     let mut snapshot = s.catalog.get();
     if snapshot.version != version {
-        snapshot = s.catalog.replace(&load(s, session).await?)?;
+        let stored = load_types(s, session, version, strict).await?;
+        snapshot = s.catalog.replace(&stored)?;
     }
     snapshot.apply(plan)?;
     Ok(())

@@ -445,6 +445,8 @@ impl MongoStore {
             keyring: std::sync::Arc::default(),
         };
         store.lanes = migrate::migrate(&store, lanes).await?;
+        // The catalog as it is now, so the first publish need not load it.
+        store.catalog.replace(&store.stored_catalog().await?)?;
         Ok(store)
     }
 

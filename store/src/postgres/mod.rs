@@ -350,6 +350,10 @@ impl PgStore {
             keyring: Arc::default(),
         };
         store.lanes = migrate::migrate(&store.pool, lanes).await?;
+        // The catalog as it is now, so the first publish need not load it.
+        store
+            .catalog
+            .replace(&event_types::read(&store.pool).await?)?;
         Ok(store)
     }
 

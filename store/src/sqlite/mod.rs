@@ -195,6 +195,8 @@ impl SqliteStore {
             keyring: Arc::default(),
         };
         store.lanes = migrate::migrate(&store, lanes).await?;
+        // The catalog as it is now, so the first publish need not load it.
+        store.catalog.replace(&event_types::read(&store).await?)?;
         Ok(store)
     }
 

@@ -26,6 +26,10 @@ use crate::common::{check_expected, to_micros, PublishPlan};
 use crate::event_types::Cache;
 use crate::{PublishOutcome, Result, StoreError};
 
+/// One new event as `sql/insert_deliveries.sql` reads it: its id, its
+/// `deliver_at` (µs) and its cataloged type's aliases.
+type DeliveryArg<'a> = (&'a str, Option<i64>, Option<&'a [String]>);
+
 /// Events per multi-row insert (7 parameters each; SQLite allows 32,766).
 const EVENT_CHUNK: usize = 500;
 
@@ -109,7 +113,7 @@ async fn write_in(
         let seqs = assign_seqs(conn, &plan).await?;
         check_expected(plan.fresh.iter().zip(seqs.iter().copied()))?;
         insert_events(conn, &plan, &seqs).await?;
-        let ids: Vec<(&str, Option<i64>, Option<&[String]>)> = plan
+        let ids: Vec<DeliveryArg> = plan
             .fresh
             .iter()
             .map(|e| {

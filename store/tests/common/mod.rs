@@ -21,7 +21,7 @@ pub fn with_database(url: &str, db: &str) -> String {
 pub async fn fresh_pg_store(
     db: &str,
 ) -> (sqlx::PgPool, lanebus_store::postgres::PgStore, sqlx::PgPool) {
-    use lanebus_store::{handler_defaults, NewHandler, Store};
+    use lanebus_store::Store;
     let admin_url = std::env::var("LANEBUS_TEST_POSTGRES_URL").expect(
         "LANEBUS_TEST_POSTGRES_URL is not set: run the tests with scripts/test, which starts a \
          throwaway PostgreSQL",
@@ -38,19 +38,27 @@ pub async fn fresh_pg_store(
         .expect("open store");
     let pool = store.pool().clone();
     store
-        .create_handler(NewHandler {
-            name: "all".into(),
-            url: "http://127.0.0.1:9/all".into(),
-            event_types: vec!["*".into()],
-            max_attempts: handler_defaults::MAX_ATTEMPTS,
-            timeout_ms: handler_defaults::TIMEOUT_MS,
-            max_in_flight: handler_defaults::MAX_IN_FLIGHT,
-            secret: String::new(),
-            rate_limit: None,
-        })
+        .create_handler(new_handler("all", &["*"]))
         .await
         .expect("create handler");
     (admin, store, pool)
+}
+
+/// A handler `name` at `http://127.0.0.1:9/{name}` with `routes` and the
+/// default policy.
+#[allow(dead_code)]
+pub fn new_handler(name: &str, routes: &[&str]) -> lanebus_store::NewHandler {
+    use lanebus_store::handler_defaults;
+    lanebus_store::NewHandler {
+        name: name.into(),
+        url: format!("http://127.0.0.1:9/{name}"),
+        event_types: routes.iter().map(|r| r.to_string()).collect(),
+        max_attempts: handler_defaults::MAX_ATTEMPTS,
+        timeout_ms: handler_defaults::TIMEOUT_MS,
+        max_in_flight: handler_defaults::MAX_IN_FLIGHT,
+        secret: String::new(),
+        rate_limit: None,
+    }
 }
 
 /// Closes `pool` and drops database `db` (made by [`fresh_pg_store`]).
