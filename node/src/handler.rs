@@ -473,10 +473,9 @@ impl Dispatcher {
         let Some(store) = &self.keys else {
             return Ok(None);
         };
-        let o = lanebus_store::personal::open(&**store, &delivery.payload).await?;
-        if o.payload == delivery.payload {
+        let Some(o) = lanebus_store::personal::open(&**store, &delivery.payload).await? else {
             return Ok(None);
-        }
+        };
         let mut d = delivery.clone();
         d.payload = o.payload;
         Ok(Some((d, o.redacted)))

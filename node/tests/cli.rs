@@ -214,9 +214,7 @@ async fn rotate_master_key_rewraps_data_keys() {
         .fetch_all(fresh.pool())
         .await
         .unwrap();
-    let opened = personal::open(&fresh, &rows[0].clone().into())
-        .await
-        .unwrap();
+    let opened = personal::open(&fresh, &rows[0]).await.unwrap().unwrap();
     assert!(opened.redacted.is_empty());
     let v: serde_json::Value = serde_json::from_slice(&opened.payload).unwrap();
     assert_eq!(v["email"], "u1@example.org");

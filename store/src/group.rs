@@ -88,7 +88,7 @@ struct Job {
 
 /// A batch's answer: its outcome, or the error with the batch's plan when
 /// nothing of it was written ([`Grouper::publish_or_back`]).
-type Answer = std::result::Result<PublishOutcome, (StoreError, Option<PublishPlan>)>;
+type Answer = std::result::Result<PublishOutcome, (StoreError, Option<Box<PublishPlan>>)>;
 
 #[derive(Default)]
 struct Queue {
@@ -244,14 +244,14 @@ impl Grouper {
                         let result = grouper.write_alone(&writer, &job.plan).await;
                         let _ = job.answer.send(match result {
                             Ok(stored) => Ok(answer_alone(job.plan, &stored)),
-                            Err(e) => Err((e, Some(job.plan))),
+                            Err(e) => Err((e, Some(Box::new(job.plan)))),
                         });
                     });
                 }
             }
             Err(e) => {
                 for job in jobs {
-                    let _ = job.answer.send(Err((e.clone(), Some(job.plan))));
+                    let _ = job.answer.send(Err((e.clone(), Some(Box::new(job.plan)))));
                 }
             }
         }

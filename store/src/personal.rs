@@ -471,7 +471,8 @@ where
     seal_plan(store, &mut plan).await?;
     match group.publish_or_back(store, plan).await {
         Ok(out) => Ok(out),
-        Err((StoreError::Conflict(m), Some(mut plan))) if m.contains(PERSONAL_CHANGED) => {
+        Err((StoreError::Conflict(m), Some(plan))) if m.contains(PERSONAL_CHANGED) => {
+            let mut plan = *plan;
             catalog.check(&mut plan, load()).await?;
             seal_plan(store, &mut plan).await?;
             group.publish(store, plan).await
@@ -548,32 +549,25 @@ pub struct Opened {
 
 /// `payload` with its encrypted fields decrypted: a field whose subject's
 /// data key is gone (or that does not open) becomes `null` and is listed
-/// in [`Opened::redacted`]. A payload holding no envelope comes back as it
-/// is (one byte search).
+/// in [`Opened::redacted`]. `None` for a payload holding no envelope (one
+/// substring search, SIMD).
 ///
 /// # Errors
 /// [`StoreError::Unavailable`] when the payload holds envelopes and the
 /// node has no master key; the store's errors reading keys. Never for a
 /// deleted key.
-pub async fn open<S: Store + ?Sized>(store: &S, payload: &bytes::Bytes) -> Result<Opened> {
-    let unchanged = || Opened {
-        payload: payload.clone(),
-        redacted: Vec::new(),
-    };
+pub async fn open<S: Store + ?Sized>(store: &S, payload: &[u8]) -> Result<Option<Opened>> {
     let needle = format!("\"{ENVELOPE_PREFIX}");
-    if !payload
-        .windows(needle.len())
-        .any(|w| w == needle.as_bytes())
-    {
-        return Ok(unchanged());
+    if memchr::memmem::find(payload, needle.as_bytes()).is_none() {
+        return Ok(None);
     }
     let Ok(mut v) = serde_json::from_slice::<Value>(payload) else {
-        return Ok(unchanged());
+        return Ok(None);
     };
     let mut found = Vec::new();
     envelopes(&v, String::new(), &mut found);
     if found.is_empty() {
-        return Ok(unchanged());
+        return Ok(None);
     }
     let master = store.keyring().master().ok_or_else(no_master)?;
     let mut subjects: Vec<String> = found.iter().filter_map(|f| f.1.clone()).collect();
@@ -606,10 +600,10 @@ pub async fn open<S: Store + ?Sized>(store: &S, payload: &bytes::Bytes) -> Resul
         }
     }
     let bytes = serde_json::to_vec(&v).map_err(|e| StoreError::Database(e.to_string()))?;
-    Ok(Opened {
+    Ok(Some(Opened {
         payload: bytes.into(),
         redacted,
-    })
+    }))
 }
 
 /// One envelope found: its pointer, subject and sealed bytes (`None`

@@ -6325,7 +6325,10 @@ async fn raw_holds(h: &dyn Harness, needle: &[u8]) -> bool {
 }
 
 async fn opened(s: &dyn Store, d: &Delivery) -> (serde_json::Value, Vec<String>) {
-    let o = personal::open(s, &d.payload).await.expect("open payload");
+    let o = personal::open(s, &d.payload)
+        .await
+        .expect("open payload")
+        .expect("envelopes");
     (
         serde_json::from_slice(&o.payload).expect("json"),
         o.redacted,
