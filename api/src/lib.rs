@@ -73,6 +73,7 @@ pub mod openapi;
 mod recovery;
 mod routes;
 pub mod serve;
+mod subjects;
 mod telemetry;
 pub mod ui;
 

@@ -538,6 +538,25 @@ fn describe(op: Operation, s: &mut Schemas) -> Described {
                 ),
             )
         },
+        Operation::ForgetSubject => Described {
+            parameters: vec![path_id(
+                "subject id: the value at the type's `x-lanebus-subject` pointer \
+                 (a string, or a number's JSON text), 1 to 256 bytes",
+                String::schema(),
+            )],
+            ..d(
+                "subjects",
+                "Erase a subject's personal fields",
+                "Destroys the subject's data key (crypto-shredding): from the answer on, no \
+                 node can decrypt the fields marked `x-lanebus-personal` of the subject's \
+                 events; pending deliveries, recovers and dead-letter replays send them as \
+                 `null` with header `lanebus-redacted` naming their JSON pointers. Events are \
+                 not rewritten, and copies receivers already hold are not reached. `204` also \
+                 for a subject without a key (already erased, or never seen): erasure is \
+                 idempotent. A later event of the subject gets a new key.",
+                (StatusCode::NO_CONTENT, "the subject's key is destroyed", None),
+            )
+        },
         Operation::GetCatalogSettings => d(
             "event types",
             "The store-wide catalog setting",
@@ -922,6 +941,10 @@ fn build() -> OpenApi {
         (
             "event types",
             "The event-type catalog: wire names, aliases, payload schemas",
+        ),
+        (
+            "subjects",
+            "Personal fields encrypted per subject: erasing a subject (crypto-shredding)",
         ),
         ("dead letters", "Deliveries that exhausted their attempts"),
         (

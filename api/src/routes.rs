@@ -20,8 +20,8 @@ use axum::Router;
 
 use crate::error::{error_response, ApiError, ErrorCode};
 use crate::{
-    admin, deliveries, event_types, events, handlers, health, lookup, openapi, recovery, ui,
-    ApiState,
+    admin, deliveries, event_types, events, handlers, health, lookup, openapi, recovery, subjects,
+    ui, ApiState,
 };
 
 /// What a route does; one variant per (method, path).
@@ -72,6 +72,9 @@ pub enum Operation {
     GetCatalogSettings,
     /// `PUT /v1/catalog/settings`: set it.
     SetCatalogSettings,
+    /// `DELETE /v1/subjects/{id}`: destroy a subject's data key, erasing
+    /// its personal fields everywhere (204).
+    ForgetSubject,
     /// `GET /admin/dead-letters`: list dead letters.
     ListDeadLetters,
     /// `POST /admin/dead-letters/{id}/replay`: replay one dead letter.
@@ -155,6 +158,7 @@ impl Operation {
             Operation::DeprecateEventType => "deprecateEventType",
             Operation::GetCatalogSettings => "getCatalogSettings",
             Operation::SetCatalogSettings => "setCatalogSettings",
+            Operation::ForgetSubject => "forgetSubject",
             Operation::ListDeadLetters => "listDeadLetters",
             Operation::ReplayDeadLetter => "replayDeadLetter",
             Operation::ReplayDeadLetters => "replayDeadLetters",
@@ -228,6 +232,11 @@ impl Operation {
                 [&[E::InvalidParameter, E::NotFound][..], &STORE].concat()
             }
             Operation::SetCatalogSettings => [&JSON_BODY[..], &STORE].concat(),
+            // `invalid_input`: an id that is no subject id (empty, over
+            // 256 bytes, a control character).
+            Operation::ForgetSubject => {
+                [&[E::InvalidParameter, E::InvalidInput][..], &STORE].concat()
+            }
             Operation::UpdateHandler | Operation::RotateHandlerSecret => [
                 &JSON_BODY[..],
                 &[E::InvalidParameter, E::NotFound, E::InvalidHandler],
@@ -336,6 +345,7 @@ impl Operation {
             Operation::DeprecateEventType => post(event_types::deprecate),
             Operation::GetCatalogSettings => get(event_types::settings),
             Operation::SetCatalogSettings => put(event_types::set_settings),
+            Operation::ForgetSubject => delete(subjects::forget),
             Operation::ListDeadLetters => get(admin::list_dead_letters),
             Operation::ReplayDeadLetter => post(admin::replay_one),
             Operation::ReplayDeadLetters => post(admin::replay_bulk),
@@ -441,6 +451,11 @@ pub const ROUTES: &[RouteSpec] = &[
         Method::PUT,
         "/v1/catalog/settings",
         Operation::SetCatalogSettings,
+    ),
+    spec(
+        Method::DELETE,
+        "/v1/subjects/{id}",
+        Operation::ForgetSubject,
     ),
     spec(
         Method::GET,

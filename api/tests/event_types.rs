@@ -278,9 +278,79 @@ async fn openapi_webhooks_list_each_cataloged_type(app: TestApp) {
     validate_openapi(&doc);
 }
 
+/// Personal fields over HTTP: marks without a subject are `422`, a
+/// publish without a master key is `503`, `DELETE /v1/subjects/{id}` is
+/// `204` (again too) and leaves the subject's fields unreadable, and a
+/// malformed subject id is `422`.
+async fn personal_fields_need_a_subject_a_master_key_and_erase_per_subject(app: TestApp) {
+    let res = app
+        .post(
+            "/v1/event-types",
+            json!({"name": "user.seen", "schema": {
+                "properties": {"email": {"type": "string", "x-lanebus-personal": true}}}}),
+        )
+        .await;
+    assert_eq!(res.status, StatusCode::UNPROCESSABLE_ENTITY, "{res:?}");
+    let message = res.json["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("x-lanebus-subject"), "{message}");
+    let schema = json!({"x-lanebus-subject": "/user", "properties": {
+        "user": {"type": "string"},
+        "email": {"type": "string", "x-lanebus-personal": true}}});
+    let res = app
+        .post(
+            "/v1/event-types",
+            json!({"name": "user.seen", "schema": schema}),
+        )
+        .await;
+    assert_eq!(res.status, StatusCode::CREATED, "{res:?}");
+    app.create_handler("h", &["*"]).await;
+    let event = json!({"events": [{"type": "user.seen",
+        "payload": {"user": "u1", "email": "u1@example.org"}}]});
+    let res = app.post("/v1/events", event.clone()).await;
+    assert_eq!(res.status, StatusCode::SERVICE_UNAVAILABLE, "{res:?}");
+    assert_eq!(res.json["error"]["code"], "store_unavailable");
+
+    app.store
+        .keyring()
+        .set_master(lanebus_store::personal::MasterKey::from_bytes(&[3; 32]).expect("key"));
+    let res = app.post("/v1/events", event).await;
+    assert_eq!(res.status, StatusCode::ACCEPTED, "{res:?}");
+    let res = app
+        .post(
+            "/v1/events",
+            json!({"events": [{"type": "user.seen", "payload": {"email": "x@example.org"}}]}),
+        )
+        .await;
+    assert_eq!(res.status, StatusCode::UNPROCESSABLE_ENTITY, "{res:?}");
+    assert_eq!(res.json["error"]["code"], "invalid_input");
+    assert_eq!(
+        app.store
+            .subject_keys(&["u1".into()])
+            .await
+            .expect("keys")
+            .len(),
+        1
+    );
+    for _ in 0..2 {
+        let res = app.delete("/v1/subjects/u1").await;
+        assert_eq!(res.status, StatusCode::NO_CONTENT, "{res:?}");
+        common::check_against_document("DELETE", "/v1/subjects/u1", &res);
+    }
+    assert!(app
+        .store
+        .subject_keys(&["u1".into()])
+        .await
+        .expect("keys")
+        .is_empty());
+    let res = app.delete("/v1/subjects/%07").await;
+    assert_eq!(res.status, StatusCode::UNPROCESSABLE_ENTITY, "{res:?}");
+    assert_eq!(res.json["error"]["code"], "invalid_input");
+}
+
 on_every_backend!(
     event_types_are_created_listed_renamed_and_deprecated,
     a_payload_breaking_its_schema_refuses_the_batch,
     the_strict_setting_refuses_uncataloged_types,
     openapi_webhooks_list_each_cataloged_type,
+    personal_fields_need_a_subject_a_master_key_and_erase_per_subject,
 );

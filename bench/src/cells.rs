@@ -156,7 +156,18 @@ pub struct Cell {
     /// port and data dir; node 1 bootstraps, the others join it), the
     /// window starting once the lanes are balanced.
     pub nodes: usize,
+    /// One personal field per event (`lanebus_store::personal`): the type
+    /// is cataloged with a schema marking `/email` personal and the
+    /// subject at `/subject` (one of [`PERSONAL_SUBJECTS`], so keys are
+    /// created early and then reused), and the store has a master key.
+    /// Compare with the same cell without it, in the same run. A base
+    /// built before this field runs such a cell without personal fields.
+    #[serde(default)]
+    pub personal: bool,
 }
+
+/// Distinct subjects of a [`Cell::personal`] cell's events.
+pub const PERSONAL_SUBJECTS: usize = 1000;
 
 impl Default for Cell {
     fn default() -> Self {
@@ -179,6 +190,7 @@ impl Default for Cell {
             http_sink: false,
             nats_sink: false,
             nodes: 1,
+            personal: false,
         }
     }
 }
@@ -545,6 +557,31 @@ pub fn full() -> Vec<Cell> {
             5000,
             Settings::Tuned,
         ),
+        // Personal fields: against pg-publish-p8-b1 and pg-dispatch-1n-tuned
+        // (quick set) of the same run.
+        Cell {
+            personal: true,
+            ..publish(
+                "pg-publish-p8-b1-personal",
+                "PostgreSQL publish, P=8, batch 1, one personal field per event",
+                8,
+                1,
+                1,
+                0,
+                Via::Store,
+            )
+        },
+        Cell {
+            personal: true,
+            ..dispatch(
+                "pg-dispatch-1n-tuned-personal",
+                "PostgreSQL dispatch, 1 node, tuned, one personal field per event",
+                Settings::Tuned,
+                1,
+                0,
+                1_000_000,
+            )
+        },
         Cell {
             store: "sqlite".into(),
             ..publish(

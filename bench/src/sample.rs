@@ -265,6 +265,9 @@ struct Gen {
     rng: rand::rngs::StdRng,
     keys: usize,
     payload: Vec<u8>,
+    /// [`Cell::personal`]: each event names a subject and its personal
+    /// field.
+    personal: bool,
 }
 
 impl Gen {
@@ -273,6 +276,7 @@ impl Gen {
             rng: rand::rngs::StdRng::seed_from_u64(publisher as u64 + 1),
             keys: cell.keys,
             payload: payload(cell.payload_bytes, publisher as u64),
+            personal: cell.personal,
         }
     }
     fn batch(&mut self, n: usize) -> Vec<NewEvent> {
@@ -281,12 +285,47 @@ impl Gen {
                 id: None,
                 event_type: "issues.opened".into(),
                 key: (self.keys > 0).then(|| format!("k{}", self.rng.random_range(0..self.keys))),
-                payload: self.payload.clone(),
+                payload: self.payload(),
                 deliver_at: None,
                 expected_seq: None,
             })
             .collect()
     }
+    /// The payload, with a subject and its personal field spliced in
+    /// front for a personal cell (about 40 bytes more).
+    fn payload(&mut self) -> Vec<u8> {
+        if !self.personal {
+            return self.payload.clone();
+        }
+        let s = self.rng.random_range(0..crate::cells::PERSONAL_SUBJECTS);
+        let head = format!(r#"{{"subject":"u{s}","email":"u{s}@example.org","#);
+        [head.as_bytes(), &self.payload[1..]].concat()
+    }
+}
+
+/// The master key of personal cells.
+fn bench_master_key() -> anyhow::Result<Arc<lanebus_store::personal::MasterKey>> {
+    Ok(Arc::new(lanebus_store::personal::MasterKey::from_bytes(
+        &[7; 32],
+    )?))
+}
+
+/// Catalogs `issues.opened` with `/email` personal and the subject at
+/// `/subject`, and gives `store` the master key.
+async fn setup_personal(store: &dyn Store) -> anyhow::Result<()> {
+    store.keyring().set_master(bench_master_key()?);
+    store
+        .create_event_type(lanebus_store::NewEventType {
+            name: "issues.opened".into(),
+            schema: Some(serde_json::json!({
+                "type": "object",
+                "x-lanebus-subject": "/subject",
+                "properties": {"email": {"type": "string", "x-lanebus-personal": true}}
+            })),
+            ..lanebus_store::NewEventType::default()
+        })
+        .await?;
+    Ok(())
 }
 
 const WARMUP: u8 = 0;
@@ -377,6 +416,9 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
     } else {
         None
     };
+    if cell.personal {
+        setup_personal(&*setup).await?;
+    }
     let mut names: Vec<String> = Vec::new();
     let mut handler_idx: HashMap<String, u16> = HashMap::new();
     for i in 0..cell.handlers {
@@ -457,6 +499,13 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
     drop(setup);
     reopen(stores).await?;
     let store = stores.dyn_store.clone();
+    let master_key = if cell.personal {
+        let k = bench_master_key()?;
+        store.keyring().set_master(Arc::clone(&k));
+        Some(k)
+    } else {
+        None
+    };
 
     let pm = spec.pg_dir.as_deref().and_then(pg::postmaster_pid);
     if let (Some(p), true) = (stores.probe.as_mut(), cell.kind.fixed_work()) {
@@ -499,6 +548,7 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
     let node_options = |id: &str, store: Arc<dyn Store>, node: u64| {
         let mut opts = NodeOptions::new(id, StoreSource::Opened(store));
         opts.in_process = in_process_of(node);
+        opts.master_key.clone_from(&master_key);
         if receiver.is_some() || nats.is_some() {
             opts.egress = lanebus_api::egress::EgressPolicy::allow_loopback();
         }
@@ -1299,5 +1349,31 @@ impl NatsSink {
 impl Drop for NatsSink {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn personal_payloads_name_a_subject_and_its_field() {
+        let cell = Cell {
+            personal: true,
+            ..Cell::default()
+        };
+        let mut g = Gen::new(&cell, 3);
+        let mut subjects = std::collections::HashSet::new();
+        for e in g.batch(50) {
+            let v: serde_json::Value = serde_json::from_slice(&e.payload).unwrap();
+            let s = v["subject"].as_str().unwrap().to_owned();
+            assert_eq!(v["email"], format!("{s}@example.org"));
+            assert_eq!(v["action"], "opened");
+            subjects.insert(s);
+        }
+        assert!(subjects.len() > 1, "subjects vary");
+        let plain = Gen::new(&Cell::default(), 3).batch(1).remove(0);
+        let v: serde_json::Value = serde_json::from_slice(&plain.payload).unwrap();
+        assert!(v.get("subject").is_none());
     }
 }

@@ -226,6 +226,14 @@ pub struct NodeArgs {
     #[arg(long, env = "LANEBUS_CLUSTER_SECRET", hide_env_values = true)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cluster_secret: Option<String>,
+    /// File holding the master key that wraps subjects' data keys
+    /// (personal fields): 32 bytes as 64 hex digits or base64. The key
+    /// itself may be given in LANEBUS_MASTER_KEY instead; never stored in
+    /// the store [default: none, so types with personal fields cannot be
+    /// published and their fields cannot be delivered].
+    #[arg(long, env = "LANEBUS_MASTER_KEY_FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub master_key_file: Option<PathBuf>,
     /// Admin token sent with --join to the member asked [default: the first
     /// admin token given in clear].
     #[arg(long, env = "LANEBUS_JOIN_TOKEN", hide_env_values = true)]
@@ -264,6 +272,7 @@ pub struct NodeConfig {
     pub auth: lanebus_api::auth::Auth,
     pub cluster_secret: Option<lanebus_cluster::ClusterSecret>,
     pub join_token: Option<String>,
+    pub master_key: Option<std::sync::Arc<lanebus_store::personal::MasterKey>>,
 }
 
 /// Raft timing that fits the lease: elections must finish well within a
@@ -297,6 +306,7 @@ impl NodeConfig {
         o.poll_interval = self.poll_interval;
         o.store_actor.flush_interval = self.flush_interval;
         o.webhook_source_ip = self.webhook_source_ip;
+        o.master_key.clone_from(&self.master_key);
         o.auto_disable_after = self.auto_disable_after;
         o.retention.retention = self.retention;
         o.retention.interval = self.prune_interval;
@@ -586,7 +596,12 @@ pub fn validate(a: NodeArgs) -> anyhow::Result<NodeConfig> {
         .clone()
         .filter(|t| !t.trim().is_empty())
         .or(first_clear_admin);
+    let master_key = master_key(
+        a.master_key_file.as_deref(),
+        std::env::var("LANEBUS_MASTER_KEY").ok().as_deref(),
+    )?;
     Ok(NodeConfig {
+        master_key,
         id,
         http_addr,
         raft_addr,
@@ -679,6 +694,30 @@ fn tokens(
         }
     }
     Ok((Auth::new(all), first_clear_admin))
+}
+
+/// The master key from `file` or, without one, from `env` (the value of
+/// `LANEBUS_MASTER_KEY`); `None` when neither is given.
+///
+/// # Errors
+/// Both given, an unreadable file, or a key that is not 32 bytes as hex or
+/// base64 (the key is never repeated).
+pub fn master_key(
+    file: Option<&std::path::Path>,
+    env: Option<&str>,
+) -> anyhow::Result<Option<std::sync::Arc<lanebus_store::personal::MasterKey>>> {
+    use lanebus_store::personal::MasterKey;
+    let text = match (file, env.filter(|v| !v.trim().is_empty())) {
+        (Some(_), Some(_)) => {
+            bail!("give the master key in master_key_file or LANEBUS_MASTER_KEY, not both")
+        }
+        (Some(f), None) => std::fs::read_to_string(f)
+            .with_context(|| format!("reading master_key_file {}", f.display()))?,
+        (None, Some(v)) => v.to_owned(),
+        (None, None) => return Ok(None),
+    };
+    let key = MasterKey::parse(&text).map_err(|e| anyhow::anyhow!("master key: {e}"))?;
+    Ok(Some(std::sync::Arc::new(key)))
 }
 
 /// Creates the directory of a `sqlite://PATH` store if it is missing (SQLite
@@ -871,6 +910,30 @@ mod tests {
             let e = validate(args).unwrap_err().to_string();
             assert!(e.contains(says), "{e}");
         }
+    }
+
+    #[test]
+    fn master_key_comes_from_a_file_or_the_environment_not_both() {
+        let dir = std::env::temp_dir().join(format!("lanebus-mk-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("master.key");
+        std::fs::write(&file, format!("{}\n", "ab".repeat(32))).unwrap();
+        let from_file = master_key(Some(&file), None).unwrap().unwrap();
+        let b64 = "q6urq6urq6urq6urq6urq6urq6urq6urq6urq6urq6s=";
+        let from_env = master_key(None, Some(b64)).unwrap().unwrap();
+        assert_eq!(
+            from_file, from_env,
+            "the same 32 bytes (0xab), hex and base64"
+        );
+        assert!(master_key(None, None).unwrap().is_none());
+        let both = master_key(Some(&file), Some(b64)).unwrap_err().to_string();
+        assert!(both.contains("not both"), "{both}");
+        let short = master_key(None, Some("abcd")).unwrap_err().to_string();
+        assert!(
+            short.contains("32 bytes") && !short.contains("abcd"),
+            "{short}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -134,6 +134,9 @@ pub struct Dispatcher {
     in_flight: Arc<AttemptCounter>,
     /// Each handler's recent attempts on this node (the dashboard's plots).
     activity: Arc<HandlerActivity>,
+    /// The store whose subject keys open personal fields before a send
+    /// ([`lanebus_store::personal::open`]); `None`: payloads go as stored.
+    keys: Option<Arc<dyn lanebus_store::Store>>,
 }
 
 /// Attempts under way on a node, in all and per lane: each from the moment
@@ -197,7 +200,16 @@ impl Dispatcher {
             rates: Arc::default(),
             in_flight: Arc::new(AttemptCounter::new(lanes)),
             activity: Arc::new(HandlerActivity::new(std::time::Instant::now())),
+            keys: None,
         }
+    }
+
+    /// This dispatcher, decrypting personal fields with `store`'s subject
+    /// keys before every send (to any destination): a field whose key is
+    /// gone is sent as `null` and named in the `lanebus-redacted` header.
+    pub fn with_keys(mut self, store: Arc<dyn lanebus_store::Store>) -> Self {
+        self.keys = Some(store);
+        self
     }
 
     /// This dispatcher, its NATS handlers published to with `settings`
@@ -394,6 +406,21 @@ impl Dispatcher {
         delivery: &Delivery,
         attempt: u32,
     ) -> (AttemptOutcome, AttemptDetail) {
+        let opened;
+        let (delivery, redacted) = match self.open(delivery).await {
+            Ok(None) => (delivery, &[][..]),
+            Ok(Some((d, r))) => {
+                opened = (d, r);
+                (&opened.0, &opened.1[..])
+            }
+            Err(e) => {
+                let failed = AttemptOutcome::Failed {
+                    error: format!("personal fields: {e}"),
+                    retry_after: None,
+                };
+                return (failed, AttemptDetail::error(AttemptError::Other));
+            }
+        };
         if let Some(name) = in_process_name(&handler.url) {
             let Some(h) = self.in_process.get(name) else {
                 let failed = AttemptOutcome::Failed {
@@ -426,13 +453,40 @@ impl Dispatcher {
             };
         }
         if crate::nats::is_nats(&handler.url) {
-            return self.nats.send(handler, delivery, attempt).await;
+            return self.nats.send(handler, delivery, attempt, redacted).await;
         }
         if crate::kafka::is_kafka(&handler.url) {
-            return self.kafka.send(handler, delivery, attempt).await;
+            return self.kafka.send(handler, delivery, attempt, redacted).await;
         }
-        self.webhook.send(handler, delivery, attempt).await
+        self.webhook
+            .send(handler, delivery, attempt, redacted)
+            .await
     }
+
+    /// `delivery` with its personal fields decrypted, and the pointers of
+    /// those sent as `null`; `None` when it has none to open (or no keys
+    /// are configured).
+    async fn open(
+        &self,
+        delivery: &Delivery,
+    ) -> Result<Option<(Delivery, Vec<String>)>, lanebus_store::StoreError> {
+        let Some(store) = &self.keys else {
+            return Ok(None);
+        };
+        let Some(o) = lanebus_store::personal::open(&**store, &delivery.payload).await? else {
+            return Ok(None);
+        };
+        let mut d = delivery.clone();
+        d.payload = o.payload;
+        Ok(Some((d, o.redacted)))
+    }
+}
+
+/// The value of header `lanebus-redacted`: the pointers of personal fields
+/// sent as `null` (their subject's key was deleted), comma-separated;
+/// `None` when there are none.
+pub(crate) fn redacted_header(redacted: &[String]) -> Option<String> {
+    (!redacted.is_empty()).then(|| redacted.join(","))
 }
 
 /// A failed broker attempt (NATS, Kafka): its outcome, with `error` as the

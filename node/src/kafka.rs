@@ -253,6 +253,7 @@ impl KafkaSender {
         handler: &HandlerConfig,
         delivery: &Delivery,
         attempt: u32,
+        redacted: &[String],
     ) -> (AttemptOutcome, AttemptDetail) {
         let target = match self.target(&handler.url) {
             Ok(t) => t,
@@ -279,6 +280,10 @@ impl KafkaSender {
             .insert(header("lanebus-epoch", &delivery.epoch.to_string()));
         if delivery.replay {
             headers = headers.insert(header("lanebus-replay", "true"));
+        }
+        let redacted = crate::handler::redacted_header(redacted);
+        if let Some(r) = &redacted {
+            headers = headers.insert(header("lanebus-redacted", r));
         }
         let body = build_body(
             &delivery.event_type,

@@ -7,6 +7,7 @@
 //!              [--admin-tokens T,.. --publish-tokens T,.. --cluster-secret S --join-token T]
 //!              [--webhook-allow-cidrs CIDR,..]
 //! lanebus migrate --store URL
+//! lanebus rotate-master-key --store URL --old-key-file FILE --new-key-file FILE
 //! lanebus demo [--store URL] [--events N] [--keys K] [--data PATH]
 //! lanebus admin [--node URL] [--token T] [--output table|json]
 //!               lanes | cluster | handlers | dead-letters list|replay | remove --id N
@@ -72,6 +73,12 @@ enum Command {
     Node(Box<NodeArgs>),
     /// Creates or upgrades the store's schema and exits.
     Migrate(MigrateArgs),
+    /// Rewraps every subject's data key (personal fields) under a new
+    /// master key; events are not touched. Run it, then restart the nodes
+    /// with the new key: a node still on the old key cannot open the
+    /// rewrapped keys (it fails publishes of personal types and sends
+    /// their fields as null) until it has the new one.
+    RotateMasterKey(RotateArgs),
     /// Self-contained demo: three nodes as child processes, a webhook
     /// receiver, real GitHub payloads, one node killed halfway, and the
     /// exactness verdict (exits non-zero if an invariant broke).
@@ -84,6 +91,20 @@ enum Command {
     /// Handlers: create, list, get, delete, and a handler's deliveries
     /// (pending, dead, completed).
     Handlers(api_cli::HandlersArgs),
+}
+
+#[derive(Debug, Args)]
+struct RotateArgs {
+    /// Store URL: `postgres://...`, `mongodb://...` (a replica set) or `sqlite://PATH`.
+    #[arg(long, env = "LANEBUS_STORE")]
+    store: String,
+    /// File holding the master key the data keys are wrapped by now (32
+    /// bytes as 64 hex digits or base64).
+    #[arg(long)]
+    old_key_file: std::path::PathBuf,
+    /// File holding the new master key.
+    #[arg(long)]
+    new_key_file: std::path::PathBuf,
 }
 
 #[derive(Debug, Args)]
@@ -131,6 +152,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Node(args) => run_node(*args).await,
             Command::Migrate(args) => migrate(args).await,
+            Command::RotateMasterKey(args) => rotate_master_key(args).await,
             Command::Demo(args) => demo::run(args).await,
             Command::Admin(args) => admin::run(args).await,
             Command::Events(args) => api_cli::events(args).await,
@@ -200,6 +222,27 @@ async fn migrate(args: MigrateArgs) -> anyhow::Result<ExitCode> {
         config::redact(&args.store),
         store.backend(),
         store.lanes()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn rotate_master_key(args: RotateArgs) -> anyhow::Result<ExitCode> {
+    let key = |f: &std::path::Path| -> anyhow::Result<lanebus_store::personal::MasterKey> {
+        config::master_key(Some(f), None)?
+            .and_then(std::sync::Arc::into_inner)
+            .context("no master key read")
+    };
+    let (old, new) = (key(&args.old_key_file)?, key(&args.new_key_file)?);
+    anyhow::ensure!(old != new, "the old and the new master key are the same");
+    let store = lanebus_store::open(&args.store)
+        .await
+        .with_context(|| format!("cannot open store {}", config::redact(&args.store)))?;
+    let n = lanebus_store::personal::rotate(&*store, &old, &new).await?;
+    println!(
+        "{n} data keys of store {} rewrapped from master key {} to {}",
+        config::redact(&args.store),
+        old.id(),
+        new.id()
     );
     Ok(ExitCode::SUCCESS)
 }

@@ -93,6 +93,7 @@ impl NatsSender {
         handler: &HandlerConfig,
         delivery: &Delivery,
         attempt: u32,
+        redacted: &[String],
     ) -> (AttemptOutcome, AttemptDetail) {
         let timeout = Duration::from_millis(handler.timeout_ms.max(1));
         let target = match self.target(&handler.url) {
@@ -103,7 +104,11 @@ impl NatsSender {
             Ok(s) => s,
             Err(e) => return failed(AttemptError::Other, e),
         };
-        match tokio::time::timeout(timeout, self.publish(&target, subject, delivery, attempt)).await
+        match tokio::time::timeout(
+            timeout,
+            self.publish(&target, subject, delivery, attempt, redacted),
+        )
+        .await
         {
             Ok(Ok(())) => (AttemptOutcome::Delivered, AttemptDetail::default()),
             Ok(Err((class, error))) => failed(class, error),
@@ -124,6 +129,7 @@ impl NatsSender {
         subject: String,
         delivery: &Delivery,
         attempt: u32,
+        redacted: &[String],
     ) -> Result<(), (AttemptError, String)> {
         let js = self.context(target).await?;
         // The client queues a publish while it reconnects and sends it
@@ -157,6 +163,9 @@ impl NatsSender {
         headers.insert("lanebus-epoch", delivery.epoch.to_string().as_str());
         if delivery.replay {
             headers.insert("lanebus-replay", "true");
+        }
+        if let Some(r) = crate::handler::redacted_header(redacted) {
+            headers.insert("lanebus-redacted", r.as_str());
         }
         let body = build_body(
             &delivery.event_type,

@@ -250,6 +250,11 @@ pub struct NodeOptions {
     /// loopback [`http_addr`](Self::http_addr): [`start`] refuses to serve
     /// an open API on any other address.
     pub auth: Auth,
+    /// The master key wrapping subjects' data keys (personal fields,
+    /// [`lanebus_store::personal`]), given to the store's keyring at start;
+    /// `None`: types with personal fields cannot be published here, and
+    /// their fields cannot be delivered.
+    pub master_key: Option<Arc<lanebus_store::personal::MasterKey>>,
 }
 
 impl NodeOptions {
@@ -274,6 +279,7 @@ impl NodeOptions {
             nats: crate::nats::NatsSettings::default(),
             kafka: crate::kafka::KafkaSettings::default(),
             auth: Auth::open(),
+            master_key: None,
         }
     }
 
@@ -904,7 +910,8 @@ async fn boot(opts: NodeOptions) -> Result<Booted, NodeError> {
         store.lanes(),
     )
     .with_nats(opts.nats.clone())
-    .with_kafka(opts.kafka.clone());
+    .with_kafka(opts.kafka.clone())
+    .with_keys(store.clone());
     let state = Arc::new(NodeState {
         node_id: opts.node_id.clone(),
         store: store.clone(),
@@ -961,6 +968,9 @@ async fn open_store(
         StoreSource::Url(url) => lanebus_store::open(url).await?,
         StoreSource::Opened(s) => s.clone(),
     };
+    if let Some(k) = &opts.master_key {
+        store.keyring().set_master(Arc::clone(k));
+    }
     let catalog = Arc::new(HandlerCatalog::new(store.clone()));
     catalog.set_auto_disable_after(opts.auto_disable_after);
     catalog.reload_fresh().await?;

@@ -343,6 +343,7 @@ impl WebhookSender {
         handler: &HandlerConfig,
         delivery: &Delivery,
         attempt: u32,
+        redacted: &[String],
     ) -> (AttemptOutcome, AttemptDetail) {
         let body = build_body(
             &delivery.event_type,
@@ -390,6 +391,9 @@ impl WebhookSender {
         }
         if delivery.replay {
             req = req.header("lanebus-replay", "true");
+        }
+        if let Some(r) = crate::handler::redacted_header(redacted) {
+            req = req.header("lanebus-redacted", r);
         }
         let mut resp = match req.body(body).send().await {
             Ok(r) => r,
@@ -632,7 +636,7 @@ mod tests {
             Some([127, 0, 0, 7].into()),
         )
         .unwrap();
-        let (out, detail) = sender.send(&handler, &delivery, 1).await;
+        let (out, detail) = sender.send(&handler, &delivery, 1, &[]).await;
         assert!(matches!(out, AttemptOutcome::Delivered), "{out:?}");
         assert_eq!(detail, AttemptDetail::default(), "a success keeps nothing");
         assert_eq!(peer.await.unwrap().ip().to_string(), "127.0.0.7");
@@ -679,7 +683,7 @@ mod tests {
             (&open, closed_port, AttemptError::Refused),
             (&open, silent_port, AttemptError::Timeout),
         ] {
-            let (out, detail) = sender.send(&handler(port), &delivery, 1).await;
+            let (out, detail) = sender.send(&handler(port), &delivery, 1, &[]).await;
             assert!(matches!(out, AttemptOutcome::Failed { .. }), "{out:?}");
             assert_eq!(detail, AttemptDetail::error(class), "{out:?}");
         }

@@ -133,3 +133,90 @@ fn node_refuses_bad_configuration_with_a_clear_message() {
     );
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `lanebus rotate-master-key` rewraps the data keys of a store: events
+/// published under the old master key open under the new one, and a
+/// wrong old key is refused with nothing changed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rotate_master_key_rewraps_data_keys() {
+    use lanebus_store::personal::{self, MasterKey};
+    use lanebus_store::{NewEvent, NewEventType, Store as _};
+    let dir = std::env::temp_dir().join(format!("lanebus-rotate-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let url = format!("sqlite://{}", dir.join("store.db").display());
+    let (old, new, wrong) = (
+        dir.join("old.key"),
+        dir.join("new.key"),
+        dir.join("wrong.key"),
+    );
+    std::fs::write(&old, "11".repeat(32)).unwrap();
+    std::fs::write(&new, "22".repeat(32)).unwrap();
+    std::fs::write(&wrong, "33".repeat(32)).unwrap();
+    let store = lanebus_store::sqlite::SqliteStore::connect(&url)
+        .await
+        .unwrap();
+    store
+        .keyring()
+        .set_master(MasterKey::from_bytes(&[0x11; 32]).unwrap());
+    store
+        .create_event_type(NewEventType {
+            name: "user.seen".into(),
+            schema: Some(
+                serde_json::json!({"x-lanebus-subject": "/user", "properties": {
+                "email": {"x-lanebus-personal": true}}}),
+            ),
+            ..NewEventType::default()
+        })
+        .await
+        .unwrap();
+    store
+        .publish(vec![NewEvent {
+            event_type: "user.seen".into(),
+            payload: br#"{"user":"u1","email":"u1@example.org"}"#.to_vec(),
+            ..NewEvent::default()
+        }])
+        .await
+        .unwrap();
+    let run = |old: &std::path::Path| {
+        lanebus()
+            .args(["rotate-master-key", "--store", &url, "--old-key-file"])
+            .arg(old)
+            .arg("--new-key-file")
+            .arg(&new)
+            .output()
+            .unwrap()
+    };
+    let out = run(&wrong);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("wrapped by master key"), "{stderr}");
+    let out = run(&old);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.starts_with("1 data keys"), "{stdout}");
+
+    let fresh = lanebus_store::sqlite::SqliteStore::connect(&url)
+        .await
+        .unwrap();
+    fresh
+        .keyring()
+        .set_master(MasterKey::from_bytes(&[0x22; 32]).unwrap());
+    let key = fresh.subject_keys(&["u1".into()]).await.unwrap();
+    assert_eq!(
+        key[0].key_id,
+        MasterKey::from_bytes(&[0x22; 32]).unwrap().id()
+    );
+    let rows: Vec<Vec<u8>> = sqlx::query_scalar("SELECT payload FROM events")
+        .fetch_all(fresh.pool())
+        .await
+        .unwrap();
+    let opened = personal::open(&fresh, &rows[0]).await.unwrap().unwrap();
+    assert!(opened.redacted.is_empty());
+    let v: serde_json::Value = serde_json::from_slice(&opened.payload).unwrap();
+    assert_eq!(v["email"], "u1@example.org");
+    let _ = std::fs::remove_dir_all(&dir);
+}

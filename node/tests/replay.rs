@@ -356,6 +356,138 @@ async fn recover_since(backend: Backend) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The body's `data` of `r`.
+fn data_of(r: &Received) -> anyhow::Result<serde_json::Value> {
+    let body: serde_json::Value = serde_json::from_str(&r.body)?;
+    Ok(body["data"].clone())
+}
+
+/// Personal fields (crypto-shredding) end to end: receivers get them
+/// decrypted, signed over the bytes sent; once a subject is erased
+/// (`DELETE /v1/subjects/{id}`), its deliveries still pending, and a
+/// recover of its events, send its fields as `null` with header
+/// `lanebus-redacted`, and succeed; another subject's are untouched.
+async fn personal_fields_are_redacted_after_erasure(backend: Backend) -> anyhow::Result<()> {
+    let db = TestDb::new(backend, "shred").await?;
+    let rx = Receiver::start().await?;
+    let mut opts = test_options(&db.url);
+    opts.retention.retention = Duration::from_secs(3600);
+    opts.master_key = Some(std::sync::Arc::new(
+        lanebus_store::personal::MasterKey::from_bytes(&[5; 32])?,
+    ));
+    let node = lanebus_node::start(opts).await?;
+    let api = Api::new(&node.base_url());
+    let schema = json!({"x-lanebus-subject": "/user", "properties": {
+        "user": {"type": "string"},
+        "email": {"type": "string", "x-lanebus-personal": true}}});
+    let (status, body) = api
+        .post(
+            "/v1/event-types",
+            json!({"name": "user.seen", "schema": schema}),
+        )
+        .await?;
+    ensure!(status == 201, "{status} {body}");
+    let h = api.create_handler("h", &rx.url("h"), &["*"], 100).await?;
+    rx.set_secret("h", &h.secret);
+    common::fail_always(&rx, "h");
+    let t = Utc::now();
+    api.publish(
+        &[
+            json!({"id": "a1", "type": "user.seen", "key": "alice",
+                   "payload": {"user": "alice", "email": "alice@example.org"}}),
+            json!({"id": "b1", "type": "user.seen", "key": "bob",
+                   "payload": {"user": "bob", "email": "bob@example.org"}}),
+        ],
+        2,
+    )
+    .await?;
+    // Failing attempts while the keys exist: decrypted, signed.
+    ensure!(
+        rx.wait_until(Duration::from_secs(30), |log| {
+            ["a1", "b1"]
+                .iter()
+                .all(|id| log.iter().any(|r| r.event_id == *id))
+        })
+        .await,
+        "no attempts: {:?}",
+        rx.requests()
+    );
+    for r in rx.requests() {
+        let user = if r.event_id == "a1" { "alice" } else { "bob" };
+        ensure!(
+            data_of(&r)?["email"] == format!("{user}@example.org"),
+            "{r:?}"
+        );
+        ensure!(r.signature_ok == Some(true), "bad signature: {r:?}");
+        ensure!(!r.headers.contains_key("lanebus-redacted"), "{r:?}");
+    }
+    let (status, body) = api.delete("/v1/subjects/alice").await?;
+    ensure!(status == 204, "{status} {body}");
+    rx.clear_rules();
+    ensure!(
+        rx.wait_until(Duration::from_secs(30), |log| {
+            ["a1", "b1"]
+                .iter()
+                .all(|id| log.iter().any(|r| r.event_id == *id && r.accepted()))
+        })
+        .await,
+        "pending deliveries not delivered: {:?}",
+        rx.requests()
+    );
+    let check = |r: &Received| -> anyhow::Result<()> {
+        ensure!(r.signature_ok == Some(true), "bad signature: {r:?}");
+        let data = data_of(r)?;
+        if r.event_id == "a1" {
+            ensure!(data["email"].is_null() && data["user"] == "alice", "{r:?}");
+            ensure!(
+                r.headers.get("lanebus-redacted").map(String::as_str) == Some("/email"),
+                "{r:?}"
+            );
+        } else {
+            ensure!(data["email"] == "bob@example.org", "{r:?}");
+            ensure!(!r.headers.contains_key("lanebus-redacted"), "{r:?}");
+        }
+        Ok(())
+    };
+    for r in rx.requests().iter().filter(|r| r.accepted()) {
+        check(r)?;
+    }
+    wait_completions(&node, 2).await?;
+    let before = rx.requests().len();
+    let path = format!("/v1/handlers/{}/recover", h.id);
+    let (status, body) = api.post(&path, json!({"since": rfc3339(t)})).await?;
+    ensure!(status == 200 && body["recovered"] == 2, "{status} {body}");
+    ensure!(
+        rx.wait_until(Duration::from_secs(30), |log| log.len() >= before + 2)
+            .await,
+        "recovery not delivered"
+    );
+    let reqs = rx.requests();
+    ensure!(reqs.len() == before + 2, "{reqs:?}");
+    for r in &reqs[before..] {
+        ensure!(r.accepted(), "{r:?}");
+        ensure!(r.headers.get("lanebus-replay").map(String::as_str) == Some("true"));
+        check(r)?;
+    }
+    node.shutdown().await?;
+    db.drop_db().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn personal_fields_are_redacted_after_erasure_postgres() {
+    personal_fields_are_redacted_after_erasure(Backend::Postgres)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn personal_fields_are_redacted_after_erasure_sqlite() {
+    personal_fields_are_redacted_after_erasure(Backend::Sqlite)
+        .await
+        .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deliver_at_waits_and_holds_its_key_postgres() {
     deliver_at_waits_and_holds_its_key(Backend::Postgres)

@@ -65,6 +65,18 @@ pub(crate) struct PlannedEvent {
     pub sent_type: Option<String>,
     /// The cataloged type's aliases, which routes also match.
     pub aliases: Option<std::sync::Arc<[String]>>,
+    /// The cataloged type's personal fields ([`crate::personal`]).
+    pub personal: Option<std::sync::Arc<crate::personal::Spec>>,
+    /// The payload with its personal fields encrypted, and the spec it was
+    /// encrypted by ([`crate::personal::seal_plan`]).
+    pub sealed: Option<(std::sync::Arc<crate::personal::Spec>, Vec<u8>)>,
+}
+
+impl PlannedEvent {
+    /// The payload bytes to store: the encrypted one when sealed.
+    pub fn stored_payload(&self) -> &[u8] {
+        self.sealed.as_ref().map_or(&self.payload, |s| &s.1)
+    }
 }
 
 /// A validated publish batch.
@@ -79,6 +91,9 @@ pub(crate) struct PublishPlan {
     /// The catalog version the events were checked against
     /// ([`crate::event_types::Snapshot::apply`]); `None`: not checked.
     pub catalog_version: Option<i64>,
+    /// Whether [`crate::personal::seal_plan`] ran on it (only
+    /// [`crate::Store::publish`] does).
+    pub sealed: bool,
 }
 
 impl PublishPlan {
@@ -130,6 +145,8 @@ impl PublishPlan {
                 expected_seq: e.expected_seq,
                 sent_type: None,
                 aliases: None,
+                personal: None,
+                sealed: None,
             });
         }
         PublishPlan {
@@ -137,6 +154,7 @@ impl PublishPlan {
             fresh,
             duplicates,
             catalog_version: None,
+            sealed: false,
         }
     }
 

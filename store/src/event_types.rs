@@ -205,6 +205,8 @@ struct Entry {
     /// The type's aliases (route matching), `None` when it has none.
     aliases: Option<Arc<[String]>>,
     validator: Option<Arc<jsonschema::Validator>>,
+    /// The type's personal fields, `None` when it has none.
+    personal: Option<Arc<crate::personal::Spec>>,
 }
 
 /// The catalog compiled for publishes: every wire name and alias mapped to
@@ -253,6 +255,17 @@ impl Snapshot {
                 })?)),
                 None => None,
             };
+            let personal = match &t.schema {
+                Some(s) => crate::personal::Spec::derive(s)
+                    .map_err(|b| {
+                        StoreError::Database(format!(
+                            "stored schema of event type {:?}: {}",
+                            t.name, b.message
+                        ))
+                    })?
+                    .map(Arc::new),
+                None => None,
+            };
             let wire: Arc<str> = Arc::from(t.name.as_str());
             let aliases: Option<Arc<[String]>> =
                 (!t.aliases.is_empty()).then(|| Arc::from(t.aliases.clone()));
@@ -263,6 +276,7 @@ impl Snapshot {
                         wire: Arc::clone(&wire),
                         aliases: aliases.clone(),
                         validator: validator.clone(),
+                        personal: personal.clone(),
                     },
                 );
             }
@@ -280,11 +294,23 @@ impl Snapshot {
     /// (`lanebus.`) types are left alone. Checks the names as published,
     /// so a plan may be checked again against a newer catalog.
     ///
+    /// This is the check of a write: an event of a type with personal
+    /// fields must have been encrypted by the spec it has now
+    /// ([`crate::personal::seal_plan`]).
+    ///
     /// # Errors
     /// [`StoreError::Invalid`] naming the first failing event (`events[i]`),
     /// for a payload: the JSON pointer in it and the schema keyword that
-    /// failed. Nothing of the plan is written.
+    /// failed; for a type with personal fields in a plan never sealed
+    /// (`publish_in`). [`StoreError::Conflict`] when the type's personal
+    /// fields changed since the plan was sealed (retry). Nothing of the
+    /// plan is written.
     pub fn apply(&self, plan: &mut PublishPlan) -> Result<()> {
+        self.apply_as(plan, true)
+    }
+
+    /// [`apply`](Self::apply), before sealing when `sealed` is false.
+    fn apply_as(&self, plan: &mut PublishPlan, sealed: bool) -> Result<()> {
         plan.catalog_version = Some(self.version);
         if self.by_name.is_empty()
             && !self.strict
@@ -307,6 +333,7 @@ impl Snapshot {
                     e.event_type = sent;
                 }
                 e.aliases = None;
+                e.personal = None;
                 continue;
             };
             if let Some(v) = &entry.validator {
@@ -320,8 +347,33 @@ impl Snapshot {
                 e.event_type = entry.wire.to_string();
             }
             e.aliases.clone_from(&entry.aliases);
+            e.personal.clone_from(&entry.personal);
+            if sealed {
+                check_sealed(e, plan.sealed, &entry.wire)?;
+            }
         }
         Ok(())
+    }
+}
+
+/// Checks that `e` was encrypted by its type's personal spec as it is now.
+fn check_sealed(e: &crate::common::PlannedEvent, plan_sealed: bool, wire: &str) -> Result<()> {
+    let Some(spec) = &e.personal else {
+        return Ok(());
+    };
+    match &e.sealed {
+        Some((by, _)) if **by == **spec => Ok(()),
+        _ if !plan_sealed => Err(StoreError::Invalid(format!(
+            "events[{}]: event type {wire:?} has personal fields, which only a publish \
+             through the store's publish encrypts (not publish_in inside a caller's \
+             transaction, nor the SQL function)",
+            e.index
+        ))),
+        _ => Err(StoreError::Conflict(format!(
+            "events[{}]: the {} {wire:?} changed during the publish; retry",
+            e.index,
+            crate::personal::PERSONAL_CHANGED
+        ))),
     }
 }
 
@@ -405,10 +457,10 @@ impl Cache {
     where
         F: std::future::Future<Output = Result<Stored>>,
     {
-        if self.get().apply(plan).is_ok() {
+        if self.get().apply_as(plan, false).is_ok() {
             return Ok(());
         }
-        self.replace(&load.await?)?.apply(plan)
+        self.replace(&load.await?)?.apply_as(plan, false)
     }
 }
 

@@ -83,8 +83,12 @@ pub struct GroupStats {
 
 struct Job {
     plan: PublishPlan,
-    answer: oneshot::Sender<Result<PublishOutcome>>,
+    answer: oneshot::Sender<Answer>,
 }
+
+/// A batch's answer: its outcome, or the error with the batch's plan when
+/// nothing of it was written ([`Grouper::publish_or_back`]).
+type Answer = std::result::Result<PublishOutcome, (StoreError, Option<Box<PublishPlan>>)>;
 
 #[derive(Default)]
 struct Queue {
@@ -125,6 +129,17 @@ impl Grouper {
         writer: &W,
         plan: PublishPlan,
     ) -> Result<PublishOutcome> {
+        self.publish_or_back(writer, plan).await.map_err(|(e, _)| e)
+    }
+
+    /// As [`publish`](Self::publish), an error coming with the plan when
+    /// the write refused it (nothing of it written), so that the caller
+    /// may write it again.
+    pub(crate) async fn publish_or_back<W: GroupWriter>(
+        self: &Arc<Self>,
+        writer: &W,
+        plan: PublishPlan,
+    ) -> Answer {
         self.publishes.fetch_add(1, Ordering::Relaxed);
         if plan.fresh.is_empty() {
             return Ok(answer(plan, 0, 0, 0));
@@ -139,8 +154,9 @@ impl Grouper {
             tokio::spawn(Arc::clone(self).drain(writer.clone()));
         }
         rx.await.unwrap_or_else(|_| {
-            Err(StoreError::Database(
-                "the publish writer stopped before answering".into(),
+            Err((
+                StoreError::Database("the publish writer stopped before answering".into()),
+                None,
             ))
         })
     }
@@ -226,15 +242,16 @@ impl Grouper {
                     let (grouper, writer) = (Arc::clone(self), writer.clone());
                     tokio::spawn(async move {
                         let result = grouper.write_alone(&writer, &job.plan).await;
-                        let _ = job
-                            .answer
-                            .send(result.map(|stored| answer_alone(job.plan, &stored)));
+                        let _ = job.answer.send(match result {
+                            Ok(stored) => Ok(answer_alone(job.plan, &stored)),
+                            Err(e) => Err((e, Some(Box::new(job.plan)))),
+                        });
                     });
                 }
             }
             Err(e) => {
                 for job in jobs {
-                    let _ = job.answer.send(Err(e.clone()));
+                    let _ = job.answer.send(Err((e.clone(), Some(Box::new(job.plan)))));
                 }
             }
         }
@@ -283,8 +300,10 @@ fn merge<'a>(
     let mut fresh = Vec::new();
     let mut owners = Vec::new();
     let mut plans_versions = Vec::with_capacity(plans.len());
+    let mut sealed = true;
     for (i, plan) in plans.enumerate() {
         plans_versions.push(plan.catalog_version);
+        sealed &= plan.sealed;
         for e in &plan.fresh {
             if seen.insert(e.id.as_str()) {
                 fresh.push(e.clone());
@@ -302,6 +321,7 @@ fn merge<'a>(
         duplicates: 0,
         // Checked against one catalog, or checked again by the write.
         catalog_version: first.filter(|_| versions.all(|v| v == first)),
+        sealed,
     };
     (merged, owners, repeated)
 }

@@ -80,6 +80,7 @@ pub use event_types::{CatalogSettings, EventType, EventTypePatch, NewEventType};
 pub mod filter;
 pub use filter::Filter;
 pub mod operational;
+pub mod personal;
 mod state;
 pub use state::change_state;
 pub mod lane;
@@ -1031,6 +1032,11 @@ pub enum Wakeups {
     Poll,
 }
 
+/// The error of a [`Store`] that keeps no subject keys.
+fn no_subject_keys() -> StoreError {
+    StoreError::Invalid("this store keeps no subject keys (personal fields)".into())
+}
+
 /// The storage contract every backend implements and the conformance suite
 /// checks. All methods are safe to call concurrently.
 #[async_trait]
@@ -1269,6 +1275,67 @@ pub trait Store: Send + Sync + 'static {
     /// Stores the catalog setting and raises the catalog version, so every
     /// node's next publish honours it. Returns it.
     async fn set_catalog_settings(&self, settings: CatalogSettings) -> Result<CatalogSettings>;
+
+    /// The node's master key and cache of data keys ([`personal`]). The
+    /// default: a keyring without a master key, shared by every store that
+    /// keeps no subject keys.
+    fn keyring(&self) -> &personal::Keyring {
+        static NONE: std::sync::LazyLock<personal::Keyring> =
+            std::sync::LazyLock::new(personal::Keyring::default);
+        &NONE
+    }
+
+    /// The stored (wrapped) data keys of `subjects` that exist, in no
+    /// particular order.
+    ///
+    /// # Errors
+    /// [`StoreError::Invalid`] on a store that keeps no subject keys.
+    async fn subject_keys(&self, subjects: &[String]) -> Result<Vec<personal::WrappedKey>> {
+        let _ = subjects;
+        Err(no_subject_keys())
+    }
+
+    /// Stores each of `keys` whose subject has none yet (a key already
+    /// stored wins: read them back with [`subject_keys`](Self::subject_keys)).
+    ///
+    /// # Errors
+    /// As [`subject_keys`](Self::subject_keys).
+    async fn insert_subject_keys(&self, keys: &[personal::WrappedKey]) -> Result<()> {
+        let _ = keys;
+        Err(no_subject_keys())
+    }
+
+    /// Deletes `subject`'s data key; whether there was one. Use
+    /// [`personal::forget_subject`], which also drops it from the cache.
+    ///
+    /// # Errors
+    /// As [`subject_keys`](Self::subject_keys).
+    async fn delete_subject_key(&self, subject: &str) -> Result<bool> {
+        let _ = subject;
+        Err(no_subject_keys())
+    }
+
+    /// Every stored data key (master key rotation, [`personal::rotate`]).
+    ///
+    /// # Errors
+    /// As [`subject_keys`](Self::subject_keys).
+    async fn all_subject_keys(&self) -> Result<Vec<personal::WrappedKey>> {
+        Err(no_subject_keys())
+    }
+
+    /// Replaces the stored key `old` by `new` (same subject) when it is
+    /// still stored as `old`; whether it was.
+    ///
+    /// # Errors
+    /// As [`subject_keys`](Self::subject_keys).
+    async fn replace_subject_key(
+        &self,
+        old: &personal::WrappedKey,
+        new: &personal::WrappedKey,
+    ) -> Result<bool> {
+        let _ = (old, new);
+        Err(no_subject_keys())
+    }
 
     /// Lists dead letters, oldest first.
     async fn list_dead_letters(&self, filter: &DeadLetterFilter) -> Result<Vec<DeadLetter>>;

@@ -567,6 +567,51 @@ pub mod event_type {
             )));
         }
         jsonschema::draft202012::new(s).map_err(|e| broken(tidy(&e.to_string())))?;
+        crate::personal::Spec::derive(s)?;
+        Ok(())
+    }
+
+    /// The rule broken by a schema's personal-field marks
+    /// ([`crate::personal::Spec::derive`]), `why` saying how.
+    pub fn personal_marks(why: &str) -> Broken {
+        Broken::new(
+            "schema",
+            Rule::Schema,
+            format!("schema's personal-field marks are broken: {why}"),
+        )
+    }
+
+    /// The rule broken by a payload of a type with personal fields that
+    /// holds no string or number at its subject pointer `at`.
+    pub fn no_subject(at: &str) -> Broken {
+        Broken::new(
+            "payload",
+            Rule::Requires,
+            format!("payload has personal fields but no subject id (a string or a number) at {at}"),
+        )
+    }
+
+    /// Checks a subject id: 1 to [`crate::personal::MAX_SUBJECT_BYTES`]
+    /// bytes, no control characters.
+    ///
+    /// # Errors
+    /// [`Rule::Length`] or [`Rule::Form`] on `subject`.
+    pub fn subject(s: &str) -> Result<(), Broken> {
+        let max = crate::personal::MAX_SUBJECT_BYTES;
+        if s.is_empty() || s.len() > max {
+            return Err(Broken::new(
+                "subject",
+                Rule::Length,
+                format!("subject id of {} bytes is not 1 to {max} bytes", s.len()),
+            ));
+        }
+        if s.chars().any(char::is_control) {
+            return Err(Broken::new(
+                "subject",
+                Rule::Form,
+                "subject id holds a control character".to_owned(),
+            ));
+        }
         Ok(())
     }
 

@@ -66,6 +66,9 @@ trait Harness: Send + Sync {
     async fn age(&self, by: chrono::TimeDelta);
     /// The store's publish counts ([`GroupStats`]).
     fn publish_stats(&self) -> GroupStats;
+    /// Every stored event's and subject key's raw bytes, read past the
+    /// store's API (payload column/field; subject, key id and wrapped key).
+    async fn raw_rows(&self) -> Vec<Vec<u8>>;
     /// Removes what the harness created.
     async fn cleanup(&self);
 }
@@ -155,6 +158,15 @@ impl Harness for SqliteHarness {
     }
     fn publish_stats(&self) -> GroupStats {
         self.store.publish_stats()
+    }
+    async fn raw_rows(&self) -> Vec<Vec<u8>> {
+        sqlx::query_scalar(
+            "SELECT payload FROM events UNION ALL \
+             SELECT CAST(subject || key_id AS BLOB) || wrapped FROM subject_keys",
+        )
+        .fetch_all(self.store.pool())
+        .await
+        .expect("raw sqlite rows")
     }
     async fn cleanup(&self) {
         self.store.pool().close().await;
@@ -258,6 +270,15 @@ impl Harness for PgHarness {
                 .await
                 .expect("age postgres rows");
         }
+    }
+    async fn raw_rows(&self) -> Vec<Vec<u8>> {
+        sqlx::query_scalar(
+            "SELECT payload FROM events UNION ALL \
+             SELECT convert_to(subject || key_id, 'UTF8') || wrapped FROM subject_keys",
+        )
+        .fetch_all(self.store.pool())
+        .await
+        .expect("raw postgres rows")
     }
     fn publish_stats(&self) -> GroupStats {
         self.store.publish_stats()
@@ -379,6 +400,28 @@ impl Harness for MongoHarness {
                 .expect("age mongodb documents");
         }
     }
+    async fn raw_rows(&self) -> Vec<Vec<u8>> {
+        use ::mongodb::bson::{doc, Document};
+        use futures::TryStreamExt as _;
+        let db = self.store.database();
+        let mut out = Vec::new();
+        for coll in ["events", "subject_keys"] {
+            let docs: Vec<Document> = db
+                .collection::<Document>(coll)
+                .find(doc! {})
+                .await
+                .expect("find raw documents")
+                .try_collect()
+                .await
+                .expect("read raw documents");
+            for d in docs {
+                let mut bytes = Vec::new();
+                d.to_writer(&mut bytes).expect("raw BSON");
+                out.push(bytes);
+            }
+        }
+        out
+    }
     fn publish_stats(&self) -> GroupStats {
         self.store.publish_stats()
     }
@@ -479,6 +522,9 @@ conformance!(
     the_strict_setting_refuses_types_not_in_the_catalog,
     a_catalog_change_is_honoured_by_the_next_publish_elsewhere,
     event_type_names_and_aliases_are_unique,
+    personal_fields_are_sealed_at_rest_and_shredded_with_their_key,
+    master_key_rotation_keeps_personal_fields_readable,
+    filters_see_personal_fields_sealed,
 );
 
 // ---------------------------------------------------------------------------
@@ -6740,4 +6786,309 @@ async fn event_type_names_and_aliases_are_unique(h: &dyn Harness) {
         (back.name.as_str(), back.aliases.clone()),
         ("a.kind", vec!["a.old".to_string(), "a.new".to_string()])
     );
+}
+
+// ---------------------------------------------------------------------------
+// Personal fields (crypto-shredding)
+// ---------------------------------------------------------------------------
+
+fn master(byte: u8) -> personal::MasterKey {
+    personal::MasterKey::from_bytes(&[byte; 32]).expect("master key")
+}
+
+fn profile_schema() -> serde_json::Value {
+    serde_json::json!({
+        "type": "object",
+        "x-lanebus-subject": "/user",
+        "required": ["user"],
+        "properties": {
+            "user": {"type": "string"},
+            "email": {"type": "string", "x-lanebus-personal": true},
+            "profile": {"properties": {
+                "name": {"type": "string", "x-lanebus-personal": true},
+                "plan": {"type": "string"}
+            }}
+        }
+    })
+}
+
+fn profile_event(user: &str, email: &str, name: &str) -> NewEvent {
+    NewEvent {
+        event_type: "user.signed_up".into(),
+        key: Some(user.into()),
+        payload: serde_json::to_vec(&serde_json::json!({
+            "user": user, "email": email, "profile": {"name": name, "plan": "pro"}
+        }))
+        .expect("json"),
+        ..NewEvent::default()
+    }
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+/// Whether any raw row holds `needle`.
+async fn raw_holds(h: &dyn Harness, needle: &[u8]) -> bool {
+    h.raw_rows().await.iter().any(|r| contains(r, needle))
+}
+
+async fn opened(s: &dyn Store, d: &Delivery) -> (serde_json::Value, Vec<String>) {
+    let o = personal::open(s, &d.payload)
+        .await
+        .expect("open payload")
+        .expect("envelopes");
+    (
+        serde_json::from_slice(&o.payload).expect("json"),
+        o.redacted,
+    )
+}
+
+async fn personal_fields_are_sealed_at_rest_and_shredded_with_their_key(h: &dyn Harness) {
+    let s = h.store();
+    handler(&*s, "all", &["*"]).await;
+    // Marks without a subject pointer are refused.
+    let unnamed = serde_json::json!({"properties": {"email": {"x-lanebus-personal": true}}});
+    let m = invalid_message(
+        s.create_event_type(new_type("user.bad", Some(unnamed), &[]))
+            .await
+            .expect_err("marks without a subject"),
+    );
+    assert!(m.contains("names no subject"), "{m}");
+    // Created on another node: this one's cached catalog does not know the
+    // marks yet, so its first write finds them and the publish is sealed
+    // and written again.
+    h.reopen()
+        .await
+        .create_event_type(new_type("user.signed_up", Some(profile_schema()), &[]))
+        .await
+        .expect("create");
+    // No master key on this node: refused, nothing stored.
+    let e = s
+        .publish(vec![profile_event(
+            "alice",
+            "alice@example.org",
+            "Alice Liddell",
+        )])
+        .await
+        .expect_err("no master key");
+    assert!(matches!(e, StoreError::Unavailable(_)), "{e:?}");
+    assert!(!raw_holds(h, b"alice@example.org").await);
+
+    s.keyring().set_master(master(1));
+    // The schema is checked on the plaintext; the subject must be there.
+    let e = s
+        .publish(vec![NewEvent {
+            event_type: "user.signed_up".into(),
+            payload: br#"{"email":"x@example.org"}"#.to_vec(),
+            ..NewEvent::default()
+        }])
+        .await
+        .expect_err("no subject");
+    assert!(matches!(e, StoreError::Invalid(_)), "{e:?}");
+    s.publish(vec![
+        profile_event("alice", "alice@example.org", "Alice Liddell"),
+        profile_event("bob", "bob@example.org", "Bob Dobbs"),
+    ])
+    .await
+    .expect("publish");
+    // Inside a caller's transaction nothing can encrypt: refused.
+    let e = h
+        .publish_in_many(
+            vec![vec![profile_event("carol", "carol@example.org", "Carol")]],
+            true,
+        )
+        .await
+        .expect_err("publish_in of a type with personal fields");
+    assert!(matches!(e, StoreError::Invalid(_)), "{e:?}");
+    for plain in [
+        &b"alice@example.org"[..],
+        b"Alice Liddell",
+        b"bob@example.org",
+        b"Bob Dobbs",
+        b"carol@example.org",
+    ] {
+        assert!(
+            !raw_holds(h, plain).await,
+            "raw rows hold {}",
+            String::from_utf8_lossy(plain)
+        );
+    }
+    assert!(raw_holds(h, b"lbenc:v1:").await);
+    assert!(
+        raw_holds(h, b"\"plan\":\"pro\"").await,
+        "other fields stay plain"
+    );
+    let alice_key = s.subject_keys(&["alice".into()]).await.expect("keys");
+    assert_eq!(alice_key.len(), 1);
+    assert!(raw_holds(h, &alice_key[0].wrapped).await);
+
+    // Delivered payloads open to the published values, on any node with
+    // the master key.
+    let ds = claim_all(&*s).await;
+    assert_eq!(ds.len(), 2);
+    let other = h.reopen().await;
+    other.keyring().set_master(master(1));
+    for d in &ds {
+        assert!(!contains(&d.payload, b"@example.org"));
+        let (v, redacted) = opened(&*other, d).await;
+        assert!(redacted.is_empty());
+        let user = v["user"].as_str().expect("user").to_owned();
+        assert_eq!(v["email"], format!("{user}@example.org"));
+        assert_eq!(v["profile"]["plan"], "pro");
+    }
+    let alice = ds
+        .iter()
+        .find(|d| contains(&d.payload, b"\"user\":\"alice\""))
+        .expect("alice's delivery");
+    let bob = ds
+        .iter()
+        .find(|d| contains(&d.payload, b"\"user\":\"bob\""))
+        .expect("bob's delivery");
+
+    // Deleting alice's key on this node: the other node, whose cache holds
+    // it, can no longer read her fields; bob's are untouched.
+    assert!(personal::forget_subject(&*s, "alice")
+        .await
+        .expect("forget"));
+    assert!(!personal::forget_subject(&*s, "alice").await.expect("again"));
+    for node in [&s, &other] {
+        let (v, redacted) = opened(&**node, alice).await;
+        assert_eq!(v["email"], serde_json::Value::Null);
+        assert_eq!(v["profile"]["name"], serde_json::Value::Null);
+        assert_eq!(v["profile"]["plan"], "pro");
+        assert_eq!(redacted, vec!["/email", "/profile/name"]);
+        let (v, redacted) = opened(&**node, bob).await;
+        assert_eq!(v["email"], "bob@example.org");
+        assert!(redacted.is_empty());
+    }
+    assert!(!raw_holds(h, &alice_key[0].wrapped).await, "key bytes gone");
+    assert!(!raw_holds(h, b"alice@example.org").await);
+    assert!(s
+        .subject_keys(&["alice".into()])
+        .await
+        .expect("keys")
+        .is_empty());
+
+    // A later event of the same subject gets a new key.
+    s.publish(vec![profile_event("alice", "alice@new.example", "Alice")])
+        .await
+        .expect("publish again");
+    let again = claim_all(&*s).await;
+    let fresh = again
+        .iter()
+        .find(|d| contains(&d.payload, b"\"user\":\"alice\"") && d.event_id != alice.event_id)
+        .expect("new delivery");
+    let (v, _) = opened(&*other, fresh).await;
+    assert_eq!(v["email"], "alice@new.example");
+    let new_key = s.subject_keys(&["alice".into()]).await.expect("keys");
+    assert_ne!(new_key[0].wrapped, alice_key[0].wrapped);
+}
+
+async fn master_key_rotation_keeps_personal_fields_readable(h: &dyn Harness) {
+    let s = h.store();
+    handler(&*s, "all", &["*"]).await;
+    // Created elsewhere, so the first publish here is sealed twice (the
+    // first write finds marks its cached catalog did not have).
+    h.reopen()
+        .await
+        .create_event_type(new_type("user.signed_up", Some(profile_schema()), &[]))
+        .await
+        .expect("create");
+    s.keyring().set_master(master(1));
+    s.publish(vec![
+        profile_event("alice", "alice@example.org", "Alice"),
+        profile_event("bob", "bob@example.org", "Bob"),
+    ])
+    .await
+    .expect("publish");
+    let before = h.raw_rows().await;
+    let n = personal::rotate(&*s, &master(1), &master(2))
+        .await
+        .expect("rotate");
+    assert_eq!(n, 2);
+    assert_eq!(
+        personal::rotate(&*s, &master(1), &master(2))
+            .await
+            .expect("rotate again"),
+        0,
+        "keys already under the new master are left alone"
+    );
+    let keys = s.all_subject_keys().await.expect("keys");
+    assert!(keys.iter().all(|k| k.key_id == master(2).id()));
+    // Events are untouched: their raw payloads are the same bytes.
+    let payloads = |rows: &[Vec<u8>]| {
+        let mut p: Vec<Vec<u8>> = rows
+            .iter()
+            .filter(|r| contains(r, b"lbenc:v1:"))
+            .cloned()
+            .collect();
+        p.sort();
+        p
+    };
+    assert_eq!(payloads(&before), payloads(&h.raw_rows().await));
+    let ds = claim_all(&*s).await;
+    // The old master no longer opens them: redacted, not failed.
+    let (_, redacted) = opened(&*s, &ds[0]).await;
+    assert_eq!(redacted.len(), 2);
+    let other = h.reopen().await;
+    other.keyring().set_master(master(2));
+    for d in &ds {
+        let (v, redacted) = opened(&*other, d).await;
+        assert!(redacted.is_empty());
+        let user = v["user"].as_str().expect("user").to_owned();
+        assert_eq!(v["email"], format!("{user}@example.org"));
+    }
+}
+
+/// A filter decides on the payload as stored: a personal field is its
+/// sealed envelope there, so only `exists` can tell anything of it, on every
+/// store alike (PostgreSQL's filter runs in SQL on the stored bytes).
+async fn filters_see_personal_fields_sealed(h: &dyn Harness) {
+    let s = h.store();
+    s.create_event_type(new_type("user.signed_up", Some(profile_schema()), &[]))
+        .await
+        .expect("create");
+    s.keyring().set_master(master(1));
+    let cases = [
+        (
+            "email-exists",
+            serde_json::json!({"path": "/email", "exists": true}),
+            true,
+        ),
+        (
+            "email-equals",
+            serde_json::json!({"path": "/email", "equals": "alice@example.org"}),
+            false,
+        ),
+        (
+            "plan",
+            serde_json::json!({"path": "/profile/plan", "equals": "pro"}),
+            true,
+        ),
+        (
+            "user",
+            serde_json::json!({"path": "/user", "equals": "alice"}),
+            true,
+        ),
+    ];
+    let mut ids = Vec::new();
+    for (name, f, _) in &cases {
+        ids.push(filtered_handler(&*s, name, &["user.*"], f.clone()).await.id);
+    }
+    s.publish(vec![NewEvent {
+        id: Some("pf1".into()),
+        ..profile_event("alice", "alice@example.org", "Alice Liddell")
+    }])
+    .await
+    .expect("publish");
+    let found = s
+        .lookup_event("pf1")
+        .await
+        .expect("lookup")
+        .expect("stored");
+    for ((name, _, want), id) in cases.iter().zip(&ids) {
+        let got = found.handlers.iter().any(|d| &d.handler_id == id);
+        assert_eq!(got, *want, "handler {name}");
+    }
 }

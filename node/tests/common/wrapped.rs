@@ -66,6 +66,34 @@ impl Store for Wrapped {
     fn lanes(&self) -> u16 {
         self.inner.lanes()
     }
+    fn keyring(&self) -> &personal::Keyring {
+        self.inner.keyring()
+    }
+
+    async fn subject_keys(&self, subjects: &[String]) -> Result<Vec<personal::WrappedKey>> {
+        self.inner.subject_keys(subjects).await
+    }
+
+    async fn insert_subject_keys(&self, keys: &[personal::WrappedKey]) -> Result<()> {
+        self.inner.insert_subject_keys(keys).await
+    }
+
+    async fn delete_subject_key(&self, subject: &str) -> Result<bool> {
+        self.inner.delete_subject_key(subject).await
+    }
+
+    async fn all_subject_keys(&self) -> Result<Vec<personal::WrappedKey>> {
+        self.inner.all_subject_keys().await
+    }
+
+    async fn replace_subject_key(
+        &self,
+        old: &personal::WrappedKey,
+        new: &personal::WrappedKey,
+    ) -> Result<bool> {
+        self.inner.replace_subject_key(old, new).await
+    }
+
     async fn publish(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
         self.publish_calls.fetch_add(1, SeqCst);
         pause(&self.publish_delay_ms).await;

@@ -4,7 +4,7 @@
 use super::*;
 
 /// Schema version written to `meta` (collections and indexes of this build).
-const SCHEMA_VERSION: i64 = 2;
+const SCHEMA_VERSION: i64 = 3;
 
 /// Creates the collections and indexes (idempotent; safe while other nodes
 /// use the store), records the schema version and, for a new store, creates

@@ -222,6 +222,9 @@ pub struct MongoStore {
     group: std::sync::Arc<Grouper>,
     /// The event-type catalog, compiled ([`crate::event_types`]).
     catalog: std::sync::Arc<crate::event_types::Cache>,
+    /// The master key and cached data keys ([`crate::personal`]), shared by
+    /// clones.
+    keyring: std::sync::Arc<crate::personal::Keyring>,
 }
 
 /// The collections, by name.
@@ -235,7 +238,8 @@ pub(crate) mod names {
     pub const COMPLETIONS: &str = "completions";
     pub const DEAD_LETTERS: &str = "dead_letters";
     pub const EVENT_TYPES: &str = "event_types";
-    pub const ALL: [&str; 9] = [
+    pub const SUBJECT_KEYS: &str = "subject_keys";
+    pub const ALL: [&str; 10] = [
         META,
         LANES,
         COUNTERS,
@@ -245,6 +249,7 @@ pub(crate) mod names {
         COMPLETIONS,
         DEAD_LETTERS,
         EVENT_TYPES,
+        SUBJECT_KEYS,
     ];
 }
 
@@ -360,6 +365,7 @@ mod error;
 mod event_types;
 mod migrate;
 mod publish;
+mod subject_keys;
 
 impl MongoStore {
     /// The stored event-type catalog, read in a transaction of its own.
@@ -436,6 +442,7 @@ impl MongoStore {
             prune_resume: std::sync::Arc::default(),
             group: std::sync::Arc::default(),
             catalog: std::sync::Arc::default(),
+            keyring: std::sync::Arc::default(),
         };
         store.lanes = migrate::migrate(&store, lanes).await?;
         // The catalog as it is now, so the first publish need not load it.
@@ -649,14 +656,21 @@ impl Store for MongoStore {
     }
 
     async fn publish(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
-        let mut plan = PublishPlan::new(events, self.lanes)?;
-        self.catalog.check(&mut plan, self.stored_catalog()).await?;
-        self.group.publish(self, plan).await
+        let plan = PublishPlan::new(events, self.lanes)?;
+        crate::personal::publish(
+            self,
+            &self.group,
+            &self.catalog,
+            || self.stored_catalog(),
+            plan,
+        )
+        .await
     }
 
     async fn publish_operational(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
         let mut plan = PublishPlan::operational(events, self.lanes)?;
         self.catalog.check(&mut plan, self.stored_catalog()).await?;
+        crate::personal::seal_plan(self, &mut plan).await?;
         self.group.publish(self, plan).await
     }
 
@@ -799,6 +813,34 @@ impl Store for MongoStore {
             change.clone()
         ))?;
         Ok(settings)
+    }
+
+    fn keyring(&self) -> &crate::personal::Keyring {
+        &self.keyring
+    }
+
+    async fn subject_keys(&self, subjects: &[String]) -> Result<Vec<crate::personal::WrappedKey>> {
+        subject_keys::get(self, subjects).await
+    }
+
+    async fn insert_subject_keys(&self, keys: &[crate::personal::WrappedKey]) -> Result<()> {
+        subject_keys::insert(self, keys).await
+    }
+
+    async fn delete_subject_key(&self, subject: &str) -> Result<bool> {
+        subject_keys::delete(self, subject).await
+    }
+
+    async fn all_subject_keys(&self) -> Result<Vec<crate::personal::WrappedKey>> {
+        subject_keys::all(self).await
+    }
+
+    async fn replace_subject_key(
+        &self,
+        old: &crate::personal::WrappedKey,
+        new: &crate::personal::WrappedKey,
+    ) -> Result<bool> {
+        subject_keys::replace(self, old, new).await
     }
 
     async fn list_dead_letters(&self, filter: &DeadLetterFilter) -> Result<Vec<DeadLetter>> {

@@ -240,7 +240,7 @@ async fn publish_with(
     let mut pairs: Vec<(usize, &str)> = Vec::new();
     let mut incs: BTreeMap<String, i64> = BTreeMap::new();
     for (i, e) in plan.fresh.iter().enumerate() {
-        let mut payload = Payload::new(&e.payload);
+        let mut payload = Payload::new(e.stored_payload());
         for (hid, types, filter) in &handlers {
             // A cataloged type's aliases match as the type does.
             let aliases = e.aliases.as_deref().unwrap_or_default();
@@ -296,7 +296,7 @@ async fn publish_with(
                 "key": opt_str(e.key.as_deref()),
                 "lane": i32::from(e.lane),
                 "seq": opt_i64(*seq),
-                "payload": Bson::Binary(Binary { subtype: BinarySubtype::Generic, bytes: e.payload.clone() }),
+                "payload": Bson::Binary(Binary { subtype: BinarySubtype::Generic, bytes: e.stored_payload().to_vec() }),
                 "published_at": now,
             }
         })

@@ -21,6 +21,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../migrations/postgres/0007_attempt_log.sql"),
     include_str!("../../migrations/postgres/0008_event_types.sql"),
     include_str!("../../migrations/postgres/0009_handler_filters.sql"),
+    include_str!("../../migrations/postgres/0010_subject_keys.sql"),
 ];
 
 /// The SQL interface: `sql/functions.sql` with the publish statement

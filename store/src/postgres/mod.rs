@@ -175,6 +175,7 @@ mod error;
 mod event_types;
 mod migrate;
 mod publish;
+mod subject_keys;
 mod transaction;
 
 use std::collections::HashSet;
@@ -271,6 +272,9 @@ pub struct PgStore {
     in_process: Arc<wake::InProcess>,
     /// The event-type catalog, compiled ([`crate::event_types`]).
     catalog: Arc<Cache>,
+    /// The master key and cached data keys ([`crate::personal`]), shared by
+    /// clones.
+    keyring: std::sync::Arc<crate::personal::Keyring>,
 }
 
 impl PgStore {
@@ -343,6 +347,7 @@ impl PgStore {
             wakes: Arc::default(),
             in_process: Arc::default(),
             catalog: Arc::default(),
+            keyring: Arc::default(),
         };
         store.lanes = migrate::migrate(&store.pool, lanes).await?;
         // The catalog as it is now, so the first publish need not load it.
@@ -506,11 +511,15 @@ impl Store for PgStore {
     }
 
     async fn publish(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
-        let mut plan = PublishPlan::new(events, self.lanes)?;
-        self.catalog
-            .check(&mut plan, event_types::read(&self.pool))
-            .await?;
-        self.group.publish(self, plan).await
+        let plan = PublishPlan::new(events, self.lanes)?;
+        crate::personal::publish(
+            self,
+            &self.group,
+            &self.catalog,
+            || event_types::read(&self.pool),
+            plan,
+        )
+        .await
     }
 
     async fn publish_operational(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
@@ -518,6 +527,7 @@ impl Store for PgStore {
         self.catalog
             .check(&mut plan, event_types::read(&self.pool))
             .await?;
+        crate::personal::seal_plan(self, &mut plan).await?;
         self.group.publish(self, plan).await
     }
 
@@ -631,6 +641,34 @@ impl Store for PgStore {
     async fn set_catalog_settings(&self, settings: CatalogSettings) -> Result<CatalogSettings> {
         event_types::change(&self.pool, Change::Settings(settings)).await?;
         Ok(settings)
+    }
+
+    fn keyring(&self) -> &crate::personal::Keyring {
+        &self.keyring
+    }
+
+    async fn subject_keys(&self, subjects: &[String]) -> Result<Vec<crate::personal::WrappedKey>> {
+        subject_keys::get(&self.pool, Some(subjects)).await
+    }
+
+    async fn insert_subject_keys(&self, keys: &[crate::personal::WrappedKey]) -> Result<()> {
+        subject_keys::insert(&self.pool, keys).await
+    }
+
+    async fn delete_subject_key(&self, subject: &str) -> Result<bool> {
+        subject_keys::delete(&self.pool, subject).await
+    }
+
+    async fn all_subject_keys(&self) -> Result<Vec<crate::personal::WrappedKey>> {
+        subject_keys::all(&self.pool).await
+    }
+
+    async fn replace_subject_key(
+        &self,
+        old: &crate::personal::WrappedKey,
+        new: &crate::personal::WrappedKey,
+    ) -> Result<bool> {
+        subject_keys::replace(&self.pool, old, new).await
     }
 
     async fn list_dead_letters(&self, filter: &DeadLetterFilter) -> Result<Vec<DeadLetter>> {

@@ -98,7 +98,7 @@ impl<'a> PublishArgs<'a> {
             a.types.push(&e.event_type);
             a.keys.push(e.key.as_deref());
             a.lanes.push(i32::from(e.lane));
-            a.payloads.push(&e.payload);
+            a.payloads.push(e.stored_payload());
             a.client.push(e.client_id);
             a.deliver_at.push(e.deliver_at);
             a.aliases.push(e.aliases.as_ref().map(|a| a.join(" ")));

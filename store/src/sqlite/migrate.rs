@@ -17,6 +17,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../../migrations/sqlite/0006_attempt_log.sql"),
     include_str!("../../migrations/sqlite/0007_event_types.sql"),
     include_str!("../../migrations/sqlite/0008_handler_filters.sql"),
+    include_str!("../../migrations/sqlite/0009_subject_keys.sql"),
 ];
 
 /// Applies pending migrations in one write transaction (idempotent; safe

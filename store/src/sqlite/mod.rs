@@ -41,6 +41,7 @@ mod error;
 mod event_types;
 mod migrate;
 mod publish;
+mod subject_keys;
 
 use std::collections::HashSet;
 use std::str::FromStr;
@@ -74,6 +75,9 @@ pub struct SqliteStore {
     write_lock: Arc<Mutex<()>>,
     group: Arc<Grouper>,
     catalog: Arc<crate::event_types::Cache>,
+    /// The master key and cached data keys ([`crate::personal`]), shared by
+    /// clones.
+    keyring: std::sync::Arc<crate::personal::Keyring>,
 }
 
 /// Takes lanebus's own `synchronous=full|normal` parameter (default `full`)
@@ -188,6 +192,7 @@ impl SqliteStore {
             write_lock: Arc::new(Mutex::new(())),
             group: Arc::default(),
             catalog: Arc::default(),
+            keyring: Arc::default(),
         };
         store.lanes = migrate::migrate(&store, lanes).await?;
         // The catalog as it is now, so the first publish need not load it.
@@ -276,11 +281,15 @@ impl Store for SqliteStore {
     }
 
     async fn publish(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
-        let mut plan = PublishPlan::new(events, self.lanes)?;
-        self.catalog
-            .check(&mut plan, event_types::read(self))
-            .await?;
-        self.group.publish(self, plan).await
+        let plan = PublishPlan::new(events, self.lanes)?;
+        crate::personal::publish(
+            self,
+            &self.group,
+            &self.catalog,
+            || event_types::read(self),
+            plan,
+        )
+        .await
     }
 
     async fn publish_operational(&self, events: Vec<NewEvent>) -> Result<PublishOutcome> {
@@ -288,6 +297,7 @@ impl Store for SqliteStore {
         self.catalog
             .check(&mut plan, event_types::read(self))
             .await?;
+        crate::personal::seal_plan(self, &mut plan).await?;
         self.group.publish(self, plan).await
     }
 
@@ -448,6 +458,34 @@ impl Store for SqliteStore {
     async fn set_catalog_settings(&self, settings: CatalogSettings) -> Result<CatalogSettings> {
         event_types::change(self, Change::Settings(settings)).await?;
         Ok(settings)
+    }
+
+    fn keyring(&self) -> &crate::personal::Keyring {
+        &self.keyring
+    }
+
+    async fn subject_keys(&self, subjects: &[String]) -> Result<Vec<crate::personal::WrappedKey>> {
+        subject_keys::get(self, Some(subjects)).await
+    }
+
+    async fn insert_subject_keys(&self, keys: &[crate::personal::WrappedKey]) -> Result<()> {
+        subject_keys::insert(self, keys).await
+    }
+
+    async fn delete_subject_key(&self, subject: &str) -> Result<bool> {
+        subject_keys::delete(self, subject).await
+    }
+
+    async fn all_subject_keys(&self) -> Result<Vec<crate::personal::WrappedKey>> {
+        subject_keys::all(self).await
+    }
+
+    async fn replace_subject_key(
+        &self,
+        old: &crate::personal::WrappedKey,
+        new: &crate::personal::WrappedKey,
+    ) -> Result<bool> {
+        subject_keys::replace(self, old, new).await
     }
 
     async fn list_dead_letters(&self, filter: &DeadLetterFilter) -> Result<Vec<DeadLetter>> {

@@ -163,7 +163,7 @@ async fn insert_filtered(conn: &mut SqliteConnection, plan: &PublishPlan) -> Res
         .collect::<Result<Vec<_>>>()?;
     let mut pairs: Vec<(&str, &str, Option<i64>)> = Vec::new();
     for e in &plan.fresh {
-        let mut payload = Payload::new(&e.payload);
+        let mut payload = Payload::new(e.stored_payload());
         for (hid, types, filter) in &handlers {
             // A cataloged type's aliases match as the type does.
             let aliases = e.aliases.as_deref().unwrap_or_default();
@@ -237,7 +237,7 @@ async fn insert_events(
                 .bind(&e.key)
                 .bind(i64::from(e.lane))
                 .bind(*seq)
-                .bind(&e.payload)
+                .bind(e.stored_payload())
                 .bind(now);
         }
         q.execute(&mut *conn).await.map_err(map_err)?;

@@ -1,0 +1,735 @@
+//! Personal fields, encrypted per subject (crypto-shredding).
+//!
+//! # Marks
+//!
+//! A cataloged type's schema marks personal fields with
+//! `"x-lanebus-personal": true` on a property (any depth, through
+//! `properties`) and names the subject with the root keyword
+//! `"x-lanebus-subject": "/json/pointer"` (RFC 6901, to a string or a
+//! number in the payload). [`Spec::derive`] reads them when the catalog
+//! compiles a type; marks without a subject are refused.
+//!
+//! # Keys
+//!
+//! Every subject has a data key (32 random bytes), created on first use
+//! and stored wrapped ([`WrappedKey`]: AES-256-GCM under the master key,
+//! with the master key's id). The master key ([`MasterKey`]) is given to
+//! the store's [`Keyring`] by the node (a file or an environment
+//! variable), never stored. Unwrapped keys are cached ([`CACHE_KEYS`]
+//! entries), but every use reads the subject's stored row first and uses
+//! the cached key only when it is the very row still stored: a key
+//! deleted on one node is unusable on every node from the moment the
+//! delete answered.
+//!
+//! # Envelope
+//!
+//! At publish each personal field's JSON value is replaced by the string
+//! `lbenc:v1:<base64url(subject)>:<base64(nonce || ciphertext || tag)>`
+//! (standard base64 with padding for the second part; base64url without
+//! padding for the subject): AES-256-GCM of the value's compact JSON
+//! under the subject's data key, a random 96-bit nonce, and additional
+//! data `lanebus:v1:<subject>\0<pointer>` binding it to its subject and
+//! place. The envelope names its subject, so delivery ([`open`]) needs no
+//! catalog: a payload that holds no envelope costs one byte search.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Mutex, RwLock};
+
+use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
+use base64::Engine as _;
+use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM, NONCE_LEN};
+use ring::rand::{SecureRandom, SystemRandom};
+use serde_json::Value;
+
+use crate::rules::{self, Broken};
+use crate::{Result, Store, StoreError};
+
+/// The schema keyword marking a property personal.
+pub const PERSONAL_KEYWORD: &str = "x-lanebus-personal";
+/// The root schema keyword holding the subject's JSON pointer.
+pub const SUBJECT_KEYWORD: &str = "x-lanebus-subject";
+/// The prefix of an encrypted field's string.
+pub const ENVELOPE_PREFIX: &str = "lbenc:v1:";
+/// Most unwrapped data keys a [`Keyring`] keeps in memory.
+pub const CACHE_KEYS: usize = 10_000;
+/// Longest subject id, in bytes.
+pub const MAX_SUBJECT_BYTES: usize = 256;
+
+/// Where a type's payload holds its subject and its personal fields.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Spec {
+    /// JSON pointer to the subject id (a string or a number).
+    pub subject: String,
+    /// JSON pointers to the personal fields, sorted.
+    pub fields: Vec<String>,
+}
+
+impl Spec {
+    /// The spec a schema's marks give, `None` when it marks no field.
+    ///
+    /// # Errors
+    /// [`Broken`] on `schema` ([`rules::Rule::Schema`]): marks without a
+    /// subject pointer, a subject keyword that is not a JSON pointer, a
+    /// subject inside a personal field, or a mark that is not `true`.
+    pub fn derive(schema: &Value) -> std::result::Result<Option<Spec>, Broken> {
+        let mut fields = Vec::new();
+        collect(schema, "", &mut fields)?;
+        fields.sort();
+        let subject = match schema.get(SUBJECT_KEYWORD) {
+            None => None,
+            Some(Value::String(p)) if p.starts_with('/') => Some(p.clone()),
+            Some(other) => {
+                return Err(rules::event_type::personal_marks(&format!(
+                    "{SUBJECT_KEYWORD} must be a JSON pointer starting with '/', not {other}"
+                )))
+            }
+        };
+        match (subject, fields.is_empty()) {
+            (_, true) => Ok(None),
+            (None, false) => Err(rules::event_type::personal_marks(&format!(
+                "the schema marks personal fields ({}) but names no subject: add the root \
+                 keyword {SUBJECT_KEYWORD} with the JSON pointer to the subject id",
+                fields.join(", ")
+            ))),
+            (Some(subject), false) => {
+                if let Some(f) = fields
+                    .iter()
+                    .find(|f| subject == **f || subject.starts_with(&format!("{f}/")))
+                {
+                    return Err(rules::event_type::personal_marks(&format!(
+                        "the subject {subject} is inside the personal field {f}"
+                    )));
+                }
+                Ok(Some(Spec { subject, fields }))
+            }
+        }
+    }
+}
+
+/// Collects the personal properties under `schema` (at pointer `at`).
+fn collect(schema: &Value, at: &str, out: &mut Vec<String>) -> std::result::Result<(), Broken> {
+    let Some(props) = schema.get("properties").and_then(Value::as_object) else {
+        return Ok(());
+    };
+    for (name, sub) in props {
+        let here = format!("{at}/{}", name.replace('~', "~0").replace('/', "~1"));
+        match sub.get(PERSONAL_KEYWORD) {
+            Some(Value::Bool(true)) => out.push(here),
+            None | Some(Value::Bool(false)) => collect(sub, &here, out)?,
+            Some(other) => {
+                return Err(rules::event_type::personal_marks(&format!(
+                    "{PERSONAL_KEYWORD} at {here} must be true or false, not {other}"
+                )))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The master key: wraps and unwraps data keys.
+pub struct MasterKey {
+    key: LessSafeKey,
+    id: String,
+}
+
+impl std::fmt::Debug for MasterKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MasterKey").field("id", &self.id).finish()
+    }
+}
+
+impl PartialEq for MasterKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.id == other.id
+    }
+}
+
+impl MasterKey {
+    /// A master key from its text: 32 bytes as 64 hex digits or as base64
+    /// (standard alphabet, padded), surrounding whitespace ignored.
+    ///
+    /// # Errors
+    /// [`StoreError::Invalid`] for anything else (the key is never repeated).
+    pub fn parse(text: &str) -> Result<Self> {
+        let t = text.trim();
+        let bytes = if t.len() == 64 && t.bytes().all(|b| b.is_ascii_hexdigit()) {
+            (0..32)
+                .map(|i| u8::from_str_radix(&t[2 * i..2 * i + 2], 16))
+                .collect::<std::result::Result<Vec<u8>, _>>()
+                .map_err(|_| bad_master())?
+        } else {
+            STANDARD.decode(t).map_err(|_| bad_master())?
+        };
+        Self::from_bytes(&bytes)
+    }
+
+    /// A master key from its 32 bytes.
+    ///
+    /// # Errors
+    /// [`StoreError::Invalid`] for another length.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        if bytes.len() != 32 {
+            return Err(bad_master());
+        }
+        let digest = ring::digest::digest(
+            &ring::digest::SHA256,
+            &[b"lanebus master key id\0".as_slice(), bytes].concat(),
+        );
+        let id = digest.as_ref()[..8]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        Ok(MasterKey {
+            key: aes_key(bytes)?,
+            id,
+        })
+    }
+
+    /// The key's id (16 hex digits of a SHA-256 of it), stored with every
+    /// key it wraps.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// `data` wrapped for `subject`.
+    fn wrap(&self, subject: &str, data: &[u8; 32]) -> Result<WrappedKey> {
+        Ok(WrappedKey {
+            subject: subject.to_owned(),
+            key_id: self.id.clone(),
+            wrapped: seal(&self.key, &wrap_aad(subject), data)?,
+        })
+    }
+
+    /// The data key of `w`.
+    ///
+    /// # Errors
+    /// [`StoreError::Invalid`] when `w` was wrapped by another master key
+    /// or does not open.
+    pub fn unwrap_key(&self, w: &WrappedKey) -> Result<LessSafeKey> {
+        if w.key_id != self.id {
+            return Err(StoreError::Invalid(format!(
+                "the data key of subject {:?} is wrapped by master key {}, not by the \
+                 configured one ({})",
+                w.subject, w.key_id, self.id
+            )));
+        }
+        let plain = open_sealed(&self.key, &wrap_aad(&w.subject), &w.wrapped).ok_or_else(|| {
+            StoreError::Invalid(format!(
+                "the data key of subject {:?} does not open under master key {}",
+                w.subject, self.id
+            ))
+        })?;
+        aes_key(&plain)
+    }
+
+    /// `w` wrapped by `self` instead of `old` (rotation).
+    ///
+    /// # Errors
+    /// As [`unwrap_key`](Self::unwrap_key) on `old`.
+    pub fn rewrap(&self, old: &MasterKey, w: &WrappedKey) -> Result<WrappedKey> {
+        if w.key_id != old.id {
+            return Err(old.unwrap_key(w).err().unwrap_or_else(bad_master));
+        }
+        let plain = open_sealed(&old.key, &wrap_aad(&w.subject), &w.wrapped).ok_or_else(|| {
+            StoreError::Invalid(format!("subject {:?}: key does not open", w.subject))
+        })?;
+        let data: [u8; 32] = plain.try_into().map_err(|_| bad_master())?;
+        self.wrap(&w.subject, &data)
+    }
+}
+
+fn bad_master() -> StoreError {
+    StoreError::Invalid("a master key must be 32 bytes, as 64 hex digits or base64".into())
+}
+
+fn wrap_aad(subject: &str) -> Vec<u8> {
+    format!("lanebus:subject-key:v1:{subject}").into_bytes()
+}
+
+fn field_aad(subject: &str, pointer: &str) -> Vec<u8> {
+    format!("lanebus:v1:{subject}\0{pointer}").into_bytes()
+}
+
+fn aes_key(bytes: &[u8]) -> Result<LessSafeKey> {
+    UnboundKey::new(&AES_256_GCM, bytes)
+        .map(LessSafeKey::new)
+        .map_err(|_| bad_master())
+}
+
+/// `nonce || ciphertext || tag` of `plain` under `key`, a random nonce.
+fn seal(key: &LessSafeKey, aad: &[u8], plain: &[u8]) -> Result<Vec<u8>> {
+    let mut nonce = [0u8; NONCE_LEN];
+    SystemRandom::new()
+        .fill(&mut nonce)
+        .map_err(|_| StoreError::Database("the system random source failed".into()))?;
+    let mut out = plain.to_vec();
+    key.seal_in_place_append_tag(
+        Nonce::assume_unique_for_key(nonce),
+        Aad::from(aad),
+        &mut out,
+    )
+    .map_err(|_| StoreError::Database("AES-GCM sealing failed".into()))?;
+    let mut sealed = nonce.to_vec();
+    sealed.extend_from_slice(&out);
+    Ok(sealed)
+}
+
+/// The plaintext of [`seal`]'s output, `None` when it does not open.
+fn open_sealed(key: &LessSafeKey, aad: &[u8], sealed: &[u8]) -> Option<Vec<u8>> {
+    if sealed.len() < NONCE_LEN {
+        return None;
+    }
+    let (nonce, ct) = sealed.split_at(NONCE_LEN);
+    let nonce = Nonce::try_assume_unique_for_key(nonce).ok()?;
+    let mut buf = ct.to_vec();
+    let plain = key.open_in_place(nonce, Aad::from(aad), &mut buf).ok()?;
+    Some(plain.to_vec())
+}
+
+/// A subject's data key as stored: wrapped by the master key `key_id`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WrappedKey {
+    /// The subject id.
+    pub subject: String,
+    /// Id of the master key that wrapped it ([`MasterKey::id`]).
+    pub key_id: String,
+    /// `nonce || ciphertext || tag` (12 + 32 + 16 bytes).
+    pub wrapped: Vec<u8>,
+}
+
+/// The node's master key and its cache of unwrapped data keys (each
+/// keyed by the wrapped bytes it came from, so a key deleted or rewrapped
+/// in the store is never used from the cache).
+#[derive(Debug, Default)]
+pub struct Keyring {
+    master: RwLock<Option<Arc<MasterKey>>>,
+    cache: Mutex<Bounded>,
+}
+
+#[derive(Default)]
+struct Bounded {
+    keys: BTreeMap<String, (Vec<u8>, Arc<LessSafeKey>)>,
+    order: VecDeque<String>,
+}
+
+impl std::fmt::Debug for Bounded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Bounded")
+            .field("keys", &self.keys.len())
+            .finish()
+    }
+}
+
+impl Keyring {
+    /// Sets the master key (the node does at start).
+    pub fn set_master(&self, key: impl Into<Arc<MasterKey>>) {
+        *self
+            .master
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(key.into());
+        self.cache().keys.clear();
+    }
+
+    /// The master key, if one is set.
+    pub fn master(&self) -> Option<Arc<MasterKey>> {
+        self.master
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Drops `subject`'s cached key.
+    pub fn forget(&self, subject: &str) {
+        self.cache().keys.remove(subject);
+    }
+
+    fn cache(&self) -> std::sync::MutexGuard<'_, Bounded> {
+        self.cache
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The data key of the stored row `w`, from the cache when it holds
+    /// that very row.
+    fn key(&self, master: &MasterKey, w: &WrappedKey) -> Result<Arc<LessSafeKey>> {
+        if let Some((wrapped, k)) = self.cache().keys.get(&w.subject) {
+            if *wrapped == w.wrapped {
+                return Ok(Arc::clone(k));
+            }
+        }
+        let k = Arc::new(master.unwrap_key(w)?);
+        let mut c = self.cache();
+        if c.keys
+            .insert(w.subject.clone(), (w.wrapped.clone(), Arc::clone(&k)))
+            .is_none()
+        {
+            c.order.push_back(w.subject.clone());
+        }
+        while c.keys.len() > CACHE_KEYS || c.order.len() > 2 * CACHE_KEYS {
+            match c.order.pop_front() {
+                Some(old) if old != w.subject => {
+                    c.keys.remove(&old);
+                }
+                Some(_) => {}
+                None => break,
+            }
+        }
+        Ok(k)
+    }
+}
+
+/// The subject id at `spec.subject` in `payload`.
+fn subject_of(payload: &Value, spec: &Spec) -> std::result::Result<String, Broken> {
+    let s = match payload.pointer(&spec.subject) {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Number(n)) => n.to_string(),
+        _ => {
+            return Err(rules::event_type::no_subject(&spec.subject));
+        }
+    };
+    rules::event_type::subject(&s)?;
+    Ok(s)
+}
+
+/// Encrypts the personal fields of every event in `plan` whose type has
+/// some (set by the catalog check), creating missing data keys.
+///
+/// # Errors
+/// [`StoreError::Invalid`] for a payload without its subject;
+/// [`StoreError::Unavailable`] when events have personal fields and the
+/// store has no master key, or one that does not open a stored data key;
+/// the store's errors.
+pub(crate) async fn seal_plan<S: Store + ?Sized>(
+    store: &S,
+    plan: &mut crate::common::PublishPlan,
+) -> Result<()> {
+    plan.sealed = true;
+    let mut parsed = Vec::new();
+    for (i, e) in plan.fresh.iter_mut().enumerate() {
+        e.sealed = None;
+        if let Some(spec) = &e.personal {
+            let v: Value = serde_json::from_slice(&e.payload)
+                .map_err(|err| StoreError::Invalid(format!("events[{}]: {err}", e.index)))?;
+            let subject = subject_of(&v, spec)
+                .map_err(|b| StoreError::from(b.within(&format!("events[{}]", e.index))))?;
+            parsed.push((i, v, subject));
+        }
+    }
+    if parsed.is_empty() {
+        return Ok(());
+    }
+    let master = store.keyring().master().ok_or_else(no_master)?;
+    let mut subjects: Vec<String> = parsed.iter().map(|p| p.2.clone()).collect();
+    subjects.sort();
+    subjects.dedup();
+    let keys = keys_for(store, &master, &subjects).await?;
+    for (i, mut v, subject) in parsed {
+        let e = &mut plan.fresh[i];
+        let spec = Arc::clone(e.personal.as_ref().ok_or_else(no_master)?);
+        let key = &keys[&subject];
+        for p in &spec.fields {
+            if let Some(field) = v.pointer_mut(p) {
+                let plain = serde_json::to_vec(field)
+                    .map_err(|err| StoreError::Database(err.to_string()))?;
+                let sealed = seal(key, &field_aad(&subject, p), &plain)?;
+                *field = Value::String(format!(
+                    "{ENVELOPE_PREFIX}{}:{}",
+                    URL_SAFE_NO_PAD.encode(&subject),
+                    STANDARD.encode(sealed)
+                ));
+            }
+        }
+        let bytes = serde_json::to_vec(&v).map_err(|err| StoreError::Database(err.to_string()))?;
+        e.sealed = Some((spec, bytes));
+    }
+    Ok(())
+}
+
+/// A publish through [`crate::Store::publish`]: checks `plan` against the
+/// catalog ([`crate::event_types::Cache::check`], `load` reading the
+/// stored one), seals its personal fields and writes it in `group`. A
+/// write refused because the stored catalog gave a type other
+/// personal-field marks than the cached one (the write reloaded the cache)
+/// is checked, sealed and written once more (the group hands the plan
+/// back with such an error).
+///
+/// # Errors
+/// As the check, [`seal_plan`] and the write.
+pub(crate) async fn publish<S, F, Fut>(
+    store: &S,
+    group: &Arc<crate::group::Grouper>,
+    catalog: &crate::event_types::Cache,
+    load: F,
+    mut plan: crate::common::PublishPlan,
+) -> Result<crate::PublishOutcome>
+where
+    S: Store + crate::group::GroupWriter,
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<crate::event_types::Stored>>,
+{
+    catalog.check(&mut plan, load()).await?;
+    seal_plan(store, &mut plan).await?;
+    match group.publish_or_back(store, plan).await {
+        Ok(out) => Ok(out),
+        Err((StoreError::Conflict(m), Some(plan))) if m.contains(PERSONAL_CHANGED) => {
+            let mut plan = *plan;
+            catalog.check(&mut plan, load()).await?;
+            seal_plan(store, &mut plan).await?;
+            group.publish(store, plan).await
+        }
+        Err((e, _)) => Err(e),
+    }
+}
+
+/// Part of the message of the conflict [`publish`] retries.
+pub(crate) const PERSONAL_CHANGED: &str = "personal fields of event type";
+
+fn no_master() -> StoreError {
+    StoreError::Unavailable(
+        "events of this type have personal fields and this node has no master key \
+         (--master-key-file or LANEBUS_MASTER_KEY)"
+            .into(),
+    )
+}
+
+/// Every subject's data key, created (insert-if-absent, then read back
+/// the winner) when missing.
+async fn keys_for<S: Store + ?Sized>(
+    store: &S,
+    master: &MasterKey,
+    subjects: &[String],
+) -> Result<HashMap<String, Arc<LessSafeKey>>> {
+    let mut rows = store.subject_keys(subjects).await?;
+    let missing: Vec<&String> = subjects
+        .iter()
+        .filter(|s| !rows.iter().any(|r| r.subject == **s))
+        .collect();
+    if !missing.is_empty() {
+        let rng = SystemRandom::new();
+        let mut fresh = Vec::with_capacity(missing.len());
+        for s in &missing {
+            let mut data = [0u8; 32];
+            rng.fill(&mut data)
+                .map_err(|_| StoreError::Database("the system random source failed".into()))?;
+            fresh.push(master.wrap(s, &data)?);
+        }
+        store.insert_subject_keys(&fresh).await?;
+        let again: Vec<String> = missing.into_iter().cloned().collect();
+        rows.extend(store.subject_keys(&again).await?);
+    }
+    let ring = store.keyring();
+    let mut out = HashMap::with_capacity(rows.len());
+    for r in &rows {
+        // A key this node's master does not open: its configuration is
+        // at fault (a master key rotated without it), not the publisher.
+        let key = ring
+            .key(master, r)
+            .map_err(|e| StoreError::Unavailable(e.to_string()))?;
+        out.insert(r.subject.clone(), key);
+    }
+    for s in subjects {
+        if !out.contains_key(s) {
+            return Err(StoreError::Conflict(format!(
+                "the data key of subject {s:?} was deleted while it was being created; retry"
+            )));
+        }
+    }
+    Ok(out)
+}
+
+/// A payload made ready for sending by [`open`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Opened {
+    /// The payload with every envelope decrypted (or `null`).
+    pub payload: bytes::Bytes,
+    /// Pointers of the fields sent as `null` because their subject's key
+    /// is gone (header `lanebus-redacted`), in payload order.
+    pub redacted: Vec<String>,
+}
+
+/// `payload` with its encrypted fields decrypted: a field whose subject's
+/// data key is gone (or that does not open) becomes `null` and is listed
+/// in [`Opened::redacted`]. `None` for a payload holding no envelope (one
+/// substring search, SIMD).
+///
+/// # Errors
+/// [`StoreError::Unavailable`] when the payload holds envelopes and the
+/// node has no master key; the store's errors reading keys. Never for a
+/// deleted key.
+pub async fn open<S: Store + ?Sized>(store: &S, payload: &[u8]) -> Result<Option<Opened>> {
+    let needle = format!("\"{ENVELOPE_PREFIX}");
+    if memchr::memmem::find(payload, needle.as_bytes()).is_none() {
+        return Ok(None);
+    }
+    let Ok(mut v) = serde_json::from_slice::<Value>(payload) else {
+        return Ok(None);
+    };
+    let mut found = Vec::new();
+    envelopes(&v, String::new(), &mut found);
+    if found.is_empty() {
+        return Ok(None);
+    }
+    let master = store.keyring().master().ok_or_else(no_master)?;
+    let mut subjects: Vec<String> = found.iter().filter_map(|f| f.1.clone()).collect();
+    subjects.sort();
+    subjects.dedup();
+    let rows = store.subject_keys(&subjects).await?;
+    let ring = store.keyring();
+    let mut keys = HashMap::new();
+    for r in &rows {
+        match ring.key(&master, r) {
+            Ok(k) => {
+                keys.insert(r.subject.clone(), k);
+            }
+            Err(e) => tracing::warn!(subject = %r.subject, error = %e, "data key does not open"),
+        }
+    }
+    let mut redacted = Vec::new();
+    for (pointer, subject, sealed) in found {
+        let plain = subject.as_ref().and_then(|s| {
+            let key = keys.get(s)?;
+            let bytes = open_sealed(key, &field_aad(s, &pointer), sealed.as_ref()?)?;
+            serde_json::from_slice::<Value>(&bytes).ok()
+        });
+        let value = plain.unwrap_or_else(|| {
+            redacted.push(pointer.clone());
+            Value::Null
+        });
+        if let Some(slot) = v.pointer_mut(&pointer) {
+            *slot = value;
+        }
+    }
+    let bytes = serde_json::to_vec(&v).map_err(|e| StoreError::Database(e.to_string()))?;
+    Ok(Some(Opened {
+        payload: bytes.into(),
+        redacted,
+    }))
+}
+
+/// One envelope found: its pointer, subject and sealed bytes (`None`
+/// when malformed).
+type Found = (String, Option<String>, Option<Vec<u8>>);
+
+fn envelopes(v: &Value, at: String, out: &mut Vec<Found>) {
+    match v {
+        Value::String(s) => {
+            if let Some(rest) = s.strip_prefix(ENVELOPE_PREFIX) {
+                let (subject, sealed) = match rest.split_once(':') {
+                    Some((s, c)) => (
+                        URL_SAFE_NO_PAD
+                            .decode(s)
+                            .ok()
+                            .and_then(|b| String::from_utf8(b).ok()),
+                        STANDARD.decode(c).ok(),
+                    ),
+                    None => (None, None),
+                };
+                out.push((at, subject, sealed));
+            }
+        }
+        Value::Object(m) => {
+            for (k, x) in m {
+                envelopes(
+                    x,
+                    format!("{at}/{}", k.replace('~', "~0").replace('/', "~1")),
+                    out,
+                );
+            }
+        }
+        Value::Array(a) => {
+            for (i, x) in a.iter().enumerate() {
+                envelopes(x, format!("{at}/{i}"), out);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Destroys `subject`'s data key: deletes its row, then drops it from this
+/// node's cache. Returns whether there was one. Other nodes read the row
+/// before every use, so none uses the key once this returned.
+///
+/// # Errors
+/// [`StoreError::Invalid`] for a malformed subject id; the store's errors.
+pub async fn forget_subject<S: Store + ?Sized>(store: &S, subject: &str) -> Result<bool> {
+    rules::event_type::subject(subject).map_err(StoreError::from)?;
+    let gone = store.delete_subject_key(subject).await?;
+    store.keyring().forget(subject);
+    Ok(gone)
+}
+
+/// Rewraps every stored data key wrapped by `old` with `new` (events are
+/// not touched: their fields are sealed under the data keys). A key
+/// already wrapped by `new` is left alone; one changed or deleted
+/// meanwhile is skipped. Returns how many were rewrapped.
+///
+/// # Errors
+/// [`StoreError::Invalid`] for a key wrapped by neither master key or that
+/// does not open (nothing after it is rewrapped); the store's errors.
+pub async fn rotate<S: Store + ?Sized>(
+    store: &S,
+    old: &MasterKey,
+    new: &MasterKey,
+) -> Result<usize> {
+    let mut n = 0;
+    for w in store.all_subject_keys().await? {
+        if w.key_id == new.id {
+            continue;
+        }
+        let fresh = new.rewrap(old, &w)?;
+        if store.replace_subject_key(&w, &fresh).await? {
+            n += 1;
+        }
+    }
+    Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn derive_finds_nested_marks_and_needs_a_subject() {
+        let s = json!({
+            "x-lanebus-subject": "/user/id",
+            "properties": {
+                "user": {"properties": {
+                    "id": {"type": "string"},
+                    "e/mail": {"type": "string", "x-lanebus-personal": true}
+                }},
+                "note": {"x-lanebus-personal": true, "properties": {"x": {"x-lanebus-personal": true}}}
+            }
+        });
+        let spec = Spec::derive(&s).unwrap().unwrap();
+        assert_eq!(spec.subject, "/user/id");
+        assert_eq!(spec.fields, vec!["/note", "/user/e~1mail"]);
+        let no_subject = json!({"properties": {"a": {"x-lanebus-personal": true}}});
+        assert!(Spec::derive(&no_subject)
+            .unwrap_err()
+            .message
+            .contains("names no subject"));
+        let inside = json!({"x-lanebus-subject": "/a/id",
+            "properties": {"a": {"x-lanebus-personal": true}}});
+        assert!(Spec::derive(&inside).is_err());
+        assert_eq!(Spec::derive(&json!({"type": "object"})).unwrap(), None);
+    }
+
+    #[test]
+    fn master_key_parses_hex_and_base64_and_rewraps() {
+        let hex = "00".repeat(31) + "01";
+        let a = MasterKey::parse(&hex).unwrap();
+        let b = MasterKey::parse(&STANDARD.encode([7u8; 32])).unwrap();
+        assert!(MasterKey::parse("short").is_err());
+        assert_ne!(a.id(), b.id());
+        let w = a.wrap("s1", &[9u8; 32]).unwrap();
+        assert!(b.unwrap_key(&w).is_err());
+        let w2 = b.rewrap(&a, &w).unwrap();
+        assert_eq!(w2.key_id, b.id());
+        let k = b.unwrap_key(&w2).unwrap();
+        let sealed = seal(&k, b"x", b"hello").unwrap();
+        let k_old = a.unwrap_key(&w).unwrap();
+        assert_eq!(open_sealed(&k_old, b"x", &sealed).unwrap(), b"hello");
+        assert!(open_sealed(&k_old, b"y", &sealed).is_none());
+    }
+}
