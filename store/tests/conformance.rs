@@ -476,6 +476,7 @@ conformance!(
     recover_puts_back_only_what_the_filter_let_through,
     event_type_schemas_validate_payloads_and_refuse_whole_batches,
     an_alias_is_stored_and_routed_under_the_wire_name,
+    filters_hold_for_a_route_on_an_alias,
     the_strict_setting_refuses_types_not_in_the_catalog,
     a_catalog_change_is_honoured_by_the_next_publish_elsewhere,
     event_type_names_and_aliases_are_unique,
@@ -6428,6 +6429,49 @@ async fn event_type_schemas_validate_payloads_and_refuse_whole_batches(h: &dyn H
     s.publish(vec![payload_ev("late", "order.paid", "{}")])
         .await
         .expect("no schema any more");
+}
+
+/// A filtered handler routed on a cataloged type's alias: one delivery of a
+/// matching event published under the alias, none of another (the SQLite
+/// join once lost its parentheses around the route tests here).
+async fn filters_hold_for_a_route_on_an_alias(h: &dyn Harness) {
+    let s = h.store();
+    s.create_event_type(new_type("order.paid", None, &["payment.done"]))
+        .await
+        .expect("create");
+    let by_alias = filtered_handler(
+        &*s,
+        "alias",
+        &["payment.done"],
+        serde_json::json!({"path": "/ok", "equals": true}),
+    )
+    .await;
+    let by_pattern = filtered_handler(
+        &*s,
+        "pattern",
+        &["payment.*"],
+        serde_json::json!({"path": "/ok", "equals": true}),
+    )
+    .await;
+    s.publish(vec![
+        with_payload("yes", "payment.done", Some("k"), br#"{"ok":true}"#),
+        with_payload("no", "payment.done", Some("k"), br#"{"ok":false}"#),
+    ])
+    .await
+    .expect("publish under the alias");
+    let ds = claim_all(&*s).await;
+    let mut got: Vec<(&str, &str)> = ds
+        .iter()
+        .map(|d| (d.handler_id.as_str(), d.event_id.as_str()))
+        .collect();
+    got.sort();
+    let mut want = vec![
+        (by_alias.id.as_str(), "yes"),
+        (by_pattern.id.as_str(), "yes"),
+    ];
+    want.sort();
+    assert_eq!(got, want);
+    assert_eq!(counts(&*s).await.deliveries, 2);
 }
 
 async fn an_alias_is_stored_and_routed_under_the_wire_name(h: &dyn Harness) {
