@@ -2673,6 +2673,15 @@ async fn invalid_filters_are_refused_and_store_nothing(h: &dyn Harness) {
             path: "/a".into(),
             test: filter::Test::In(vec![json!(1); rules::filter::MAX_IN_VALUES + 1]),
         }),
+        // U+0000, which PostgreSQL's jsonb refuses, in a value and a path.
+        Filter::Field(filter::Condition {
+            path: "/a".into(),
+            test: filter::Test::Equals(json!("a\u{0}")),
+        }),
+        Filter::Field(filter::Condition {
+            path: "/a\u{0}".into(),
+            test: filter::Test::Exists(true),
+        }),
     ] {
         let err = s
             .create_handler(NewHandler {
