@@ -2440,9 +2440,63 @@ fn filter_cases() -> Vec<(serde_json::Value, Vec<(&'static str, bool)>)> {
         ),
         (
             json!({"not": {"path": "/x", "exists": true}}),
-            vec![(r#"{}"#, true), ("not json", false), (r#"{"x":1}"#, false)],
+            vec![
+                (r#"{}"#, true),
+                ("not json", false),
+                (r#"{"x":1}"#, false),
+                // U+0000 anywhere does not stop the filter (jsonb refuses it).
+                (r#"{"s":"a\u0000b"}"#, true),
+                (r#"{"a\u0000":1}"#, true),
+                // A number whose nearest double is infinite: unparsable.
+                (r#"{"big":1e400}"#, false),
+                (r#"{"big":[-1e400]}"#, false),
+                (nines(400), false),
+                (r#"{"max":1.7976931348623157e308,"tiny":1e-400}"#, true),
+            ],
+        ),
+        (
+            json!({"path": "/s", "equals": "\\u0000"}),
+            vec![
+                (r#"{"s":"\\u0000"}"#, true),
+                (r#"{"s":"\u0000"}"#, false),
+                (r#"{"s":"\\\u0000"}"#, false),
+                (r#"{"s":"\\\\u0000"}"#, false),
+            ],
+        ),
+        (
+            json!({"path": "/s", "exists": true}),
+            vec![(r#"{"s":"\u0000"}"#, true), (r#"{"t":"\u0000"}"#, false)],
+        ),
+        (
+            json!({"path": "/price", "equals": 92049.38554384977}),
+            vec![
+                (r#"{"price":92049.38554384977}"#, true),
+                (r#"{"price":92049.38554384976}"#, false),
+            ],
+        ),
+        (
+            // Below half the least double: 0, as Rust reads it.
+            json!({"path": "/t", "equals": 0}),
+            vec![
+                (r#"{"t":1e-400}"#, true),
+                (r#"{"t":-2e-324}"#, true),
+                (r#"{"t":3e-324}"#, false),
+            ],
+        ),
+        (
+            json!({"path": "/t", "gt": 0}),
+            vec![
+                (r#"{"t":1e-400}"#, false),
+                (r#"{"t":5e-324}"#, true),
+                (r#"{"t":1.7976931348623157e308}"#, true),
+            ],
         ),
     ]
+}
+
+/// A payload of one integer of `n` nines.
+fn nines(n: usize) -> &'static str {
+    Box::leak(format!(r#"{{"n":{}}}"#, "9".repeat(n)).into_boxed_str())
 }
 
 async fn filters_decide_deliveries_at_publish(h: &dyn Harness) {
