@@ -488,7 +488,15 @@ async fn bad_filters_are_refused_naming_the_field(app: TestApp) {
         ),
         (
             json!({"path": "n", "equals": 1}),
-            "filter.path \"n\" must be a JSON pointer",
+            "filter.path: path \"n\" must be a JSON pointer",
+        ),
+        (
+            json!({"path": "/n", "equals": "a\u{0}"}),
+            "filter.equals: must not hold the characters U+0000 or U+FFFF",
+        ),
+        (
+            json!({"path": "/n\u{0}", "exists": true}),
+            "filter.path: must not hold the characters U+0000 or U+FFFF",
         ),
         (
             json!({"path": "/n", "like": "x"}),

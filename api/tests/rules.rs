@@ -414,13 +414,13 @@ fn cases() -> Vec<Case> {
             handler(json!({"filter": {"or": [
                 {"path": "/c", "in": values(100)},
                 {"path": format!("/{}", "p".repeat(255)), "exists": true},
-                nested_filter(7)
+                nested_filter(8)
             ]}})),
         ),
         bad(
-            "filter 9 deep",
-            handler(json!({"filter": nested_filter(9)})),
-            "filter.not.not.not.not.not.not.not.not",
+            "filter 9 levels deep",
+            handler(json!({"filter": nested_filter(10)})),
+            "filter.not.not.not.not.not.not.not.not.not",
         ),
         bad(
             "filter in of 101",
@@ -486,7 +486,7 @@ fn values(n: usize) -> Vec<Value> {
     (0..n).map(|i| json!(i)).collect()
 }
 
-/// A filter `n` levels deep: `n - 1` nots around a condition.
+/// A condition inside `n - 1` nots (`n - 1` levels of and/or/not).
 fn nested_filter(n: usize) -> Value {
     (1..n).fold(
         json!({"path": "/c", "exists": false}),

@@ -42,7 +42,10 @@
 //!   scalar) is not `null`: `equals: null` and `exists: true` are false for
 //!   it, `exists: false` is true.
 //! - A payload that is not a JSON document matches no filter (`not`
-//!   included).
+//!   included), nor does one holding a number whose nearest double is
+//!   infinite (serde_json refuses it); one nearer to 0 than half the least
+//!   double is 0. PostgreSQL reads its `\u0000` escapes as U+FFFF; filter
+//!   strings may hold neither (the rulebook), so it answers alike.
 //!
 //! Bounds (depth, conditions, `in` list length, size) are the rulebook's:
 //! [`crate::rules::filter`].

@@ -23,11 +23,11 @@
 //! | handler | `timeout_ms` | 100 to 300,000 |
 //! | handler | `max_in_flight` | 1 to 10,000 |
 //! | handler | `rate_limit.per_second`, `rate_limit.burst` | 1 to 100,000 |
-//! | handler | `filter` | a payload filter ([`crate::filter`]): at most 8 levels of `and`/`or`/`not`, 32 conditions, 8,192 bytes of JSON |
-//! | handler | `filter…path` | a JSON pointer (RFC 6901) of at most 256 bytes |
+//! | handler | `filter` | a payload filter ([`crate::filter`]): at most 8 levels of `and`/`or`/`not` around a condition, 32 conditions, 8,192 bytes of JSON |
+//! | handler | `filter…path` | a JSON pointer (RFC 6901) of at most 256 bytes, without U+0000 or U+FFFF |
 //! | handler | `filter…and`, `filter…or` | 1 or more filters |
-//! | handler | `filter…in` | 1 to 100 strings, numbers, booleans or `null` |
-//! | handler | `filter…equals` | a string, number, boolean or `null` |
+//! | handler | `filter…in` | 1 to 100 strings (without U+0000 or U+FFFF), numbers, booleans or `null` |
+//! | handler | `filter…equals` | a string (without U+0000 or U+FFFF), number, boolean or `null` |
 //! | handler | `filter…gt`, `gte`, `lt`, `lte` | a number |
 //! | handler | `filter…exists` | `true` or `false` |
 //! | secret | `secret` | `whsec_` + standard base64 of 24 to 64 bytes |
@@ -789,8 +789,8 @@ pub mod filter {
     use super::{Broken, Rule};
     use crate::filter::{Condition, Filter, Test};
 
-    /// Deepest nesting of a filter: a condition alone is 1 level, each
-    /// `and`, `or` or `not` around it one more.
+    /// Deepest nesting of a filter: levels of `and`, `or` and `not` around
+    /// a condition (a condition alone is 0 levels).
     pub const MAX_DEPTH: usize = 8;
     /// Most conditions (`{"path": ...}` objects) in one filter.
     pub const MAX_CONDITIONS: usize = 32;
@@ -817,7 +817,7 @@ pub mod filter {
     /// the wrong type, a bad JSON pointer), [`Rule::Length`],
     /// [`Rule::Depth`] or [`Rule::Size`] for a bound.
     pub fn parse(v: &Value) -> Result<Filter, Broken> {
-        let f = parse_at(v, "filter", 1)?;
+        let f = parse_at(v, "filter", 0)?;
         check(&f)?;
         Ok(f)
     }
@@ -937,7 +937,7 @@ pub mod filter {
     /// The first broken rule, its field named from `filter` on.
     pub fn check(f: &Filter) -> Result<(), Broken> {
         let mut conditions = 0;
-        walk(f, "filter", 1, &mut conditions)?;
+        walk(f, "filter", 0, &mut conditions)?;
         if conditions > MAX_CONDITIONS {
             return Err(Broken::new(
                 "filter",
@@ -988,19 +988,19 @@ pub mod filter {
     }
 
     fn check_condition(c: &Condition, field: &str) -> Result<(), Broken> {
-        pointer(&c.path).map_err(|b| {
-            Broken::new(
-                &format!("{field}.path"),
-                b.rule,
-                format!("{field}.{}", b.message),
-            )
-        })?;
+        let path_at = format!("{field}.path");
+        pointer(&c.path)
+            .map_err(|b| Broken::new(&path_at, b.rule, format!("{path_at}: {}", b.message)))?;
+        if has_unmatchable(&c.path) {
+            return Err(form(&path_at, UNMATCHABLE.into()));
+        }
         let at = format!("{field}.{}", c.test.name());
         let scalar = |v: &Value, at: &str| match v {
             Value::Array(_) | Value::Object(_) => Err(form(
                 at,
                 format!("takes a string, number, boolean or null, got {v}"),
             )),
+            Value::String(s) if has_unmatchable(s) => Err(form(at, UNMATCHABLE.into())),
             _ => Ok(()),
         };
         match &c.test {
@@ -1030,6 +1030,16 @@ pub mod filter {
                 }
             }
         }
+    }
+
+    /// Why a filter's string may not hold U+0000 or U+FFFF: PostgreSQL's
+    /// jsonb cannot hold U+0000, so there a payload's `\u0000` is read as
+    /// U+FFFF (`lanebus.filter_doc`); neither may be named, so a payload
+    /// string holding one equals no operand on every store.
+    const UNMATCHABLE: &str = "must not hold the characters U+0000 or U+FFFF";
+
+    fn has_unmatchable(s: &str) -> bool {
+        s.contains(['\u{0}', '\u{ffff}'])
     }
 
     /// Checks a JSON pointer (RFC 6901): empty (the whole payload), or `/`
@@ -2008,10 +2018,25 @@ mod tests {
             ),
             (json!({"and": []}), "filter.and", Rule::Length),
             (
-                json!({"not": {"not": {"not": {"not": {"not": {"not": {"not": {"not":
-                {"path": "", "exists": true}}}}}}}}}),
-                "filter.not.not.not.not.not.not.not.not",
+                json!({"not": {"not": {"not": {"not": {"not": {"not": {"not": {"not": {"not":
+                {"path": "", "exists": true}}}}}}}}}}),
+                "filter.not.not.not.not.not.not.not.not.not",
                 Rule::Depth,
+            ),
+            (
+                json!({"path": "/a\u{0}", "exists": true}),
+                "filter.path",
+                Rule::Form,
+            ),
+            (
+                json!({"path": "/a", "equals": "x\u{0}"}),
+                "filter.equals",
+                Rule::Form,
+            ),
+            (
+                json!({"path": "/a", "in": ["x", "\u{ffff}"]}),
+                "filter.in[1]",
+                Rule::Form,
             ),
             (
                 json!({"path": format!("/{}", "a".repeat(filter::MAX_PATH_BYTES)), "exists": true}),
@@ -2035,6 +2060,10 @@ mod tests {
         // Within the bounds: accepted, and checked again by the handler rules.
         let ok = json!({"and": [{"path": "/order/total", "gte": 100},
                                 {"path": "/country", "in": ["DE", "FR"]}]});
+        // 8 levels of and/or/not around a condition are within the bound.
+        let deep = json!({"and": [{"not": {"not": {"not": {"not": {"not": {"not": {"not":
+                   {"path": "", "exists": true}}}}}}}}]});
+        assert_eq!(filter::parse(&deep).unwrap().to_json(), deep);
         let f = filter::parse(&ok).unwrap();
         let mut h = NewHandler {
             name: "n".into(),

@@ -519,6 +519,7 @@ conformance!(
     recover_puts_back_only_what_the_filter_let_through,
     event_type_schemas_validate_payloads_and_refuse_whole_batches,
     an_alias_is_stored_and_routed_under_the_wire_name,
+    filters_hold_for_a_route_on_an_alias,
     the_strict_setting_refuses_types_not_in_the_catalog,
     a_catalog_change_is_honoured_by_the_next_publish_elsewhere,
     event_type_names_and_aliases_are_unique,
@@ -2485,9 +2486,63 @@ fn filter_cases() -> Vec<(serde_json::Value, Vec<(&'static str, bool)>)> {
         ),
         (
             json!({"not": {"path": "/x", "exists": true}}),
-            vec![(r#"{}"#, true), ("not json", false), (r#"{"x":1}"#, false)],
+            vec![
+                (r#"{}"#, true),
+                ("not json", false),
+                (r#"{"x":1}"#, false),
+                // U+0000 anywhere does not stop the filter (jsonb refuses it).
+                (r#"{"s":"a\u0000b"}"#, true),
+                (r#"{"a\u0000":1}"#, true),
+                // A number whose nearest double is infinite: unparsable.
+                (r#"{"big":1e400}"#, false),
+                (r#"{"big":[-1e400]}"#, false),
+                (nines(400), false),
+                (r#"{"max":1.7976931348623157e308,"tiny":1e-400}"#, true),
+            ],
+        ),
+        (
+            json!({"path": "/s", "equals": "\\u0000"}),
+            vec![
+                (r#"{"s":"\\u0000"}"#, true),
+                (r#"{"s":"\u0000"}"#, false),
+                (r#"{"s":"\\\u0000"}"#, false),
+                (r#"{"s":"\\\\u0000"}"#, false),
+            ],
+        ),
+        (
+            json!({"path": "/s", "exists": true}),
+            vec![(r#"{"s":"\u0000"}"#, true), (r#"{"t":"\u0000"}"#, false)],
+        ),
+        (
+            json!({"path": "/price", "equals": 92049.38554384977}),
+            vec![
+                (r#"{"price":92049.38554384977}"#, true),
+                (r#"{"price":92049.38554384976}"#, false),
+            ],
+        ),
+        (
+            // Below half the least double: 0, as Rust reads it.
+            json!({"path": "/t", "equals": 0}),
+            vec![
+                (r#"{"t":1e-400}"#, true),
+                (r#"{"t":-2e-324}"#, true),
+                (r#"{"t":3e-324}"#, false),
+            ],
+        ),
+        (
+            json!({"path": "/t", "gt": 0}),
+            vec![
+                (r#"{"t":1e-400}"#, false),
+                (r#"{"t":5e-324}"#, true),
+                (r#"{"t":1.7976931348623157e308}"#, true),
+            ],
         ),
     ]
+}
+
+/// A payload of one integer of `n` nines.
+fn nines(n: usize) -> &'static str {
+    Box::leak(format!(r#"{{"n":{}}}"#, "9".repeat(n)).into_boxed_str())
 }
 
 async fn filters_decide_deliveries_at_publish(h: &dyn Harness) {
@@ -2717,6 +2772,15 @@ async fn invalid_filters_are_refused_and_store_nothing(h: &dyn Harness) {
         Filter::Field(filter::Condition {
             path: "/a".into(),
             test: filter::Test::In(vec![json!(1); rules::filter::MAX_IN_VALUES + 1]),
+        }),
+        // U+0000, which PostgreSQL's jsonb refuses, in a value and a path.
+        Filter::Field(filter::Condition {
+            path: "/a".into(),
+            test: filter::Test::Equals(json!("a\u{0}")),
+        }),
+        Filter::Field(filter::Condition {
+            path: "/a\u{0}".into(),
+            test: filter::Test::Exists(true),
         }),
     ] {
         let err = s
@@ -6474,6 +6538,49 @@ async fn event_type_schemas_validate_payloads_and_refuse_whole_batches(h: &dyn H
     s.publish(vec![payload_ev("late", "order.paid", "{}")])
         .await
         .expect("no schema any more");
+}
+
+/// A filtered handler routed on a cataloged type's alias: one delivery of a
+/// matching event published under the alias, none of another (the SQLite
+/// join once lost its parentheses around the route tests here).
+async fn filters_hold_for_a_route_on_an_alias(h: &dyn Harness) {
+    let s = h.store();
+    s.create_event_type(new_type("order.paid", None, &["payment.done"]))
+        .await
+        .expect("create");
+    let by_alias = filtered_handler(
+        &*s,
+        "alias",
+        &["payment.done"],
+        serde_json::json!({"path": "/ok", "equals": true}),
+    )
+    .await;
+    let by_pattern = filtered_handler(
+        &*s,
+        "pattern",
+        &["payment.*"],
+        serde_json::json!({"path": "/ok", "equals": true}),
+    )
+    .await;
+    s.publish(vec![
+        with_payload("yes", "payment.done", Some("k"), br#"{"ok":true}"#),
+        with_payload("no", "payment.done", Some("k"), br#"{"ok":false}"#),
+    ])
+    .await
+    .expect("publish under the alias");
+    let ds = claim_all(&*s).await;
+    let mut got: Vec<(&str, &str)> = ds
+        .iter()
+        .map(|d| (d.handler_id.as_str(), d.event_id.as_str()))
+        .collect();
+    got.sort();
+    let mut want = vec![
+        (by_alias.id.as_str(), "yes"),
+        (by_pattern.id.as_str(), "yes"),
+    ];
+    want.sort();
+    assert_eq!(got, want);
+    assert_eq!(counts(&*s).await.deliveries, 2);
 }
 
 async fn an_alias_is_stored_and_routed_under_the_wire_name(h: &dyn Harness) {

@@ -47,12 +47,20 @@ BEGIN
     RETURN encode(b, 'hex')::uuid::text;
 END $fn$;
 
+-- A JSON number as the double Rust reads (serde_json): the nearest one,
+-- 0 for a magnitude up to 2^-1075 (where the float8 cast raises instead).
+-- filter_doc keeps out numbers whose nearest double is infinite.
+CREATE OR REPLACE FUNCTION lanebus.filter_float(v jsonb) RETURNS float8
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $fn$
+    SELECT CASE WHEN abs($1::numeric) <= 5::numeric ^ 1075 * 1e-1075 THEN 0 ELSE $1::float8 END
+$fn$;
+
 -- Type-strict equality of a payload value with a filter's scalar operand;
 -- numbers by value as doubles (store/src/filter.rs).
 CREATE OR REPLACE FUNCTION lanebus.filter_equal(v jsonb, x jsonb) RETURNS boolean
-LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $fn$
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $fn$
     SELECT CASE WHEN jsonb_typeof($1) <> jsonb_typeof($2) THEN false
-                WHEN jsonb_typeof($1) = 'number' THEN $1::float8 = $2::float8
+                WHEN jsonb_typeof($1) = 'number' THEN lanebus.filter_float($1) = lanebus.filter_float($2)
                 ELSE $1 = $2 END
 $fn$;
 
@@ -110,27 +118,51 @@ BEGIN
     ELSIF jsonb_typeof(v) <> 'number' THEN
         RETURN false;
     ELSIF f ? 'gt' THEN
-        RETURN v::float8 > (f -> 'gt')::float8;
+        RETURN lanebus.filter_float(v) > (f -> 'gt')::float8;
     ELSIF f ? 'gte' THEN
-        RETURN v::float8 >= (f -> 'gte')::float8;
+        RETURN lanebus.filter_float(v) >= (f -> 'gte')::float8;
     ELSIF f ? 'lt' THEN
-        RETURN v::float8 < (f -> 'lt')::float8;
+        RETURN lanebus.filter_float(v) < (f -> 'lt')::float8;
     ELSIF f ? 'lte' THEN
-        RETURN v::float8 <= (f -> 'lte')::float8;
+        RETURN lanebus.filter_float(v) <= (f -> 'lte')::float8;
     END IF;
     RETURN false;
 END $fn$;
 
--- Whether the payload bytes match filter f (publish.sql): false when they
--- are not a JSON document, or hold a number beyond the double range where
--- the filter compares it (as the Rust evaluator, which cannot parse those).
-CREATE OR REPLACE FUNCTION lanebus.filter_payload(f jsonb, payload bytea) RETURNS boolean
-LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE AS $fn$
+-- A payload parsed for filters, once per event (publish.sql): NULL, which
+-- matches no filter, where the Rust evaluator cannot parse it either (not
+-- UTF-8 JSON, or a number whose nearest double is infinite). jsonb refuses
+-- U+0000, so its escapes become U+FFFF, which no filter value or path may
+-- hold (store/src/rules.rs): a string holding either equals no operand on
+-- every store. Escaped backslashes are set aside first (as U+0001, which
+-- valid JSON text never holds raw) so '\\u0000' stays a backslash and text.
+-- PARALLEL UNSAFE: the EXCEPTION block starts a subtransaction.
+CREATE OR REPLACE FUNCTION lanebus.filter_doc(payload bytea) RETURNS jsonb
+LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL UNSAFE AS $fn$
+DECLARE
+    t text := convert_from(payload, 'UTF8');
+    doc jsonb;
 BEGIN
-    RETURN lanebus.filter_matches(f, convert_from(payload, 'UTF8')::jsonb);
+    IF strpos(t, '\u0000') > 0 AND strpos(t, E'\x01') = 0 THEN
+        t := replace(replace(replace(t, '\\', E'\x01'), '\u0000', '\uffff'), E'\x01', '\\');
+    END IF;
+    doc := t::jsonb;
+    -- Only text with an exponent or 309 digits in a row can hold one.
+    IF t ~ '[0-9][eE]|[0-9]{255}[0-9]{54}'
+       AND jsonb_path_exists(doc, '$.** ? (@.type() == "number" && (@ >= $max || @ <= -$max))',
+                             jsonb_build_object('max', 2::numeric ^ 1024 - 2::numeric ^ 970)) THEN
+        RETURN NULL;
+    END IF;
+    RETURN doc;
 EXCEPTION WHEN data_exception THEN
-    RETURN false;
+    RETURN NULL;
 END $fn$;
+
+-- Whether the payload bytes match filter f: filter_matches on filter_doc.
+CREATE OR REPLACE FUNCTION lanebus.filter_payload(f jsonb, payload bytea) RETURNS boolean
+LANGUAGE sql IMMUTABLE STRICT PARALLEL UNSAFE AS $fn$
+    SELECT lanebus.filter_matches($1, lanebus.filter_doc($2))
+$fn$;
 
 -- The publish statement (sql/publish.sql), for publish_batch. Internal: its
 -- parameters are publish.sql's, in its order. Its generic plan, as the

@@ -61,31 +61,19 @@ ev AS (
     ORDER BY id
     RETURNING 1
 ),
-dl AS (
-    -- One delivery per handler whose route matches: the exact type, or a
-    -- pattern ending in '*' whose prefix starts the type (a reserved
+routed AS (
+    -- One row per event and handler whose route matches: the exact type, or
+    -- a pattern ending in '*' whose prefix starts the type (a reserved
     -- 'lanebus.' type only for a pattern starting with 'lanebus.' too:
-    -- route.rs). Disabled handlers
-    -- count too (their deliveries are kept until they are enabled). Matched
-    -- here so handlers registered by other nodes count without a cache.
-    -- Inserted in sequence order so a key's delivery ids follow its
-    -- sequence numbers. A delayed event's deliveries are due at its
-    -- deliver_at (and held: see complete.sql); the lane owner keeps a keyed
-    -- one at the head of its key until then. Read from numbered, not from
-    -- ev's rows: every numbered row is inserted (or the statement fails).
-    -- txid: this transaction's id where the key raised xid above it (the
-    -- claim reads a transaction that was in progress by either; 0006).
-    -- A handler with a payload filter only for events whose payload
-    -- matches it (lanebus.filter_payload, functions.sql); one without costs
-    -- the IS NULL test.
-    INSERT INTO deliveries (xid, txid, lane, handler_id, event_id, key, seq, due_at, held)
-    SELECT coalesce(n.xid, pg_current_xact_id()::text::bigint),
-           CASE WHEN n.xid > pg_current_xact_id()::text::bigint THEN pg_current_xact_id()::text::bigint END,
-           n.lane, h.id, n.id, n.key, n.seq,
-           coalesce(n.deliver_at, now()), CASE WHEN n.deliver_at IS NOT NULL THEN true END
+    -- route.rs). Disabled handlers count too (their deliveries are kept
+    -- until they are enabled). Matched here so handlers registered by other
+    -- nodes count without a cache. Read from numbered, not from ev's rows:
+    -- every numbered row is inserted (or the statement fails). No payload
+    -- here: a pair's row stays small.
+    SELECT n.id, n.key, n.lane, n.seq, n.deliver_at, n.xid, n.ord, h.id AS handler_id, h.pos, h.filter
     FROM numbered n
     JOIN handlers h
-      ON (EXISTS (
+      ON EXISTS (
             SELECT 1 FROM unnest(h.event_types) AS p
             WHERE p = n.type
                OR (right(p, 1) = '*' AND starts_with(n.type, left(p, -1))
@@ -95,9 +83,35 @@ dl AS (
       OR (n.aliases IS NOT NULL AND EXISTS (
             SELECT 1 FROM unnest(h.event_types) AS p, unnest(string_to_array(n.aliases, ' ')) AS a
             WHERE p = a OR (right(p, 1) = '*' AND starts_with(a, left(p, -1)))
-         )))
-     AND (h.filter IS NULL OR lanebus.filter_payload(h.filter, n.payload))
-    ORDER BY n.seq, n.id, h.pos
+         ))
+),
+docs AS MATERIALIZED (
+    -- The payload parsed for filters (lanebus.filter_doc, functions.sql),
+    -- once per event that a routed handler with a filter awaits: no other
+    -- event's payload is parsed, and no filter runs for an unrouted handler.
+    SELECT n.ord, lanebus.filter_doc(n.payload) AS doc
+    FROM numbered n
+    WHERE n.ord IN (SELECT r.ord FROM routed r WHERE r.filter IS NOT NULL)
+),
+dl AS (
+    -- One delivery per routed handler, and for a handler with a payload
+    -- filter only when the payload matches it (a payload it cannot parse
+    -- matches no filter); one without costs the IS NULL test. Inserted in
+    -- sequence order so a key's delivery ids follow its sequence numbers. A
+    -- delayed event's deliveries are due at its deliver_at (and held: see
+    -- complete.sql); the lane owner keeps a keyed one at the head of its
+    -- key until then. txid: this transaction's id where the key raised xid
+    -- above it (the claim reads a transaction that was in progress by
+    -- either; 0006).
+    INSERT INTO deliveries (xid, txid, lane, handler_id, event_id, key, seq, due_at, held)
+    SELECT coalesce(r.xid, pg_current_xact_id()::text::bigint),
+           CASE WHEN r.xid > pg_current_xact_id()::text::bigint THEN pg_current_xact_id()::text::bigint END,
+           r.lane, r.handler_id, r.id, r.key, r.seq,
+           coalesce(r.deliver_at, now()), CASE WHEN r.deliver_at IS NOT NULL THEN true END
+    FROM routed r
+    LEFT JOIN docs d ON r.filter IS NOT NULL AND d.ord = r.ord
+    WHERE r.filter IS NULL OR lanebus.filter_matches(r.filter, d.doc)
+    ORDER BY r.seq, r.id, r.pos
     RETURNING lane
 )
 SELECT
