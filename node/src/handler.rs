@@ -473,7 +473,9 @@ impl Dispatcher {
         let Some(store) = &self.keys else {
             return Ok(None);
         };
-        let Some(o) = lanebus_store::personal::open(&**store, &delivery.payload).await? else {
+        let Some(o) =
+            lanebus_store::personal::open(&**store, &delivery.event_id, &delivery.payload).await?
+        else {
             return Ok(None);
         };
         let mut d = delivery.clone();

@@ -210,11 +210,14 @@ async fn rotate_master_key_rewraps_data_keys() {
         key[0].key_id,
         MasterKey::from_bytes(&[0x22; 32]).unwrap().id()
     );
-    let rows: Vec<Vec<u8>> = sqlx::query_scalar("SELECT payload FROM events")
+    let rows: Vec<(String, Vec<u8>)> = sqlx::query_as("SELECT id, payload FROM events")
         .fetch_all(fresh.pool())
         .await
         .unwrap();
-    let opened = personal::open(&fresh, &rows[0]).await.unwrap().unwrap();
+    let opened = personal::open(&fresh, &rows[0].0, &rows[0].1)
+        .await
+        .unwrap()
+        .unwrap();
     assert!(opened.redacted.is_empty());
     let v: serde_json::Value = serde_json::from_slice(&opened.payload).unwrap();
     assert_eq!(v["email"], "u1@example.org");

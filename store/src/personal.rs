@@ -73,7 +73,18 @@ impl Spec {
     /// subject inside a personal field, or a mark that is not `true`.
     pub fn derive(schema: &Value) -> std::result::Result<Option<Spec>, Broken> {
         let mut fields = Vec::new();
-        collect(schema, "", &mut fields)?;
+        let mut read = Vec::new();
+        collect(schema, "", "", &mut fields, &mut read)?;
+        let mut all = Vec::new();
+        all_marks(schema, "", &mut all);
+        if let Some(at) = all.iter().find(|m| !read.contains(m)) {
+            return Err(rules::event_type::personal_marks(&format!(
+                "the mark at {at} is not honoured: {PERSONAL_KEYWORD} counts only on a \
+                 property reached from the root through `properties` alone (not under \
+                 items, $ref, $defs, allOf/anyOf/oneOf, additionalProperties or \
+                 patternProperties)"
+            )));
+        }
         fields.sort();
         let subject = match schema.get(SUBJECT_KEYWORD) {
             None => None,
@@ -106,16 +117,35 @@ impl Spec {
     }
 }
 
-/// Collects the personal properties under `schema` (at pointer `at`).
-fn collect(schema: &Value, at: &str, out: &mut Vec<String>) -> std::result::Result<(), Broken> {
+/// Collects the personal properties under `schema` (at payload pointer
+/// `at`, schema pointer `sat`), and the schema pointers of the marks it
+/// read into `read`.
+fn collect(
+    schema: &Value,
+    at: &str,
+    sat: &str,
+    out: &mut Vec<String>,
+    read: &mut Vec<String>,
+) -> std::result::Result<(), Broken> {
     let Some(props) = schema.get("properties").and_then(Value::as_object) else {
         return Ok(());
     };
     for (name, sub) in props {
-        let here = format!("{at}/{}", name.replace('~', "~0").replace('/', "~1"));
+        let token = escape(name);
+        let here = format!("{at}/{token}");
+        let shere = format!("{sat}/properties/{token}");
         match sub.get(PERSONAL_KEYWORD) {
-            Some(Value::Bool(true)) => out.push(here),
-            None | Some(Value::Bool(false)) => collect(sub, &here, out)?,
+            Some(Value::Bool(true)) => {
+                // Marks inside a personal field change nothing: it is
+                // sealed whole.
+                all_marks(sub, &shere, read);
+                out.push(here);
+            }
+            None => collect(sub, &here, &shere, out, read)?,
+            Some(Value::Bool(false)) => {
+                read.push(format!("{shere}/{PERSONAL_KEYWORD}"));
+                collect(sub, &here, &shere, out, read)?;
+            }
             Some(other) => {
                 return Err(rules::event_type::personal_marks(&format!(
                     "{PERSONAL_KEYWORD} at {here} must be true or false, not {other}"
@@ -124,6 +154,32 @@ fn collect(schema: &Value, at: &str, out: &mut Vec<String>) -> std::result::Resu
         }
     }
     Ok(())
+}
+
+/// The schema pointers of every mark in `v` (at schema pointer `at`).
+fn all_marks(v: &Value, at: &str, out: &mut Vec<String>) {
+    match v {
+        Value::Object(m) => {
+            for (k, x) in m {
+                let here = format!("{at}/{}", escape(k));
+                if k == PERSONAL_KEYWORD {
+                    out.push(here.clone());
+                }
+                all_marks(x, &here, out);
+            }
+        }
+        Value::Array(a) => {
+            for (i, x) in a.iter().enumerate() {
+                all_marks(x, &format!("{at}/{i}"), out);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// `name` as a JSON pointer token (RFC 6901).
+fn escape(name: &str) -> String {
+    name.replace('~', "~0").replace('/', "~1")
 }
 
 /// The master key: wraps and unwraps data keys.
@@ -246,8 +302,11 @@ fn wrap_aad(subject: &str) -> Vec<u8> {
     format!("lanebus:subject-key:v1:{subject}").into_bytes()
 }
 
-fn field_aad(subject: &str, pointer: &str) -> Vec<u8> {
-    format!("lanebus:v1:{subject}\0{pointer}").into_bytes()
+/// What a field's seal authenticates besides its value: the event, the
+/// subject and the field, so an envelope copied into another event or
+/// field does not open (it is sent as `null`).
+fn field_aad(event_id: &str, subject: &str, pointer: &str) -> Vec<u8> {
+    format!("lanebus:v1:{event_id}\0{subject}\0{pointer}").into_bytes()
 }
 
 fn aes_key(bytes: &[u8]) -> Result<LessSafeKey> {
@@ -431,7 +490,7 @@ pub(crate) async fn seal_plan<S: Store + ?Sized>(
             if let Some(field) = v.pointer_mut(p) {
                 let plain = serde_json::to_vec(field)
                     .map_err(|err| StoreError::Database(err.to_string()))?;
-                let sealed = seal(key, &field_aad(&subject, p), &plain)?;
+                let sealed = seal(key, &field_aad(&e.id, &subject, p), &plain)?;
                 *field = Value::String(format!(
                     "{ENVELOPE_PREFIX}{}:{}",
                     URL_SAFE_NO_PAD.encode(&subject),
@@ -547,16 +606,25 @@ pub struct Opened {
     pub redacted: Vec<String>,
 }
 
-/// `payload` with its encrypted fields decrypted: a field whose subject's
-/// data key is gone (or that does not open) becomes `null` and is listed
-/// in [`Opened::redacted`]. `None` for a payload holding no envelope (one
-/// substring search, SIMD).
+/// The payload of event `event_id` with its encrypted fields decrypted: a
+/// field whose subject's data key is gone, or whose envelope does not open
+/// for this event and field (one copied from elsewhere), becomes `null`
+/// and is listed in [`Opened::redacted`]. A string that only starts like
+/// an envelope (its subject or sealed part is not base64) is left as it
+/// is. `None` for a payload holding no envelope (one substring search,
+/// SIMD).
 ///
 /// # Errors
 /// [`StoreError::Unavailable`] when the payload holds envelopes and the
-/// node has no master key; the store's errors reading keys. Never for a
-/// deleted key.
-pub async fn open<S: Store + ?Sized>(store: &S, payload: &[u8]) -> Result<Option<Opened>> {
+/// node has no master key, or a stored data key it needs does not open
+/// under the node's master key (a wrong or stale key: the attempt fails
+/// and is retried, nothing is sent as erased); the store's errors reading
+/// keys. Never for a deleted key.
+pub async fn open<S: Store + ?Sized>(
+    store: &S,
+    event_id: &str,
+    payload: &[u8],
+) -> Result<Option<Opened>> {
     let needle = format!("\"{ENVELOPE_PREFIX}");
     if memchr::memmem::find(payload, needle.as_bytes()).is_none() {
         return Ok(None);
@@ -566,6 +634,7 @@ pub async fn open<S: Store + ?Sized>(store: &S, payload: &[u8]) -> Result<Option
     };
     let mut found = Vec::new();
     envelopes(&v, String::new(), &mut found);
+    found.retain(|f| f.1.is_some() && f.2.is_some());
     if found.is_empty() {
         return Ok(None);
     }
@@ -577,18 +646,16 @@ pub async fn open<S: Store + ?Sized>(store: &S, payload: &[u8]) -> Result<Option
     let ring = store.keyring();
     let mut keys = HashMap::new();
     for r in &rows {
-        match ring.key(&master, r) {
-            Ok(k) => {
-                keys.insert(r.subject.clone(), k);
-            }
-            Err(e) => tracing::warn!(subject = %r.subject, error = %e, "data key does not open"),
-        }
+        let k = ring
+            .key(&master, r)
+            .map_err(|e| StoreError::Unavailable(format!("personal fields: {e}")))?;
+        keys.insert(r.subject.clone(), k);
     }
     let mut redacted = Vec::new();
     for (pointer, subject, sealed) in found {
         let plain = subject.as_ref().and_then(|s| {
             let key = keys.get(s)?;
-            let bytes = open_sealed(key, &field_aad(s, &pointer), sealed.as_ref()?)?;
+            let bytes = open_sealed(key, &field_aad(event_id, s, &pointer), sealed.as_ref()?)?;
             serde_json::from_slice::<Value>(&bytes).ok()
         });
         let value = plain.unwrap_or_else(|| {
@@ -713,6 +780,36 @@ mod tests {
             "properties": {"a": {"x-lanebus-personal": true}}});
         assert!(Spec::derive(&inside).is_err());
         assert_eq!(Spec::derive(&json!({"type": "object"})).unwrap(), None);
+    }
+
+    #[test]
+    fn marks_lanebus_would_not_seal_are_refused() {
+        let subject = json!({"type": "string"});
+        for (schema, at) in [
+            (
+                json!({"properties": {"tags": {"items": {"properties": {"phone": {"x-lanebus-personal": true}}}}}}),
+                "/properties/tags/items/properties/phone/x-lanebus-personal",
+            ),
+            (
+                json!({"$defs": {"p": {"properties": {"iban": {"x-lanebus-personal": true}}}},
+                       "properties": {"ref": {"$ref": "#/$defs/p"}}}),
+                "/$defs/p/properties/iban/x-lanebus-personal",
+            ),
+            (
+                json!({"properties": {"all": {"allOf": [{"properties": {"ssn": {"x-lanebus-personal": true}}}]}}}),
+                "/properties/all/allOf/0/properties/ssn/x-lanebus-personal",
+            ),
+            (
+                json!({"additionalProperties": {"x-lanebus-personal": true}}),
+                "/additionalProperties/x-lanebus-personal",
+            ),
+        ] {
+            let mut schema = schema;
+            schema["x-lanebus-subject"] = json!("/user");
+            schema["properties"]["user"] = subject.clone();
+            let m = Spec::derive(&schema).unwrap_err().message;
+            assert!(m.contains(at) && m.contains("not honoured"), "{m}");
+        }
     }
 
     #[test]

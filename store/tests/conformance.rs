@@ -526,6 +526,7 @@ conformance!(
     personal_fields_are_sealed_at_rest_and_shredded_with_their_key,
     master_key_rotation_keeps_personal_fields_readable,
     filters_see_personal_fields_sealed,
+    a_copied_envelope_does_not_open_in_another_event,
 );
 
 // ---------------------------------------------------------------------------
@@ -6941,7 +6942,7 @@ async fn raw_holds(h: &dyn Harness, needle: &[u8]) -> bool {
 }
 
 async fn opened(s: &dyn Store, d: &Delivery) -> (serde_json::Value, Vec<String>) {
-    let o = personal::open(s, &d.payload)
+    let o = personal::open(s, &d.event_id, &d.payload)
         .await
         .expect("open payload")
         .expect("envelopes");
@@ -7135,9 +7136,12 @@ async fn master_key_rotation_keeps_personal_fields_readable(h: &dyn Harness) {
     };
     assert_eq!(payloads(&before), payloads(&h.raw_rows().await));
     let ds = claim_all(&*s).await;
-    // The old master no longer opens them: redacted, not failed.
-    let (_, redacted) = opened(&*s, &ds[0]).await;
-    assert_eq!(redacted.len(), 2);
+    // The old master no longer opens them: the attempt fails (and is
+    // retried); nothing is sent as if the subject were erased.
+    let e = personal::open(&*s, &ds[0].event_id, &ds[0].payload)
+        .await
+        .expect_err("a stale master key");
+    assert!(matches!(e, StoreError::Unavailable(_)), "{e:?}");
     let other = h.reopen().await;
     other.keyring().set_master(master(2));
     for d in &ds {
@@ -7198,4 +7202,45 @@ async fn filters_see_personal_fields_sealed(h: &dyn Harness) {
         let got = found.handlers.iter().any(|d| &d.handler_id == id);
         assert_eq!(got, *want, "handler {name}");
     }
+}
+
+/// A sealed field opens only in its own event and field: an envelope
+/// copied from the store into another event is sent as `null`, never
+/// decrypted; a string that merely starts like an envelope is left alone.
+async fn a_copied_envelope_does_not_open_in_another_event(h: &dyn Harness) {
+    let s = h.store();
+    handler(&*s, "all", &["*"]).await;
+    s.create_event_type(new_type("user.signed_up", Some(profile_schema()), &[]))
+        .await
+        .expect("create");
+    s.keyring().set_master(master(1));
+    s.publish(vec![NewEvent {
+        id: Some("ce1".into()),
+        ..profile_event("alice", "alice@example.org", "Alice Liddell")
+    }])
+    .await
+    .expect("publish");
+    let ds = claim_all(&*s).await;
+    let d = ds.iter().find(|d| d.event_id == "ce1").expect("delivery");
+    let (v, redacted) = opened(&*s, d).await;
+    assert_eq!(
+        (v["email"].as_str(), redacted.len()),
+        (Some("alice@example.org"), 0)
+    );
+    // The same stored bytes as another event's payload.
+    let o = personal::open(&*s, "ce2", &d.payload)
+        .await
+        .expect("open")
+        .expect("envelopes");
+    let v: serde_json::Value = serde_json::from_slice(&o.payload).expect("json");
+    assert_eq!(v["email"], serde_json::Value::Null);
+    assert_eq!(o.redacted, vec!["/email", "/profile/name"]);
+    assert!(!contains(&o.payload, b"alice@example.org"));
+    // Not an envelope: sent as published.
+    assert_eq!(
+        personal::open(&*s, "ce3", br#"{"note":"lbenc:v1:hello"}"#)
+            .await
+            .expect("open"),
+        None
+    );
 }
