@@ -33,8 +33,8 @@
 //! | secret | `secret` | `whsec_` + standard base64 of 24 to 64 bytes |
 //! | event type | `name`, `aliases[i]` | an event type (as `type` above), not reserved; a name is one type's wire name or alias, never two |
 //! | event type | `aliases` | at most 20, none repeated, not the wire name |
-//! | event type | `description` | at most 1,024 characters |
-//! | event type | `schema` | a JSON Schema (draft 2020-12) that compiles, at most 64 KiB as JSON, no external `$ref` |
+//! | event type | `description` | at most 1,024 characters, no U+0000 |
+//! | event type | `schema` | a JSON Schema (draft 2020-12) that compiles, at most 64 KiB as JSON, no external `$ref`, a `$schema` (if any) of draft 2020-12 or 2019-09, no U+0000 in its strings and member names |
 //! | event | `payload` | satisfies its type's schema, if the catalog has one ([`crate::event_types`]) |
 //! | event | `type` | in the catalog, when the store-wide strict setting is on |
 //!
@@ -525,6 +525,13 @@ pub mod event_type {
     /// # Errors
     /// [`Rule::Length`] on `description`.
     pub fn description(d: &str) -> Result<(), Broken> {
+        if d.contains('\0') {
+            return Err(Broken::new(
+                "description",
+                Rule::Form,
+                "description must not contain U+0000".to_owned(),
+            ));
+        }
         let n = d.chars().count();
         if n > MAX_DESCRIPTION_CHARS {
             return Err(Broken::new(
@@ -558,6 +565,17 @@ pub mod event_type {
                 format!("schema is not a valid JSON Schema (draft 2020-12): {what}"),
             )
         };
+        if let Some(d) = s.get("$schema").and_then(serde_json::Value::as_str) {
+            if !DRAFTS.contains(&d.trim_end_matches('#')) {
+                return Err(broken(format!(
+                    "$schema {d:?} is not draft 2020-12 or 2019-09, the drafts lanebus \
+                     validates; drop $schema or migrate the schema"
+                )));
+            }
+        }
+        if has_nul(s) {
+            return Err(broken("a string or member name holds U+0000".to_owned()));
+        }
         if let Err(e) = jsonschema::draft202012::meta::validate(s) {
             let at = e.instance_path().as_str().to_owned();
             let at = if at.is_empty() { "/".to_owned() } else { at };
@@ -569,6 +587,27 @@ pub mod event_type {
         jsonschema::draft202012::new(s).map_err(|e| broken(tidy(&e.to_string())))?;
         crate::personal::Spec::derive(s)?;
         Ok(())
+    }
+
+    /// The `$schema` values a schema may declare (a trailing `#` aside):
+    /// the drafts the validator applies as they say. Others (draft-04, 06,
+    /// 07) would compile and check nothing of their own keywords' meaning.
+    const DRAFTS: [&str; 4] = [
+        "https://json-schema.org/draft/2020-12/schema",
+        "https://json-schema.org/draft/2019-09/schema",
+        "http://json-schema.org/draft/2020-12/schema",
+        "http://json-schema.org/draft/2019-09/schema",
+    ];
+
+    /// Whether a string or member name anywhere in `v` holds U+0000 (the
+    /// PostgreSQL store's `jsonb` cannot hold it).
+    fn has_nul(v: &serde_json::Value) -> bool {
+        match v {
+            serde_json::Value::String(x) => x.contains('\0'),
+            serde_json::Value::Array(a) => a.iter().any(has_nul),
+            serde_json::Value::Object(m) => m.iter().any(|(k, x)| k.contains('\0') || has_nul(x)),
+            _ => false,
+        }
     }
 
     /// The rule broken by a schema's personal-field marks
@@ -1674,6 +1713,27 @@ pub(crate) fn validate_secret(s: &str) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn event_type_schemas_declare_a_draft_we_apply_and_hold_no_nul() {
+        use serde_json::json;
+        let ok =
+            json!({"$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object"});
+        assert!(event_type::schema(&ok).is_ok());
+        for d in [
+            "http://json-schema.org/draft-07/schema#",
+            "http://json-schema.org/draft-04/schema",
+        ] {
+            let m = event_type::schema(&json!({"$schema": d, "required": ["a"]}))
+                .unwrap_err()
+                .message;
+            assert!(m.contains("2020-12 or 2019-09"), "{m}");
+        }
+        assert!(event_type::schema(&json!({"const": "a\u{0}b"})).is_err());
+        assert!(event_type::schema(&json!({"properties": {"a\u{0}": {}}})).is_err());
+        assert!(event_type::description("a\u{0}b").is_err());
+        assert!(event_type::description("fine").is_ok());
+    }
+
     use super::*;
 
     fn ev(id: Option<&str>, key: Option<&str>) -> NewEvent {
