@@ -164,7 +164,23 @@ pub struct Cell {
     /// built before this field runs such a cell without personal fields.
     #[serde(default)]
     pub personal: bool,
+    /// The type is cataloged with a JSON Schema that checks the payload's
+    /// fields ([`SCHEMA`]), so every publish validates it. Compare with
+    /// the same cell without it, in the same run.
+    #[serde(default)]
+    pub schema: bool,
 }
+
+/// The schema of a [`Cell::schema`] cell: what a publisher of
+/// `issues.opened` would check, every payload of the bench passing it.
+pub const SCHEMA: &str = r#"{
+  "type": "object",
+  "required": ["action", "body"],
+  "properties": {
+    "action": {"enum": ["opened", "closed", "reopened"]},
+    "body": {"type": "string", "maxLength": 65536}
+  }
+}"#;
 
 /// Distinct subjects of a [`Cell::personal`] cell's events.
 pub const PERSONAL_SUBJECTS: usize = 1000;
@@ -191,6 +207,7 @@ impl Default for Cell {
             nats_sink: false,
             nodes: 1,
             personal: false,
+            schema: false,
         }
     }
 }
@@ -557,6 +574,38 @@ pub fn full() -> Vec<Cell> {
             5000,
             Settings::Tuned,
         ),
+        mixed(
+            "pg-mixed-1000-ours",
+            "PostgreSQL mixed, 1,000/s, our defaults",
+            1000,
+            Settings::Ours,
+        ),
+        // Validation: against pg-publish-p8-b1 (quick set) and
+        // pg-publish-http-p8-b1 of the same run.
+        Cell {
+            schema: true,
+            ..publish(
+                "pg-publish-p8-b1-schema",
+                "PostgreSQL publish, P=8, batch 1, type with a schema",
+                8,
+                1,
+                1,
+                0,
+                Via::Store,
+            )
+        },
+        Cell {
+            schema: true,
+            ..publish(
+                "pg-publish-http-p8-b1-schema",
+                "PostgreSQL publish via HTTP, P=8, batch 1, type with a schema",
+                8,
+                1,
+                1,
+                0,
+                Via::Http,
+            )
+        },
         // Personal fields: against pg-publish-p8-b1 and pg-dispatch-1n-tuned
         // (quick set) of the same run.
         Cell {

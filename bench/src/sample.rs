@@ -328,6 +328,18 @@ async fn setup_personal(store: &dyn Store) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Catalogs `issues.opened` with [`crate::cells::SCHEMA`].
+async fn setup_schema(store: &dyn Store) -> anyhow::Result<()> {
+    store
+        .create_event_type(lanebus_store::NewEventType {
+            name: "issues.opened".into(),
+            schema: Some(serde_json::from_str(crate::cells::SCHEMA)?),
+            ..lanebus_store::NewEventType::default()
+        })
+        .await?;
+    Ok(())
+}
+
 const WARMUP: u8 = 0;
 const STEADY: u8 = 1;
 const DONE: u8 = 2;
@@ -418,6 +430,8 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
     };
     if cell.personal {
         setup_personal(&*setup).await?;
+    } else if cell.schema {
+        setup_schema(&*setup).await?;
     }
     let mut names: Vec<String> = Vec::new();
     let mut handler_idx: HashMap<String, u16> = HashMap::new();
@@ -1375,5 +1389,23 @@ mod tests {
         let plain = Gen::new(&Cell::default(), 3).batch(1).remove(0);
         let v: serde_json::Value = serde_json::from_slice(&plain.payload).unwrap();
         assert!(v.get("subject").is_none());
+    }
+
+    /// The schema cell's schema accepts every payload the bench sends and
+    /// refuses one that breaks it, so the cell pays for real validation.
+    #[tokio::test]
+    async fn schema_cells_validate_every_payload() {
+        let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
+        setup_schema(&store).await.unwrap();
+        let cell = Cell {
+            schema: true,
+            ..Cell::default()
+        };
+        let events = Gen::new(&cell, 2).batch(20);
+        store.publish(events).await.unwrap();
+        let mut bad = Gen::new(&cell, 2).batch(1);
+        bad[0].payload = br#"{"action":"deleted","body":"x"}"#.to_vec();
+        let err = store.publish(bad).await.unwrap_err();
+        assert!(err.to_string().contains("/action"), "{err}");
     }
 }
