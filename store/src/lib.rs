@@ -79,6 +79,7 @@ pub mod event_types;
 pub use event_types::{CatalogSettings, EventType, EventTypePatch, NewEventType};
 pub mod filter;
 pub use filter::Filter;
+mod json_span;
 pub mod operational;
 pub mod personal;
 mod state;
