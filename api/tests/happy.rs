@@ -440,6 +440,7 @@ async fn event_lookup_shows_each_handlers_delivery(app: TestApp) {
             error: None,
             duration_ms: 31,
             body: Some("{\"error\":\"database down\"}".into()),
+            body_withheld: false,
         }),
     };
     assert_eq!(store.reschedule(&[r]).await.expect("reschedule").len(), 1);
@@ -465,6 +466,7 @@ async fn event_lookup_shows_each_handlers_delivery(app: TestApp) {
             error: Some(lanebus_store::AttemptError::SsrfGuard),
             duration_ms: 0,
             body: None,
+            body_withheld: false,
         }),
     };
     assert_eq!(store.dead_letter(&[r]).await.expect("dead letter").len(), 1);
@@ -694,6 +696,7 @@ async fn handler_deliveries_page_each_state(app: TestApp) {
             error: None,
             duration_ms: 12,
             body: Some("no such route".into()),
+            body_withheld: false,
         }),
     };
     assert_eq!(store.dead_letter(&[r]).await.expect("dead letter").len(), 1);

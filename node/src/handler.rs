@@ -399,28 +399,46 @@ impl Dispatcher {
 
     /// The hand-over itself, the permit already held: the outcome and, for
     /// a failure, what its attempt log keeps (an in-process handler's
-    /// error: class `handler`, its message as the body).
+    /// error: class `handler`, its message as the body). When the payload
+    /// sent had personal fields decrypted, no body or handler message is
+    /// kept ([`AttemptDetail::withhold`]).
     async fn hand_over(
         &self,
         handler: &HandlerConfig,
         delivery: &Delivery,
         attempt: u32,
     ) -> (AttemptOutcome, AttemptDetail) {
-        let opened;
-        let (delivery, redacted) = match self.open(delivery).await {
-            Ok(None) => (delivery, &[][..]),
-            Ok(Some((d, r))) => {
-                opened = (d, r);
-                (&opened.0, &opened.1[..])
+        match self.open(delivery).await {
+            Ok(None) => self.send(handler, delivery, attempt, &[]).await,
+            Ok(Some(o)) => {
+                let mut d = delivery.clone();
+                d.payload = o.payload;
+                let sent = self.send(handler, &d, attempt, &o.redacted).await;
+                if o.decrypted == 0 {
+                    sent
+                } else {
+                    AttemptDetail::withhold(sent)
+                }
             }
             Err(e) => {
                 let failed = AttemptOutcome::Failed {
                     error: format!("personal fields: {e}"),
                     retry_after: None,
                 };
-                return (failed, AttemptDetail::error(AttemptError::Other));
+                (failed, AttemptDetail::error(AttemptError::Other))
             }
-        };
+        }
+    }
+
+    /// Sends `delivery` (its personal fields opened; `redacted`: those
+    /// sent as `null`) to `handler`'s destination.
+    async fn send(
+        &self,
+        handler: &HandlerConfig,
+        delivery: &Delivery,
+        attempt: u32,
+        redacted: &[String],
+    ) -> (AttemptOutcome, AttemptDetail) {
         if let Some(name) = in_process_name(&handler.url) {
             let Some(h) = self.in_process.get(name) else {
                 let failed = AttemptOutcome::Failed {
@@ -463,24 +481,16 @@ impl Dispatcher {
             .await
     }
 
-    /// `delivery` with its personal fields decrypted, and the pointers of
-    /// those sent as `null`; `None` when it has none to open (or no keys
-    /// are configured).
+    /// `delivery`'s payload with its personal fields decrypted; `None`
+    /// when it has none to open (or no keys are configured).
     async fn open(
         &self,
         delivery: &Delivery,
-    ) -> Result<Option<(Delivery, Vec<String>)>, lanebus_store::StoreError> {
+    ) -> Result<Option<lanebus_store::personal::Opened>, lanebus_store::StoreError> {
         let Some(store) = &self.keys else {
             return Ok(None);
         };
-        let Some(o) =
-            lanebus_store::personal::open(&**store, &delivery.event_id, &delivery.payload).await?
-        else {
-            return Ok(None);
-        };
-        let mut d = delivery.clone();
-        d.payload = o.payload;
-        Ok(Some((d, o.redacted)))
+        lanebus_store::personal::open(&**store, &delivery.event_id, &delivery.payload).await
     }
 }
 
@@ -539,6 +549,7 @@ pub fn failed_attempt(
         error: detail.error,
         duration_ms,
         body: detail.body,
+        body_withheld: detail.body_withheld,
     }
 }
 

@@ -646,6 +646,9 @@ pub struct Opened {
     /// Pointers of the fields sent as `null` because their subject's key
     /// is gone (header `lanebus-redacted`), in payload order.
     pub redacted: Vec<String>,
+    /// How many fields were decrypted (the payload holds personal values
+    /// in clear when not 0: what a receiver answers may quote them).
+    pub decrypted: usize,
 }
 
 /// The payload of event `event_id` with its encrypted fields decrypted:
@@ -702,6 +705,7 @@ pub async fn open<S: Store + ?Sized>(
     }
     let mut redacted = Vec::new();
     let mut edits = Vec::with_capacity(found.len());
+    let decrypted = found.len();
     for (pointer, range, subject, sealed) in found {
         let plain = keys
             .get(&subject)
@@ -717,6 +721,7 @@ pub async fn open<S: Store + ?Sized>(
     }
     Ok(Some(Opened {
         payload: crate::json_span::splice(payload, &edits).into(),
+        decrypted: decrypted - redacted.len(),
         redacted,
     }))
 }

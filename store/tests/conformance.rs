@@ -5758,6 +5758,7 @@ fn failed(
         error,
         duration_ms: u64::from(attempt) * 10,
         body: FailedAttempt::body_prefix(body.as_bytes()),
+        body_withheld: false,
     }
 }
 
