@@ -413,10 +413,70 @@ async fn personal_fields_need_a_subject_a_master_key_and_erase_per_subject(app: 
     assert_eq!(res.json["error"]["code"], "invalid_input");
 }
 
+/// Issue 15 finding: a personal property whose name holds CR/LF (or
+/// another control character) became a pointer in the `lanebus-redacted`
+/// header, breaking it. Such marks are refused with `422` naming the
+/// field, on create and on update; the name without a mark is fine.
+async fn a_personal_field_named_with_a_control_character_is_refused(app: TestApp) {
+    let schema = |name: &str, personal: bool| {
+        json!({"x-lanebus-subject": "/user", "properties": {
+            "user": {"type": "string"},
+            "profile": {"properties": {name: {"type": "string", "x-lanebus-personal": personal}}}}})
+    };
+    for name in [
+        "e\r\nmail",
+        "tab\there",
+        "bell\u{7}",
+        "del\u{7f}",
+        "c1\u{85}",
+    ] {
+        let res = app
+            .post(
+                "/v1/event-types",
+                json!({"name": "user.seen", "schema": schema(name, true)}),
+            )
+            .await;
+        assert_eq!(
+            res.status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{name:?}: {res:?}"
+        );
+        assert_eq!(res.json["error"]["code"], "invalid_input", "{res:?}");
+        let message = res.json["error"]["message"].as_str().unwrap_or_default();
+        let pointer = format!("/profile/{name}");
+        assert!(
+            message.contains(&format!("{pointer:?}")),
+            "{message} names {pointer:?}"
+        );
+    }
+    let res = app
+        .post(
+            "/v1/event-types",
+            json!({"name": "user.seen", "schema": schema("e\r\nmail", false)}),
+        )
+        .await;
+    assert_eq!(res.status, StatusCode::CREATED, "{res:?}");
+    let res = send(
+        &app,
+        Method::PATCH,
+        "/v1/event-types/user.seen",
+        json!({"schema": schema("e\r\nmail", true)}),
+    )
+    .await;
+    assert_eq!(res.status, StatusCode::UNPROCESSABLE_ENTITY, "{res:?}");
+    assert!(
+        res.json["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains(r#""/profile/e\r\nmail""#)),
+        "{res:?}"
+    );
+}
+
 on_every_backend!(
     event_types_are_created_listed_renamed_and_deprecated,
     a_payload_breaking_its_schema_refuses_the_batch,
     the_strict_setting_refuses_uncataloged_types,
     openapi_webhooks_list_each_cataloged_type,
     personal_fields_need_a_subject_a_master_key_and_erase_per_subject,
+    a_personal_field_named_with_a_control_character_is_refused,
 );

@@ -496,9 +496,31 @@ impl Dispatcher {
 
 /// The value of header `lanebus-redacted`: the pointers of personal fields
 /// sent as `null` (their subject's key was deleted), comma-separated;
-/// `None` when there are none.
+/// `None` when there are none. Each pointer is percent-encoded (its UTF-8
+/// bytes, as in a URI fragment, RFC 6901 section 6) where it is not
+/// visible ASCII, and at `%` and `,`: always a valid header value, one
+/// that splits at its commas. Types created since control characters in
+/// personal names are refused only need it for non-ASCII names, `%`, `,`
+/// and spaces.
 pub(crate) fn redacted_header(redacted: &[String]) -> Option<String> {
-    (!redacted.is_empty()).then(|| redacted.join(","))
+    use std::fmt::Write as _;
+    if redacted.is_empty() {
+        return None;
+    }
+    let mut out = String::new();
+    for (i, p) in redacted.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        for b in p.bytes() {
+            if b.is_ascii_graphic() && b != b'%' && b != b',' {
+                out.push(char::from(b));
+            } else {
+                let _ = write!(out, "%{b:02X}");
+            }
+        }
+    }
+    Some(out)
 }
 
 /// A failed broker attempt (NATS, Kafka): its outcome, with `error` as the
@@ -593,6 +615,33 @@ mod tests {
     use super::*;
     use lanebus_store::Epoch;
     use tokio::sync::Notify;
+
+    /// Issue 15 finding: a pointer with CR/LF (a property name with a
+    /// control character, stored before such marks were refused) broke
+    /// the header. Every value is a valid header value, each pointer
+    /// percent-encoded where it is not visible ASCII, or `%` or `,`.
+    #[test]
+    fn the_redacted_header_is_always_a_valid_header_value() {
+        let pointers: Vec<String> = [
+            "/email",
+            "/e\r\nmail",
+            "/a,b",
+            "/50%",
+            "/caf\u{e9}",
+            "/t\tx y",
+            "/\u{7f}",
+        ]
+        .iter()
+        .map(|p| p.to_string())
+        .collect();
+        let value = redacted_header(&pointers).expect("a value");
+        assert_eq!(
+            value,
+            "/email,/e%0D%0Amail,/a%2Cb,/50%25,/caf%C3%A9,/t%09x%20y,/%7F"
+        );
+        assert!(reqwest::header::HeaderValue::from_str(&value).is_ok());
+        assert_eq!(redacted_header(&[]), None);
+    }
 
     /// Counts calls and holds each until released.
     struct Gate {
