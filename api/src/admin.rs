@@ -13,6 +13,7 @@
 //!        200 {"ok": true} | 409 conflict | 503 not_ready
 //! POST /admin/cluster/remove {"id"}            200 {"ok": true} | 409 | 503
 //! GET  /admin/handlers                        200 {"handlers": [...], "dead_letters_exact": bool}
+//!        (each: state, routes, payload filter, dead-letter count)
 //! GET  /admin/handlers/{id}/activity          200 HandlerActivity | 404 not_found
 //! ```
 //!
@@ -41,7 +42,7 @@ use utoipa::{IntoParams, ToSchema};
 
 use crate::error::{ApiError, ErrorCode};
 use crate::extract::{Json, Path, Query};
-use crate::handlers::{check_handler_id, not_found, HandlerStateView, RateLimitView};
+use crate::handlers::{check_handler_id, not_found, FilterView, HandlerStateView, RateLimitView};
 use crate::{
     ApiState, ClusterChangeError, ClusterView, HandlerActivity, JoinRequest, LaneView,
     RemoveRequest, ACTIVITY_INTERVAL_S, ACTIVITY_WINDOW_S,
@@ -486,6 +487,9 @@ pub(crate) struct HandlerSummary {
     failing_since: Option<DateTime<Utc>>,
     /// Requests per second per node and burst, `null` when unlimited.
     rate_limit: Option<RateLimitView>,
+    /// Payload filter (as in `GET /v1/handlers/{id}`), `null` when the
+    /// handler has none.
+    filter: Option<FilterView>,
     /// Dead letters of this handler (a lower bound when
     /// `dead_letters_exact` is `false`).
     dead_letters: u64,
@@ -548,6 +552,7 @@ pub(crate) async fn handler_summaries(
                 state_reason: h.state_reason,
                 failing_since: h.failing_since,
                 rate_limit: h.rate_limit.map(Into::into),
+                filter: h.filter.as_ref().map(|f| FilterView(f.to_json())),
             })
             .collect(),
         dead_letters_exact: exact,

@@ -136,8 +136,13 @@ pub struct AttemptView {
     pub duration_ms: u64,
     /// The first 1,024 bytes of the response body (cut back to a UTF-8
     /// character boundary, invalid bytes replaced by U+FFFD), or an
-    /// in-process handler's error message; `null` when empty.
+    /// in-process handler's error message; `null` when empty or withheld.
     pub body: Option<String>,
+    /// `true` when the body (or the in-process handler's message) was not
+    /// kept because the payload sent carried personal fields in clear: a
+    /// receiver quoting them would leave them in the store past the
+    /// subject's erasure (`DELETE /v1/subjects/{id}`).
+    pub body_withheld: bool,
 }
 
 impl From<FailedAttempt> for AttemptView {
@@ -150,6 +155,7 @@ impl From<FailedAttempt> for AttemptView {
             error,
             duration_ms,
             body,
+            body_withheld,
         } = f;
         AttemptView {
             attempt,
@@ -158,6 +164,7 @@ impl From<FailedAttempt> for AttemptView {
             error: error.map(Into::into),
             duration_ms,
             body,
+            body_withheld,
         }
     }
 }

@@ -118,6 +118,10 @@ pub(crate) async fn serve(State(state): State<ApiState>) -> Result<Response, Api
 /// `{"type": <wire name>, "timestamp": <publish time>, "data": <payload>}`,
 /// `data` being the type's schema (any JSON without one). Receivers can
 /// generate their handlers from it.
+///
+/// A schema's local references (`"$ref": "#/$defs/money"`, `"#"`) named
+/// its own root; embedded, `#` is the OpenAPI document, so they are
+/// rewritten to the schema's place in it ([`embed_schema`]).
 pub fn webhooks(types: &[EventType]) -> serde_json::Value {
     let header = |name: &str, description: &str| {
         serde_json::json!({
@@ -135,7 +139,15 @@ pub fn webhooks(types: &[EventType]) -> serde_json::Value {
         ),
     ]);
     let entries = types.iter().map(|t| {
-        let data = t.schema.clone().unwrap_or_else(|| serde_json::json!({}));
+        let at = format!(
+            "/webhooks/{}/post/requestBody/content/{}/schema/properties/data",
+            pointer_token(&t.name),
+            pointer_token(JSON)
+        );
+        let data = t
+            .schema
+            .clone()
+            .map_or_else(|| serde_json::json!({}), |s| embed_schema(s, &at));
         let body = serde_json::json!({
             "type": "object",
             "required": ["type", "timestamp", "data"],
@@ -169,6 +181,82 @@ pub fn webhooks(types: &[EventType]) -> serde_json::Value {
         (t.name.clone(), serde_json::json!({ "post": operation }))
     });
     serde_json::Value::Object(entries.collect())
+}
+
+/// `schema` ready to stand at JSON pointer `at` of a larger document: each
+/// `$ref` and `$dynamicRef` of its root resource that is a JSON pointer
+/// fragment (`#`, `#/...`) is prefixed with `at` (percent-encoded as a URI
+/// fragment, RFC 3986), and a root `$id` is dropped (it would make those
+/// references resolve against it instead). Subschemas with their own `$id`
+/// are resources of their own, whose references stay as they are, and so
+/// are values that are data, not schemas (`const`, `enum`, `default`,
+/// `examples`).
+pub fn embed_schema(mut schema: serde_json::Value, at: &str) -> serde_json::Value {
+    if let Some(root) = schema.as_object_mut() {
+        root.remove("$id");
+    }
+    let prefix = format!("#{}", fragment(at));
+    rewrite_refs(&mut schema, &prefix, true);
+    schema
+}
+
+fn rewrite_refs(v: &mut serde_json::Value, prefix: &str, root: bool) {
+    match v {
+        serde_json::Value::Object(m) => {
+            if !root && m.contains_key("$id") {
+                return;
+            }
+            for (k, x) in m.iter_mut() {
+                match (k.as_str(), x) {
+                    ("const" | "enum" | "default" | "examples", _) => {}
+                    ("$ref" | "$dynamicRef", serde_json::Value::String(r)) => {
+                        if let Some(rest) = r.strip_prefix('#') {
+                            if rest.is_empty() || rest.starts_with('/') {
+                                *r = format!("{prefix}{rest}");
+                            }
+                        }
+                    }
+                    // Maps of names to schemas: a property may be named
+                    // `const` or `$ref`.
+                    (
+                        "properties" | "patternProperties" | "$defs" | "definitions"
+                        | "dependentSchemas",
+                        serde_json::Value::Object(named),
+                    ) => {
+                        for s in named.values_mut() {
+                            rewrite_refs(s, prefix, false);
+                        }
+                    }
+                    (_, x) => rewrite_refs(x, prefix, false),
+                }
+            }
+        }
+        serde_json::Value::Array(a) => {
+            for x in a {
+                rewrite_refs(x, prefix, false);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// `name` as a JSON pointer token (RFC 6901).
+fn pointer_token(name: &str) -> String {
+    name.replace('~', "~0").replace('/', "~1")
+}
+
+/// A JSON pointer as a URI fragment: bytes outside RFC 3986's `fragment`
+/// characters percent-encoded.
+fn fragment(pointer: &str) -> String {
+    let mut out = String::with_capacity(pointer.len());
+    for b in pointer.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@/?".contains(&b) {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
 }
 
 /// Collects component schemas while operations reference them.
@@ -994,6 +1082,36 @@ mod tests {
 
     fn doc() -> serde_json::Value {
         serde_json::from_slice(document_json()).expect("the document is JSON")
+    }
+
+    #[test]
+    fn embedded_schemas_point_their_local_refs_at_their_new_place() {
+        let schema = serde_json::json!({
+            "$id": "https://example.org/s.json",
+            "properties": {
+                "const": {"$ref": "#/$defs/a"},
+                "b": {"$ref": "#"},
+                "c": {"$ref": "other.json#/x"},
+                "d": {"$ref": "#anchor"},
+                "e": {"const": {"$ref": "#/$defs/a"}},
+                "f": {"$id": "https://example.org/f.json", "$ref": "#/$defs/g"}
+            },
+            "$defs": {"a": {"items": [{"$dynamicRef": "#/$defs/a"}]}}
+        });
+        let got = embed_schema(schema, "/webhooks/a b/x~1y");
+        let p = "#/webhooks/a%20b/x~1y";
+        assert_eq!(got.get("$id"), None);
+        let props = &got["properties"];
+        assert_eq!(props["const"]["$ref"], format!("{p}/$defs/a"));
+        assert_eq!(props["b"]["$ref"], p);
+        assert_eq!(props["c"]["$ref"], "other.json#/x");
+        assert_eq!(props["d"]["$ref"], "#anchor");
+        assert_eq!(props["e"]["const"]["$ref"], "#/$defs/a");
+        assert_eq!(props["f"]["$ref"], "#/$defs/g");
+        assert_eq!(
+            got["$defs"]["a"]["items"][0]["$dynamicRef"],
+            format!("{p}/$defs/a")
+        );
     }
 
     fn pairs_of_doc(doc: &serde_json::Value) -> BTreeSet<(String, String, String)> {

@@ -248,6 +248,9 @@ async fn openapi_webhooks_list_each_cataloged_type(app: TestApp) {
             "properties": {"id": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
             "$defs": {"unused": {"type": "null"}}
         }}),
+        // Local `$ref`s, which once embedded must name where the schema
+        // now lives; a `const` that looks like one is data, left alone.
+        json!({"name": "invoice.sent", "schema": invoice_schema()}),
     ] {
         let res = app.post("/v1/event-types", body).await;
         assert_eq!(res.status, StatusCode::CREATED, "{res:?}");
@@ -259,23 +262,86 @@ async fn openapi_webhooks_list_each_cataloged_type(app: TestApp) {
     let doc = res.json;
     let hooks = doc["webhooks"].as_object().expect("webhooks");
     let names: Vec<&str> = hooks.keys().map(String::as_str).collect();
-    assert_eq!(names, vec!["order.noted", "order.paid", "user.created"]);
+    assert_eq!(
+        names,
+        vec!["invoice.sent", "order.noted", "order.paid", "user.created"]
+    );
     for t in app.store.list_event_types().await.expect("list") {
         let op = &hooks[&t.name]["post"];
         let body = &op["requestBody"]["content"]["application/json"]["schema"];
         assert_eq!(body["properties"]["type"]["const"], t.name.as_str());
-        assert_eq!(
-            body["properties"]["data"],
-            t.schema.clone().unwrap_or_else(|| json!({})),
-            "{}",
-            t.name
-        );
+        if t.name != "invoice.sent" {
+            assert_eq!(
+                body["properties"]["data"],
+                t.schema.clone().unwrap_or_else(|| json!({})),
+                "{}",
+                t.name
+            );
+        }
         assert_eq!(body["required"], json!(["type", "timestamp", "data"]));
         assert_eq!(op["deprecated"], t.deprecated);
     }
+    // Every local `$ref` of the invoice resolves in the served document,
+    // to what it named in the type's own schema.
+    let data = &hooks["invoice.sent"]["post"]["requestBody"]["content"]["application/json"]
+        ["schema"]["properties"]["data"];
+    let money = &invoice_schema()["$defs"]["money"];
+    for (at, want) in [
+        ("/properties/total/$ref", money),
+        ("/properties/lines/items/$ref", money),
+        // `#`: the whole schema, as embedded.
+        ("/properties/tree/properties/children/items/$ref", data),
+    ] {
+        let r = data
+            .pointer(at)
+            .and_then(Value::as_str)
+            .unwrap_or_else(|| panic!("no $ref at {at}: {data}"));
+        let target = resolve(&doc, r).unwrap_or_else(|| panic!("{r} does not resolve"));
+        assert_eq!(target, want, "{r}");
+    }
+    assert_eq!(
+        data["properties"]["note"]["const"],
+        json!({"$ref": "#/$defs/money"})
+    );
     // The paths are the route table's still.
     assert_eq!(doc["paths"], common::document()["paths"]);
     validate_openapi(&doc);
+}
+
+/// A schema with local `$ref`s (`#/$defs/...`, `#`).
+fn invoice_schema() -> Value {
+    json!({
+        "type": "object",
+        "$defs": {"money": {"type": "object", "required": ["amount"],
+                            "properties": {"amount": {"type": "number"}}}},
+        "properties": {
+            "total": {"$ref": "#/$defs/money"},
+            "lines": {"type": "array", "items": {"$ref": "#/$defs/money"}},
+            "tree": {"type": "object", "properties": {
+                "children": {"type": "array", "items": {"$ref": "#"}}}},
+            "note": {"const": {"$ref": "#/$defs/money"}}
+        }
+    })
+}
+
+/// The value a document-local `$ref` (`#<JSON pointer>`, percent-encoded
+/// as a URI fragment) names in `doc`.
+fn resolve<'a>(doc: &'a Value, r: &str) -> Option<&'a Value> {
+    let fragment = r.strip_prefix('#')?;
+    let mut pointer = Vec::new();
+    let bytes = fragment.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
+            pointer.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            pointer.push(bytes[i]);
+            i += 1;
+        }
+    }
+    doc.pointer(&String::from_utf8(pointer).ok()?)
 }
 
 /// Personal fields over HTTP: marks without a subject are `422`, a
@@ -347,10 +413,70 @@ async fn personal_fields_need_a_subject_a_master_key_and_erase_per_subject(app: 
     assert_eq!(res.json["error"]["code"], "invalid_input");
 }
 
+/// Issue 15 finding: a personal property whose name holds CR/LF (or
+/// another control character) became a pointer in the `lanebus-redacted`
+/// header, breaking it. Such marks are refused with `422` naming the
+/// field, on create and on update; the name without a mark is fine.
+async fn a_personal_field_named_with_a_control_character_is_refused(app: TestApp) {
+    let schema = |name: &str, personal: bool| {
+        json!({"x-lanebus-subject": "/user", "properties": {
+            "user": {"type": "string"},
+            "profile": {"properties": {name: {"type": "string", "x-lanebus-personal": personal}}}}})
+    };
+    for name in [
+        "e\r\nmail",
+        "tab\there",
+        "bell\u{7}",
+        "del\u{7f}",
+        "c1\u{85}",
+    ] {
+        let res = app
+            .post(
+                "/v1/event-types",
+                json!({"name": "user.seen", "schema": schema(name, true)}),
+            )
+            .await;
+        assert_eq!(
+            res.status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{name:?}: {res:?}"
+        );
+        assert_eq!(res.json["error"]["code"], "invalid_input", "{res:?}");
+        let message = res.json["error"]["message"].as_str().unwrap_or_default();
+        let pointer = format!("/profile/{name}");
+        assert!(
+            message.contains(&format!("{pointer:?}")),
+            "{message} names {pointer:?}"
+        );
+    }
+    let res = app
+        .post(
+            "/v1/event-types",
+            json!({"name": "user.seen", "schema": schema("e\r\nmail", false)}),
+        )
+        .await;
+    assert_eq!(res.status, StatusCode::CREATED, "{res:?}");
+    let res = send(
+        &app,
+        Method::PATCH,
+        "/v1/event-types/user.seen",
+        json!({"schema": schema("e\r\nmail", true)}),
+    )
+    .await;
+    assert_eq!(res.status, StatusCode::UNPROCESSABLE_ENTITY, "{res:?}");
+    assert!(
+        res.json["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains(r#""/profile/e\r\nmail""#)),
+        "{res:?}"
+    );
+}
+
 on_every_backend!(
     event_types_are_created_listed_renamed_and_deprecated,
     a_payload_breaking_its_schema_refuses_the_batch,
     the_strict_setting_refuses_uncataloged_types,
     openapi_webhooks_list_each_cataloged_type,
     personal_fields_need_a_subject_a_master_key_and_erase_per_subject,
+    a_personal_field_named_with_a_control_character_is_refused,
 );

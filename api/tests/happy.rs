@@ -440,6 +440,7 @@ async fn event_lookup_shows_each_handlers_delivery(app: TestApp) {
             error: None,
             duration_ms: 31,
             body: Some("{\"error\":\"database down\"}".into()),
+            body_withheld: false,
         }),
     };
     assert_eq!(store.reschedule(&[r]).await.expect("reschedule").len(), 1);
@@ -465,6 +466,7 @@ async fn event_lookup_shows_each_handlers_delivery(app: TestApp) {
             error: Some(lanebus_store::AttemptError::SsrfGuard),
             duration_ms: 0,
             body: None,
+            body_withheld: false,
         }),
     };
     assert_eq!(store.dead_letter(&[r]).await.expect("dead letter").len(), 1);
@@ -502,7 +504,8 @@ async fn event_lookup_shows_each_handlers_delivery(app: TestApp) {
              "completed_at": null, "failed_at": null,
              "attempt_log": [{"attempt": 1, "at": "2026-05-28T20:26:40.250Z", "status": 500,
                               "error": null, "duration_ms": 31,
-                              "body": "{\"error\":\"database down\"}"}]},
+                              "body": "{\"error\":\"database down\"}",
+                              "body_withheld": false}]},
             {"handler_id": done, "handler_name": "done", "state": "completed",
              "attempts": 2, "next_attempt_at": null, "last_error": null,
              "completed_at": "checked", "failed_at": null, "attempt_log": []},
@@ -510,7 +513,8 @@ async fn event_lookup_shows_each_handlers_delivery(app: TestApp) {
              "attempts": 3, "next_attempt_at": null, "last_error": "HTTP 404",
              "completed_at": null, "failed_at": "checked",
              "attempt_log": [{"attempt": 3, "at": "2026-05-28T20:26:40.250Z", "status": null,
-                              "error": "ssrf_guard", "duration_ms": 0, "body": null}]},
+                              "error": "ssrf_guard", "duration_ms": 0, "body": null,
+                              "body_withheld": false}]},
         ]
     });
     // Entries come by handler id; handler ids are UUIDv7s in creation
@@ -694,6 +698,7 @@ async fn handler_deliveries_page_each_state(app: TestApp) {
             error: None,
             duration_ms: 12,
             body: Some("no such route".into()),
+            body_withheld: false,
         }),
     };
     assert_eq!(store.dead_letter(&[r]).await.expect("dead letter").len(), 1);
@@ -763,7 +768,7 @@ async fn handler_deliveries_page_each_state(app: TestApp) {
     assert_eq!(
         dead[0]["attempt_log"],
         json!([{"attempt": 4, "at": "2026-05-28T20:26:40Z", "status": 404, "error": null,
-                "duration_ms": 12, "body": "no such route"}])
+                "duration_ms": 12, "body": "no such route", "body_withheld": false}])
     );
 
     let res = app.get(&format!("{base}?state=completed&limit=1000")).await;

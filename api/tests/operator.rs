@@ -200,12 +200,26 @@ fn dashboard_script_and_page_fit_together() {
             fetched += 1;
         }
     }
-    // The three polled paths, the event, the deliveries, the activity.
-    assert_eq!(fetched, 6);
-    // The grid cells carry what a browser test asserts on.
-    for attr in ["data-lane", "`lane-${i}`", "dataset.owner", "dataset.epoch"] {
+    // The three polled paths, the event, the deliveries, the activity,
+    // the event-type catalog.
+    assert_eq!(fetched, 7);
+    // The grid cells carry what a browser test asserts on; a handler's row
+    // and page show its payload filter (issue 15).
+    for attr in [
+        "data-lane",
+        "`lane-${i}`",
+        "dataset.owner",
+        "dataset.epoch",
+        "\"data-filter\"",
+        "filterText(h.filter)",
+    ] {
         assert!(js.contains(attr), "{attr}");
     }
+}
+
+/// The filter `GET /v1/handlers/{id}` answers for handler `id`.
+async fn res_filter(app: &TestApp, id: &str) -> Value {
+    app.get(&format!("/v1/handlers/{id}")).await.json["filter"].clone()
 }
 
 async fn handler_summaries_count_dead_letters_without_secrets(app: TestApp) {
@@ -219,6 +233,15 @@ async fn handler_summaries_count_dead_letters_without_secrets(app: TestApp) {
     );
     let failing = app.create_handler("failing", &["dl.*"]).await;
     let quiet = app.create_handler("quiet", &["zz.*"]).await;
+    let filter = json!({"and": [{"path": "/total", "gte": 100}, {"path": "/cc", "in": ["DE"]}]});
+    let res = app
+        .post(
+            "/v1/handlers",
+            json!({"name": "filtered", "url": "http://127.0.0.1:9/hook",
+                   "event_types": ["zz.*"], "filter": filter}),
+        )
+        .await;
+    assert_eq!(res.status, StatusCode::CREATED, "{res:?}");
     assert_eq!(app.make_dead_letters("dl.x", "k", 3).await, 3);
 
     let res = app.get("/admin/handlers").await;
@@ -226,14 +249,17 @@ async fn handler_summaries_count_dead_letters_without_secrets(app: TestApp) {
     assert_eq!(res.json["dead_letters_exact"], true);
     let handlers = res.json["handlers"].as_array().expect("handlers");
     let ids: Vec<&str> = handlers.iter().filter_map(|h| h["id"].as_str()).collect();
-    assert_eq!(ids, [failing.as_str(), quiet.as_str()]);
+    assert_eq!(&ids[..2], [failing.as_str(), quiet.as_str()]);
     assert_eq!(
         handlers[0],
         json!({"id": failing, "name": "failing", "url": "http://127.0.0.1:9/hook",
                "event_types": ["dl.*"], "state": "enabled", "state_reason": null,
-               "failing_since": null, "rate_limit": null, "dead_letters": 3})
+               "failing_since": null, "rate_limit": null, "filter": null, "dead_letters": 3})
     );
     assert_eq!(handlers[1]["dead_letters"], 0);
+    // The operator sees what a handler lets through (issue 15).
+    assert_eq!(handlers[2]["filter"], res_filter(&app, &ids[2]).await);
+    assert_eq!(handlers[2]["filter"], filter);
     assert!(handlers.iter().all(|h| h.get("secret").is_none()));
     assert!(!String::from_utf8_lossy(&res.bytes).contains("whsec_"));
 

@@ -13,6 +13,7 @@
 (() => {
   const POLL_MS = 1000;
   const TIMEOUT_MS = 5000;
+  const CATALOG_MS = 10000;
 
   const $ = (id) => document.getElementById(id);
   const lanesEl = $("lanes");
@@ -282,6 +283,20 @@
     return s;
   }
 
+  // A payload filter on one line, "/total ≥ 100 and /cc in ["DE"]"; "–"
+  // when the handler has none (it gets every event its routes match).
+  const FILTER_OPS = { equals: "=", in: "in", gt: ">", gte: "≥", lt: "<", lte: "≤" };
+  function filterText(f) {
+    if (f == null) return "–";
+    const group = (xs, op) => xs.map((x) => (x.and || x.or ? `(${filterText(x)})` : filterText(x))).join(` ${op} `);
+    if (f.and) return group(f.and, "and");
+    if (f.or) return group(f.or, "or");
+    if (f.not) return `not (${filterText(f.not)})`;
+    const op = Object.keys(f).find((k) => k !== "path");
+    if (op === "exists") return `${f.path} ${f.exists ? "exists" : "missing"}`;
+    return `${f.path} ${FILTER_OPS[op] || op} ${JSON.stringify(f[op])}`;
+  }
+
   function renderHandlers(h) {
     handlers = new Map(h.handlers.map((x) => [x.id, x]));
     if (view.name === "handler") renderHandlerMeta();
@@ -289,7 +304,12 @@
     body.replaceChildren();
     $("handlers-empty").hidden = h.handlers.length > 0;
     for (const x of h.handlers) {
-      const tr = el("tr", null, { "data-handler": x.id, "data-state": x.state, "data-dead-letters": String(x.dead_letters) });
+      const tr = el("tr", null, {
+        "data-handler": x.id,
+        "data-state": x.state,
+        "data-dead-letters": String(x.dead_letters),
+        "data-filter": x.filter == null ? "" : JSON.stringify(x.filter),
+      });
       const count = `${h.dead_letters_exact ? "" : "≥"}${x.dead_letters}`;
       const dl = el("td", null, { class: x.dead_letters > 0 ? "num has-dead" : "num" });
       if (x.dead_letters > 0) {
@@ -300,9 +320,45 @@
         el("td", x.id, { class: "mono" }),
         el("td", handlerState(x), { class: x.state === "enabled" ? "" : "disabled" }),
         el("td", x.event_types.join(", "), { class: "mono" }),
+        el("td", filterText(x.filter), { class: "mono" }),
         dl,
       );
       body.append(tr);
+    }
+  }
+
+  // The event-type catalog: wire names, aliases, schema, personal fields.
+  function renderEventTypes(types) {
+    const body = $("event-types").tBodies[0];
+    body.replaceChildren();
+    $("event-types-empty").hidden = types.length > 0;
+    for (const t of types) {
+      const notes = [
+        t.schema ? "schema" : "no schema",
+        t.schema && t.schema["x-lanebus-subject"] ? "personal fields" : "",
+        t.deprecated ? "deprecated" : "",
+      ];
+      const tr = el("tr", null, { "data-event-type": t.name, "data-deprecated": String(t.deprecated) });
+      tr.append(
+        el("th", t.name, { scope: "row", class: "mono" }),
+        el("td", t.aliases.length ? t.aliases.join(", ") : "–", { class: "mono" }),
+        el("td", notes.filter(Boolean).join(" · ")),
+        el("td", t.description || ""),
+      );
+      body.append(tr);
+    }
+  }
+
+  // The catalog changes rarely: read every CATALOG_MS, not every poll.
+  let catalogAt = 0;
+  async function pollCatalog() {
+    if (Date.now() - catalogAt < CATALOG_MS) return;
+    catalogAt = Date.now();
+    try {
+      renderEventTypes((await get("../v1/event-types")).event_types);
+      showError("event-types-error", null);
+    } catch (e) {
+      showError("event-types-error", e);
     }
   }
 
@@ -468,7 +524,7 @@
     const h = handlers.get(view.id);
     $("handler-name").textContent = h ? h.name : "";
     $("handler-meta").textContent = h
-      ? `${handlerState(h)} · routes ${h.event_types.join(", ")} · ${h.url} · dead letters ${h.dead_letters}`
+      ? `${handlerState(h)} · routes ${h.event_types.join(", ")} · filter ${filterText(h.filter)} · ${h.url} · dead letters ${h.dead_letters}`
       : "";
   }
 
@@ -677,6 +733,7 @@
         renderLanes(l.lanes);
         renderCluster(c);
         renderHandlers(h);
+        pollCatalog();
         const now = new Date();
         document.body.dataset.updated = now.toISOString();
         setStatus("ok", `live · updated ${now.toLocaleTimeString()}`);

@@ -310,13 +310,13 @@ pub fn handlers_table(body: &Value) -> String {
     let exact = body["dead_letters_exact"] != false;
     let (header, widths): (&str, &[i16]) = if counted {
         (
-            "ID NAME STATE RATE DEAD_LETTERS EVENT_TYPES URL",
-            &[36, 16, 18, 10, -12, 24, 0],
+            "ID NAME STATE RATE DEAD_LETTERS EVENT_TYPES FILTER URL",
+            &[36, 16, 18, 10, -12, 24, 24, 0],
         )
     } else {
         (
-            "ID NAME STATE RATE EVENT_TYPES URL",
-            &[36, 16, 18, 10, 24, 0],
+            "ID NAME STATE RATE EVENT_TYPES FILTER URL",
+            &[36, 16, 18, 10, 24, 24, 0],
         )
     };
     let rows = body["handlers"].as_array().into_iter().flatten().map(|h| {
@@ -337,7 +337,12 @@ pub fn handlers_table(body: &Value) -> String {
             let at_least = if exact { "" } else { ">=" };
             cells.push(format!("{at_least}{}", text(&h["dead_letters"])));
         }
-        cells.extend([text(&h["event_types"]), text(&h["url"])]);
+        // The payload filter as compact JSON; `-` for none.
+        let filter = match &h["filter"] {
+            Value::Null => "-".to_owned(),
+            f => f.to_string(),
+        };
+        cells.extend([text(&h["event_types"]), filter, text(&h["url"])]);
         cells
     });
     grid(header, widths, rows)
@@ -392,7 +397,8 @@ mod tests {
             {"id": "hdl_2", "name": "b", "url": "http://y", "event_types": ["*"], "state": "disabled",
              "state_reason": "gone", "failing_since": null, "rate_limit": {"per_second": 5, "burst": 5}, "dead_letters": 0},
             {"id": "hdl_3", "name": "c", "url": "http://z", "event_types": ["*"], "state": "enabled",
-             "state_reason": null, "failing_since": "2026-01-01T00:00:00Z", "rate_limit": null, "dead_letters": 0}]});
+             "state_reason": null, "failing_since": "2026-01-01T00:00:00Z", "rate_limit": null, "dead_letters": 0,
+             "filter": {"path": "/n", "gt": 1}}]});
         let t = handlers_table(&h);
         assert!(
             t.contains(">=3") && t.contains("a.*,b") && t.contains("DEAD_LETTERS"),
@@ -408,6 +414,8 @@ mod tests {
             "{t}"
         );
         assert!(row("hdl_3 ").contains("enabled, failing"), "{t}");
+        assert!(row("hdl_3 ").contains(r#"{"path":"/n","gt":1}"#), "{t}");
+        assert!(t.contains(" FILTER "), "{t}");
         // GET /v1/handlers counts no dead letters: no such column.
         let mut v1 = h.clone();
         v1.as_object_mut()

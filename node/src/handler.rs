@@ -399,28 +399,46 @@ impl Dispatcher {
 
     /// The hand-over itself, the permit already held: the outcome and, for
     /// a failure, what its attempt log keeps (an in-process handler's
-    /// error: class `handler`, its message as the body).
+    /// error: class `handler`, its message as the body). When the payload
+    /// sent had personal fields decrypted, no body or handler message is
+    /// kept ([`AttemptDetail::withhold`]).
     async fn hand_over(
         &self,
         handler: &HandlerConfig,
         delivery: &Delivery,
         attempt: u32,
     ) -> (AttemptOutcome, AttemptDetail) {
-        let opened;
-        let (delivery, redacted) = match self.open(delivery).await {
-            Ok(None) => (delivery, &[][..]),
-            Ok(Some((d, r))) => {
-                opened = (d, r);
-                (&opened.0, &opened.1[..])
+        match self.open(delivery).await {
+            Ok(None) => self.send(handler, delivery, attempt, &[]).await,
+            Ok(Some(o)) => {
+                let mut d = delivery.clone();
+                d.payload = o.payload;
+                let sent = self.send(handler, &d, attempt, &o.redacted).await;
+                if o.decrypted == 0 {
+                    sent
+                } else {
+                    AttemptDetail::withhold(sent)
+                }
             }
             Err(e) => {
                 let failed = AttemptOutcome::Failed {
                     error: format!("personal fields: {e}"),
                     retry_after: None,
                 };
-                return (failed, AttemptDetail::error(AttemptError::Other));
+                (failed, AttemptDetail::error(AttemptError::Other))
             }
-        };
+        }
+    }
+
+    /// Sends `delivery` (its personal fields opened; `redacted`: those
+    /// sent as `null`) to `handler`'s destination.
+    async fn send(
+        &self,
+        handler: &HandlerConfig,
+        delivery: &Delivery,
+        attempt: u32,
+        redacted: &[String],
+    ) -> (AttemptOutcome, AttemptDetail) {
         if let Some(name) = in_process_name(&handler.url) {
             let Some(h) = self.in_process.get(name) else {
                 let failed = AttemptOutcome::Failed {
@@ -463,32 +481,46 @@ impl Dispatcher {
             .await
     }
 
-    /// `delivery` with its personal fields decrypted, and the pointers of
-    /// those sent as `null`; `None` when it has none to open (or no keys
-    /// are configured).
+    /// `delivery`'s payload with its personal fields decrypted; `None`
+    /// when it has none to open (or no keys are configured).
     async fn open(
         &self,
         delivery: &Delivery,
-    ) -> Result<Option<(Delivery, Vec<String>)>, lanebus_store::StoreError> {
+    ) -> Result<Option<lanebus_store::personal::Opened>, lanebus_store::StoreError> {
         let Some(store) = &self.keys else {
             return Ok(None);
         };
-        let Some(o) =
-            lanebus_store::personal::open(&**store, &delivery.event_id, &delivery.payload).await?
-        else {
-            return Ok(None);
-        };
-        let mut d = delivery.clone();
-        d.payload = o.payload;
-        Ok(Some((d, o.redacted)))
+        lanebus_store::personal::open(&**store, &delivery.event_id, &delivery.payload).await
     }
 }
 
 /// The value of header `lanebus-redacted`: the pointers of personal fields
 /// sent as `null` (their subject's key was deleted), comma-separated;
-/// `None` when there are none.
+/// `None` when there are none. Each pointer is percent-encoded (its UTF-8
+/// bytes, as in a URI fragment, RFC 6901 section 6) where it is not
+/// visible ASCII, and at `%` and `,`: always a valid header value, one
+/// that splits at its commas. Types created since control characters in
+/// personal names are refused only need it for non-ASCII names, `%`, `,`
+/// and spaces.
 pub(crate) fn redacted_header(redacted: &[String]) -> Option<String> {
-    (!redacted.is_empty()).then(|| redacted.join(","))
+    use std::fmt::Write as _;
+    if redacted.is_empty() {
+        return None;
+    }
+    let mut out = String::new();
+    for (i, p) in redacted.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        for b in p.bytes() {
+            if b.is_ascii_graphic() && b != b'%' && b != b',' {
+                out.push(char::from(b));
+            } else {
+                let _ = write!(out, "%{b:02X}");
+            }
+        }
+    }
+    Some(out)
 }
 
 /// A failed broker attempt (NATS, Kafka): its outcome, with `error` as the
@@ -539,6 +571,7 @@ pub fn failed_attempt(
         error: detail.error,
         duration_ms,
         body: detail.body,
+        body_withheld: detail.body_withheld,
     }
 }
 
@@ -582,6 +615,33 @@ mod tests {
     use super::*;
     use lanebus_store::Epoch;
     use tokio::sync::Notify;
+
+    /// Issue 15 finding: a pointer with CR/LF (a property name with a
+    /// control character, stored before such marks were refused) broke
+    /// the header. Every value is a valid header value, each pointer
+    /// percent-encoded where it is not visible ASCII, or `%` or `,`.
+    #[test]
+    fn the_redacted_header_is_always_a_valid_header_value() {
+        let pointers: Vec<String> = [
+            "/email",
+            "/e\r\nmail",
+            "/a,b",
+            "/50%",
+            "/caf\u{e9}",
+            "/t\tx y",
+            "/\u{7f}",
+        ]
+        .iter()
+        .map(|p| p.to_string())
+        .collect();
+        let value = redacted_header(&pointers).expect("a value");
+        assert_eq!(
+            value,
+            "/email,/e%0D%0Amail,/a%2Cb,/50%25,/caf%C3%A9,/t%09x%20y,/%7F"
+        );
+        assert!(reqwest::header::HeaderValue::from_str(&value).is_ok());
+        assert_eq!(redacted_header(&[]), None);
+    }
 
     /// Counts calls and holds each until released.
     struct Gate {

@@ -237,6 +237,8 @@ pub struct AttemptDetail {
     pub error: Option<AttemptError>,
     /// [`FailedAttempt::body_prefix`] of the response body (non-2xx only).
     pub body: Option<String>,
+    /// Whether `body` was dropped ([`withhold`](Self::withhold)).
+    pub body_withheld: bool,
 }
 
 impl AttemptDetail {
@@ -247,7 +249,33 @@ impl AttemptDetail {
             ..AttemptDetail::default()
         }
     }
+
+    /// `sent` with nothing kept that the receiver answered: the outcome of
+    /// an attempt whose payload held personal values in clear. A receiver
+    /// (or an in-process handler's error) may quote them, and the attempt
+    /// log and `last_error` outlive the subject's erasure, so the body and
+    /// a handler's message are replaced by the fact that they were
+    /// withheld. Statuses, error classes and transport errors are kept.
+    pub fn withhold(sent: (AttemptOutcome, AttemptDetail)) -> (AttemptOutcome, AttemptDetail) {
+        let (mut outcome, mut detail) = sent;
+        if detail.body.take().is_some() || detail.error == Some(AttemptError::Handler) {
+            detail.body_withheld = true;
+        }
+        if detail.error == Some(AttemptError::Handler) {
+            match &mut outcome {
+                AttemptOutcome::Failed { error, .. } | AttemptOutcome::Gone { error } => {
+                    *error = WITHHELD.into();
+                }
+                _ => {}
+            }
+        }
+        (outcome, detail)
+    }
 }
+
+/// `last_error` of an in-process handler's failure whose message was
+/// withheld ([`AttemptDetail::withhold`]).
+pub const WITHHELD: &str = "handler error (message withheld: the payload had personal fields)";
 
 /// Sends webhooks over one pooled HTTP client (keep-alive, no redirects, no
 /// proxy), to the addresses its [`EgressPolicy`] allows (the SSRF guard).
@@ -442,6 +470,7 @@ impl WebhookSender {
                         status: Some(status),
                         error: Some(error_class(&e)),
                         body: FailedAttempt::body_prefix(&kept),
+                        body_withheld: false,
                     };
                     return (failed, detail);
                 }
@@ -455,6 +484,7 @@ impl WebhookSender {
                 status: Some(status),
                 error: None,
                 body: FailedAttempt::body_prefix(&kept),
+                body_withheld: false,
             }
         };
         (outcome, detail)
@@ -579,6 +609,32 @@ mod tests {
     const TS: i64 = 1614265330;
     const PAYLOAD: &[u8] = br#"{"test": 2432232314}"#;
     const EXPECTED: &str = "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=";
+
+    #[test]
+    fn withhold_drops_bodies_and_handler_messages_only() {
+        let failed = |e: &str| AttemptOutcome::Failed {
+            error: e.into(),
+            retry_after: None,
+        };
+        let answered = AttemptDetail {
+            status: Some(500),
+            body: Some("echo: alice@example.org".into()),
+            ..AttemptDetail::default()
+        };
+        let (o, d) = AttemptDetail::withhold((failed("http 500"), answered));
+        assert_eq!(o, failed("http 500"));
+        assert_eq!((d.status, d.body, d.body_withheld), (Some(500), None, true));
+        let handler = AttemptDetail {
+            body: Some("bad alice@example.org".into()),
+            ..AttemptDetail::error(AttemptError::Handler)
+        };
+        let (o, d) = AttemptDetail::withhold((failed("bad alice@example.org"), handler));
+        assert_eq!(o, failed(WITHHELD));
+        assert!(d.body.is_none() && d.body_withheld);
+        let timeout = AttemptDetail::error(AttemptError::Timeout);
+        let (o, d) = AttemptDetail::withhold((failed("timeout after 5 ms"), timeout.clone()));
+        assert_eq!((o, d), (failed("timeout after 5 ms"), timeout));
+    }
 
     /// A fresh delivery of event `evt_1` (payload `{}`) to `handler_id`.
     fn test_delivery(handler_id: &str) -> Delivery {

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context as _};
 use chrono::{SecondsFormat, Utc};
-use common::{start_node, test_options, Api, Backend, TestDb};
+use common::{start_node, test_options, Api, Backend, Registered, TestDb};
 use lanebus_testkit::receiver::{Action, Expected, Received, Receiver, Rule};
 use serde_json::json;
 
@@ -362,13 +362,13 @@ fn data_of(r: &Received) -> anyhow::Result<serde_json::Value> {
     Ok(body["data"].clone())
 }
 
-/// Personal fields (crypto-shredding) end to end: receivers get them
-/// decrypted, signed over the bytes sent; once a subject is erased
-/// (`DELETE /v1/subjects/{id}`), its deliveries still pending, and a
-/// recover of its events, send its fields as `null` with header
-/// `lanebus-redacted`, and succeed; another subject's are untouched.
-async fn personal_fields_are_redacted_after_erasure(backend: Backend) -> anyhow::Result<()> {
-    let db = TestDb::new(backend, "shred").await?;
+/// A node with a master key, type `user.seen` whose `/email` is personal
+/// (subject `/user`), and handler `h` on a receiver.
+async fn personal_node(
+    backend: Backend,
+    name: &str,
+) -> anyhow::Result<(TestDb, Receiver, lanebus_node::NodeHandle, Api, Registered)> {
+    let db = TestDb::new(backend, name).await?;
     let rx = Receiver::start().await?;
     let mut opts = test_options(&db.url);
     opts.retention.retention = Duration::from_secs(3600);
@@ -389,6 +389,16 @@ async fn personal_fields_are_redacted_after_erasure(backend: Backend) -> anyhow:
     ensure!(status == 201, "{status} {body}");
     let h = api.create_handler("h", &rx.url("h"), &["*"], 100).await?;
     rx.set_secret("h", &h.secret);
+    Ok((db, rx, node, api, h))
+}
+
+/// Personal fields (crypto-shredding) end to end: receivers get them
+/// decrypted, signed over the bytes sent; once a subject is erased
+/// (`DELETE /v1/subjects/{id}`), its deliveries still pending, and a
+/// recover of its events, send its fields as `null` with header
+/// `lanebus-redacted`, and succeed; another subject's are untouched.
+async fn personal_fields_are_redacted_after_erasure(backend: Backend) -> anyhow::Result<()> {
+    let (db, rx, node, api, h) = personal_node(backend, "shred").await?;
     common::fail_always(&rx, "h");
     let t = Utc::now();
     api.publish(
@@ -472,6 +482,90 @@ async fn personal_fields_are_redacted_after_erasure(backend: Backend) -> anyhow:
     node.shutdown().await?;
     db.drop_db().await;
     Ok(())
+}
+
+/// Issue 15 finding: the attempt log kept the receiver's response body, so
+/// a receiver echoing the payload left a personal value in the store that
+/// `DELETE /v1/subjects/{id}` did not erase. An attempt whose payload had
+/// personal fields decrypted keeps no body (`body_withheld`); another
+/// event's attempt keeps its echo.
+async fn echoed_personal_fields_are_not_kept_in_the_attempt_log(
+    backend: Backend,
+) -> anyhow::Result<()> {
+    let (db, rx, node, api, h) = personal_node(backend, "echo").await?;
+    rx.add_rule(Rule {
+        handler: Some("h".into()),
+        key: None,
+        action: Action::Echo { status: 500 },
+    });
+    api.publish(
+        &[
+            json!({"id": "e1", "type": "user.seen", "key": "alice",
+                   "payload": {"user": "alice", "email": "alice@example.org"}}),
+            json!({"id": "e2", "type": "order.paid", "key": "o1",
+                   "payload": {"note": "plain-echo-text"}}),
+        ],
+        2,
+    )
+    .await?;
+    let log_of = |v: &serde_json::Value| v["handlers"][0]["attempt_log"].clone();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (personal, plain) = loop {
+        let (s1, personal) = api.get("/v1/events/e1").await?;
+        let (s2, plain) = api.get("/v1/events/e2").await?;
+        ensure!(s1 == 200 && s2 == 200, "{personal} {plain}");
+        if log_of(&personal)[0].is_object() && log_of(&plain)[0].is_object() {
+            break (personal, plain);
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "no attempts logged: {personal} {plain}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    ensure!(
+        rx.requests()
+            .iter()
+            .any(|r| r.event_id == "e1" && r.body.contains("alice@example.org")),
+        "the receiver got the value decrypted"
+    );
+    let a = &log_of(&personal)[0];
+    ensure!(a["body"].is_null() && a["body_withheld"] == true, "{a}");
+    ensure!(a["status"] == 500, "{a}");
+    let p = &log_of(&plain)[0];
+    ensure!(
+        p["body"]
+            .as_str()
+            .is_some_and(|b| b.contains("plain-echo-text"))
+            && p["body_withheld"] == false,
+        "{p}"
+    );
+    let (status, body) = api.delete("/v1/subjects/alice").await?;
+    ensure!(status == 204, "{status} {body}");
+    let (_, after) = api.get("/v1/events/e1").await?;
+    let (_, listed) = api
+        .get(&format!("/v1/handlers/{}/deliveries", h.id))
+        .await?;
+    for v in [&personal, &after, &listed] {
+        ensure!(!v.to_string().contains("alice@example.org"), "{v}");
+    }
+    node.shutdown().await?;
+    db.drop_db().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echoed_personal_fields_are_not_kept_in_the_attempt_log_postgres() {
+    echoed_personal_fields_are_not_kept_in_the_attempt_log(Backend::Postgres)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echoed_personal_fields_are_not_kept_in_the_attempt_log_sqlite() {
+    echoed_personal_fields_are_not_kept_in_the_attempt_log(Backend::Sqlite)
+        .await
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

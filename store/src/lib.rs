@@ -79,6 +79,7 @@ pub mod event_types;
 pub use event_types::{CatalogSettings, EventType, EventTypePatch, NewEventType};
 pub mod filter;
 pub use filter::Filter;
+mod json_span;
 pub mod operational;
 pub mod personal;
 mod state;
@@ -651,8 +652,15 @@ pub struct FailedAttempt {
     /// Time from the start of the attempt to its outcome, in milliseconds.
     pub duration_ms: u64,
     /// The first bytes of the response body ([`FailedAttempt::body_prefix`]),
-    /// or of an in-process handler's error message; `None` when empty.
+    /// or of an in-process handler's error message; `None` when empty or
+    /// withheld.
     pub body: Option<String>,
+    /// Whether the body (or an in-process handler's error message) was not
+    /// kept because the payload sent had personal fields decrypted
+    /// ([`personal`]): a receiver quoting them would leave them in the store
+    /// past the subject's erasure.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub body_withheld: bool,
 }
 
 impl FailedAttempt {
@@ -1621,6 +1629,7 @@ mod tests {
             error: None,
             duration_ms: 1,
             body: None,
+            body_withheld: false,
         };
         let mut log = Vec::new();
         for n in 1..=7 {

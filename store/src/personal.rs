@@ -23,13 +23,16 @@
 //!
 //! # Envelope
 //!
-//! At publish each personal field's JSON value is replaced by the string
-//! `lbenc:v1:<base64url(subject)>:<base64(nonce || ciphertext || tag)>`
-//! (standard base64 with padding for the second part; base64url without
-//! padding for the subject): AES-256-GCM of the value's compact JSON
-//! under the subject's data key, a random 96-bit nonce, and additional
-//! data `lanebus:v1:<subject>\0<pointer>` binding it to its subject and
-//! place. The envelope names its subject, so delivery ([`open`]) needs no
+//! At publish each personal field's JSON value is replaced in place by
+//! the string `lbenc:v1:<base64url(subject)>:<base64(nonce || ciphertext
+//! || tag)>` (standard base64 with padding for the second part; base64url
+//! without padding for the subject): AES-256-GCM of the value's JSON text
+//! as published under the subject's data key, a random 96-bit nonce, and
+//! additional data `lanebus:v1:<event id>\0<subject>\0<pointer>` binding
+//! it to its event, subject and place. Only the value's bytes change
+//! (`json_span.rs` finds them): delivery ([`open`]) splices the
+//! decrypted text back, so a receiver gets the published bytes exactly.
+//! The envelope names its subject, so delivery needs no
 //! catalog: a payload that holds no envelope costs one byte search.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -41,6 +44,7 @@ use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM, NONCE_LEN};
 use ring::rand::{SecureRandom, SystemRandom};
 use serde_json::Value;
 
+use crate::json_span::escape;
 use crate::rules::{self, Broken};
 use crate::{Result, Store, StoreError};
 
@@ -175,11 +179,6 @@ fn all_marks(v: &Value, at: &str, out: &mut Vec<String>) {
         }
         _ => {}
     }
-}
-
-/// `name` as a JSON pointer token (RFC 6901).
-fn escape(name: &str) -> String {
-    name.replace('~', "~0").replace('/', "~1")
 }
 
 /// The master key: wraps and unwraps data keys.
@@ -437,21 +436,58 @@ impl Keyring {
     }
 }
 
-/// The subject id at `spec.subject` in `payload`.
-fn subject_of(payload: &Value, spec: &Spec) -> std::result::Result<String, Broken> {
-    let s = match payload.pointer(&spec.subject) {
-        Some(Value::String(s)) => s.clone(),
+/// The subject id in the raw JSON text `raw` of the value at `pointer`.
+fn subject_of(raw: Option<&[u8]>, pointer: &str) -> std::result::Result<String, Broken> {
+    let s = match raw.and_then(|r| serde_json::from_slice::<Value>(r).ok()) {
+        Some(Value::String(s)) => s,
         Some(Value::Number(n)) => n.to_string(),
         _ => {
-            return Err(rules::event_type::no_subject(&spec.subject));
+            return Err(rules::event_type::no_subject(pointer));
         }
     };
     rules::event_type::subject(&s)?;
     Ok(s)
 }
 
+/// One event's payload read for sealing: its subject and the byte spans
+/// of its personal values.
+struct ToSeal {
+    /// Index of the event in the plan.
+    at: usize,
+    subject: String,
+    /// Each personal value's pointer and bytes, in payload order.
+    fields: Vec<(String, std::ops::Range<usize>)>,
+}
+
+/// Reads the subject and the personal values' spans of `payload` (one
+/// pass of the parser, no document built).
+fn read_for_seal(
+    payload: &[u8],
+    spec: &Spec,
+) -> Result<(String, Vec<(String, std::ops::Range<usize>)>)> {
+    let mut pointers: Vec<&str> = vec![spec.subject.as_str()];
+    pointers.extend(spec.fields.iter().map(String::as_str));
+    let spans = crate::json_span::find(payload, &pointers)
+        .map_err(|err| StoreError::Invalid(format!("payload is not JSON: {err}")))?;
+    // The last of duplicate keys, as the schema validator saw it.
+    let subject = spans
+        .iter()
+        .rev()
+        .find(|s| s.which == 0)
+        .map(|s| &payload[s.range.clone()]);
+    let subject = subject_of(subject, &spec.subject)?;
+    let fields = spans
+        .into_iter()
+        .filter(|s| s.which > 0)
+        .map(|s| (pointers[s.which].to_owned(), s.range))
+        .collect();
+    Ok((subject, fields))
+}
+
 /// Encrypts the personal fields of every event in `plan` whose type has
-/// some (set by the catalog check), creating missing data keys.
+/// some (set by the catalog check), creating missing data keys. Each
+/// personal value's JSON text, as published, is replaced in place by its
+/// envelope: every other byte of the payload is kept.
 ///
 /// # Errors
 /// [`StoreError::Invalid`] for a payload without its subject;
@@ -463,42 +499,48 @@ pub(crate) async fn seal_plan<S: Store + ?Sized>(
     plan: &mut crate::common::PublishPlan,
 ) -> Result<()> {
     plan.sealed = true;
-    let mut parsed = Vec::new();
-    for (i, e) in plan.fresh.iter_mut().enumerate() {
+    let mut read = Vec::new();
+    for (at, e) in plan.fresh.iter_mut().enumerate() {
         e.sealed = None;
         if let Some(spec) = &e.personal {
-            let v: Value = serde_json::from_slice(&e.payload)
-                .map_err(|err| StoreError::Invalid(format!("events[{}]: {err}", e.index)))?;
-            let subject = subject_of(&v, spec)
-                .map_err(|b| StoreError::from(b.within(&format!("events[{}]", e.index))))?;
-            parsed.push((i, v, subject));
+            let (subject, fields) = read_for_seal(&e.payload, spec).map_err(|err| match err {
+                StoreError::Invalid(m) => StoreError::Invalid(format!("events[{}]: {m}", e.index)),
+                other => other,
+            })?;
+            read.push(ToSeal {
+                at,
+                subject,
+                fields,
+            });
         }
     }
-    if parsed.is_empty() {
+    if read.is_empty() {
         return Ok(());
     }
     let master = store.keyring().master().ok_or_else(no_master)?;
-    let mut subjects: Vec<String> = parsed.iter().map(|p| p.2.clone()).collect();
+    let mut subjects: Vec<String> = read.iter().map(|p| p.subject.clone()).collect();
     subjects.sort();
     subjects.dedup();
     let keys = keys_for(store, &master, &subjects).await?;
-    for (i, mut v, subject) in parsed {
-        let e = &mut plan.fresh[i];
+    for r in read {
+        let e = &mut plan.fresh[r.at];
         let spec = Arc::clone(e.personal.as_ref().ok_or_else(no_master)?);
-        let key = &keys[&subject];
-        for p in &spec.fields {
-            if let Some(field) = v.pointer_mut(p) {
-                let plain = serde_json::to_vec(field)
-                    .map_err(|err| StoreError::Database(err.to_string()))?;
-                let sealed = seal(key, &field_aad(&e.id, &subject, p), &plain)?;
-                *field = Value::String(format!(
-                    "{ENVELOPE_PREFIX}{}:{}",
-                    URL_SAFE_NO_PAD.encode(&subject),
-                    STANDARD.encode(sealed)
-                ));
-            }
+        let key = &keys[&r.subject];
+        let mut edits = Vec::with_capacity(r.fields.len());
+        for (pointer, range) in r.fields {
+            let sealed = seal(
+                key,
+                &field_aad(&e.id, &r.subject, &pointer),
+                &e.payload[range.clone()],
+            )?;
+            let envelope = format!(
+                "\"{ENVELOPE_PREFIX}{}:{}\"",
+                URL_SAFE_NO_PAD.encode(&r.subject),
+                STANDARD.encode(sealed)
+            );
+            edits.push((range, envelope));
         }
-        let bytes = serde_json::to_vec(&v).map_err(|err| StoreError::Database(err.to_string()))?;
+        let bytes = crate::json_span::splice(&e.payload, &edits);
         e.sealed = Some((spec, bytes));
     }
     Ok(())
@@ -604,15 +646,19 @@ pub struct Opened {
     /// Pointers of the fields sent as `null` because their subject's key
     /// is gone (header `lanebus-redacted`), in payload order.
     pub redacted: Vec<String>,
+    /// How many fields were decrypted (the payload holds personal values
+    /// in clear when not 0: what a receiver answers may quote them).
+    pub decrypted: usize,
 }
 
-/// The payload of event `event_id` with its encrypted fields decrypted: a
-/// field whose subject's data key is gone, or whose envelope does not open
-/// for this event and field (one copied from elsewhere), becomes `null`
-/// and is listed in [`Opened::redacted`]. A string that only starts like
-/// an envelope (its subject or sealed part is not base64) is left as it
-/// is. `None` for a payload holding no envelope (one substring search,
-/// SIMD).
+/// The payload of event `event_id` with its encrypted fields decrypted:
+/// each envelope's bytes are replaced by the JSON text it sealed (the
+/// value's text as published), every other byte is kept. A field whose
+/// subject's data key is gone, or whose envelope does not open for this
+/// event and field (one copied from elsewhere), becomes `null` and is
+/// listed in [`Opened::redacted`]. A string that only starts like an
+/// envelope (its subject or sealed part is not base64) is left as it is.
+/// `None` for a payload holding no envelope (one substring search, SIMD).
 ///
 /// # Errors
 /// [`StoreError::Unavailable`] when the payload holds envelopes and the
@@ -629,17 +675,23 @@ pub async fn open<S: Store + ?Sized>(
     if memchr::memmem::find(payload, needle.as_bytes()).is_none() {
         return Ok(None);
     }
-    let Ok(mut v) = serde_json::from_slice::<Value>(payload) else {
+    let Ok(strings) = crate::json_span::strings_with_prefix(payload, ENVELOPE_PREFIX) else {
         return Ok(None);
     };
-    let mut found = Vec::new();
-    envelopes(&v, String::new(), &mut found);
-    found.retain(|f| f.1.is_some() && f.2.is_some());
+    let found: Vec<Found> = strings
+        .into_iter()
+        .filter_map(|(pointer, range)| {
+            // Between the quotes.
+            let text = std::str::from_utf8(&payload[range.start + 1..range.end - 1]).ok()?;
+            let (subject, sealed) = envelope(text)?;
+            Some((pointer, range, subject, sealed))
+        })
+        .collect();
     if found.is_empty() {
         return Ok(None);
     }
     let master = store.keyring().master().ok_or_else(no_master)?;
-    let mut subjects: Vec<String> = found.iter().filter_map(|f| f.1.clone()).collect();
+    let mut subjects: Vec<String> = found.iter().map(|f| f.2.clone()).collect();
     subjects.sort();
     subjects.dedup();
     let rows = store.subject_keys(&subjects).await?;
@@ -652,64 +704,38 @@ pub async fn open<S: Store + ?Sized>(
         keys.insert(r.subject.clone(), k);
     }
     let mut redacted = Vec::new();
-    for (pointer, subject, sealed) in found {
-        let plain = subject.as_ref().and_then(|s| {
-            let key = keys.get(s)?;
-            let bytes = open_sealed(key, &field_aad(event_id, s, &pointer), sealed.as_ref()?)?;
-            serde_json::from_slice::<Value>(&bytes).ok()
-        });
+    let mut edits = Vec::with_capacity(found.len());
+    let decrypted = found.len();
+    for (pointer, range, subject, sealed) in found {
+        let plain = keys
+            .get(&subject)
+            .and_then(|key| open_sealed(key, &field_aad(event_id, &subject, &pointer), &sealed))
+            // Authenticated, so ours; still, never splice in what is not
+            // one JSON value.
+            .filter(|bytes| serde_json::from_slice::<serde::de::IgnoredAny>(bytes).is_ok());
         let value = plain.unwrap_or_else(|| {
-            redacted.push(pointer.clone());
-            Value::Null
+            redacted.push(pointer);
+            b"null".to_vec()
         });
-        if let Some(slot) = v.pointer_mut(&pointer) {
-            *slot = value;
-        }
+        edits.push((range, value));
     }
-    let bytes = serde_json::to_vec(&v).map_err(|e| StoreError::Database(e.to_string()))?;
     Ok(Some(Opened {
-        payload: bytes.into(),
+        payload: crate::json_span::splice(payload, &edits).into(),
+        decrypted: decrypted - redacted.len(),
         redacted,
     }))
 }
 
-/// One envelope found: its pointer, subject and sealed bytes (`None`
-/// when malformed).
-type Found = (String, Option<String>, Option<Vec<u8>>);
+/// One envelope found: its pointer, bytes (quotes included), subject and
+/// sealed bytes.
+type Found = (String, std::ops::Range<usize>, String, Vec<u8>);
 
-fn envelopes(v: &Value, at: String, out: &mut Vec<Found>) {
-    match v {
-        Value::String(s) => {
-            if let Some(rest) = s.strip_prefix(ENVELOPE_PREFIX) {
-                let (subject, sealed) = match rest.split_once(':') {
-                    Some((s, c)) => (
-                        URL_SAFE_NO_PAD
-                            .decode(s)
-                            .ok()
-                            .and_then(|b| String::from_utf8(b).ok()),
-                        STANDARD.decode(c).ok(),
-                    ),
-                    None => (None, None),
-                };
-                out.push((at, subject, sealed));
-            }
-        }
-        Value::Object(m) => {
-            for (k, x) in m {
-                envelopes(
-                    x,
-                    format!("{at}/{}", k.replace('~', "~0").replace('/', "~1")),
-                    out,
-                );
-            }
-        }
-        Value::Array(a) => {
-            for (i, x) in a.iter().enumerate() {
-                envelopes(x, format!("{at}/{i}"), out);
-            }
-        }
-        _ => {}
-    }
+/// The subject and sealed bytes of an envelope's text, `None` when it is
+/// malformed.
+fn envelope(text: &str) -> Option<(String, Vec<u8>)> {
+    let (subject, sealed) = text.strip_prefix(ENVELOPE_PREFIX)?.split_once(':')?;
+    let subject = String::from_utf8(URL_SAFE_NO_PAD.decode(subject).ok()?).ok()?;
+    Some((subject, STANDARD.decode(sealed).ok()?))
 }
 
 /// Destroys `subject`'s data key: deletes its row, then drops it from this

@@ -585,7 +585,17 @@ pub mod event_type {
             )));
         }
         jsonschema::draft202012::new(s).map_err(|e| broken(tidy(&e.to_string())))?;
-        crate::personal::Spec::derive(s)?;
+        if let Some(spec) = crate::personal::Spec::derive(s)? {
+            // Checked here, not in `derive`: a type stored before this
+            // rule still compiles (delivery escapes its header).
+            if let Some(f) = spec.fields.iter().find(|f| f.chars().any(char::is_control)) {
+                return Err(personal_marks(&format!(
+                    "the personal field {f:?} has a control character in its name; \
+                     personal fields are named in the `lanebus-redacted` header, so \
+                     rename the property or drop its mark"
+                )));
+            }
+        }
         Ok(())
     }
 

@@ -527,6 +527,7 @@ conformance!(
     master_key_rotation_keeps_personal_fields_readable,
     filters_see_personal_fields_sealed,
     a_copied_envelope_does_not_open_in_another_event,
+    personal_payloads_are_delivered_as_the_published_bytes,
 );
 
 // ---------------------------------------------------------------------------
@@ -5757,6 +5758,7 @@ fn failed(
         error,
         duration_ms: u64::from(attempt) * 10,
         body: FailedAttempt::body_prefix(body.as_bytes()),
+        body_withheld: false,
     }
 }
 
@@ -7243,4 +7245,125 @@ async fn a_copied_envelope_does_not_open_in_another_event(h: &dyn Harness) {
             .expect("open"),
         None
     );
+}
+
+/// Issue 15 finding: a payload with personal fields went through
+/// `serde_json::Value` at publish and delivery, so receivers got other
+/// bytes than the publisher sent (key order, spacing, escapes, and numbers:
+/// `1e2` came back as `100.0`). Only the personal values' own text is
+/// replaced, by its envelope at rest and by `null` after erasure.
+async fn personal_payloads_are_delivered_as_the_published_bytes(h: &dyn Harness) {
+    let s = h.store();
+    handler(&*s, "all", &["*"]).await;
+    let schema = serde_json::json!({
+        "type": "object",
+        "x-lanebus-subject": "/id",
+        "properties": {
+            "id": {"type": ["string", "number"]},
+            "email": {"x-lanebus-personal": true},
+            "score": {"x-lanebus-personal": true},
+            "profile": {"properties": {
+                "name": {"x-lanebus-personal": true},
+                "address": {"x-lanebus-personal": true}
+            }}
+        }
+    });
+    s.create_event_type(new_type("user.signed_up", Some(schema), &[]))
+        .await
+        .expect("create");
+    s.keyring().set_master(master(1));
+    let published: [(&str, &[u8]); 2] = [
+        (
+            "rb1",
+            b"{ \"profile\" : {\"plan\":\"pro\" ,  \"name\":  \"Ren\\u00e9e \\ud83d\\ude00\\\"x\\\"\",\n  \
+              \"address\" : { \"city\" : \"K\\u00f6ln\",\"zip\" :5.0E+1 } },\n\t\"id\":\"r\\u0065n\" , \
+              \"n\": 1e2, \"email\" :\"ren@example.org\"  , \"score\":1E2}",
+        ),
+        (
+            "rb2",
+            b"{\"score\": 0.10, \"id\" : 1e2,\"email\":\"num@example.org\", \"z\":[1 , 2.50]}",
+        ),
+    ];
+    s.publish(
+        published
+            .iter()
+            .map(|(id, payload)| NewEvent {
+                id: Some((*id).into()),
+                event_type: "user.signed_up".into(),
+                payload: payload.to_vec(),
+                ..NewEvent::default()
+            })
+            .collect(),
+    )
+    .await
+    .expect("publish");
+    for plain in [
+        &b"ren@example.org"[..],
+        b"num@example.org",
+        b"Ren\\u00e9e",
+        b"K\\u00f6ln",
+        b"5.0E+1",
+        b"1E2",
+    ] {
+        assert!(
+            !raw_holds(h, plain).await,
+            "raw rows hold {}",
+            String::from_utf8_lossy(plain)
+        );
+    }
+    let ds = claim_all(&*s).await;
+    assert_eq!(ds.len(), 2);
+    for (id, bytes) in published {
+        let d = ds.iter().find(|d| d.event_id == id).expect("delivery");
+        // At rest the bytes around each personal value are the published ones.
+        if id == "rb1" {
+            assert!(
+                d.payload
+                    .starts_with(b"{ \"profile\" : {\"plan\":\"pro\" ,  \"name\":  \"lbenc:v1:"),
+                "{}",
+                String::from_utf8_lossy(&d.payload)
+            );
+        }
+        let o = personal::open(&*s, id, &d.payload)
+            .await
+            .expect("open")
+            .expect("envelopes");
+        assert!(o.redacted.is_empty());
+        assert_eq!(
+            String::from_utf8_lossy(&o.payload),
+            String::from_utf8_lossy(bytes),
+            "delivered bytes of {id}"
+        );
+    }
+    // Erased: `null` in place of each value, the rest as published.
+    let subject = s
+        .all_subject_keys()
+        .await
+        .expect("keys")
+        .into_iter()
+        .map(|k| k.subject)
+        .find(|k| k != "ren")
+        .expect("the numeric subject");
+    assert!(personal::forget_subject(&*s, "ren").await.expect("forget"));
+    let d = ds.iter().find(|d| d.event_id == "rb1").expect("delivery");
+    let o = personal::open(&*s, "rb1", &d.payload)
+        .await
+        .expect("open")
+        .expect("envelopes");
+    assert_eq!(
+        String::from_utf8_lossy(&o.payload),
+        "{ \"profile\" : {\"plan\":\"pro\" ,  \"name\":  null,\n  \
+         \"address\" : null },\n\t\"id\":\"r\\u0065n\" , \
+         \"n\": 1e2, \"email\" :null  , \"score\":null}"
+    );
+    assert_eq!(
+        o.redacted,
+        vec!["/profile/name", "/profile/address", "/email", "/score"]
+    );
+    let d = ds.iter().find(|d| d.event_id == "rb2").expect("delivery");
+    let o = personal::open(&*s, "rb2", &d.payload)
+        .await
+        .expect("open")
+        .expect("envelopes");
+    assert_eq!(o.payload.as_ref(), published[1].1, "subject {subject}");
 }

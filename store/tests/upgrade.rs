@@ -139,6 +139,7 @@ async fn attempt_log_after_upgrade(store: &dyn lanebus_store::Store) {
         error: Some(AttemptError::Timeout),
         duration_ms: 5000,
         body: None,
+        body_withheld: false,
     };
     let r = Reschedule {
         id: d.id,

@@ -54,6 +54,12 @@ pub enum Action {
     },
     /// Wait, then answer 200.
     Delay(Duration),
+    /// Answer `status` with the request's body echoed back as the answer's
+    /// body (a receiver that quotes what it got in its error).
+    Echo {
+        /// The status.
+        status: u16,
+    },
     /// Wait, then answer `status` (requests arriving meanwhile are all
     /// answered so: e.g. a `410` for several keys at once).
     DelayedStatus {
@@ -438,7 +444,7 @@ async fn hook(
     Path(name): Path<String>,
     headers: HeaderMap,
     body: Bytes,
-) -> (StatusCode, HeaderMap) {
+) -> (StatusCode, HeaderMap, Bytes) {
     let arrived = shared.start.elapsed();
     let h = |n: &str| {
         headers
@@ -476,6 +482,7 @@ async fn hook(
         (action, signature_ok)
     };
     let mut out_headers = HeaderMap::new();
+    let echo = matches!(action, Some((Action::Echo { .. }, _)));
     let status = match action {
         None => 200,
         Some((
@@ -512,7 +519,9 @@ async fn hook(
             tokio::time::sleep(delay).await;
             status
         }
+        Some((Action::Echo { status }, _)) => status,
     };
+    let answer = if echo { body.clone() } else { Bytes::new() };
     let rec = Received {
         handler: name,
         event_id,
@@ -550,6 +559,7 @@ async fn hook(
     (
         StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
         out_headers,
+        answer,
     )
 }
 
