@@ -36,7 +36,7 @@
 //! catalog: a payload that holds no envelope costs one byte search.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
 use base64::Engine as _;
@@ -671,6 +671,35 @@ pub async fn open<S: Store + ?Sized>(
     event_id: &str,
     payload: &[u8],
 ) -> Result<Option<Opened>> {
+    open_with(store.keyring(), event_id, payload, |subjects| async move {
+        store.subject_keys(&subjects).await
+    })
+    .await
+}
+
+/// [`open`], its key rows read through `reads` (one statement for the
+/// deliveries opened at about the same time).
+///
+/// # Errors
+/// As [`open`].
+pub async fn open_via(reads: &KeyReads, event_id: &str, payload: &[u8]) -> Result<Option<Opened>> {
+    open_with(reads.store.keyring(), event_id, payload, |subjects| {
+        reads.read(subjects)
+    })
+    .await
+}
+
+/// [`open`], reading the rows of the subjects it needs with `read`.
+async fn open_with<F, Fut>(
+    ring: &Keyring,
+    event_id: &str,
+    payload: &[u8],
+    read: F,
+) -> Result<Option<Opened>>
+where
+    F: FnOnce(Vec<String>) -> Fut,
+    Fut: std::future::Future<Output = Result<Vec<WrappedKey>>>,
+{
     let needle = format!("\"{ENVELOPE_PREFIX}");
     if memchr::memmem::find(payload, needle.as_bytes()).is_none() {
         return Ok(None);
@@ -690,12 +719,11 @@ pub async fn open<S: Store + ?Sized>(
     if found.is_empty() {
         return Ok(None);
     }
-    let master = store.keyring().master().ok_or_else(no_master)?;
+    let master = ring.master().ok_or_else(no_master)?;
     let mut subjects: Vec<String> = found.iter().map(|f| f.2.clone()).collect();
     subjects.sort();
     subjects.dedup();
-    let rows = store.subject_keys(&subjects).await?;
-    let ring = store.keyring();
+    let rows = read(subjects).await?;
     let mut keys = HashMap::new();
     for r in &rows {
         let k = ring
@@ -724,6 +752,132 @@ pub async fn open<S: Store + ?Sized>(
         decrypted: decrypted - redacted.len(),
         redacted,
     }))
+}
+
+/// Most subjects one coalesced read of [`KeyReads`] asks for; requests
+/// beyond it wait for the next read.
+pub const KEY_READ_SUBJECTS: usize = 1000;
+
+/// Reads of subject key rows for [`open_via`], coalesced: the requests
+/// that arrive while a read is under way go together in the next one, so
+/// a node delivering many personal events at once reads their keys in a
+/// few statements instead of one per delivery. Each request is answered
+/// by a read that started after it was made, so a key whose deletion
+/// answered before a delivery asked is never used for it (the guarantee
+/// of [`open`]). One reader task per value, started on the current tokio
+/// runtime at the first read (again if that runtime stopped); it ends
+/// when the value and its clones are dropped.
+///
+/// Source of the method: the same group-commit pattern as publishes
+/// (`group.rs`, seed 003), applied to reads.
+#[derive(Clone)]
+pub struct KeyReads {
+    store: Arc<dyn Store>,
+    queue: Arc<Mutex<Option<tokio::sync::mpsc::UnboundedSender<KeyRead>>>>,
+}
+
+impl std::fmt::Debug for KeyReads {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeyReads").finish_non_exhaustive()
+    }
+}
+
+/// One request to [`KeyReads`]: its subjects and where the rows go.
+struct KeyRead {
+    subjects: Vec<String>,
+    reply: tokio::sync::oneshot::Sender<Result<Vec<WrappedKey>>>,
+}
+
+impl KeyReads {
+    /// Reads of `store`'s subject keys, not started yet.
+    pub fn new(store: Arc<dyn Store>) -> Self {
+        KeyReads {
+            store,
+            queue: Arc::default(),
+        }
+    }
+
+    /// The stored rows of `subjects` (those that exist).
+    ///
+    /// # Errors
+    /// The store's errors, for every request of the read that failed.
+    pub async fn read(&self, subjects: Vec<String>) -> Result<Vec<WrappedKey>> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let mut request = Some(KeyRead {
+            subjects: subjects.clone(),
+            reply,
+        });
+        {
+            let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+            // The task ends with the runtime that ran it: start another.
+            if queue.as_ref().is_none_or(|q| q.is_closed()) {
+                let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                tokio::spawn(read_keys(Arc::clone(&self.store), rx));
+                *queue = Some(tx);
+            }
+            if let Some(q) = queue.as_ref() {
+                request = q
+                    .send(request.take().expect("one request"))
+                    .err()
+                    .map(|e| e.0);
+            }
+        }
+        match request {
+            None => match answer.await {
+                Ok(rows) => rows,
+                // The task stopped mid-read: read alone.
+                Err(_) => self.store.subject_keys(&subjects).await,
+            },
+            Some(_) => self.store.subject_keys(&subjects).await,
+        }
+    }
+}
+
+/// The reader task of [`KeyReads`]: takes every request waiting (up to
+/// [`KEY_READ_SUBJECTS`] subjects), reads their rows in one call, answers
+/// each with its own.
+async fn read_keys(store: Arc<dyn Store>, mut rx: tokio::sync::mpsc::UnboundedReceiver<KeyRead>) {
+    let mut next: Option<KeyRead> = None;
+    loop {
+        let first = match next.take() {
+            Some(r) => r,
+            None => match rx.recv().await {
+                Some(r) => r,
+                None => return,
+            },
+        };
+        let mut n = first.subjects.len();
+        let mut reqs = vec![first];
+        while n < KEY_READ_SUBJECTS {
+            match rx.try_recv() {
+                Ok(r) if n + r.subjects.len() > KEY_READ_SUBJECTS => {
+                    next = Some(r);
+                    break;
+                }
+                Ok(r) => {
+                    n += r.subjects.len();
+                    reqs.push(r);
+                }
+                Err(_) => break,
+            }
+        }
+        let mut all: Vec<String> = reqs
+            .iter()
+            .flat_map(|r| r.subjects.iter().cloned())
+            .collect();
+        all.sort();
+        all.dedup();
+        let rows = store.subject_keys(&all).await;
+        for r in reqs {
+            let own = rows.as_ref().map_err(Clone::clone).map(|rows| {
+                rows.iter()
+                    .filter(|w| r.subjects.contains(&w.subject))
+                    .cloned()
+                    .collect()
+            });
+            let _ = r.reply.send(own);
+        }
+    }
 }
 
 /// One envelope found: its pointer, bytes (quotes included), subject and
@@ -781,6 +935,39 @@ pub async fn rotate<S: Store + ?Sized>(
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// Concurrent coalesced reads each get their own subjects' rows, and a
+    /// read asked after a subject was forgotten never returns its key.
+    #[cfg(feature = "sqlite")]
+    #[tokio::test]
+    async fn coalesced_key_reads_answer_each_and_see_deletions() {
+        let store: Arc<dyn Store> = Arc::new(
+            crate::sqlite::SqliteStore::connect("sqlite::memory:")
+                .await
+                .unwrap(),
+        );
+        let master = MasterKey::from_bytes(&[3; 32]).unwrap();
+        let subjects: Vec<String> = (0..300).map(|i| format!("s{i}")).collect();
+        let keys: Vec<WrappedKey> = subjects
+            .iter()
+            .map(|s| master.wrap(s, &[1; 32]).unwrap())
+            .collect();
+        store.insert_subject_keys(&keys).await.unwrap();
+        let reads = KeyReads::new(Arc::clone(&store));
+        let asks = (0..300).map(|i| {
+            let reads = reads.clone();
+            let own = vec![format!("s{i}"), format!("absent{i}")];
+            tokio::spawn(async move { (i, reads.read(own).await.unwrap()) })
+        });
+        for a in futures::future::join_all(asks).await {
+            let (i, rows) = a.unwrap();
+            assert_eq!(rows.len(), 1, "request {i}");
+            assert_eq!(rows[0].subject, format!("s{i}"));
+        }
+        assert!(forget_subject(&*store, "s7").await.unwrap());
+        assert!(reads.read(vec!["s7".into()]).await.unwrap().is_empty());
+        assert_eq!(reads.read(vec!["s8".into()]).await.unwrap().len(), 1);
+    }
 
     #[test]
     fn derive_finds_nested_marks_and_needs_a_subject() {
