@@ -671,22 +671,7 @@ pub async fn open<S: Store + ?Sized>(
     event_id: &str,
     payload: &[u8],
 ) -> Result<Option<Opened>> {
-    let needle = format!("\"{ENVELOPE_PREFIX}");
-    if memchr::memmem::find(payload, needle.as_bytes()).is_none() {
-        return Ok(None);
-    }
-    let Ok(strings) = crate::json_span::strings_with_prefix(payload, ENVELOPE_PREFIX) else {
-        return Ok(None);
-    };
-    let found: Vec<Found> = strings
-        .into_iter()
-        .filter_map(|(pointer, range)| {
-            // Between the quotes.
-            let text = std::str::from_utf8(&payload[range.start + 1..range.end - 1]).ok()?;
-            let (subject, sealed) = envelope(text)?;
-            Some((pointer, range, subject, sealed))
-        })
-        .collect();
+    let found = envelopes(payload);
     if found.is_empty() {
         return Ok(None);
     }
@@ -729,6 +714,36 @@ pub async fn open<S: Store + ?Sized>(
 /// One envelope found: its pointer, bytes (quotes included), subject and
 /// sealed bytes.
 type Found = (String, std::ops::Range<usize>, String, Vec<u8>);
+
+/// Every string of `payload` that delivery ([`open`]) reads as an
+/// envelope, in document order; none for a payload that is not JSON (one
+/// substring search when it holds no envelope prefix).
+fn envelopes(payload: &[u8]) -> Vec<Found> {
+    let needle = format!("\"{ENVELOPE_PREFIX}");
+    if memchr::memmem::find(payload, needle.as_bytes()).is_none() {
+        return Vec::new();
+    }
+    let Ok(strings) = crate::json_span::strings_with_prefix(payload, ENVELOPE_PREFIX) else {
+        return Vec::new();
+    };
+    strings
+        .into_iter()
+        .filter_map(|(pointer, range)| {
+            // Between the quotes.
+            let text = std::str::from_utf8(&payload[range.start + 1..range.end - 1]).ok()?;
+            let (subject, sealed) = envelope(text)?;
+            Some((pointer, range, subject, sealed))
+        })
+        .collect()
+}
+
+/// The JSON pointer of the first string of a payload to publish that
+/// delivery would read as an envelope (and decrypt, or send as `null`):
+/// only lanebus writes those ([`crate::rules::event::no_envelope`] refuses
+/// them). `None` when there is none.
+pub(crate) fn envelope_lookalike(payload: &[u8]) -> Option<String> {
+    envelopes(payload).into_iter().next().map(|f| f.0)
+}
 
 /// The subject and sealed bytes of an envelope's text, `None` when it is
 /// malformed.

@@ -528,6 +528,7 @@ conformance!(
     filters_see_personal_fields_sealed,
     a_copied_envelope_does_not_open_in_another_event,
     personal_payloads_are_delivered_as_the_published_bytes,
+    a_string_reading_as_an_envelope_is_refused_at_publish,
 );
 
 // ---------------------------------------------------------------------------
@@ -7366,4 +7367,61 @@ async fn personal_payloads_are_delivered_as_the_published_bytes(h: &dyn Harness)
         .expect("open")
         .expect("envelopes");
     assert_eq!(o.payload.as_ref(), published[1].1, "subject {subject}");
+}
+
+/// Break-it finding (issue 15): delivery takes every unescaped payload
+/// string reading as an envelope (`lbenc:v1:`, base64url, `:`, base64) for
+/// one, in any event, sealed or not. A publisher's (or its end user's)
+/// string `"lbenc:v1:YQ:AAAA"` in an uncataloged event was stored as sent
+/// and then failed every attempt on a node without a master key (dead
+/// letter, and again on replay), or was sent as `null` with
+/// `lanebus-redacted` on one with a key: not the published bytes. Such a
+/// string is refused at publish (`publish` and `publish_in`); written
+/// with an escape, as a key, or not base64 after the prefix, it is data.
+async fn a_string_reading_as_an_envelope_is_refused_at_publish(h: &dyn Harness) {
+    let s = h.store();
+    handler(&*s, "all", &["*"]).await;
+    let event = |id: &str, payload: &[u8]| NewEvent {
+        id: Some(id.into()),
+        event_type: "note.added".into(),
+        payload: payload.to_vec(),
+        ..NewEvent::default()
+    };
+    for payload in [
+        &br#"{"note":"lbenc:v1:YQ:AAAA"}"#[..],
+        br#"["x", {"deep": [1, "lbenc:v1:YWxpY2U:"]}]"#,
+        br#""lbenc:v1::""#,
+    ] {
+        let shown = String::from_utf8_lossy(payload);
+        let m = invalid_message(
+            s.publish(vec![event("f1", payload)])
+                .await
+                .expect_err(&format!("publish of {shown}")),
+        );
+        assert!(m.contains("envelope"), "{m}");
+        let e = h
+            .publish_in_many(vec![vec![event("f1", payload)]], true)
+            .await
+            .expect_err(&format!("publish_in of {shown}"));
+        assert!(matches!(e, StoreError::Invalid(_)), "{e:?}");
+    }
+    assert!(!raw_holds(h, b"lbenc:v1:").await, "nothing stored");
+    // Data, delivered as published even by a node without a master key.
+    let kept: [(&str, &[u8]); 4] = [
+        ("k1", br#"{"note":"\u006cbenc:v1:YQ:AAAA"}"#),
+        ("k2", br#"{"note":"lbenc:v1:hello"}"#),
+        ("k3", br#"{"lbenc:v1:YQ:AAAA": 1}"#),
+        ("k4", br#"{"note":"see lbenc:v1:YQ:AAAA"}"#),
+    ];
+    s.publish(kept.iter().map(|(id, p)| event(id, p)).collect())
+        .await
+        .expect("publish data");
+    let ds = claim_all(&*s).await;
+    assert_eq!(ds.len(), kept.len());
+    for d in &ds {
+        let opened = personal::open(&*s, &d.event_id, &d.payload)
+            .await
+            .expect("opens without a master key");
+        assert_eq!(opened, None, "{}", d.event_id);
+    }
 }
