@@ -469,6 +469,20 @@ fn read_for_seal(
     pointers.extend(spec.fields.iter().map(String::as_str));
     let spans = crate::json_span::find(payload, &pointers)
         .map_err(|err| StoreError::Invalid(format!("payload is not JSON: {err}")))?;
+    // A field given twice would be sealed twice: a payload repeating one
+    // would store an envelope (and cost a seal, and an open per attempt)
+    // per repetition.
+    let mut times = vec![0usize; pointers.len()];
+    for s in &spans {
+        times[s.which] += 1;
+    }
+    if let Some(i) = (1..pointers.len()).find(|&i| times[i] > 1) {
+        return Err(StoreError::Invalid(format!(
+            "the personal field {} is given more than once ({} times: a key repeated \
+             in its object or in a parent's); give it once",
+            pointers[i], times[i]
+        )));
+    }
     // The last of duplicate keys, as the schema validator saw it.
     let subject = spans
         .iter()

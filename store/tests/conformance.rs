@@ -529,6 +529,7 @@ conformance!(
     a_copied_envelope_does_not_open_in_another_event,
     personal_payloads_are_delivered_as_the_published_bytes,
     a_string_reading_as_an_envelope_is_refused_at_publish,
+    a_personal_key_given_many_times_does_not_multiply_the_stored_payload,
 );
 
 // ---------------------------------------------------------------------------
@@ -7424,4 +7425,64 @@ async fn a_string_reading_as_an_envelope_is_refused_at_publish(h: &dyn Harness) 
             .expect("opens without a master key");
         assert_eq!(opened, None, "{}", d.event_id);
     }
+}
+
+/// Break-it finding (issue 15): every occurrence of a personal field was
+/// sealed, a key given twice included, so one publish of a 1 MiB payload
+/// repeating a personal key (`{"u":<256-byte subject>,"a":1,"a":1,...}`)
+/// stored about 68 MiB (each 1-byte value an envelope of 394 bytes), with
+/// an AES seal per occurrence at publish and an open per occurrence at
+/// every delivery attempt (MongoDB refuses a document that large). A
+/// personal field given more than once is refused (`422`), nothing
+/// stored: its value is sealed once, and no occurrence stays in clear.
+async fn a_personal_key_given_many_times_does_not_multiply_the_stored_payload(h: &dyn Harness) {
+    let s = h.store();
+    let schema = serde_json::json!({
+        "type": "object",
+        "x-lanebus-subject": "/u",
+        "properties": {
+            "u": {"type": "string"},
+            "a": {"x-lanebus-personal": true},
+            "p": {"properties": {"b": {"x-lanebus-personal": true}}}
+        }
+    });
+    s.create_event_type(new_type("user.noted", Some(schema), &[]))
+        .await
+        .expect("create");
+    s.keyring().set_master(master(1));
+    let subject = "s".repeat(personal::MAX_SUBJECT_BYTES);
+    let mut many = format!("{{\"u\":\"{subject}\"");
+    while many.len() < (1 << 20) - 16 {
+        many.push_str(",\"a\":1");
+    }
+    many.push('}');
+    let event = |payload: &[u8]| NewEvent {
+        event_type: "user.noted".into(),
+        payload: payload.to_vec(),
+        ..NewEvent::default()
+    };
+    for payload in [
+        many.as_bytes(),
+        br#"{"u":"x","a":"secret-1","a":"secret-2"}"#,
+        br#"{"u":"x","p":{"b":"secret-1"},"p":{"b":"secret-2"}}"#,
+        br#"{"u":"x","p":{"b":"secret-1","b":"secret-2"}}"#,
+    ] {
+        let m = invalid_message(
+            s.publish(vec![event(payload)])
+                .await
+                .expect_err("a personal field given more than once"),
+        );
+        assert!(m.contains("more than once"), "{m}");
+    }
+    assert!(!raw_holds(h, b"lbenc:v1:").await, "nothing stored");
+    assert!(!raw_holds(h, b"secret-").await);
+    // Once each: sealed as usual; a repeated key that is not personal is
+    // the publisher's business.
+    s.publish(vec![event(
+        br#"{"u":"x","u":"y","a":"secret-1","p":{"b":"secret-2"},"n":1,"n":2}"#,
+    )])
+    .await
+    .expect("publish");
+    assert!(!raw_holds(h, b"secret-").await);
+    assert!(raw_holds(h, b"\"n\":1,\"n\":2").await);
 }
