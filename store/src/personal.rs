@@ -440,6 +440,15 @@ impl Keyring {
 fn subject_of(raw: Option<&[u8]>, pointer: &str) -> std::result::Result<String, Broken> {
     let s = match raw.and_then(|r| serde_json::from_slice::<Value>(r).ok()) {
         Some(Value::String(s)) => s,
+        // An integer beyond 64 bits is read as a double: distinct ids
+        // would share one subject (and one key).
+        Some(Value::Number(n))
+            if n.is_f64()
+                && n.as_f64().is_some_and(|f| f.abs() >= 9e18)
+                && !raw.unwrap_or_default().iter().any(|b| b".eE".contains(b)) =>
+        {
+            return Err(rules::event_type::subject_too_large(pointer));
+        }
         Some(Value::Number(n)) => n.to_string(),
         _ => {
             return Err(rules::event_type::no_subject(pointer));
@@ -864,6 +873,37 @@ mod tests {
             schema["properties"]["user"] = subject.clone();
             let m = Spec::derive(&schema).unwrap_err().message;
             assert!(m.contains(at) && m.contains("not honoured"), "{m}");
+        }
+    }
+
+    /// Break-it (issue 15): an integer subject too large for 64 bits was
+    /// read as a double, so distinct ids (2^64 and 2^64 + 1) were one
+    /// subject, one key: erasing either erased both, and neither alone.
+    #[test]
+    fn distinct_integer_subjects_are_distinct_subjects_or_refused() {
+        let subject = |raw: &str| subject_of(Some(raw.as_bytes()), "/id");
+        assert_eq!(
+            subject("18446744073709551615").unwrap(),
+            "18446744073709551615"
+        );
+        assert_eq!(
+            subject("-9223372036854775808").unwrap(),
+            "-9223372036854775808"
+        );
+        assert_eq!(subject("1e2").unwrap(), "100.0");
+        assert_eq!(subject("100").unwrap(), "100");
+        assert_eq!(subject("-0").unwrap(), "-0.0");
+        assert_eq!(
+            subject("\"18446744073709551616\"").unwrap(),
+            "18446744073709551616"
+        );
+        for big in [
+            "18446744073709551616",
+            "18446744073709551617",
+            "-9223372036854775809",
+        ] {
+            let b = subject(big).expect_err(big);
+            assert!(b.message.contains("as a string"), "{big}: {}", b.message);
         }
     }
 

@@ -667,6 +667,20 @@ pub mod event_type {
         )
     }
 
+    /// A payload whose subject id at JSON pointer `at` is an integer
+    /// beyond 64 bits (read as a double, distinct ids would be one
+    /// subject).
+    pub fn subject_too_large(at: &str) -> Broken {
+        Broken::new(
+            "payload",
+            Rule::Range,
+            format!(
+                "the subject id at {at} is an integer beyond 64 bits, which would be read \
+                 as a double (distinct ids one subject): send it as a string"
+            ),
+        )
+    }
+
     /// Checks a subject id: 1 to [`crate::personal::MAX_SUBJECT_BYTES`]
     /// bytes, no control characters.
     ///
