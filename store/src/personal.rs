@@ -455,6 +455,11 @@ fn subject_of(raw: Option<&[u8]>, pointer: &str) -> std::result::Result<String, 
         }
     };
     rules::event_type::subject(&s)?;
+    if s == "." || s == ".." {
+        // Checked at publish only: DELETE /v1/subjects/{id} still takes a
+        // key stored before, for a client that can send the segment.
+        return Err(rules::event_type::subject_dot_segment(pointer));
+    }
     Ok(s)
 }
 
@@ -904,6 +909,22 @@ mod tests {
         ] {
             let b = subject(big).expect_err(big);
             assert!(b.message.contains("as a string"), "{big}: {}", b.message);
+        }
+    }
+
+    /// Break-it (issue 15): a subject id `.` or `..` cannot be named in
+    /// `DELETE /v1/subjects/{id}` by many HTTP clients: WHATWG URL parsers
+    /// (browsers, the url crate under reqwest) resolve the dot segment,
+    /// `%2E%2E` too, and send another path, so its fields could not be
+    /// erased with them. Refused at publish.
+    #[test]
+    fn dot_segment_subjects_are_refused() {
+        for dots in ["\".\"", "\"..\"", "\"\\u002e\\u002e\""] {
+            let b = subject_of(Some(dots.as_bytes()), "/id").expect_err(dots);
+            assert!(b.message.contains("dot segment"), "{dots}: {}", b.message);
+        }
+        for fine in ["\"...\"", "\"a.b\"", "\"./a\""] {
+            assert!(subject_of(Some(fine.as_bytes()), "/id").is_ok(), "{fine}");
         }
     }
 

@@ -681,6 +681,20 @@ pub mod event_type {
         )
     }
 
+    /// A payload whose subject id at JSON pointer `at` is `.` or `..`,
+    /// which many HTTP clients cannot name in `DELETE /v1/subjects/{id}`
+    /// (WHATWG URL parsers resolve the dot segment, percent-encoded too).
+    pub fn subject_dot_segment(at: &str) -> Broken {
+        Broken::new(
+            "payload",
+            Rule::Form,
+            format!(
+                "the subject id at {at} is a dot segment (\".\" or \"..\"), which many HTTP \
+                 clients rewrite in DELETE /v1/subjects/{{id}}: send another id"
+            ),
+        )
+    }
+
     /// Checks a subject id: 1 to [`crate::personal::MAX_SUBJECT_BYTES`]
     /// bytes, no control characters.
     ///
