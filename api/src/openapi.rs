@@ -185,55 +185,150 @@ pub fn webhooks(types: &[EventType]) -> serde_json::Value {
 
 /// `schema` ready to stand at JSON pointer `at` of a larger document: each
 /// `$ref` and `$dynamicRef` of its root resource that is a JSON pointer
-/// fragment (`#`, `#/...`) is prefixed with `at` (percent-encoded as a URI
-/// fragment, RFC 3986), and a root `$id` is dropped (it would make those
-/// references resolve against it instead). Subschemas with their own `$id`
-/// are resources of their own, whose references stay as they are, and so
-/// are values that are data, not schemas (`const`, `enum`, `default`,
+/// fragment (`#`, `#/...`) or names an anchor of the root resource
+/// (`#name`, by `$anchor` or `$dynamicAnchor`) becomes the pointer of its
+/// target prefixed with `at` (percent-encoded as a URI fragment, RFC
+/// 3986), and a root `$id` is dropped (it would make those references
+/// resolve against it instead). Other references and nested `$id`s that
+/// are relative to a dropped absolute `$id` are made absolute against it,
+/// so they name what they named. Subschemas with their own `$id` are
+/// resources of their own, whose references stay as they are, and so are
+/// values that are data, not schemas (`const`, `enum`, `default`,
 /// `examples`).
 pub fn embed_schema(mut schema: serde_json::Value, at: &str) -> serde_json::Value {
-    if let Some(root) = schema.as_object_mut() {
-        root.remove("$id");
-    }
-    let prefix = format!("#{}", fragment(at));
-    rewrite_refs(&mut schema, &prefix, true);
+    let base = schema
+        .as_object_mut()
+        .and_then(|root| root.remove("$id"))
+        .and_then(|id| id.as_str().and_then(|id| url::Url::parse(id).ok()));
+    let mut anchors = BTreeMap::new();
+    collect_anchors(&schema, "", true, &mut anchors);
+    let embed = Embed {
+        prefix: format!("#{}", fragment(at)),
+        base,
+        anchors,
+    };
+    embed.rewrite(&mut schema, true);
     schema
 }
 
-fn rewrite_refs(v: &mut serde_json::Value, prefix: &str, root: bool) {
+/// What [`embed_schema`] rewrites references with.
+struct Embed {
+    /// `#` and the schema's new place, as a URI fragment.
+    prefix: String,
+    /// The dropped root `$id`, when it was an absolute URI.
+    base: Option<url::Url>,
+    /// Anchors of the root resource: name → JSON pointer in the schema.
+    anchors: BTreeMap<String, String>,
+}
+
+impl Embed {
+    /// A reference of the root resource as it must read embedded.
+    fn reference(&self, r: &str) -> Option<String> {
+        if let Some(rest) = r.strip_prefix('#') {
+            if rest.is_empty() || rest.starts_with('/') {
+                return Some(format!("{}{rest}", self.prefix));
+            }
+            return self
+                .anchors
+                .get(rest)
+                .map(|p| format!("{}{}", self.prefix, fragment(p)));
+        }
+        let base = self.base.as_ref()?;
+        let target = base.join(r).ok()?;
+        let mut doc = target.clone();
+        doc.set_fragment(None);
+        let mut root = base.clone();
+        root.set_fragment(None);
+        if doc == root {
+            // The root resource by its URI: a local reference.
+            return self.reference(&format!("#{}", target.fragment().unwrap_or("")));
+        }
+        (target.as_str() != r).then(|| target.to_string())
+    }
+
+    fn rewrite(&self, v: &mut serde_json::Value, root: bool) {
+        match v {
+            serde_json::Value::Object(m) => {
+                if !root {
+                    if let Some(serde_json::Value::String(id)) = m.get_mut("$id") {
+                        // A resource of its own: only its place moves.
+                        if let Some(abs) = self.base.as_ref().and_then(|b| b.join(id).ok()) {
+                            *id = abs.to_string();
+                        }
+                        return;
+                    }
+                }
+                for (k, x) in m.iter_mut() {
+                    match (k.as_str(), x) {
+                        ("const" | "enum" | "default" | "examples", _) => {}
+                        ("$ref" | "$dynamicRef", serde_json::Value::String(r)) => {
+                            if let Some(new) = self.reference(r) {
+                                *r = new;
+                            }
+                        }
+                        // Maps of names to schemas: a property may be named
+                        // `const` or `$ref`.
+                        (
+                            "properties" | "patternProperties" | "$defs" | "definitions"
+                            | "dependentSchemas",
+                            serde_json::Value::Object(named),
+                        ) => {
+                            for s in named.values_mut() {
+                                self.rewrite(s, false);
+                            }
+                        }
+                        (_, x) => self.rewrite(x, false),
+                    }
+                }
+            }
+            serde_json::Value::Array(a) => {
+                for x in a {
+                    self.rewrite(x, false);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The anchors (`$anchor`, `$dynamicAnchor`) of the resource `v` is in,
+/// at schema pointer `at`; the first of a name wins.
+fn collect_anchors(
+    v: &serde_json::Value,
+    at: &str,
+    root: bool,
+    out: &mut BTreeMap<String, String>,
+) {
     match v {
         serde_json::Value::Object(m) => {
             if !root && m.contains_key("$id") {
                 return;
             }
-            for (k, x) in m.iter_mut() {
+            for key in ["$anchor", "$dynamicAnchor"] {
+                if let Some(serde_json::Value::String(name)) = m.get(key) {
+                    out.entry(name.clone()).or_insert_with(|| at.to_owned());
+                }
+            }
+            for (k, x) in m {
                 match (k.as_str(), x) {
                     ("const" | "enum" | "default" | "examples", _) => {}
-                    ("$ref" | "$dynamicRef", serde_json::Value::String(r)) => {
-                        if let Some(rest) = r.strip_prefix('#') {
-                            if rest.is_empty() || rest.starts_with('/') {
-                                *r = format!("{prefix}{rest}");
-                            }
-                        }
-                    }
-                    // Maps of names to schemas: a property may be named
-                    // `const` or `$ref`.
                     (
                         "properties" | "patternProperties" | "$defs" | "definitions"
                         | "dependentSchemas",
                         serde_json::Value::Object(named),
                     ) => {
-                        for s in named.values_mut() {
-                            rewrite_refs(s, prefix, false);
+                        for (name, s) in named {
+                            let here = format!("{at}/{}/{}", pointer_token(k), pointer_token(name));
+                            collect_anchors(s, &here, false, out);
                         }
                     }
-                    (_, x) => rewrite_refs(x, prefix, false),
+                    (_, x) => collect_anchors(x, &format!("{at}/{}", pointer_token(k)), false, out),
                 }
             }
         }
         serde_json::Value::Array(a) => {
-            for x in a {
-                rewrite_refs(x, prefix, false);
+            for (i, x) in a.iter().enumerate() {
+                collect_anchors(x, &format!("{at}/{i}"), false, out);
             }
         }
         _ => {}
@@ -1104,7 +1199,8 @@ mod tests {
         let props = &got["properties"];
         assert_eq!(props["const"]["$ref"], format!("{p}/$defs/a"));
         assert_eq!(props["b"]["$ref"], p);
-        assert_eq!(props["c"]["$ref"], "other.json#/x");
+        // Relative to the dropped `$id`: made absolute against it.
+        assert_eq!(props["c"]["$ref"], "https://example.org/other.json#/x");
         assert_eq!(props["d"]["$ref"], "#anchor");
         assert_eq!(props["e"]["const"]["$ref"], "#/$defs/a");
         assert_eq!(props["f"]["$ref"], "#/$defs/g");

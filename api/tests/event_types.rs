@@ -308,6 +308,106 @@ async fn openapi_webhooks_list_each_cataloged_type(app: TestApp) {
     validate_openapi(&doc);
 }
 
+/// Break-it (issue 15): schemas whose references are not plain
+/// `#/$defs/name` pointers, embedded in the `webhooks` section: `$defs`
+/// names with `/`, `~`, a space, `%` and non-ASCII (escaped pointers),
+/// `$anchor` and `$dynamicAnchor` references (two types using the same
+/// anchor name), and a nested `$id` resource referenced by its URI. The
+/// document validates and every reference resolves to what it named.
+async fn openapi_webhooks_keep_odd_refs_resolvable(app: TestApp) {
+    let odd = json!({
+        "type": "object",
+        "$defs": {
+            "a/b": {"type": "string"}, "t~1": {"type": "integer"},
+            "sp ace": {"type": "boolean"}, "pct%": {"type": "null"},
+            "\u{fc}": {"type": "number"}
+        },
+        "properties": {
+            "slash": {"$ref": "#/$defs/a~1b"}, "tilde": {"$ref": "#/$defs/t~01"},
+            "space": {"$ref": "#/$defs/sp%20ace"}, "pct": {"$ref": "#/$defs/pct%25"},
+            "umlaut": {"$ref": "#/$defs/%C3%BC"}
+        }
+    });
+    let anchored = |ty: &str| {
+        json!({
+            "type": "object",
+            "$defs": {"m": {"$anchor": "money", "type": ty}},
+            "properties": {"total": {"$ref": "#money"}}
+        })
+    };
+    let tree = json!({
+        "$dynamicAnchor": "node",
+        "type": "object",
+        "properties": {"kids": {"type": "array", "items": {"$dynamicRef": "#node"}}}
+    });
+    let nested_id = json!({
+        "$id": "https://example.org/schemas/root.json",
+        "type": "object",
+        "$defs": {"b": {"$id": "https://example.org/schemas/b.json", "type": "string"}},
+        "properties": {"x": {"$ref": "b.json"}, "y": {"$ref": "https://example.org/schemas/b.json"}}
+    });
+    for (name, schema) in [
+        ("odd.names", odd),
+        ("money.a", anchored("number")),
+        ("money.b", anchored("string")),
+        ("tree.grown", tree),
+        ("nested.id", nested_id),
+    ] {
+        let res = app
+            .post("/v1/event-types", json!({"name": name, "schema": schema}))
+            .await;
+        assert_eq!(res.status, StatusCode::CREATED, "{name}: {res:?}");
+    }
+    let res = app.get("/openapi.json").await;
+    assert_eq!(res.status, StatusCode::OK, "{res:?}");
+    let doc = res.json;
+    let data = |name: &str| {
+        doc["webhooks"][name]["post"]["requestBody"]["content"]["application/json"]["schema"]
+            ["properties"]["data"]
+            .clone()
+    };
+    let odd = data("odd.names");
+    for (prop, def) in [
+        ("slash", "a/b"),
+        ("tilde", "t~1"),
+        ("space", "sp ace"),
+        ("pct", "pct%"),
+        ("umlaut", "\u{fc}"),
+    ] {
+        let r = odd["properties"][prop]["$ref"].as_str().expect("a $ref");
+        assert_eq!(
+            resolve(&doc, r),
+            Some(&odd["$defs"][def]),
+            "{prop}: {r} names $defs/{def}"
+        );
+    }
+    // What each reference names must be found without the anchors being
+    // unique in the document: as JSON pointers into the type's schema.
+    for (name, ty) in [("money.a", "number"), ("money.b", "string")] {
+        let r = data(name)["properties"]["total"]["$ref"]
+            .as_str()
+            .expect("a $ref")
+            .to_owned();
+        let target = resolve(&doc, &r).unwrap_or_else(|| panic!("{name}: {r} does not resolve"));
+        assert_eq!(target["type"], ty, "{name}: {r}");
+    }
+    let tree = data("tree.grown");
+    let r = tree["properties"]["kids"]["items"]["$dynamicRef"]
+        .as_str()
+        .expect("a $dynamicRef");
+    assert_eq!(resolve(&doc, r), Some(&tree), "{r}");
+    // The root `$id` is dropped: a reference relative to it must name the
+    // nested resource by its absolute URI, as it did.
+    let nested = data("nested.id");
+    assert_eq!(nested.get("$id"), None);
+    let b = "https://example.org/schemas/b.json";
+    assert_eq!(nested["$defs"]["b"]["$id"], b);
+    for prop in ["x", "y"] {
+        assert_eq!(nested["properties"][prop]["$ref"], b, "{prop}");
+    }
+    validate_openapi(&doc);
+}
+
 /// A schema with local `$ref`s (`#/$defs/...`, `#`).
 fn invoice_schema() -> Value {
     json!({
@@ -479,4 +579,5 @@ on_every_backend!(
     openapi_webhooks_list_each_cataloged_type,
     personal_fields_need_a_subject_a_master_key_and_erase_per_subject,
     a_personal_field_named_with_a_control_character_is_refused,
+    openapi_webhooks_keep_odd_refs_resolvable,
 );

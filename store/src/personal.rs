@@ -440,12 +440,26 @@ impl Keyring {
 fn subject_of(raw: Option<&[u8]>, pointer: &str) -> std::result::Result<String, Broken> {
     let s = match raw.and_then(|r| serde_json::from_slice::<Value>(r).ok()) {
         Some(Value::String(s)) => s,
+        // An integer beyond 64 bits is read as a double: distinct ids
+        // would share one subject (and one key).
+        Some(Value::Number(n))
+            if n.is_f64()
+                && n.as_f64().is_some_and(|f| f.abs() >= 9e18)
+                && !raw.unwrap_or_default().iter().any(|b| b".eE".contains(b)) =>
+        {
+            return Err(rules::event_type::subject_too_large(pointer));
+        }
         Some(Value::Number(n)) => n.to_string(),
         _ => {
             return Err(rules::event_type::no_subject(pointer));
         }
     };
     rules::event_type::subject(&s)?;
+    if s == "." || s == ".." {
+        // Checked at publish only: DELETE /v1/subjects/{id} still takes a
+        // key stored before, for a client that can send the segment.
+        return Err(rules::event_type::subject_dot_segment(pointer));
+    }
     Ok(s)
 }
 
@@ -469,6 +483,20 @@ fn read_for_seal(
     pointers.extend(spec.fields.iter().map(String::as_str));
     let spans = crate::json_span::find(payload, &pointers)
         .map_err(|err| StoreError::Invalid(format!("payload is not JSON: {err}")))?;
+    // A field given twice would be sealed twice: a payload repeating one
+    // would store an envelope (and cost a seal, and an open per attempt)
+    // per repetition.
+    let mut times = vec![0usize; pointers.len()];
+    for s in &spans {
+        times[s.which] += 1;
+    }
+    if let Some(i) = (1..pointers.len()).find(|&i| times[i] > 1) {
+        return Err(StoreError::Invalid(format!(
+            "the personal field {} is given more than once ({} times: a key repeated \
+             in its object or in a parent's); give it once",
+            pointers[i], times[i]
+        )));
+    }
     // The last of duplicate keys, as the schema validator saw it.
     let subject = spans
         .iter()
@@ -700,22 +728,7 @@ where
     F: FnOnce(Vec<String>) -> Fut,
     Fut: std::future::Future<Output = Result<Vec<WrappedKey>>>,
 {
-    let needle = format!("\"{ENVELOPE_PREFIX}");
-    if memchr::memmem::find(payload, needle.as_bytes()).is_none() {
-        return Ok(None);
-    }
-    let Ok(strings) = crate::json_span::strings_with_prefix(payload, ENVELOPE_PREFIX) else {
-        return Ok(None);
-    };
-    let found: Vec<Found> = strings
-        .into_iter()
-        .filter_map(|(pointer, range)| {
-            // Between the quotes.
-            let text = std::str::from_utf8(&payload[range.start + 1..range.end - 1]).ok()?;
-            let (subject, sealed) = envelope(text)?;
-            Some((pointer, range, subject, sealed))
-        })
-        .collect();
+    let found = envelopes(payload);
     if found.is_empty() {
         return Ok(None);
     }
@@ -884,6 +897,36 @@ async fn read_keys(store: Arc<dyn Store>, mut rx: tokio::sync::mpsc::UnboundedRe
 /// sealed bytes.
 type Found = (String, std::ops::Range<usize>, String, Vec<u8>);
 
+/// Every string of `payload` that delivery ([`open`]) reads as an
+/// envelope, in document order; none for a payload that is not JSON (one
+/// substring search when it holds no envelope prefix).
+fn envelopes(payload: &[u8]) -> Vec<Found> {
+    let needle = format!("\"{ENVELOPE_PREFIX}");
+    if memchr::memmem::find(payload, needle.as_bytes()).is_none() {
+        return Vec::new();
+    }
+    let Ok(strings) = crate::json_span::strings_with_prefix(payload, ENVELOPE_PREFIX) else {
+        return Vec::new();
+    };
+    strings
+        .into_iter()
+        .filter_map(|(pointer, range)| {
+            // Between the quotes.
+            let text = std::str::from_utf8(&payload[range.start + 1..range.end - 1]).ok()?;
+            let (subject, sealed) = envelope(text)?;
+            Some((pointer, range, subject, sealed))
+        })
+        .collect()
+}
+
+/// The JSON pointer of the first string of a payload to publish that
+/// delivery would read as an envelope (and decrypt, or send as `null`):
+/// only lanebus writes those ([`crate::rules::event::no_envelope`] refuses
+/// them). `None` when there is none.
+pub(crate) fn envelope_lookalike(payload: &[u8]) -> Option<String> {
+    envelopes(payload).into_iter().next().map(|f| f.0)
+}
+
 /// The subject and sealed bytes of an envelope's text, `None` when it is
 /// malformed.
 fn envelope(text: &str) -> Option<(String, Vec<u8>)> {
@@ -1022,6 +1065,53 @@ mod tests {
             schema["properties"]["user"] = subject.clone();
             let m = Spec::derive(&schema).unwrap_err().message;
             assert!(m.contains(at) && m.contains("not honoured"), "{m}");
+        }
+    }
+
+    /// Break-it (issue 15): an integer subject too large for 64 bits was
+    /// read as a double, so distinct ids (2^64 and 2^64 + 1) were one
+    /// subject, one key: erasing either erased both, and neither alone.
+    #[test]
+    fn distinct_integer_subjects_are_distinct_subjects_or_refused() {
+        let subject = |raw: &str| subject_of(Some(raw.as_bytes()), "/id");
+        assert_eq!(
+            subject("18446744073709551615").unwrap(),
+            "18446744073709551615"
+        );
+        assert_eq!(
+            subject("-9223372036854775808").unwrap(),
+            "-9223372036854775808"
+        );
+        assert_eq!(subject("1e2").unwrap(), "100.0");
+        assert_eq!(subject("100").unwrap(), "100");
+        assert_eq!(subject("-0").unwrap(), "-0.0");
+        assert_eq!(
+            subject("\"18446744073709551616\"").unwrap(),
+            "18446744073709551616"
+        );
+        for big in [
+            "18446744073709551616",
+            "18446744073709551617",
+            "-9223372036854775809",
+        ] {
+            let b = subject(big).expect_err(big);
+            assert!(b.message.contains("as a string"), "{big}: {}", b.message);
+        }
+    }
+
+    /// Break-it (issue 15): a subject id `.` or `..` cannot be named in
+    /// `DELETE /v1/subjects/{id}` by many HTTP clients: WHATWG URL parsers
+    /// (browsers, the url crate under reqwest) resolve the dot segment,
+    /// `%2E%2E` too, and send another path, so its fields could not be
+    /// erased with them. Refused at publish.
+    #[test]
+    fn dot_segment_subjects_are_refused() {
+        for dots in ["\".\"", "\"..\"", "\"\\u002e\\u002e\""] {
+            let b = subject_of(Some(dots.as_bytes()), "/id").expect_err(dots);
+            assert!(b.message.contains("dot segment"), "{dots}: {}", b.message);
+        }
+        for fine in ["\"...\"", "\"a.b\"", "\"./a\""] {
+            assert!(subject_of(Some(fine.as_bytes()), "/id").is_ok(), "{fine}");
         }
     }
 

@@ -349,7 +349,34 @@ pub mod event {
         }
         route::event_type(&e.event_type)?;
         unreserved(&e.event_type)?;
-        fields(e, now)
+        fields(e, now)?;
+        no_envelope(&e.payload)
+    }
+
+    /// Checks that no string of a payload reads as an envelope of a
+    /// personal field (`lbenc:v1:<base64url>:<base64>`, unescaped): delivery
+    /// opens every one it finds, so a publisher's would be sent as `null`
+    /// (or fail every attempt on a node without a master key). Only the
+    /// store's sealing writes them ([`crate::personal`]). Not a rule of
+    /// lanebus's own operational events.
+    ///
+    /// # Errors
+    /// [`Rule::Reserved`] on `payload`, naming the string's pointer.
+    pub fn no_envelope(raw: &[u8]) -> Result<(), Broken> {
+        match crate::personal::envelope_lookalike(raw) {
+            None => Ok(()),
+            Some(at) => Err(Broken::new(
+                "payload",
+                Rule::Reserved,
+                format!(
+                    "the string at {at:?} reads as a personal field's envelope \
+                     ({}<base64url>:<base64>), which only lanebus writes: delivery \
+                     would decrypt it or send null; write its first character escaped \
+                     (\\u006c) to send it as data",
+                    crate::personal::ENVELOPE_PREFIX
+                ),
+            )),
+        }
     }
 
     /// Checks one of lanebus's own operational events at `now`: as
@@ -637,6 +664,34 @@ pub mod event_type {
             "payload",
             Rule::Requires,
             format!("payload has personal fields but no subject id (a string or a number) at {at}"),
+        )
+    }
+
+    /// A payload whose subject id at JSON pointer `at` is an integer
+    /// beyond 64 bits (read as a double, distinct ids would be one
+    /// subject).
+    pub fn subject_too_large(at: &str) -> Broken {
+        Broken::new(
+            "payload",
+            Rule::Range,
+            format!(
+                "the subject id at {at} is an integer beyond 64 bits, which would be read \
+                 as a double (distinct ids one subject): send it as a string"
+            ),
+        )
+    }
+
+    /// A payload whose subject id at JSON pointer `at` is `.` or `..`,
+    /// which many HTTP clients cannot name in `DELETE /v1/subjects/{id}`
+    /// (WHATWG URL parsers resolve the dot segment, percent-encoded too).
+    pub fn subject_dot_segment(at: &str) -> Broken {
+        Broken::new(
+            "payload",
+            Rule::Form,
+            format!(
+                "the subject id at {at} is a dot segment (\".\" or \"..\"), which many HTTP \
+                 clients rewrite in DELETE /v1/subjects/{{id}}: send another id"
+            ),
         )
     }
 
@@ -1795,6 +1850,28 @@ mod tests {
         );
         e.payload = format!(r#"{{"s":"\"{}"}}"#, "[".repeat(500)).into_bytes();
         assert!(e.validate().is_ok(), "brackets inside a string");
+    }
+
+    /// Break-it (issue 15): delivery opens every string reading as an
+    /// envelope, so a publisher may send none; escaped, as a key, or not
+    /// base64 after the prefix, it is data.
+    #[test]
+    fn payload_strings_reading_as_envelopes_are_reserved() {
+        let now = chrono::Utc::now();
+        let mut e = ev(None, None);
+        e.payload = br#"{"a":[1,{"b~":"lbenc:v1:YQ:AAAA"}]}"#.to_vec();
+        let b = event::check(&e, now).unwrap_err();
+        assert_eq!((b.field.as_str(), b.rule), ("payload", Rule::Reserved));
+        assert!(b.message.contains(r#""/a/1/b~0""#), "{b}");
+        for fine in [
+            r#"{"a":"\u006cbenc:v1:YQ:AAAA"}"#,
+            r#"{"lbenc:v1:YQ:AAAA":1}"#,
+            r#"{"a":"lbenc:v1:not base64!"}"#,
+            r#"{"a":" lbenc:v1:YQ:AAAA"}"#,
+        ] {
+            e.payload = fine.as_bytes().to_vec();
+            assert!(event::check(&e, now).is_ok(), "{fine}");
+        }
     }
 
     #[test]

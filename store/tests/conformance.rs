@@ -528,6 +528,8 @@ conformance!(
     filters_see_personal_fields_sealed,
     a_copied_envelope_does_not_open_in_another_event,
     personal_payloads_are_delivered_as_the_published_bytes,
+    a_string_reading_as_an_envelope_is_refused_at_publish,
+    a_personal_key_given_many_times_does_not_multiply_the_stored_payload,
 );
 
 // ---------------------------------------------------------------------------
@@ -7366,4 +7368,121 @@ async fn personal_payloads_are_delivered_as_the_published_bytes(h: &dyn Harness)
         .expect("open")
         .expect("envelopes");
     assert_eq!(o.payload.as_ref(), published[1].1, "subject {subject}");
+}
+
+/// Break-it finding (issue 15): delivery takes every unescaped payload
+/// string reading as an envelope (`lbenc:v1:`, base64url, `:`, base64) for
+/// one, in any event, sealed or not. A publisher's (or its end user's)
+/// string `"lbenc:v1:YQ:AAAA"` in an uncataloged event was stored as sent
+/// and then failed every attempt on a node without a master key (dead
+/// letter, and again on replay), or was sent as `null` with
+/// `lanebus-redacted` on one with a key: not the published bytes. Such a
+/// string is refused at publish (`publish` and `publish_in`); written
+/// with an escape, as a key, or not base64 after the prefix, it is data.
+async fn a_string_reading_as_an_envelope_is_refused_at_publish(h: &dyn Harness) {
+    let s = h.store();
+    handler(&*s, "all", &["*"]).await;
+    let event = |id: &str, payload: &[u8]| NewEvent {
+        id: Some(id.into()),
+        event_type: "note.added".into(),
+        payload: payload.to_vec(),
+        ..NewEvent::default()
+    };
+    for payload in [
+        &br#"{"note":"lbenc:v1:YQ:AAAA"}"#[..],
+        br#"["x", {"deep": [1, "lbenc:v1:YWxpY2U:"]}]"#,
+        br#""lbenc:v1::""#,
+    ] {
+        let shown = String::from_utf8_lossy(payload);
+        let m = invalid_message(
+            s.publish(vec![event("f1", payload)])
+                .await
+                .expect_err(&format!("publish of {shown}")),
+        );
+        assert!(m.contains("envelope"), "{m}");
+        let e = h
+            .publish_in_many(vec![vec![event("f1", payload)]], true)
+            .await
+            .expect_err(&format!("publish_in of {shown}"));
+        assert!(matches!(e, StoreError::Invalid(_)), "{e:?}");
+    }
+    assert!(!raw_holds(h, b"lbenc:v1:").await, "nothing stored");
+    // Data, delivered as published even by a node without a master key.
+    let kept: [(&str, &[u8]); 4] = [
+        ("k1", br#"{"note":"\u006cbenc:v1:YQ:AAAA"}"#),
+        ("k2", br#"{"note":"lbenc:v1:hello"}"#),
+        ("k3", br#"{"lbenc:v1:YQ:AAAA": 1}"#),
+        ("k4", br#"{"note":"see lbenc:v1:YQ:AAAA"}"#),
+    ];
+    s.publish(kept.iter().map(|(id, p)| event(id, p)).collect())
+        .await
+        .expect("publish data");
+    let ds = claim_all(&*s).await;
+    assert_eq!(ds.len(), kept.len());
+    for d in &ds {
+        let opened = personal::open(&*s, &d.event_id, &d.payload)
+            .await
+            .expect("opens without a master key");
+        assert_eq!(opened, None, "{}", d.event_id);
+    }
+}
+
+/// Break-it finding (issue 15): every occurrence of a personal field was
+/// sealed, a key given twice included, so one publish of a 1 MiB payload
+/// repeating a personal key (`{"u":<256-byte subject>,"a":1,"a":1,...}`)
+/// stored about 68 MiB (each 1-byte value an envelope of 394 bytes), with
+/// an AES seal per occurrence at publish and an open per occurrence at
+/// every delivery attempt (MongoDB refuses a document that large). A
+/// personal field given more than once is refused (`422`), nothing
+/// stored: its value is sealed once, and no occurrence stays in clear.
+async fn a_personal_key_given_many_times_does_not_multiply_the_stored_payload(h: &dyn Harness) {
+    let s = h.store();
+    let schema = serde_json::json!({
+        "type": "object",
+        "x-lanebus-subject": "/u",
+        "properties": {
+            "u": {"type": "string"},
+            "a": {"x-lanebus-personal": true},
+            "p": {"properties": {"b": {"x-lanebus-personal": true}}}
+        }
+    });
+    s.create_event_type(new_type("user.noted", Some(schema), &[]))
+        .await
+        .expect("create");
+    s.keyring().set_master(master(1));
+    let subject = "s".repeat(personal::MAX_SUBJECT_BYTES);
+    let mut many = format!("{{\"u\":\"{subject}\"");
+    while many.len() < (1 << 20) - 16 {
+        many.push_str(",\"a\":1");
+    }
+    many.push('}');
+    let event = |payload: &[u8]| NewEvent {
+        event_type: "user.noted".into(),
+        payload: payload.to_vec(),
+        ..NewEvent::default()
+    };
+    for payload in [
+        many.as_bytes(),
+        br#"{"u":"x","a":"secret-1","a":"secret-2"}"#,
+        br#"{"u":"x","p":{"b":"secret-1"},"p":{"b":"secret-2"}}"#,
+        br#"{"u":"x","p":{"b":"secret-1","b":"secret-2"}}"#,
+    ] {
+        let m = invalid_message(
+            s.publish(vec![event(payload)])
+                .await
+                .expect_err("a personal field given more than once"),
+        );
+        assert!(m.contains("more than once"), "{m}");
+    }
+    assert!(!raw_holds(h, b"lbenc:v1:").await, "nothing stored");
+    assert!(!raw_holds(h, b"secret-").await);
+    // Once each: sealed as usual; a repeated key that is not personal is
+    // the publisher's business.
+    s.publish(vec![event(
+        br#"{"u":"x","u":"y","a":"secret-1","p":{"b":"secret-2"},"n":1,"n":2}"#,
+    )])
+    .await
+    .expect("publish");
+    assert!(!raw_holds(h, b"secret-").await);
+    assert!(raw_holds(h, b"\"n\":1,\"n\":2").await);
 }

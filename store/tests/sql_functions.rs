@@ -206,6 +206,14 @@ async fn sql_rules_are_the_rulebook() {
         ("key", event("t", Some("a\u{1}b"), "{}"), None),
         ("key", event("t", Some("a\u{85}b"), "{}"), None),
         ("payload", event("t", None, &deep(129)), None),
+        // Break-it (issue 15): a string delivery would open as a personal
+        // field's envelope (jsonb keeps no escapes, so written escaped too).
+        (
+            "payload",
+            event("t", None, r#"{"note":["lbenc:v1:YQ:AAAA"]}"#),
+            None,
+        ),
+        ("payload", event("t", None, r#""lbenc:v1::""#), None),
         ("id", event("t", None, "{}"), Some("has space")),
         ("id", event("t", None, "{}"), Some("")),
         (
@@ -244,6 +252,20 @@ async fn sql_rules_are_the_rulebook() {
             (field, rust, sql) => panic!("{field}: rust {rust:?}, sql {sql:?}"),
         }
     }
+    // Escaped, it is the same string to jsonb, which stores it plain.
+    let (code, message) = sql_publish(
+        &mut pool.acquire().await.expect("connection"),
+        "t",
+        None,
+        r#"{"n":"\u006cbenc:v1:YQ:AAAA"}"#,
+    )
+    .await
+    .expect_err("an escaped envelope");
+    assert_eq!(code, "22023", "{message}");
+    assert!(
+        message.starts_with("events[0].payload: the string"),
+        "{message}"
+    );
     // A batch with one bad event stores nothing.
     let refused = sqlx::query("SELECT * FROM lanebus.publish_batch($1, $2, $3::jsonb[])")
         .bind(vec!["good", "bad type"])

@@ -241,6 +241,16 @@ BEGIN
                 pre USING ERRCODE = '22023';
         END IF;
     END IF;
+    -- A string delivery would open as a personal field's envelope
+    -- (rules::event::no_envelope). jsonb keeps no escapes, so one written
+    -- escaped is stored plain and refused too; the shape is checked, not
+    -- whether its base64 decodes.
+    IF strpos(body, '"lbenc:v1:') > 0 THEN
+        IF jsonb_path_exists($4, 'strict $.** ? (@.type() == "string" && @ like_regex "^lbenc:v1:[A-Za-z0-9_-]*:[A-Za-z0-9+/]*=*$")') THEN
+            RAISE EXCEPTION '%payload: the string reading as a personal field''s envelope (lbenc:v1:<base64url>:<base64>) is one only lanebus writes: delivery would decrypt it or send null',
+                pre USING ERRCODE = '22023';
+        END IF;
+    END IF;
     IF NOT isfinite($6) THEN
         RAISE EXCEPTION '%deliver_at: deliver_at must be a finite time, got %', pre, $6
             USING ERRCODE = '22023';
