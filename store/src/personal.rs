@@ -473,6 +473,18 @@ struct ToSeal {
     fields: Vec<(String, std::ops::Range<usize>)>,
 }
 
+/// What a JSON value read from a payload is, for messages.
+fn json_kind(value: &[u8]) -> &'static str {
+    match value.first() {
+        Some(b'[') => "an array",
+        Some(b'"') => "a string",
+        Some(b't' | b'f') => "a boolean",
+        Some(b'{') => "an object",
+        Some(b'n') => "null",
+        _ => "a number",
+    }
+}
+
 /// Reads the subject and the personal values' spans of `payload` (one
 /// pass of the parser, no document built).
 fn read_for_seal(
@@ -481,8 +493,32 @@ fn read_for_seal(
 ) -> Result<(String, Vec<(String, std::ops::Range<usize>)>)> {
     let mut pointers: Vec<&str> = vec![spec.subject.as_str()];
     pointers.extend(spec.fields.iter().map(String::as_str));
+    let fields_end = pointers.len();
+    // Every proper parent of a field (the root aside).
+    let mut parents: Vec<&str> = spec
+        .fields
+        .iter()
+        .flat_map(|f| f.match_indices('/').skip(1).map(move |(at, _)| &f[..at]))
+        .collect();
+    parents.sort_unstable();
+    parents.dedup();
+    pointers.extend(parents);
     let spans = crate::json_span::find(payload, &pointers)
         .map_err(|err| StoreError::Invalid(format!("payload is not JSON: {err}")))?;
+    // A parent that is there but not an object (an array of objects with
+    // the field's name, a string) holds values the mark's path does not
+    // reach: they would be stored in clear.
+    if let Some(s) = spans.iter().find(|s| {
+        s.which >= fields_end
+            && !matches!(payload[s.range.clone()].first(), Some(b'{') | Some(b'n'))
+    }) {
+        return Err(StoreError::Invalid(format!(
+            "{} holds personal fields, so it must be an object (or null or absent), \
+             not {}",
+            pointers[s.which],
+            json_kind(&payload[s.range.clone()])
+        )));
+    }
     // A field given twice would be sealed twice: a payload repeating one
     // would store an envelope (and cost a seal, and an open per attempt)
     // per repetition.
@@ -490,7 +526,7 @@ fn read_for_seal(
     for s in &spans {
         times[s.which] += 1;
     }
-    if let Some(i) = (1..pointers.len()).find(|&i| times[i] > 1) {
+    if let Some(i) = (1..fields_end).find(|&i| times[i] > 1) {
         return Err(StoreError::Invalid(format!(
             "the personal field {} is given more than once ({} times: a key repeated \
              in its object or in a parent's); give it once",
@@ -506,7 +542,7 @@ fn read_for_seal(
     let subject = subject_of(subject, &spec.subject)?;
     let fields = spans
         .into_iter()
-        .filter(|s| s.which > 0)
+        .filter(|s| s.which > 0 && s.which < fields_end)
         .map(|s| (pointers[s.which].to_owned(), s.range))
         .collect();
     Ok((subject, fields))
@@ -978,6 +1014,37 @@ pub async fn rotate<S: Store + ?Sized>(
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// A personal field's parent that is present but not an object (an
+    /// array holding objects with the field's name, a string) would leave
+    /// the value in clear where the mark's path does not reach: refused.
+    #[test]
+    fn personal_fields_parents_must_be_objects() {
+        let spec = Spec {
+            subject: "/u".into(),
+            fields: vec!["/user/email".into()],
+        };
+        for bad in [
+            r#"{"u":"a","user":[{"email":"alice@example.org"}]}"#,
+            r#"{"u":"a","user":"alice@example.org"}"#,
+            r#"{"u":"a","user":7}"#,
+        ] {
+            let err = read_for_seal(bad.as_bytes(), &spec).unwrap_err();
+            assert!(
+                matches!(&err, StoreError::Invalid(m) if m.contains("/user")),
+                "{bad}: {err}"
+            );
+        }
+        for (good, n) in [
+            (r#"{"u":"a","user":{"email":"alice@example.org"}}"#, 1),
+            (r#"{"u":"a","user": null}"#, 0),
+            (r#"{"u":"a","user":{}}"#, 0),
+            (r#"{"u":"a"}"#, 0),
+        ] {
+            let (_, fields) = read_for_seal(good.as_bytes(), &spec).unwrap();
+            assert_eq!(fields.len(), n, "{good}");
+        }
+    }
 
     /// Concurrent coalesced reads each get their own subjects' rows, and a
     /// read asked after a subject was forgotten never returns its key.
