@@ -134,10 +134,10 @@ pub struct Dispatcher {
     in_flight: Arc<AttemptCounter>,
     /// Each handler's recent attempts on this node (the dashboard's plots).
     activity: Arc<HandlerActivity>,
-    /// Reads of the subject keys that open personal fields before a send
+    /// The store whose subject keys open personal fields before a send
     /// ([`lanebus_store::personal::open_via`]); `None`: payloads go as
     /// stored.
-    keys: Option<lanebus_store::personal::KeyReads>,
+    keys: Option<Arc<dyn lanebus_store::Store>>,
 }
 
 /// Attempts under way on a node, in all and per lane: each from the moment
@@ -209,7 +209,7 @@ impl Dispatcher {
     /// keys before every send (to any destination): a field whose key is
     /// gone is sent as `null` and named in the `lanebus-redacted` header.
     pub fn with_keys(mut self, store: Arc<dyn lanebus_store::Store>) -> Self {
-        self.keys = Some(lanebus_store::personal::KeyReads::new(store));
+        self.keys = Some(store);
         self
     }
 
@@ -488,10 +488,10 @@ impl Dispatcher {
         &self,
         delivery: &Delivery,
     ) -> Result<Option<lanebus_store::personal::Opened>, lanebus_store::StoreError> {
-        let Some(reads) = &self.keys else {
+        let Some(store) = &self.keys else {
             return Ok(None);
         };
-        lanebus_store::personal::open_via(reads, &delivery.event_id, &delivery.payload).await
+        lanebus_store::personal::open_via(store, &delivery.event_id, &delivery.payload).await
     }
 }
 

@@ -362,6 +362,8 @@ pub struct WrappedKey {
 pub struct Keyring {
     master: RwLock<Option<Arc<MasterKey>>>,
     cache: Mutex<Bounded>,
+    /// Reads of this store's key rows, coalesced.
+    reads: KeyReads,
 }
 
 #[derive(Default)]
@@ -558,7 +560,7 @@ fn read_for_seal(
 /// [`StoreError::Unavailable`] when events have personal fields and the
 /// store has no master key, or one that does not open a stored data key;
 /// the store's errors.
-pub(crate) async fn seal_plan<S: Store + ?Sized>(
+pub(crate) async fn seal_plan<S: Store + Clone + 'static>(
     store: &S,
     plan: &mut crate::common::PublishPlan,
 ) -> Result<()> {
@@ -659,12 +661,17 @@ fn no_master() -> StoreError {
 
 /// Every subject's data key, created (insert-if-absent, then read back
 /// the winner) when missing.
-async fn keys_for<S: Store + ?Sized>(
+async fn keys_for<S: Store + Clone + 'static>(
     store: &S,
     master: &MasterKey,
     subjects: &[String],
 ) -> Result<HashMap<String, Arc<LessSafeKey>>> {
-    let mut rows = store.subject_keys(subjects).await?;
+    let shared: Arc<dyn Store> = Arc::new(store.clone());
+    let mut rows = store
+        .keyring()
+        .reads
+        .read(shared, subjects.to_vec())
+        .await?;
     let missing: Vec<&String> = subjects
         .iter()
         .filter(|s| !rows.iter().any(|r| r.subject == **s))
@@ -741,14 +748,19 @@ pub async fn open<S: Store + ?Sized>(
     .await
 }
 
-/// [`open`], its key rows read through `reads` (one statement for the
-/// deliveries opened at about the same time).
+/// [`open`], its key rows read through the store's [`KeyReads`] (one
+/// statement for the deliveries opened at about the same time).
 ///
 /// # Errors
 /// As [`open`].
-pub async fn open_via(reads: &KeyReads, event_id: &str, payload: &[u8]) -> Result<Option<Opened>> {
-    open_with(reads.store.keyring(), event_id, payload, |subjects| {
-        reads.read(subjects)
+pub async fn open_via(
+    store: &Arc<dyn Store>,
+    event_id: &str,
+    payload: &[u8],
+) -> Result<Option<Opened>> {
+    let ring = store.keyring();
+    open_with(ring, event_id, payload, |subjects| {
+        ring.reads.read(Arc::clone(store), subjects)
     })
     .await
 }
@@ -807,22 +819,22 @@ where
 /// beyond it wait for the next read.
 pub const KEY_READ_SUBJECTS: usize = 1000;
 
-/// Reads of subject key rows for [`open_via`], coalesced: the requests
-/// that arrive while a read is under way go together in the next one, so
-/// a node delivering many personal events at once reads their keys in a
-/// few statements instead of one per delivery. Each request is answered
-/// by a read that started after it was made, so a key whose deletion
-/// answered before a delivery asked is never used for it (the guarantee
-/// of [`open`]). One reader task per value, started on the current tokio
-/// runtime at the first read (again if that runtime stopped); it ends
-/// when the value and its clones are dropped.
+/// Reads of subject key rows, coalesced: the requests that arrive while a
+/// read is under way go together in the next one, so many publishes or
+/// deliveries at once read their subjects' keys in a few statements
+/// instead of one each. Each request is answered by a read that started
+/// after it was made, so a key whose deletion answered before a request
+/// is never used for it (the guarantee of [`open`]). Each store's
+/// [`Keyring`] has one; every request names the store it reads (a clone
+/// of the keyring's store), so the reader task holds no store between
+/// reads. The task starts on the current tokio runtime at the first read
+/// (again if that runtime stopped) and ends with the keyring.
 ///
 /// Source of the method: the same group-commit pattern as publishes
 /// (`group.rs`, seed 003), applied to reads.
-#[derive(Clone)]
+#[derive(Default)]
 pub struct KeyReads {
-    store: Arc<dyn Store>,
-    queue: Arc<Mutex<Option<tokio::sync::mpsc::UnboundedSender<KeyRead>>>>,
+    queue: Mutex<Option<tokio::sync::mpsc::UnboundedSender<KeyRead>>>,
 }
 
 impl std::fmt::Debug for KeyReads {
@@ -831,28 +843,27 @@ impl std::fmt::Debug for KeyReads {
     }
 }
 
-/// One request to [`KeyReads`]: its subjects and where the rows go.
+/// One request to [`KeyReads`]: its store, subjects and where the rows go.
 struct KeyRead {
+    store: Arc<dyn Store>,
     subjects: Vec<String>,
     reply: tokio::sync::oneshot::Sender<Result<Vec<WrappedKey>>>,
 }
 
 impl KeyReads {
-    /// Reads of `store`'s subject keys, not started yet.
-    pub fn new(store: Arc<dyn Store>) -> Self {
-        KeyReads {
-            store,
-            queue: Arc::default(),
-        }
-    }
-
-    /// The stored rows of `subjects` (those that exist).
+    /// The stored rows of `subjects` (those that exist) in `store`, whose
+    /// keyring holds this value.
     ///
     /// # Errors
     /// The store's errors, for every request of the read that failed.
-    pub async fn read(&self, subjects: Vec<String>) -> Result<Vec<WrappedKey>> {
+    pub async fn read(
+        &self,
+        store: Arc<dyn Store>,
+        subjects: Vec<String>,
+    ) -> Result<Vec<WrappedKey>> {
         let (reply, answer) = tokio::sync::oneshot::channel();
         let mut request = Some(KeyRead {
+            store: Arc::clone(&store),
             subjects: subjects.clone(),
             reply,
         });
@@ -861,7 +872,7 @@ impl KeyReads {
             // The task ends with the runtime that ran it: start another.
             if queue.as_ref().is_none_or(|q| q.is_closed()) {
                 let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-                tokio::spawn(read_keys(Arc::clone(&self.store), rx));
+                tokio::spawn(read_keys(rx));
                 *queue = Some(tx);
             }
             if let Some(q) = queue.as_ref() {
@@ -875,9 +886,9 @@ impl KeyReads {
             None => match answer.await {
                 Ok(rows) => rows,
                 // The task stopped mid-read: read alone.
-                Err(_) => self.store.subject_keys(&subjects).await,
+                Err(_) => store.subject_keys(&subjects).await,
             },
-            Some(_) => self.store.subject_keys(&subjects).await,
+            Some(_) => store.subject_keys(&subjects).await,
         }
     }
 }
@@ -885,7 +896,7 @@ impl KeyReads {
 /// The reader task of [`KeyReads`]: takes every request waiting (up to
 /// [`KEY_READ_SUBJECTS`] subjects), reads their rows in one call, answers
 /// each with its own.
-async fn read_keys(store: Arc<dyn Store>, mut rx: tokio::sync::mpsc::UnboundedReceiver<KeyRead>) {
+async fn read_keys(mut rx: tokio::sync::mpsc::UnboundedReceiver<KeyRead>) {
     let mut next: Option<KeyRead> = None;
     loop {
         let first = match next.take() {
@@ -916,7 +927,7 @@ async fn read_keys(store: Arc<dyn Store>, mut rx: tokio::sync::mpsc::UnboundedRe
             .collect();
         all.sort();
         all.dedup();
-        let rows = store.subject_keys(&all).await;
+        let rows = reqs[0].store.subject_keys(&all).await;
         for r in reqs {
             let own = rows.as_ref().map_err(Clone::clone).map(|rows| {
                 rows.iter()
@@ -1063,11 +1074,20 @@ mod tests {
             .map(|s| master.wrap(s, &[1; 32]).unwrap())
             .collect();
         store.insert_subject_keys(&keys).await.unwrap();
-        let reads = KeyReads::new(Arc::clone(&store));
+        let read = |subjects: Vec<String>| {
+            let store = Arc::clone(&store);
+            async move {
+                store
+                    .keyring()
+                    .reads
+                    .read(Arc::clone(&store), subjects)
+                    .await
+            }
+        };
         let asks = (0..300).map(|i| {
-            let reads = reads.clone();
             let own = vec![format!("s{i}"), format!("absent{i}")];
-            tokio::spawn(async move { (i, reads.read(own).await.unwrap()) })
+            let ask = read(own);
+            tokio::spawn(async move { (i, ask.await.unwrap()) })
         });
         for a in futures::future::join_all(asks).await {
             let (i, rows) = a.unwrap();
@@ -1075,8 +1095,8 @@ mod tests {
             assert_eq!(rows[0].subject, format!("s{i}"));
         }
         assert!(forget_subject(&*store, "s7").await.unwrap());
-        assert!(reads.read(vec!["s7".into()]).await.unwrap().is_empty());
-        assert_eq!(reads.read(vec!["s8".into()]).await.unwrap().len(), 1);
+        assert!(read(vec!["s7".into()]).await.unwrap().is_empty());
+        assert_eq!(read(vec!["s8".into()]).await.unwrap().len(), 1);
     }
 
     #[test]
