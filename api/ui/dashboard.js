@@ -327,6 +327,17 @@
     }
   }
 
+  // Whether a schema marks a personal field: marks count only on
+  // properties reached from the root through `properties` (the catalog
+  // refuses them elsewhere), so a subject named without marks is not one.
+  function marksPersonal(schema) {
+    const props = schema && typeof schema === "object" ? schema.properties : null;
+    if (!props || typeof props !== "object") return false;
+    return Object.values(props).some(
+      (p) => p && typeof p === "object" && (p["x-lanebus-personal"] === true || marksPersonal(p)),
+    );
+  }
+
   // The event-type catalog: wire names, aliases, schema, personal fields.
   function renderEventTypes(types) {
     const body = $("event-types").tBodies[0];
@@ -335,7 +346,7 @@
     for (const t of types) {
       const notes = [
         t.schema ? "schema" : "no schema",
-        t.schema && t.schema["x-lanebus-subject"] ? "personal fields" : "",
+        t.schema && marksPersonal(t.schema) ? "personal fields" : "",
         t.deprecated ? "deprecated" : "",
       ];
       const tr = el("tr", null, { "data-event-type": t.name, "data-deprecated": String(t.deprecated) });
