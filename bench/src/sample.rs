@@ -344,6 +344,20 @@ const WARMUP: u8 = 0;
 const STEADY: u8 = 1;
 const DONE: u8 = 2;
 
+/// A mixed cell's publisher `p`: its first tick, after the publishers'
+/// common start, and the period of its ticks (one batch per tick). The
+/// publishers' ticks are spread evenly over a period, so the cell offers a
+/// steady rate rather than one burst per period, as the peers' driver does
+/// (`bench/peers/driver.mjs`, `mixed`).
+fn ticks(cell: &Cell, p: usize) -> (Duration, Duration) {
+    let per = cell.rate as f64 / cell.publishers.max(1) as f64 / cell.batch.max(1) as f64;
+    let period = Duration::from_secs_f64(1.0 / per.max(0.001));
+    (
+        period.mul_f64(p as f64 / cell.publishers.max(1) as f64),
+        period,
+    )
+}
+
 /// Publishes one batch the cell's way; returns accepted ids.
 async fn publish_one(
     cell: &Cell,
@@ -641,6 +655,7 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
         ..Stores::only(store.clone(), stores.url.clone())
     });
     let mut publishers = Vec::new();
+    let ticks_from = tokio::time::Instant::now();
     if cell.kind != Kind::Dispatch {
         for p in 0..cell.publishers {
             let (phase, stop, in_window, accepted, commits, failure, shared, stores_ref) = (
@@ -657,9 +672,8 @@ async fn run_in(spec: &SampleSpec, cell: &Cell, stores: &mut Stores) -> anyhow::
                 let (cell, http) = &*shared;
                 let mut g = Gen::new(cell, p);
                 let mut ticker = (cell.kind == Kind::Mixed).then(|| {
-                    let per = cell.rate as f64 / cell.publishers as f64 / cell.batch as f64;
-                    let mut t =
-                        tokio::time::interval(Duration::from_secs_f64(1.0 / per.max(0.001)));
+                    let (offset, period) = ticks(cell, p);
+                    let mut t = tokio::time::interval_at(ticks_from + offset, period);
                     t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
                     t
                 });
@@ -1369,6 +1383,32 @@ impl Drop for NatsSink {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mixed_publishers_tick_evenly_spread() {
+        let cell = crate::cells::full()
+            .into_iter()
+            .find(|c| c.name == "pg-mixed-1000-ours")
+            .unwrap();
+        assert_eq!((cell.publishers, cell.rate, cell.batch), (32, 1000, 1));
+        let mut first: Vec<Duration> = (0..cell.publishers)
+            .map(|p| {
+                let (offset, period) = ticks(&cell, p);
+                assert_eq!(period, Duration::from_millis(32));
+                offset
+            })
+            .collect();
+        first.sort();
+        // One publish every millisecond, not 32 at once every 32 ms.
+        for (i, w) in first.windows(2).enumerate() {
+            let gap = w[1] - w[0];
+            assert!(
+                gap > Duration::from_micros(999) && gap < Duration::from_micros(1001),
+                "gap {i}: {gap:?}"
+            );
+        }
+        assert!(first[31] < Duration::from_millis(32));
+    }
 
     #[test]
     fn personal_payloads_name_a_subject_and_its_field() {
