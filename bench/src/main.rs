@@ -95,8 +95,8 @@ struct RunArgs {
     /// Output directory (default bench/results/runs/<timestamp>).
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Target dir for building base and patched sides (default: the
-    /// repository's target/).
+    /// Target dir under which base and patched sides build, each in
+    /// `sides/<side>` of its own (default: the repository's target/).
     #[arg(long)]
     target_dir: Option<PathBuf>,
     /// Cargo profile of side builds (measure with `release`; run the

@@ -234,6 +234,12 @@ fn prepare_side(
         );
     }
     let log = work.join(format!("build-{label}.log"));
+    // Each side builds into a target directory of its own: cargo decides
+    // that a workspace crate is up to date by its sources' mtimes, and a
+    // crate built last from another checkout (the repository, the other
+    // side) is older than neither tree's untouched files, so a shared
+    // directory handed one side the other side's code.
+    let side_target = target.join("sides").join(label);
     let pb = ProgressBar::new_spinner();
     pb.set_message(format!("building {label} {rev} (log: {})", log.display()));
     pb.enable_steady_tick(Duration::from_millis(200));
@@ -247,7 +253,7 @@ fn prepare_side(
             "lanebus-bench",
         ])
         .current_dir(&src)
-        .env("CARGO_TARGET_DIR", target)
+        .env("CARGO_TARGET_DIR", &side_target)
         .stdout(Stdio::from(std::fs::File::create(&log)?))
         .stderr(Stdio::from(
             std::fs::File::options().append(true).open(&log)?,
@@ -259,7 +265,7 @@ fn prepare_side(
     }
     let bin = bin_dir.join(format!("{label}-{}", rev.replace('+', "-")));
     let dir = if profile == "dev" { "debug" } else { profile };
-    std::fs::copy(target.join(dir).join("lanebus-bench"), &bin)?;
+    std::fs::copy(side_target.join(dir).join("lanebus-bench"), &bin)?;
     Ok(Side {
         label: label.into(),
         rev,
