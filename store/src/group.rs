@@ -98,6 +98,32 @@ struct Queue {
     jobs: VecDeque<Job>,
     /// Whether a writer task is running (it drains the queue before it ends).
     writing: bool,
+    /// Whether the writer waits for its callers (kept across writer tasks).
+    regroup: Regroup,
+}
+
+impl Queue {
+    /// Whether the queued batches already make a whole group, or more: the
+    /// group's event or byte bound, or a batch that starts a group of its
+    /// own ([`PublishPlan::expects_after`]). Waiting for more would not
+    /// bring them into the next group.
+    fn fills_group(&self) -> bool {
+        let (mut events, mut bytes) = (0, 0);
+        self.jobs.iter().enumerate().any(|(i, job)| {
+            events += job.plan.fresh.len();
+            bytes += job
+                .plan
+                .fresh
+                .iter()
+                .map(|e| e.payload.len())
+                .sum::<usize>();
+            events >= GROUP_EVENTS
+                || bytes >= GROUP_PAYLOAD_BYTES
+                || job
+                    .plan
+                    .expects_after(self.jobs.iter().take(i).map(|j| &j.plan))
+        })
+    }
 }
 
 /// A store's publish queue and group writer.
@@ -183,24 +209,37 @@ impl Grouper {
             grouper: Arc::clone(&self),
             armed: true,
         };
-        let mut regroup = Regroup::default();
+        // Batches of the last group answered in place (0 after a failed
+        // group: its callers are answered later, one by one), and how long
+        // its write took.
         let mut last = 0usize;
+        let mut took = std::time::Duration::ZERO;
         loop {
-            let queued = self.queued();
-            if let Some(want) = regroup.wait_for(queued, last) {
-                let deadline = tokio::time::Instant::now() + REGROUP_WAIT;
-                let got = loop {
+            let wait = {
+                let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+                let (queued, full) = (q.jobs.len(), q.fills_group());
+                q.regroup
+                    .wait_for(queued, last, full)
+                    .map(|want| (queued, want))
+            };
+            if let Some((queued, want)) = wait {
+                let start = tokio::time::Instant::now();
+                let came = loop {
                     let arrived = self.arrived.notified();
                     tokio::pin!(arrived);
                     arrived.as_mut().enable();
-                    let n = self.queued();
-                    if n >= queued + want
-                        || tokio::time::timeout_at(deadline, arrived).await.is_err()
+                    if self.queued() >= queued + want {
+                        break true;
+                    }
+                    if tokio::time::timeout_at(start + REGROUP_WAIT, arrived)
+                        .await
+                        .is_err()
                     {
-                        break self.queued();
+                        break false;
                     }
                 };
-                regroup.waited(got.saturating_sub(queued), want);
+                let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+                q.regroup.waited(came && start.elapsed() <= took);
             }
             let jobs = {
                 let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
@@ -227,12 +266,16 @@ impl Grouper {
                 }
                 jobs
             };
-            last = jobs.len();
+            let batches = jobs.len();
+            let start = tokio::time::Instant::now();
             // A panic drops the group's answer senders (their callers get an
             // error) and must not stop the writer.
-            let _ = std::panic::AssertUnwindSafe(self.write(&writer, jobs))
+            let answered = std::panic::AssertUnwindSafe(self.write(&writer, jobs))
                 .catch_unwind()
-                .await;
+                .await
+                .unwrap_or(false);
+            took = start.elapsed();
+            last = if answered { batches } else { 0 };
         }
     }
 
@@ -241,8 +284,9 @@ impl Grouper {
     /// long for a lock, each batch is written alone in a task of its own,
     /// which answers its caller: the writer goes on with the next group, so
     /// a key whose counter is held elsewhere holds back only its own
-    /// publishers.
-    async fn write<W: GroupWriter>(self: &Arc<Self>, writer: &W, mut jobs: Vec<Job>) {
+    /// publishers. Returns whether the group's callers were answered here
+    /// (the group's write succeeded).
+    async fn write<W: GroupWriter>(self: &Arc<Self>, writer: &W, mut jobs: Vec<Job>) -> bool {
         metrics::histogram!("lanebus_publish_group_size").record(jobs.len() as f64);
         self.writes.fetch_add(1, Ordering::Relaxed);
         let written = if jobs.len() == 1 {
@@ -269,7 +313,7 @@ impl Grouper {
             })
         };
         match written {
-            Ok(()) => {}
+            Ok(()) => true,
             Err(e) if retry_alone(&e, jobs.len()) => {
                 tracing::debug!(error = %e, batches = jobs.len(),
                     "publish group failed; writing its batches one by one");
@@ -283,11 +327,13 @@ impl Grouper {
                         });
                     });
                 }
+                false
             }
             Err(e) => {
                 for job in jobs {
                     let _ = job.answer.send(Err((e.clone(), Some(Box::new(job.plan)))));
                 }
+                false
             }
         }
     }
@@ -302,16 +348,15 @@ impl Grouper {
     }
 }
 
-/// Longest wait of [`Regroup`] for the callers of the last group (Tokio's
-/// timer rounds it up to its next millisecond tick): a wait that runs out
-/// costs a publish at most about this much.
+/// Longest wait of [`Regroup`] for the callers of the last group. Tokio's
+/// timer ends it at its next millisecond tick after this, so a wait that
+/// runs out lasts 1 to 2 ms.
 pub(crate) const REGROUP_WAIT: std::time::Duration = std::time::Duration::from_millis(1);
 
-/// After a group of this many batches or more, or with this many queued,
-/// the writer does not wait: the statement's cost is spread over enough
-/// events, and waiting for the slowest of many callers cost more than it
-/// gained (4 % fewer events/s at 64 HTTP publishers when it waited for
-/// every group).
+/// Batches (not events) in a group, or queued, from which the writer does
+/// not wait: the statement's cost is spread over enough events, and
+/// waiting for the slowest of many callers cost more than it gained (4 %
+/// fewer events/s at 64 HTTP publishers when it waited after every group).
 pub(crate) const REGROUP_BELOW: usize = 16;
 
 /// Whether the writer waits before its next group (pure; the writer acts).
@@ -321,29 +366,37 @@ pub(crate) const REGROUP_BELOW: usize = 16;
 /// load the writer would split them into two groups that take turns: those
 /// answered go on while the others' group is written, and each group has
 /// half of the callers. So after a group of 2 to [`REGROUP_BELOW`] - 1
-/// batches, the writer waits until as many new batches as that group had
-/// have queued besides those already waiting, at most [`REGROUP_WAIT`],
-/// and writes them all together.
-/// A wait that got fewer than half of them (callers that do not come back
-/// at once: a steady rate of independent publishes) is not tried for the
-/// next 4 chances, then 8, up to 1,024; a wait that got half or more resets
-/// that. Source of the method: group commit with a commit delay, as
-/// PostgreSQL's `commit_delay` (taken only when `commit_siblings` other
-/// transactions are active) and Kafka's producer `linger.ms`; the waiting
-/// for the callers just answered is ours.
+/// batches that was answered, the writer waits until as many new batches
+/// as that group had have queued besides those already waiting, for at
+/// most [`REGROUP_WAIT`], and writes them all together. It does not wait
+/// when the queued batches already make a whole group (by events, bytes
+/// or a batch that must start one).
+///
+/// A wait counts as paid off when all of them came within the last
+/// group's write time: callers coming back at once. Otherwise (callers
+/// that do not come back together, such as a steady rate of independent
+/// publishes) the writer does not wait for its next 4 chances, then 8 after
+/// the next such wait, up to 1,024; a wait that paid off resets that. The
+/// count is kept while the writer task stops and starts.
+///
+/// Source of the method: group commit with a commit delay, as PostgreSQL's
+/// `commit_delay` (taken only when `commit_siblings` other transactions are
+/// active) and Kafka's producer `linger.ms`; waiting for the callers just
+/// answered, and the back-off, are ours.
 #[derive(Debug, Default)]
 struct Regroup {
     /// Chances left to skip.
     skip: u32,
-    /// Chances skipped after the last short wait.
+    /// Chances skipped after the last wait that did not pay off.
     backoff: u32,
 }
 
 impl Regroup {
-    /// With `queued` batches waiting after a group of `last`: how many more
-    /// to wait for (`None`: write now).
-    fn wait_for(&mut self, queued: usize, last: usize) -> Option<usize> {
-        if !(2..REGROUP_BELOW).contains(&last) || queued >= REGROUP_BELOW {
+    /// With `queued` batches waiting after a group of `last` answered
+    /// (`full`: the queued batches make a whole group): how many more to
+    /// wait for (`None`: write now).
+    fn wait_for(&mut self, queued: usize, last: usize, full: bool) -> Option<usize> {
+        if !(2..REGROUP_BELOW).contains(&last) || queued >= REGROUP_BELOW || full {
             return None;
         }
         if self.skip > 0 {
@@ -353,9 +406,10 @@ impl Regroup {
         Some(last)
     }
 
-    /// A wait for `wanted` more batches ended with `got` of them.
-    fn waited(&mut self, got: usize, wanted: usize) {
-        if 2 * got >= wanted {
+    /// A wait ended; `paid_off`: every batch waited for came, within the
+    /// last group's write time.
+    fn waited(&mut self, paid_off: bool) {
+        if paid_off {
             self.backoff = 0;
         } else {
             self.backoff = (self.backoff * 2).clamp(4, 1024);
@@ -462,6 +516,7 @@ fn retry_alone(e: &StoreError, batches: usize) -> bool {
 mod tests {
     use super::*;
     use crate::NewEvent;
+    use std::time::Duration;
 
     fn plan(events: &[(Option<&str>, Option<&str>)]) -> PublishPlan {
         let events = events
@@ -543,67 +598,77 @@ mod tests {
     #[test]
     fn regroup_waits_after_small_groups_and_backs_off_when_callers_stay_away() {
         let mut r = Regroup::default();
-        // A lone batch, or a large group or queue: write at once.
-        assert_eq!(r.wait_for(0, 1), None);
-        assert_eq!(r.wait_for(0, REGROUP_BELOW), None);
-        assert_eq!(r.wait_for(REGROUP_BELOW, 4), None);
+        // A lone batch, a large group or queue, a queue that fills a group:
+        // write at once.
+        assert_eq!(r.wait_for(0, 1, false), None);
+        assert_eq!(r.wait_for(0, REGROUP_BELOW, false), None);
+        assert_eq!(r.wait_for(REGROUP_BELOW, 4, false), None);
+        assert_eq!(r.wait_for(3, 8, true), None);
         // After a group of 8, with 3 queued: wait for 8 more.
-        assert_eq!(r.wait_for(3, 8), Some(8));
-        r.waited(8, 8);
-        assert_eq!(r.wait_for(0, 8), Some(8));
-        // Half came: still worth it.
-        r.waited(4, 8);
-        assert_eq!(r.wait_for(0, 8), Some(8));
-        // Fewer than half: skip 4 chances, then 8 after the next short wait.
-        r.waited(3, 8);
+        assert_eq!(r.wait_for(3, 8, false), Some(8));
+        r.waited(true);
+        assert_eq!(r.wait_for(0, 8, false), Some(8));
+        // Not paid off: skip 4 chances, then 8 after the next one.
+        r.waited(false);
         for _ in 0..4 {
-            assert_eq!(r.wait_for(0, 8), None);
+            assert_eq!(r.wait_for(0, 8, false), None);
         }
-        assert_eq!(r.wait_for(0, 8), Some(8));
-        r.waited(0, 8);
+        assert_eq!(r.wait_for(0, 8, false), Some(8));
+        r.waited(false);
         for _ in 0..8 {
-            assert_eq!(r.wait_for(0, 8), None);
+            assert_eq!(r.wait_for(0, 8, false), None);
         }
         // Up to 1,024, and a wait that paid off resets it.
         for _ in 0..20 {
-            while r.wait_for(0, 2).is_none() {}
-            r.waited(0, 2);
+            while r.wait_for(0, 2, false).is_none() {}
+            r.waited(false);
         }
         assert_eq!(r.backoff, 1024);
-        while r.wait_for(0, 2).is_none() {}
-        r.waited(2, 2);
-        assert_eq!(r.wait_for(0, 2), Some(2));
+        while r.wait_for(0, 2, false).is_none() {}
+        r.waited(true);
+        assert_eq!(r.wait_for(0, 2, false), Some(2));
     }
 
-    // Eight callers that publish again as soon as they are answered, half
-    // of them a little later than the others (a few scheduler turns): the
-    // writer waits for the late half instead of writing the early half
-    // alone, so the callers stay in one group rather than two taking turns.
-    #[tokio::test]
-    async fn callers_publishing_again_at_once_stay_in_one_group() {
+    /// Eight callers that publish `rounds` times, each again `think` after
+    /// it is answered, half of them a little later than the others (a few
+    /// scheduler turns), with `batch` events per call. Returns the
+    /// grouper's counts.
+    async fn closed_loop(batch: usize, rounds: usize, think: Duration) -> GroupStats {
         let grouper = Arc::new(Grouper::default());
         let fake = Fake::default();
         let mut tasks = Vec::new();
         for c in 0..8 {
             let (g, w) = (grouper.clone(), fake.clone());
             tasks.push(tokio::spawn(async move {
-                for i in 0..20 {
+                for i in 0..rounds {
+                    if i > 0 && !think.is_zero() {
+                        tokio::time::sleep(think).await;
+                    }
                     if c >= 4 {
                         for _ in 0..3 {
                             tokio::task::yield_now().await;
                         }
                     }
-                    let id = format!("c{c}-{i}");
-                    g.publish(&w, plan(&[(Some(id.as_str()), None)]))
-                        .await
-                        .expect("publish");
+                    let ids: Vec<String> = (0..batch).map(|e| format!("c{c}-{i}-{e}")).collect();
+                    let events: Vec<(Option<&str>, Option<&str>)> =
+                        ids.iter().map(|id| (Some(id.as_str()), None)).collect();
+                    g.publish(&w, plan(&events)).await.expect("publish");
                 }
             }));
         }
         for t in tasks {
             t.await.expect("task");
         }
-        let stats = grouper.stats();
+        grouper.stats()
+    }
+
+    // The writer waits for the late half instead of writing the early half
+    // alone, so the callers stay in one group rather than two taking turns
+    // (without the wait: 40 writes, groups of 4). The clock is paused: it
+    // moves only when every task waits, so the timing is exact.
+    #[tokio::test(start_paused = true)]
+    async fn callers_publishing_again_at_once_stay_in_one_group() {
+        let stats = closed_loop(1, 20, Duration::ZERO).await;
         assert_eq!(stats.publishes, 160);
         assert!(
             stats.writes <= 22,
@@ -611,6 +676,45 @@ mod tests {
             stats.writes,
             160.0 / stats.writes as f64
         );
+    }
+
+    #[test]
+    fn a_queue_fills_a_group_by_events_bytes_or_a_batch_that_starts_one() {
+        let queue = |plans: Vec<PublishPlan>| Queue {
+            jobs: plans
+                .into_iter()
+                .map(|plan| Job {
+                    plan,
+                    answer: oneshot::channel().0,
+                })
+                .collect(),
+            ..Queue::default()
+        };
+        assert!(!queue(Vec::new()).fills_group());
+        let small = || {
+            (0..3)
+                .map(|c| sized(&format!("s{c}"), 10, 2))
+                .collect::<Vec<_>>()
+        };
+        assert!(!queue(small()).fills_group());
+        // Events: four full batches are a group.
+        let full = |n: usize| {
+            (0..n)
+                .map(|c| sized(&format!("f{c}"), MAX_BATCH, 2))
+                .collect()
+        };
+        assert!(!queue(full(3)).fills_group());
+        assert!(queue(full(4)).fills_group());
+        // Bytes.
+        let big = GROUP_PAYLOAD_BYTES / 20;
+        assert!(!queue(vec![sized("b0", 11, big)]).fills_group());
+        assert!(queue(vec![sized("b0", 11, big), sized("b1", 11, big)]).fills_group());
+        // A batch expecting a key that an earlier queued batch writes.
+        let mut plans = small();
+        plans.push(expecting("e0", "k", None));
+        assert!(!queue(plans.clone()).fills_group());
+        plans.push(expecting("e1", "k", Some(1)));
+        assert!(queue(plans).fills_group());
     }
 
     // On one thread every caller queues before the writer task first runs:
