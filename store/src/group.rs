@@ -210,10 +210,8 @@ impl Grouper {
             armed: true,
         };
         // Batches of the last group answered in place (0 after a failed
-        // group: its callers are answered later, one by one), and how long
-        // its write took.
+        // group: its callers are answered later, one by one).
         let mut last = 0usize;
-        let mut took = std::time::Duration::ZERO;
         loop {
             let wait = {
                 let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
@@ -239,7 +237,7 @@ impl Grouper {
                     }
                 };
                 let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
-                q.regroup.waited(came && start.elapsed() <= took);
+                q.regroup.waited(came);
             }
             let jobs = {
                 let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
@@ -267,14 +265,12 @@ impl Grouper {
                 jobs
             };
             let batches = jobs.len();
-            let start = tokio::time::Instant::now();
             // A panic drops the group's answer senders (their callers get an
             // error) and must not stop the writer.
             let answered = std::panic::AssertUnwindSafe(self.write(&writer, jobs))
                 .catch_unwind()
                 .await
                 .unwrap_or(false);
-            took = start.elapsed();
             last = if answered { batches } else { 0 };
         }
     }
@@ -372,12 +368,14 @@ pub(crate) const REGROUP_BELOW: usize = 16;
 /// when the queued batches already make a whole group (by events, bytes
 /// or a batch that must start one).
 ///
-/// A wait counts as paid off when all of them came within the last
-/// group's write time: callers coming back at once. Otherwise (callers
-/// that do not come back together, such as a steady rate of independent
-/// publishes) the writer does not wait for its next 4 chances, then 8 after
-/// the next such wait, up to 1,024; a wait that paid off resets that. The
-/// count is kept while the writer task stops and starts.
+/// A wait counts as paid off when all of them came before it ran out.
+/// Otherwise (callers that do not come back together, such as a steady
+/// rate of independent publishes) the writer does not wait for its next 4
+/// chances, then 8 after the next such wait, up to 1,024; a wait that paid
+/// off resets that. The count is kept while the writer task stops and
+/// starts. Independent publishes frequent enough to fill such a wait (two
+/// or more per millisecond after a group of two) do wait for it, up to
+/// [`REGROUP_WAIT`] each, and are written in fewer, larger groups.
 ///
 /// Source of the method: group commit with a commit delay, as PostgreSQL's
 /// `commit_delay` (taken only when `commit_siblings` other transactions are
@@ -406,8 +404,8 @@ impl Regroup {
         Some(last)
     }
 
-    /// A wait ended; `paid_off`: every batch waited for came, within the
-    /// last group's write time.
+    /// A wait ended; `paid_off`: every batch waited for came before it ran
+    /// out.
     fn waited(&mut self, paid_off: bool) {
         if paid_off {
             self.backoff = 0;
