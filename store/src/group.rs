@@ -103,26 +103,37 @@ struct Queue {
 }
 
 impl Queue {
-    /// Whether the queued batches already make a whole group, or more: the
-    /// group's event or byte bound, or a batch that starts a group of its
-    /// own ([`PublishPlan::expects_after`]). Waiting for more would not
-    /// bring them into the next group.
-    fn fills_group(&self) -> bool {
+    /// The next group: how many of the queued batches it takes, in order
+    /// (the first always; then while the group stays within
+    /// [`GROUP_EVENTS`] and [`GROUP_PAYLOAD_BYTES`], up to a batch that
+    /// starts a group of its own, [`PublishPlan::expects_after`]), and
+    /// whether it is closed: a queued batch is left out, or it is at a bound,
+    /// so a batch queued later could not join it.
+    fn next_group(&self) -> (usize, bool) {
         let (mut events, mut bytes) = (0, 0);
-        self.jobs.iter().enumerate().any(|(i, job)| {
-            events += job.plan.fresh.len();
-            bytes += job
-                .plan
-                .fresh
-                .iter()
-                .map(|e| e.payload.len())
-                .sum::<usize>();
-            events >= GROUP_EVENTS
-                || bytes >= GROUP_PAYLOAD_BYTES
-                || job
-                    .plan
-                    .expects_after(self.jobs.iter().take(i).map(|j| &j.plan))
-        })
+        for (i, job) in self.jobs.iter().enumerate() {
+            let n = job.plan.fresh.len();
+            let b: usize = job.plan.fresh.iter().map(|e| e.payload.len()).sum();
+            if i > 0
+                && (events + n > GROUP_EVENTS
+                    || bytes + b > GROUP_PAYLOAD_BYTES
+                    || job
+                        .plan
+                        .expects_after(self.jobs.iter().take(i).map(|j| &j.plan)))
+            {
+                return (i, true);
+            }
+            events += n;
+            bytes += b;
+        }
+        let at_bound = events >= GROUP_EVENTS || bytes >= GROUP_PAYLOAD_BYTES;
+        (self.jobs.len(), at_bound)
+    }
+
+    /// Whether the queued batches already make a whole group, or more:
+    /// waiting for more would not bring them into the next group.
+    fn fills_group(&self) -> bool {
+        self.next_group().1
     }
 }
 
@@ -241,28 +252,13 @@ impl Grouper {
             }
             let jobs = {
                 let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
-                let mut jobs = Vec::new();
-                let (mut events, mut bytes) = (0, 0);
-                while let Some(job) = q.jobs.front() {
-                    let n = job.plan.fresh.len();
-                    let b: usize = job.plan.fresh.iter().map(|e| e.payload.len()).sum();
-                    if !jobs.is_empty()
-                        && (events + n > GROUP_EVENTS
-                            || bytes + b > GROUP_PAYLOAD_BYTES
-                            || job.plan.expects_after(jobs.iter().map(|j: &Job| &j.plan)))
-                    {
-                        break;
-                    }
-                    events += n;
-                    bytes += b;
-                    jobs.extend(q.jobs.pop_front());
-                }
-                if jobs.is_empty() {
+                let (take, _) = q.next_group();
+                if take == 0 {
                     q.writing = false;
                     running.armed = false;
                     return;
                 }
-                jobs
+                q.jobs.drain(..take).collect::<Vec<_>>()
             };
             let batches = jobs.len();
             // A panic drops the group's answer senders (their callers get an
