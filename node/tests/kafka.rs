@@ -373,13 +373,32 @@ async fn a_stopped_kafka_broker_is_retried_then_dead_lettered_then_replayed() ->
     let node = common::start_node(&db.url).await?;
     let api = Api::new(&node.base_url());
     let url = format!("kafka://{}/{TOPIC}", broker.server());
+    // Attempts time out after 2 s: long enough for a first produce on a
+    // loaded machine, short enough for 3 attempts well within the wait below.
     let h = api
-        .create_handler_timeout("kafka", &url, &["order.*"], 3, 500)
+        .create_handler_timeout("kafka", &url, &["order.*"], 3, 2_000)
         .await?;
-    // One event through, so the node's producer is made and connected.
-    let (warm, _) = events("w", 1, 1);
+    // One event through, so the node's producer is made and connected. Its
+    // delivery must be completed before the broker stops, or it would be
+    // retried into a dead letter; a timed-out first attempt that the broker
+    // still wrote repeats its record.
+    let (warm, warm_expected) = events("w", 1, 1);
     api.publish(&warm, 10).await?;
-    ensure!(broker.records(1, 30)?.len() == 1, "first record");
+    drained(&node, &warm_expected, 60).await?;
+    let warmed = node.store().lookup_event("w-0").await?.context("stored")?;
+    ensure!(
+        matches!(
+            warmed.handlers.first().map(|h| &h.state),
+            Some(DeliveryState::Completed { .. })
+        ),
+        "warm-up event not completed: {:?}",
+        warmed.handlers.first()
+    );
+    let records = broker.records(1, 30)?;
+    ensure!(
+        first_of_each(&records).len() == 1,
+        "first record: {records:?}"
+    );
     broker.stop().await?;
 
     let (json, expected) = events("s", 4, 2);
