@@ -193,7 +193,13 @@ impl Grouper {
             !std::mem::replace(&mut q.writing, true)
         };
         if start {
-            tokio::spawn(Arc::clone(self).drain(writer.clone()));
+            // Armed before the spawn: a task dropped unpolled (its runtime
+            // shutting down) still clears `writing`.
+            let running = Running {
+                grouper: Arc::clone(self),
+                armed: true,
+            };
+            tokio::spawn(Arc::clone(self).drain(writer.clone(), running));
         } else {
             self.arrived.notify_one();
         }
@@ -215,18 +221,16 @@ impl Grouper {
     }
 
     /// Writes groups until the queue is empty.
-    async fn drain<W: GroupWriter>(self: Arc<Self>, writer: W) {
-        let mut running = Running {
-            grouper: Arc::clone(&self),
-            armed: true,
-        };
+    async fn drain<W: GroupWriter>(self: Arc<Self>, writer: W, mut running: Running) {
         // Batches of the last group answered in place (0 after a failed
         // group: its callers are answered later, one by one).
         let mut last = 0usize;
         loop {
             let wait = {
                 let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
-                let (queued, full) = (q.jobs.len(), q.fills_group());
+                let queued = q.jobs.len();
+                // Walks the queue only when the last group could be waited for.
+                let full = (2..REGROUP_BELOW).contains(&last) && q.fills_group();
                 q.regroup
                     .wait_for(queued, last, full)
                     .map(|want| (queued, want))
@@ -881,8 +885,14 @@ mod tests {
             .enable_time()
             .build()
             .expect("runtime");
+        next_publish_is_served(&rt, &grouper, &fake);
+    }
+
+    /// Asserts that a publish on `rt` is written and answered (a writer
+    /// starts for it).
+    fn next_publish_is_served(rt: &tokio::runtime::Runtime, grouper: &Arc<Grouper>, fake: &Fake) {
         // A generous bound: without a new writer the call would never end.
-        let call = grouper.publish(&fake, plan(&[(Some("b"), None)]));
+        let call = grouper.publish(fake, plan(&[(Some("b"), None)]));
         let out = rt
             .block_on(async {
                 tokio::time::timeout(std::time::Duration::from_secs(30), call).await
@@ -890,6 +900,43 @@ mod tests {
             .expect("a new writer serves the next publish")
             .expect("publish");
         assert_eq!(out.accepted, 1);
+    }
+
+    // tokio drops a task spawned onto a runtime that has shut down without
+    // polling it: the writer's guard must still clear `writing`, or every
+    // later publish would queue behind a writer that never runs.
+    #[test]
+    fn a_writer_spawned_onto_a_stopped_runtime_lets_the_next_publish_start_one() {
+        use std::future::Future as _;
+        let grouper = Arc::new(Grouper::default());
+        let fake = Fake::default();
+        let stopped = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        let stopped_handle = stopped.handle().clone();
+        drop(stopped);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .expect("runtime");
+        let first = rt.block_on(async {
+            let mut call = std::pin::pin!(grouper.publish(&fake, plan(&[(Some("a"), None)])));
+            // The first poll queues the batch and spawns its writer, onto
+            // the stopped runtime.
+            let polled = {
+                let _stopped = stopped_handle.enter();
+                std::future::poll_fn(|cx| std::task::Poll::Ready(call.as_mut().poll(cx))).await
+            };
+            match polled {
+                std::task::Poll::Ready(result) => Ok(result),
+                std::task::Poll::Pending => {
+                    tokio::time::timeout(std::time::Duration::from_secs(5), call).await
+                }
+            }
+        });
+        let first = first.expect("the caller is answered, not left waiting");
+        assert!(first.is_err(), "no writer ran: {first:?}");
+        next_publish_is_served(&rt, &grouper, &fake);
     }
 
     /// A batch of `n` events with client ids `{tag}-{i}`, payloads of
