@@ -164,3 +164,70 @@ async fn lock_and_statement_timeouts_are_timeouts() {
     drop((store, by_statement, other));
     drop_database(&admin, &format!("lanebus_timeouts_{}", std::process::id())).await;
 }
+
+/// The store's connections are checked before use only after
+/// `postgres::PING_IDLE` unused: connections the server ended while they
+/// were idle (a restart, `pg_terminate_backend`) are then replaced, and
+/// publishes, claims and reads go on without an error.
+#[tokio::test]
+async fn connections_ended_while_idle_are_replaced_before_use() {
+    use lanebus_store::{LaneClaim, NewEvent, Store};
+    let (admin, url) = fresh_database("lanebus_idle_ended").await;
+    let store = PgStore::connect(&url).await.unwrap();
+    store
+        .create_handler(common::new_handler("h", &["t.*"]))
+        .await
+        .unwrap();
+    let event = |id: &str| NewEvent {
+        id: Some(id.into()),
+        event_type: "t.x".into(),
+        key: None,
+        payload: b"{}".to_vec(),
+        deliver_at: None,
+        expected_seq: None,
+    };
+    let claims: Vec<LaneClaim> = store
+        .lane_rows()
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| LaneClaim {
+            lane: r.lane,
+            epoch: r.epoch,
+            after: Default::default(),
+            limit: 1_000,
+        })
+        .collect();
+    let claimed = |store: &PgStore| {
+        let claims = claims.clone();
+        let store = store.clone();
+        async move {
+            let batches = store.claim(&claims).await.expect("claim");
+            batches.iter().map(|b| b.deliveries.len()).sum::<usize>()
+        }
+    };
+    // Each of the store's pools has a connection open: the group writer's,
+    // the claims', the store's own.
+    store.publish(vec![event("before")]).await.unwrap();
+    assert_eq!(claimed(&store).await, 1);
+    assert_eq!(store.counts().await.unwrap().deliveries, 1);
+    let ended: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND application_name = 'lanebus') t",
+    )
+    .fetch_one(&sqlx::PgPool::connect(&url).await.unwrap())
+    .await
+    .unwrap();
+    assert!(ended >= 3, "{ended} sessions ended");
+    tokio::time::sleep(lanebus_store::postgres::PING_IDLE + std::time::Duration::from_millis(300))
+        .await;
+    store.publish(vec![event("after")]).await.expect("publish");
+    assert_eq!(claimed(&store).await, 2);
+    assert_eq!(store.counts().await.expect("counts").deliveries, 2);
+    drop(store);
+    drop_database(
+        &admin,
+        &format!("lanebus_idle_ended_{}", std::process::id()),
+    )
+    .await;
+}

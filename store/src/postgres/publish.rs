@@ -30,7 +30,6 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::postgres::PgPoolOptions;
 use sqlx::{Connection, PgConnection, PgPool};
 
 use super::error::map_err;
@@ -421,7 +420,7 @@ pub(super) fn side_pool(pool: &PgPool, settings: &[(&str, &str)], size: u32) -> 
     let options = (*pool.connect_options())
         .clone()
         .options(settings.iter().copied());
-    let side = PgPoolOptions::new()
+    let side = super::pool_options()
         .max_connections(size)
         .idle_timeout(SIDE_IDLE)
         .acquire_timeout(super::ACQUIRE_TIMEOUT)
