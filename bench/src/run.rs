@@ -9,14 +9,15 @@
 //! so the base must be a commit that has `bench/` (this harness, or later).
 //! The base ref is checked out as a detached git worktree under
 //! `bench/.work/src/base` and built there with `cargo build --release
-//! --locked -p lanebus-bench`; its binary is copied to `bench/.work/bin/`.
-//! The build shares the candidate's target dir for dependencies (the
-//! workspace crates compile apart, their paths differ), so a base build
-//! costs the workspace crates only. `--base-patch` / `--candidate-patch`
-//! apply a patch to the checked-out tree before building (how the
-//! deliberate regression of `bench/patches/` is measured). A ref that is
-//! the running binary's own clean `HEAD` is not rebuilt: its binary is
-//! copied.
+//! --locked -p lanebus-bench`, into `<target>/sides/base` (each side has a
+//! target directory of its own: see [`prepare_side`]); its binary is copied
+//! to `bench/.work/bin/`. `--base-patch` / `--candidate-patch` apply a
+//! patch to the checked-out tree before building (how the deliberate
+//! regression of `bench/patches/` is measured). A ref that is the running
+//! binary's own clean `HEAD` is not rebuilt: its binary is copied, unless a
+//! tracked source file is newer than the binary ([`newer_source`]); then it
+//! is built as any other ref. The side `.` (the tree as it is) is always
+//! the running binary, which must then not be older than the tree.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -122,6 +123,36 @@ fn git(repo: &Path, args: &[&str]) -> anyhow::Result<String> {
     Ok(String::from_utf8(out.stdout)?.trim().to_owned())
 }
 
+/// A tracked source file of `repo` (`.rs`, `.toml`, `.sql`, `.lock`)
+/// modified after `built` (the running binary's build), if any: that binary
+/// was built before the file changed, so it may not run the tree's code
+/// (a commit made or checked out after the build). Errors: git or a file's
+/// metadata.
+fn newer_source(repo: &Path, built: std::time::SystemTime) -> anyhow::Result<Option<PathBuf>> {
+    for file in git(repo, &["ls-files"])?.lines() {
+        let path = repo.join(file);
+        let source = ["rs", "toml", "sql", "lock"]
+            .iter()
+            .any(|e| path.extension().is_some_and(|x| x == *e));
+        if !source {
+            continue;
+        }
+        // A file deleted from the tree, not yet from the index, is no source.
+        let Ok(meta) = std::fs::metadata(&path) else {
+            continue;
+        };
+        if meta.modified()? > built {
+            return Ok(Some(path));
+        }
+    }
+    Ok(None)
+}
+
+/// When the running binary was built (its file's modification time).
+fn built_at() -> anyhow::Result<std::time::SystemTime> {
+    Ok(std::fs::metadata(std::env::current_exe()?)?.modified()?)
+}
+
 /// The repository root of the current directory.
 pub fn repo_root() -> anyhow::Result<PathBuf> {
     Ok(PathBuf::from(git(
@@ -176,6 +207,13 @@ fn prepare_side(
     let bin_dir = work.join("bin");
     std::fs::create_dir_all(&bin_dir)?;
     if spec == "." && patch.is_none() {
+        if let Some(file) = newer_source(repo, built_at()?)? {
+            bail!(
+                "{} changed after this harness was built, so side `.` would not run the \
+                 tree's code: rebuild it (cargo build --release -p lanebus-bench)",
+                file.display()
+            );
+        }
         let head = git(repo, &["rev-parse", "--short=10", "HEAD"])?;
         let dirty = !git(repo, &["status", "--porcelain", "--untracked-files=no"])?.is_empty();
         let bin = bin_dir.join(format!("{label}-{head}"));
@@ -191,10 +229,11 @@ fn prepare_side(
         repo,
         &["rev-parse", "--short=10", &format!("{r}^{{commit}}")],
     )?;
-    // The ref is this binary's own clean HEAD: same code, same binary.
+    // The ref is this binary's own clean HEAD: same code, same binary,
+    // unless the binary was built before HEAD's files changed.
     let head = git(repo, &["rev-parse", "--short=10", "HEAD"])?;
     let clean = git(repo, &["status", "--porcelain", "--untracked-files=no"])?.is_empty();
-    if patch.is_none() && sha == head && clean {
+    if patch.is_none() && sha == head && clean && newer_source(repo, built_at()?)?.is_none() {
         let bin = bin_dir.join(format!("{label}-{head}"));
         std::fs::copy(own, &bin)?;
         return Ok(Side {
@@ -603,4 +642,49 @@ async fn run_cells(
     }
     pb.finish_and_clear();
     Ok(records)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tracked_source_changed_after_the_build_is_found() {
+        let dir = std::env::temp_dir().join(format!("lanebus-newer-source-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("src")).expect("dir");
+        git(&dir, &["init", "-q"]).expect("git init");
+        let files = ["src/lib.rs", "Cargo.toml", "README.md"];
+        for f in files {
+            std::fs::write(dir.join(f), "x").expect("write");
+        }
+        git(&dir, &["add", "."]).expect("git add");
+        std::fs::write(dir.join("untracked.rs"), "x").expect("write");
+        let built = std::time::SystemTime::now();
+        let touch = |f: &str, t: std::time::SystemTime| {
+            std::fs::File::options()
+                .write(true)
+                .open(dir.join(f))
+                .and_then(|file| file.set_modified(t))
+                .expect("set mtime");
+        };
+        let (before, after) = (
+            built - Duration::from_secs(60),
+            built + Duration::from_secs(60),
+        );
+        for f in files {
+            touch(f, before);
+        }
+        touch("untracked.rs", after);
+        assert_eq!(newer_source(&dir, built).expect("scan"), None);
+        // Not a source file.
+        touch("README.md", after);
+        assert_eq!(newer_source(&dir, built).expect("scan"), None);
+        touch("src/lib.rs", after);
+        assert_eq!(
+            newer_source(&dir, built).expect("scan"),
+            Some(dir.join("src/lib.rs"))
+        );
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
 }
