@@ -165,10 +165,11 @@ async fn lock_and_statement_timeouts_are_timeouts() {
     drop_database(&admin, &format!("lanebus_timeouts_{}", std::process::id())).await;
 }
 
-/// The store's connections are checked before use only after
-/// `postgres::PING_IDLE` unused: connections the server ended while they
-/// were idle (a restart, `pg_terminate_backend`) are then replaced, and
-/// publishes, claims and reads go on without an error.
+/// Connections the server ended while they were idle (a restart,
+/// `pg_terminate_backend`) are replaced: a publish right after runs again
+/// on a new connection (the group writer's connections are pinged only
+/// after `postgres::PING_IDLE` unused), and claims and reads, after that
+/// time, go on without an error.
 #[tokio::test]
 async fn connections_ended_while_idle_are_replaced_before_use() {
     use lanebus_store::{LaneClaim, NewEvent, Store};
@@ -219,11 +220,15 @@ async fn connections_ended_while_idle_are_replaced_before_use() {
     .await
     .unwrap();
     assert!(ended >= 3, "{ended} sessions ended");
+    store
+        .publish(vec![event("at-once")])
+        .await
+        .expect("publish at once");
     tokio::time::sleep(lanebus_store::postgres::PING_IDLE + std::time::Duration::from_millis(300))
         .await;
     store.publish(vec![event("after")]).await.expect("publish");
-    assert_eq!(claimed(&store).await, 2);
-    assert_eq!(store.counts().await.expect("counts").deliveries, 2);
+    assert_eq!(claimed(&store).await, 3);
+    assert_eq!(store.counts().await.expect("counts").deliveries, 3);
     drop(store);
     drop_database(
         &admin,

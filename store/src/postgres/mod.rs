@@ -200,21 +200,25 @@ const POOL_SIZE: u32 = 16;
 /// How long to wait for a connection from the pool (or a new one).
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// How long a pooled connection may stay unused before the pool checks it
-/// with a round trip (sqlx's `ping`: a `Sync` and its `ReadyForQuery`)
-/// before handing it out ([`pool_options`]).
+/// How long a connection of the group writes' and claims' pools may stay
+/// unused before the pool checks it with a round trip (sqlx's `ping`: a
+/// `Sync` and its `ReadyForQuery`) before handing it out
+/// ([`side_pool_options`]).
 pub const PING_IDLE: Duration = Duration::from_secs(1);
 
-/// Options of the store's pools (the store's own and the side pools of
-/// group writes and claims). A connection idle for [`PING_IDLE`] or more is
-/// pinged before use and replaced if that fails (the server restarted, an
-/// administrator ended the session); one used more recently is handed out
-/// as it is. sqlx's default (`test_before_acquire`) pings at every acquire:
-/// one more round trip before every group write, claim and completion. A
-/// connection that broke within the last [`PING_IDLE`] fails its next
-/// statement instead, as one that breaks during a statement does. The
+/// Options of the side pools of group writes and claims
+/// (`publish::side_pool`). A connection left unused for [`PING_IDLE`] or
+/// more is pinged before use and replaced if that fails (the server
+/// restarted, an administrator ended the session); one used more recently
+/// is handed out as it is. sqlx's default (`test_before_acquire`) pings at
+/// every acquire: one more round trip before every group write and claim.
+/// A connection that broke after its last use, less than [`PING_IDLE`]
+/// before, fails its next statement instead: a group write then runs again
+/// on another connection (`publish::connection_lost`), a claim fails and
+/// its lane owner claims again. The store's own pool keeps sqlx's default,
+/// for the application's transactions and the node's other statements. The
 /// method is sqlx's own example for `PoolOptions::before_acquire`.
-fn pool_options() -> PgPoolOptions {
+fn side_pool_options() -> PgPoolOptions {
     PgPoolOptions::new()
         .test_before_acquire(false)
         .before_acquire(|conn, meta| {
@@ -342,7 +346,7 @@ impl PgStore {
         if !defaults.is_empty() {
             options = options.options(defaults);
         }
-        let pool = pool_options()
+        let pool = PgPoolOptions::new()
             .max_connections(POOL_SIZE)
             .acquire_timeout(ACQUIRE_TIMEOUT)
             .connect_with(options)

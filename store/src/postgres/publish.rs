@@ -55,6 +55,32 @@ pub(super) fn is_retryable(e: &sqlx::Error) -> bool {
     }
 }
 
+/// Whether `e` says the connection was lost rather than that the statement
+/// failed: the server ended the session (`57P01` administrator or fast
+/// shutdown, `57P02` crash of another server process, `57P03` not
+/// accepting connections) or the socket is closed. Such an error mostly
+/// comes from a connection that broke while idle and was handed out
+/// without a ping ([`super::PING_IDLE`]), so the statement never ran; if it
+/// did commit before the connection was lost, running it again stores
+/// nothing twice (a client-supplied id is found stored; a generated id
+/// fails the primary key, `23505`).
+pub(super) fn connection_lost(e: &sqlx::Error) -> bool {
+    use std::io::ErrorKind;
+    match e {
+        sqlx::Error::Database(db) => {
+            matches!(db.code().as_deref(), Some("57P01" | "57P02" | "57P03"))
+        }
+        sqlx::Error::Io(io) => matches!(
+            io.kind(),
+            ErrorKind::BrokenPipe
+                | ErrorKind::ConnectionReset
+                | ErrorKind::ConnectionAborted
+                | ErrorKind::UnexpectedEof
+        ),
+        _ => false,
+    }
+}
+
 /// Whether `e` is a serialization failure (`40001`).
 fn is_serialization_failure(e: &sqlx::Error) -> bool {
     matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some("40001"))
@@ -370,6 +396,10 @@ pub(super) async fn write(
                 tracing::debug!(attempt, error = %e, "publish raced another publisher; retrying");
                 attempt += 1;
             }
+            Err(TxError::Sql(e)) if attempt < PUBLISH_ATTEMPTS && connection_lost(&e) => {
+                tracing::debug!(attempt, error = %e, "publish connection lost; retrying");
+                attempt += 1;
+            }
             Err(e) => return Err(e.into()),
         }
     }
@@ -420,7 +450,7 @@ pub(super) fn side_pool(pool: &PgPool, settings: &[(&str, &str)], size: u32) -> 
     let options = (*pool.connect_options())
         .clone()
         .options(settings.iter().copied());
-    let side = super::pool_options()
+    let side = super::side_pool_options()
         .max_connections(size)
         .idle_timeout(SIDE_IDLE)
         .acquire_timeout(super::ACQUIRE_TIMEOUT)
