@@ -15,7 +15,7 @@
 //! patch to the checked-out tree before building (how the deliberate
 //! regression of `bench/patches/` is measured). A ref that is the running
 //! binary's own clean `HEAD` is not rebuilt: its binary is copied, unless a
-//! tracked source file is newer than the binary ([`newer_source`]); then it
+//! file it is built from is newer than the binary ([`newer_source`]); then it
 //! is built as any other ref. The side `.` (the tree as it is) is always
 //! the running binary, which must then not be older than the tree.
 
@@ -123,20 +123,30 @@ fn git(repo: &Path, args: &[&str]) -> anyhow::Result<String> {
     Ok(String::from_utf8(out.stdout)?.trim().to_owned())
 }
 
-/// A tracked source file of `repo` (`.rs`, `.toml`, `.sql`, `.lock`)
-/// modified after `built` (the running binary's build), if any: that binary
-/// was built before the file changed, so it may not run the tree's code
-/// (a commit made or checked out after the build). Errors: git or a file's
-/// metadata.
+/// The workspace crates this binary is built from, and their folders whose
+/// files go into it (sources, and files embedded with `include_str!`).
+const BUILT_FROM: [&str; 7] = [
+    "bench", "store", "node", "api", "cluster", "testkit", "types",
+];
+const BUILT_FOLDERS: [&str; 3] = ["src", "ui", "migrations"];
+
+/// A tracked file of `repo` that goes into this binary ([`BUILT_FROM`],
+/// [`BUILT_FOLDERS`]) modified after `built` (the running binary's build),
+/// if any: that binary was built before the file changed, so it may not run
+/// the tree's code (a commit made or checked out after the build). A file
+/// that cargo does not build this binary from (a crate's tests, another
+/// crate) does not count: a rebuild would not renew the binary. Errors: git
+/// or a file's metadata.
 fn newer_source(repo: &Path, built: std::time::SystemTime) -> anyhow::Result<Option<PathBuf>> {
     for file in git(repo, &["ls-files"])?.lines() {
-        let path = repo.join(file);
-        let source = ["rs", "toml", "sql", "lock"]
-            .iter()
-            .any(|e| path.extension().is_some_and(|x| x == *e));
-        if !source {
+        let mut parts = file.split('/');
+        let (Some(krate), Some(folder)) = (parts.next(), parts.next()) else {
+            continue;
+        };
+        if !BUILT_FROM.contains(&krate) || !BUILT_FOLDERS.contains(&folder) {
             continue;
         }
+        let path = repo.join(file);
         // A file deleted from the tree, not yet from the index, is no source.
         let Ok(meta) = std::fs::metadata(&path) else {
             continue;
@@ -652,14 +662,21 @@ mod tests {
     fn a_tracked_source_changed_after_the_build_is_found() {
         let dir = std::env::temp_dir().join(format!("lanebus-newer-source-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(dir.join("src")).expect("dir");
+        std::fs::create_dir_all(dir.join("store/src")).expect("dir");
+        std::fs::create_dir_all(dir.join("store/tests")).expect("dir");
+        std::fs::create_dir_all(dir.join("chaos/src")).expect("dir");
         git(&dir, &["init", "-q"]).expect("git init");
-        let files = ["src/lib.rs", "Cargo.toml", "README.md"];
+        let files = [
+            "store/src/lib.rs",
+            "store/tests/t.rs",
+            "chaos/src/main.rs",
+            "README.md",
+        ];
         for f in files {
             std::fs::write(dir.join(f), "x").expect("write");
         }
         git(&dir, &["add", "."]).expect("git add");
-        std::fs::write(dir.join("untracked.rs"), "x").expect("write");
+        std::fs::write(dir.join("store/src/untracked.rs"), "x").expect("write");
         let built = std::time::SystemTime::now();
         let touch = |f: &str, t: std::time::SystemTime| {
             std::fs::File::options()
@@ -675,15 +692,17 @@ mod tests {
         for f in files {
             touch(f, before);
         }
-        touch("untracked.rs", after);
+        touch("store/src/untracked.rs", after);
         assert_eq!(newer_source(&dir, built).expect("scan"), None);
-        // Not a source file.
-        touch("README.md", after);
+        // Files the harness is not built from.
+        for f in ["README.md", "store/tests/t.rs", "chaos/src/main.rs"] {
+            touch(f, after);
+        }
         assert_eq!(newer_source(&dir, built).expect("scan"), None);
-        touch("src/lib.rs", after);
+        touch("store/src/lib.rs", after);
         assert_eq!(
             newer_source(&dir, built).expect("scan"),
-            Some(dir.join("src/lib.rs"))
+            Some(dir.join("store/src/lib.rs"))
         );
         std::fs::remove_dir_all(&dir).expect("cleanup");
     }
