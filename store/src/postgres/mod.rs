@@ -203,7 +203,7 @@ const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a connection of the group writes' and claims' pools may stay
 /// unused before the pool checks it with a round trip (sqlx's `ping`: a
 /// `Sync` and its `ReadyForQuery`) before handing it out
-/// ([`side_pool_options`]).
+/// (`side_pool_options`).
 pub const PING_IDLE: Duration = Duration::from_secs(1);
 
 /// Options of the side pools of group writes and claims
@@ -365,6 +365,8 @@ impl PgStore {
     /// their own, opened with the pool's connect options (URL, `options`,
     /// TLS) but not its `after_connect` hook: a setting the store's tables
     /// depend on (such as `search_path`) belongs in the connect options.
+    /// Those connections are pinged only after [`PING_IDLE`] unused
+    /// (`side_pool_options`); `pool` keeps its own acquire checks.
     ///
     /// # Errors
     /// As [`PgStore::connect`].
