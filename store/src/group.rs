@@ -370,8 +370,9 @@ pub(crate) const REGROUP_BELOW: usize = 16;
 /// or a batch that must start one).
 ///
 /// A wait counts as paid off when at least 3 in 4 of them came before it
-/// ran out (the slowest of a group's callers is often late). Otherwise (callers that do not come back together, such as a steady
-/// rate of independent publishes) the writer does not wait for its next 4
+/// ran out (the slowest of a group's callers is often late). Otherwise
+/// (callers that do not come back together, such as a steady rate of
+/// independent publishes) the writer does not wait for its next 4
 /// chances, then 8 after the next such wait, up to 1,024; a wait that paid
 /// off resets that. The count is kept while the writer task stops and
 /// starts. Independent publishes frequent enough to fill such a wait (two
@@ -894,10 +895,7 @@ mod tests {
         let grouper = Arc::new(Grouper::default());
         let fake = Fake::default();
         {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_time()
-                .build()
-                .expect("runtime");
+            let rt = timed_runtime();
             let (g, w) = (grouper.clone(), fake.clone());
             // The caller gives up before the writer's write ends; the
             // runtime then ends with the writer task unfinished.
@@ -907,11 +905,15 @@ mod tests {
             });
             assert!(result.is_err(), "no answer before the write ends");
         }
-        let rt = tokio::runtime::Builder::new_current_thread()
+        let rt = timed_runtime();
+        next_publish_is_served(&rt, &grouper, &fake);
+    }
+
+    fn timed_runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
             .enable_time()
             .build()
-            .expect("runtime");
-        next_publish_is_served(&rt, &grouper, &fake);
+            .expect("runtime")
     }
 
     /// Asserts that a publish on `rt` is written and answered (a writer
@@ -941,10 +943,7 @@ mod tests {
             .expect("runtime");
         let stopped_handle = stopped.handle().clone();
         drop(stopped);
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .expect("runtime");
+        let rt = timed_runtime();
         let first = rt.block_on(async {
             let mut call = std::pin::pin!(grouper.publish(&fake, plan(&[(Some("a"), None)])));
             // The first poll queues the batch and spawns its writer, onto

@@ -63,7 +63,8 @@ pub(super) fn is_retryable(e: &sqlx::Error) -> bool {
 /// without a ping ([`super::PING_IDLE`]), so the statement never ran; if it
 /// did commit before the connection was lost, running it again stores
 /// nothing twice (a client-supplied id is found stored; a generated id
-/// fails the primary key, `23505`).
+/// fails the primary key, `23505`), though its caller may then get an
+/// error, or a broken expected sequence, for events that were stored.
 pub(super) fn connection_lost(e: &sqlx::Error) -> bool {
     use std::io::ErrorKind;
     match e {
