@@ -284,7 +284,8 @@ impl Grouper {
     /// which answers its caller: the writer goes on with the next group, so
     /// a key whose counter is held elsewhere holds back only its own
     /// publishers. Returns, when the group's callers were answered here
-    /// (its write succeeded), the batches queued just before they were.
+    /// (its write succeeded), the batches queued just before they were
+    /// (0 for a group of one, which no wait follows).
     async fn write<W: GroupWriter>(
         self: &Arc<Self>,
         writer: &W,
@@ -294,11 +295,11 @@ impl Grouper {
         self.writes.fetch_add(1, Ordering::Relaxed);
         let written = if jobs.len() == 1 {
             // One batch: its own plan, nothing to merge.
+            // No wait follows a group of one, so the queue is not counted.
             writer.write_group(&jobs[0].plan).await.map(|stored| {
-                let queued = self.queued();
                 let job = jobs.pop().expect("one job");
                 let _ = job.answer.send(Ok(answer_alone(job.plan, &stored)));
-                queued
+                0
             })
         } else {
             let (merged, owners, repeated) = merge(jobs.iter().map(|j| &j.plan));
