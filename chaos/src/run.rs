@@ -3,7 +3,7 @@
 //! at the end of the publish window, then recovery and drain measured and
 //! the record handed to the [`oracle`](lanebus_testkit::oracle).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -120,8 +120,50 @@ pub async fn run(ctx: &mut Ctx, plan: &Plan, index: usize) -> Outcome {
     if keep {
         println!("  sandbox kept: {}", sb.dir.display());
     }
+    if !matches!(&out, Outcome::Ran { report, .. } if report.passed()) {
+        print_node_warnings(&sb.dir);
+    }
     sb.teardown(keep).await;
     out
+}
+
+/// How many WARN and ERROR lines of each node's log a failed scenario
+/// prints (the last ones): CI keeps only the output, not the sandbox.
+const WARNINGS_SHOWN: usize = 25;
+
+/// Prints the last [`WARNINGS_SHOWN`] WARN and ERROR lines of every node
+/// log in `dir` (`node-N.log`), each cut at 300 characters.
+fn print_node_warnings(dir: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let mut logs: Vec<PathBuf> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("node-") && n.ends_with(".log"))
+        })
+        .collect();
+    logs.sort();
+    for log in logs {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
+            .collect();
+        let name = log.file_name().and_then(|n| n.to_str()).unwrap_or("?");
+        println!(
+            "  {name}: {} WARN/ERROR lines, the last {}:",
+            lines.len(),
+            lines.len().min(WARNINGS_SHOWN)
+        );
+        for l in &lines[lines.len().saturating_sub(WARNINGS_SHOWN)..] {
+            let cut: String = l.chars().take(300).collect();
+            println!("    {cut}");
+        }
+    }
 }
 
 async fn drive(sb: &mut Sandbox, plan: &Plan, ctx: &Ctx) -> Outcome {
@@ -223,41 +265,61 @@ fn lane_samples(v: &serde_json::Value, node: &str, at: u64) -> Vec<LaneSample> {
         .collect()
 }
 
-/// Every node ready and every lane owned and active, as each node sees it.
-async fn healthy(sb: &Sandbox) -> bool {
+/// Why the cluster is not healthy (every node ready and every lane owned
+/// and active, as each node sees it): the first node that is not, and
+/// what it answered (its `/readyz` refusal, or its lanes not owned and
+/// active counted by state and owner); `None` when healthy.
+async fn unhealthy(sb: &Sandbox) -> Option<String> {
     for url in sb.all_urls() {
         let ready = sb
             .http
             .get(format!("{url}/readyz"))
             .timeout(Duration::from_secs(1))
             .send()
-            .await
-            .is_ok_and(|r| r.status().is_success());
-        if !ready {
-            return false;
+            .await;
+        match ready {
+            Ok(r) if r.status().is_success() => {}
+            Ok(r) => {
+                let status = r.status();
+                let body = r.text().await.unwrap_or_default();
+                return Some(format!("{url}/readyz: {status} {}", body.trim()));
+            }
+            Err(e) => return Some(format!("{url}/readyz: {e}")),
         }
-        let Ok(r) = sb
+        let v = match sb
             .http
             .get(format!("{url}/admin/lanes"))
             .timeout(Duration::from_secs(1))
             .send()
             .await
-        else {
-            return false;
-        };
-        let Ok(v) = r.json::<serde_json::Value>().await else {
-            return false;
+        {
+            Ok(r) => match r.json::<serde_json::Value>().await {
+                Ok(v) => v,
+                Err(e) => return Some(format!("{url}/admin/lanes: {e}")),
+            },
+            Err(e) => return Some(format!("{url}/admin/lanes: {e}")),
         };
         let lanes = v["lanes"].as_array().cloned().unwrap_or_default();
-        if lanes.is_empty()
-            || lanes
+        if lanes.is_empty() {
+            return Some(format!("{url}/admin/lanes: no lanes"));
+        }
+        let mut bad: BTreeMap<(String, String), usize> = BTreeMap::new();
+        for l in &lanes {
+            let state = l["state"].as_str().unwrap_or("?");
+            if l["owner"].is_null() || state != "active" {
+                let owner = l["owner"].as_str().unwrap_or("none").to_string();
+                *bad.entry((state.to_string(), owner)).or_default() += 1;
+            }
+        }
+        if !bad.is_empty() {
+            let list: Vec<String> = bad
                 .iter()
-                .any(|l| l["owner"].is_null() || l["state"].as_str() != Some("active"))
-        {
-            return false;
+                .map(|((state, owner), n)| format!("{n} {state} (owner {owner})"))
+                .collect();
+            return Some(format!("{url}/admin/lanes: {}", list.join(", ")));
         }
     }
-    true
+    None
 }
 
 async fn dead_letters(
@@ -390,8 +452,10 @@ async fn drive_inner(sb: &mut Sandbox, plan: &Plan, ctx: &Ctx) -> anyhow::Result
         let started = Instant::now();
         let bound = recovery_bound(plan);
         let mut rec = None;
+        let mut why = None;
         while started.elapsed() < bound {
-            if healthy(sb).await {
+            why = unhealthy(sb).await;
+            if why.is_none() {
                 rec = Some(started.elapsed().as_millis() as u64);
                 break;
             }
@@ -402,7 +466,10 @@ async fn drive_inner(sb: &mut Sandbox, plan: &Plan, ctx: &Ctx) -> anyhow::Result
             sb.now_ms(),
             match rec {
                 Some(ms) => format!("healthy again, {ms} ms after the fault ended"),
-                None => format!("NOT healthy within {bound:?} of the fault's end"),
+                None => format!(
+                    "NOT healthy within {bound:?} of the fault's end: {}",
+                    why.as_deref().unwrap_or("not asked")
+                ),
             }
         );
         fault_recovery.push(rec);
@@ -431,12 +498,20 @@ async fn drive_inner(sb: &mut Sandbox, plan: &Plan, ctx: &Ctx) -> anyhow::Result
     // Recovery: every node ready, every lane owned.
     let bound = recovery_bound(plan);
     let mut healthy_at_end = false;
+    let mut why = None;
     while healed.elapsed() < bound {
-        if healthy(sb).await {
+        why = unhealthy(sb).await;
+        if why.is_none() {
             healthy_at_end = true;
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    if let Some(why) = why.filter(|_| !healthy_at_end) {
+        println!(
+            "  {:>6} ms  NOT healthy within {bound:?} of the heal: {why}",
+            sb.now_ms()
+        );
     }
     // The slowest fault's recovery; `None` if any fault, or the final heal,
     // missed its bound.
