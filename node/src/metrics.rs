@@ -110,6 +110,12 @@ fn describe() {
         "payload bytes of the deliveries held in memory by this node's lanes"
     );
     metrics::describe_gauge!(
+        "lanebus_claim_reserved_bytes",
+        metrics::Unit::Bytes,
+        "bytes of the payload budget reserved by this node's claims under way (0 when no \
+         claim is)"
+    );
+    metrics::describe_gauge!(
         "lanebus_claim_horizon_age_seconds",
         metrics::Unit::Seconds,
         "how long the oldest database transaction still open below a claim cursor of this \
@@ -183,7 +189,12 @@ pub fn pruned(completions: u64, events: u64) {
     metrics::counter!("lanebus_retention_pruned_total", "kind" => "events").increment(events);
 }
 
-/// Payload bytes held in memory by the node's lanes.
+/// Sets the budget bytes reserved by the node's claims under way.
+pub fn claim_reserved_bytes(n: usize) {
+    metrics::gauge!("lanebus_claim_reserved_bytes").set(n as f64);
+}
+
+/// Sets the payload bytes the node's lanes hold.
 pub fn buffered_bytes(n: usize) {
     metrics::gauge!("lanebus_buffered_payload_bytes").set(n as f64);
 }

@@ -112,6 +112,11 @@ impl BufferBudget {
         self.held.load(Ordering::SeqCst)
     }
 
+    /// Bytes reserved by claims under way now.
+    pub fn reserved(&self) -> usize {
+        self.reserved.load(Ordering::SeqCst)
+    }
+
     /// The current estimate of bytes per delivery.
     pub fn estimate(&self) -> usize {
         self.estimate.load(Ordering::SeqCst)
@@ -124,18 +129,21 @@ impl BufferBudget {
         let used = self.held() + self.reserved.load(Ordering::SeqCst);
         let rows = claim_rows(want, lane_rows, limit, used, estimate);
         let bytes = rows.saturating_mul(estimate);
-        self.reserved.fetch_add(bytes, Ordering::SeqCst);
+        let total = self.reserved.fetch_add(bytes, Ordering::SeqCst) + bytes;
+        metrics::claim_reserved_bytes(total);
         Reservation { rows, bytes }
     }
 
     /// Gives a reservation back once its claim answered (or failed), and
     /// learns from the `rows` new deliveries of `bytes` bytes it accepted.
     pub fn claimed(&self, r: Reservation, bytes: usize, rows: usize) {
-        let _ = self
+        let prev = self
             .reserved
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
                 Some(v.saturating_sub(r.bytes))
-            });
+            })
+            .unwrap_or(0);
+        metrics::claim_reserved_bytes(prev.saturating_sub(r.bytes));
         let _ = self
             .estimate
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |e| {

@@ -45,7 +45,7 @@ use actix::prelude::*;
 use chrono::Utc;
 use lanebus_store::{ClaimCursor, DeliveryRef, Epoch, HandlerState, Lane, LaneClaim};
 
-use super::budget::BufferBudget;
+use super::budget::{BufferBudget, Reservation};
 use super::key_runner::{Attempt, KeyRunner, KeyRunnerDeps};
 use super::store_actor::{ClaimLane, DiscardDelivery, StoreActor, StoreCallError};
 use crate::assignment::{OwnerTie, WorkGate, GATE_RECHECK};
@@ -302,6 +302,34 @@ pub struct LaneDeps {
     pub supervisor: Option<Recipient<OwnerStopped>>,
 }
 
+/// A claim's room in the node's budget, given back when the claim is
+/// answered ([`ClaimRoom::settle`]) or, unanswered, when dropped: an owner
+/// stopped with its claim under way has the claim's future dropped by
+/// actix, and room kept for good would shrink every later claim of the
+/// node.
+struct ClaimRoom {
+    board: Arc<LaneBoard>,
+    reservation: Option<Reservation>,
+}
+
+impl ClaimRoom {
+    /// Gives the room back, learning from the `rows` new deliveries of
+    /// `bytes` payload bytes the claim brought ([`BufferBudget::claimed`]).
+    fn settle(mut self, bytes: usize, rows: usize) {
+        if let Some(r) = self.reservation.take() {
+            self.board.budget().claimed(r, bytes, rows);
+        }
+    }
+}
+
+impl Drop for ClaimRoom {
+    fn drop(&mut self) {
+        if let Some(r) = self.reservation.take() {
+            self.board.budget().claimed(r, 0, 0);
+        }
+    }
+}
+
 /// The lane owner actor. See the module docs.
 pub struct LaneOwner {
     lane: Lane,
@@ -393,6 +421,10 @@ impl LaneOwner {
             self.trim_stalled();
             return;
         };
+        let room = ClaimRoom {
+            board: self.deps.board.clone(),
+            reservation: Some(reservation),
+        };
         let ticket = self.queue.begin_claim();
         let claim = LaneClaim {
             lane: self.lane,
@@ -409,7 +441,7 @@ impl LaneOwner {
             let res = res.map(|batch| (batch, bytes_before, rows_before));
             match res {
                 Ok((batch, _, _)) if !batch.owned => {
-                    act.deps.board.budget().claimed(reservation, 0, 0);
+                    room.settle(0, 0);
                     act.fenced_out = true;
                     match &act.deps.fenced_out {
                         // The assignment finds out who holds it and says so
@@ -434,8 +466,7 @@ impl LaneOwner {
                     act.ctl
                         .note_horizon(batch.next_after.open.first().copied(), Instant::now());
                     let new = act.accepted(ticket, batch.deliveries, batch.next_after, ctx);
-                    act.deps.board.budget().claimed(
-                        reservation,
+                    room.settle(
                         act.queue.bytes().saturating_sub(bytes_before),
                         act.held().saturating_sub(rows_before),
                     );
@@ -449,11 +480,11 @@ impl LaneOwner {
                     }
                 }
                 Err(StoreCallError::Stopped) => {
-                    act.deps.board.budget().claimed(reservation, 0, 0);
+                    room.settle(0, 0);
                     ctx.stop();
                 }
                 Err(e) => {
-                    act.deps.board.budget().claimed(reservation, 0, 0);
+                    room.settle(0, 0);
                     let wait = act.ctl.failed();
                     tracing::warn!(lane = act.lane, error = %e, retry_in_ms = wait.as_millis() as u64, "claim failed");
                     if let Some(h) = act.claim_retry.take() {

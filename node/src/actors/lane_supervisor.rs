@@ -502,6 +502,52 @@ mod tests {
         });
     }
 
+    /// A lane owner stopped while its claim is under way (the store actor
+    /// has not answered) gives that claim's reservation back to the node's
+    /// budget: actix drops the claim's future unpolled when the owner
+    /// stops, and a reservation kept for good would shrink every later
+    /// claim of the node until none could claim (seen in chaos runs with
+    /// many lanes handed over).
+    #[test]
+    fn an_owner_stopped_during_its_claim_gives_its_reservation_back() {
+        actix_rt::System::new().block_on(async {
+            let store = lanebus_store::open("sqlite::memory:").await.expect("store");
+            assert!(store.fence(1, "t/1", Epoch(1)).await.expect("fence"));
+            let mut deps = deps_of(&store).await;
+            // The store actor runs on its own arbiter, kept busy until the
+            // owner has stopped: the claim waits in its mailbox.
+            let arbiter = actix::Arbiter::new();
+            let s = store.clone();
+            deps.store_actor = StoreActor::start_in_arbiter(&arbiter.handle(), move |_| {
+                StoreActor::new(s, StoreActorConfig::default())
+            });
+            let (unblock, blocked) = std::sync::mpsc::channel::<()>();
+            let (busy_tx, busy_rx) = oneshot::channel::<()>();
+            arbiter.spawn(async move {
+                let _ = busy_tx.send(());
+                let _ = blocked.recv();
+            });
+            busy_rx.await.expect("arbiter busy");
+            let board = deps.board.clone();
+            let owner = LaneOwner::new(1, Epoch(1), deps).start();
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while board.budget().reserved() == 0 {
+                assert!(Instant::now() < deadline, "the owner never claimed");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            owner.do_send(StopLane);
+            while owner.connected() {
+                assert!(Instant::now() < deadline, "the owner never stopped");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            let left = board.budget().reserved();
+            let _ = unblock.send(());
+            arbiter.stop();
+            assert_eq!(left, 0, "bytes still reserved by the stopped owner's claim");
+            assert_eq!(board.budget().held(), 0);
+        });
+    }
+
     /// With drain bounds of an hour, only the owners' facts can end a
     /// handover's drain or a shutdown within the test's deadline.
     #[test]
