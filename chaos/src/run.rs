@@ -121,10 +121,52 @@ pub async fn run(ctx: &mut Ctx, plan: &Plan, index: usize) -> Outcome {
         println!("  sandbox kept: {}", sb.dir.display());
     }
     if !matches!(&out, Outcome::Ran { report, .. } if report.passed()) {
+        print_node_state(&sb).await;
         print_node_warnings(&sb.dir);
     }
     sb.teardown(keep).await;
     out
+}
+
+/// Prints what each live node holds at the end of a failed scenario, from
+/// its `/metrics`: deliveries queued and in flight in its lanes, buffered
+/// payload bytes and bytes reserved by claims under way, store errors.
+/// Work held but not attempted, or a backlog left in the store while the
+/// lanes hold nothing, point to different causes.
+async fn print_node_state(sb: &Sandbox) {
+    for url in sb.live_urls() {
+        let text = match sb
+            .http
+            .get(format!("{url}/metrics"))
+            .timeout(Duration::from_secs(2))
+            .send()
+            .await
+        {
+            Ok(r) => r.text().await.unwrap_or_default(),
+            Err(e) => {
+                println!("  {url}/metrics: {e}");
+                continue;
+            }
+        };
+        let sum = |name: &str| -> f64 {
+            text.lines()
+                .filter(|l| {
+                    l.strip_prefix(name)
+                        .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+                })
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum()
+        };
+        println!(
+            "  {url}: lanes queued {}, in flight {}; buffered bytes {}, reserved by claims {}; \
+             store errors {}",
+            sum("lanebus_lane_queued"),
+            sum("lanebus_lane_in_flight"),
+            sum("lanebus_buffered_payload_bytes"),
+            sum("lanebus_claim_reserved_bytes"),
+            sum("lanebus_store_errors_total"),
+        );
+    }
 }
 
 /// How many WARN and ERROR lines of each node's log a failed scenario
