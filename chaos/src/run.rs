@@ -134,7 +134,8 @@ pub async fn run(ctx: &mut Ctx, plan: &Plan, index: usize) -> Outcome {
 /// Work held but not attempted, or a backlog left in the store while the
 /// lanes hold nothing, point to different causes.
 async fn print_node_state(sb: &Sandbox) {
-    for url in sb.live_urls() {
+    let live = sb.nodes.iter().filter(|n| n.running() && !n.paused);
+    for (url, me) in live.map(|n| (n.url(), n.id.to_string())) {
         let text = match sb
             .http
             .get(format!("{url}/metrics"))
@@ -157,9 +158,37 @@ async fn print_node_state(sb: &Sandbox) {
                 .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
                 .sum()
         };
+        // Its own holder lease as it sees it: an attempt starts only while
+        // the lease has its handler's timeout (+ 100 ms) left.
+        let lease = async {
+            let v: serde_json::Value = sb
+                .http
+                .get(format!("{url}/admin/lanes"))
+                .timeout(Duration::from_secs(2))
+                .send()
+                .await
+                .ok()?
+                .json()
+                .await
+                .ok()?;
+            let left: Vec<i64> = v["lanes"]
+                .as_array()?
+                .iter()
+                .filter(|l| l["owner"].as_str() == Some(me.as_str()))
+                .filter_map(|l| l["lease_expires_in_ms"].as_i64())
+                .collect();
+            Some(format!(
+                "own lanes {}, lease left {:?} to {:?} ms",
+                left.len(),
+                left.iter().min(),
+                left.iter().max()
+            ))
+        }
+        .await
+        .unwrap_or_else(|| "lanes unknown".into());
         println!(
-            "  {url}: lanes queued {}, in flight {}; buffered bytes {}, reserved by claims {}; \
-             store errors {}",
+            "  {url}: {lease}; lanes queued {}, in flight {}; buffered bytes {}, reserved by \
+             claims {}; store errors {}",
             sum("lanebus_lane_queued"),
             sum("lanebus_lane_in_flight"),
             sum("lanebus_buffered_payload_bytes"),
