@@ -123,6 +123,15 @@ pub async fn run(ctx: &mut Ctx, plan: &Plan, index: usize) -> Outcome {
     if !matches!(&out, Outcome::Ran { report, .. } if report.passed()) {
         print_node_state(&sb).await;
         print_node_warnings(&sb.dir);
+        // A failed run's nodes stay up this long (milliseconds) before the
+        // teardown, for a debugger.
+        if let Some(ms) = std::env::var("LANEBUS_CHAOS_HOLD_MS")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+        {
+            println!("  holding the nodes for {ms} ms (LANEBUS_CHAOS_HOLD_MS)");
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
     }
     sb.teardown(keep).await;
     out
@@ -135,7 +144,10 @@ pub async fn run(ctx: &mut Ctx, plan: &Plan, index: usize) -> Outcome {
 /// lanes hold nothing, point to different causes.
 async fn print_node_state(sb: &Sandbox) {
     let live = sb.nodes.iter().filter(|n| n.running() && !n.paused);
-    for (url, me) in live.map(|n| (n.url(), n.id.to_string())) {
+    for (url, me, pid) in live.map(|n| (n.url(), n.id.to_string(), n.pid())) {
+        if let Some(pid) = pid {
+            println!("  {url} (pid {pid}): threads {}", thread_states(pid).await);
+        }
         let text = match sb
             .http
             .get(format!("{url}/metrics"))
@@ -196,6 +208,55 @@ async fn print_node_state(sb: &Sandbox) {
             sum("lanebus_store_errors_total"),
         );
     }
+}
+
+/// The threads of process `pid` by name: how many, in which states
+/// (`R` running, `S` sleeping, `D` waiting for IO) and the CPU time each
+/// name used over one second (clock ticks), from `/proc`. A thread that
+/// runs all second, or the actor thread asleep while work waits, shows
+/// here.
+async fn thread_states(pid: u32) -> String {
+    let read = || -> BTreeMap<String, (String, u64)> {
+        let mut by_name: BTreeMap<String, (String, u64)> = BTreeMap::new();
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            return by_name;
+        };
+        for t in tasks.flatten() {
+            let Ok(stat) = std::fs::read_to_string(t.path().join("stat")) else {
+                continue;
+            };
+            // pid (comm) state ... utime stime: fields 14 and 15.
+            let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+                continue;
+            };
+            let name = stat[open + 1..close].to_string();
+            let rest: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+            let state = rest.first().copied().unwrap_or("?").to_string();
+            let ticks = rest
+                .get(11)
+                .and_then(|u| u.parse::<u64>().ok())
+                .unwrap_or(0)
+                + rest
+                    .get(12)
+                    .and_then(|u| u.parse::<u64>().ok())
+                    .unwrap_or(0);
+            let e = by_name.entry(name).or_default();
+            e.0.push_str(&state);
+            e.1 += ticks;
+        }
+        by_name
+    };
+    let before = read();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let after = read();
+    after
+        .iter()
+        .map(|(name, (states, ticks))| {
+            let used = ticks.saturating_sub(before.get(name).map_or(0, |b| b.1));
+            format!("{name} [{states}] {used}")
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// How many WARN and ERROR lines of each node's log a failed scenario

@@ -215,7 +215,8 @@ impl NodeProc {
         self.child.is_some()
     }
 
-    fn pid(&self) -> Option<u32> {
+    /// The node process's id while it runs.
+    pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().and_then(Child::id)
     }
 }
