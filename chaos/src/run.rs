@@ -210,14 +210,15 @@ async fn print_node_state(sb: &Sandbox) {
     }
 }
 
-/// The threads of process `pid` by name: how many, in which states
-/// (`R` running, `S` sleeping, `D` waiting for IO) and the CPU time each
-/// name used over one second (clock ticks), from `/proc`. A thread that
-/// runs all second, or the actor thread asleep while work waits, shows
-/// here.
+/// The threads of process `pid` by name: in which states (`R` running,
+/// `S` sleeping, `D` waiting for IO), the CPU time each name used over one
+/// second (clock ticks) and how often its threads woke up in that second
+/// (voluntary context switches), from `/proc`. A thread that runs all
+/// second shows by its ticks; one that is never woken (the node's actor
+/// thread with work waiting) by 0 wake-ups.
 async fn thread_states(pid: u32) -> String {
-    let read = || -> BTreeMap<String, (String, u64)> {
-        let mut by_name: BTreeMap<String, (String, u64)> = BTreeMap::new();
+    let read = || -> BTreeMap<String, (String, u64, u64)> {
+        let mut by_name: BTreeMap<String, (String, u64, u64)> = BTreeMap::new();
         let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
             return by_name;
         };
@@ -240,9 +241,18 @@ async fn thread_states(pid: u32) -> String {
                     .get(12)
                     .and_then(|u| u.parse::<u64>().ok())
                     .unwrap_or(0);
+            let woke = std::fs::read_to_string(t.path().join("status"))
+                .ok()
+                .and_then(|st| {
+                    st.lines()
+                        .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+                        .and_then(|v| v.trim().parse::<u64>().ok())
+                })
+                .unwrap_or(0);
             let e = by_name.entry(name).or_default();
             e.0.push_str(&state);
             e.1 += ticks;
+            e.2 += woke;
         }
         by_name
     };
@@ -251,9 +261,11 @@ async fn thread_states(pid: u32) -> String {
     let after = read();
     after
         .iter()
-        .map(|(name, (states, ticks))| {
-            let used = ticks.saturating_sub(before.get(name).map_or(0, |b| b.1));
-            format!("{name} [{states}] {used}")
+        .map(|(name, (states, ticks, woke))| {
+            let b = before.get(name);
+            let used = ticks.saturating_sub(b.map_or(0, |b| b.1));
+            let woke = woke.saturating_sub(b.map_or(0, |b| b.2));
+            format!("{name} [{states}] {used} ticks, {woke} wake-ups")
         })
         .collect::<Vec<_>>()
         .join(", ")
