@@ -908,17 +908,19 @@ async fn read_keys(mut rx: tokio::sync::mpsc::UnboundedReceiver<KeyRead>) {
         };
         let mut n = first.subjects.len();
         let mut reqs = vec![first];
+        // Polled once each, not `try_recv`, which can park the thread
+        // (see `wake::WakeReceiver`).
         while n < KEY_READ_SUBJECTS {
-            match rx.try_recv() {
-                Ok(r) if n + r.subjects.len() > KEY_READ_SUBJECTS => {
+            match futures::FutureExt::now_or_never(rx.recv()).flatten() {
+                Some(r) if n + r.subjects.len() > KEY_READ_SUBJECTS => {
                     next = Some(r);
                     break;
                 }
-                Ok(r) => {
+                Some(r) => {
                     n += r.subjects.len();
                     reqs.push(r);
                 }
-                Err(_) => break,
+                None => break,
             }
         }
         let mut all: Vec<String> = reqs

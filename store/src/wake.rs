@@ -17,6 +17,7 @@ use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
+use futures::FutureExt;
 use tokio::sync::mpsc;
 
 use crate::Lane;
@@ -259,14 +260,20 @@ impl WakeReceiver {
     }
 
     /// As [`WakeReceiver::recv`], without waiting: `None` when nothing is
-    /// queued.
+    /// ready.
     pub fn try_recv(&mut self) -> Option<Woken> {
-        let first = self.rx.try_recv().ok()?;
+        let first = self.rx.recv().now_or_never().flatten()?;
         Some(self.merged(first))
     }
 
+    /// `w` merged with what else is ready. Polled once each, never with
+    /// tokio's `Receiver::try_recv`: while a sender on another thread is
+    /// half-way through its send, that parks the calling thread on the
+    /// parker `block_on` sleeps on, and on a node's actor thread (a
+    /// `LocalSet` driven by `block_on`) a wake-up arriving meanwhile is
+    /// consumed there and the thread is never woken again.
     fn merged(&mut self, mut w: Woken) -> Woken {
-        while let Ok(more) = self.rx.try_recv() {
+        while let Some(Some(more)) = self.rx.recv().now_or_never() {
             w.merge(more);
         }
         if self.overflow.swap(false, Ordering::SeqCst) {
@@ -293,6 +300,78 @@ mod tests {
         assert_eq!(Woken::of_lanes(&many).payload(), "", "too many to name");
         assert_eq!(Woken::of_lanes(&[]), Woken::All);
         assert_eq!(Woken::of_lanes(&[9, 2]).payload(), "2,9");
+    }
+
+    /// A node receives its wake-ups on the thread that drives its actors:
+    /// a `LocalSet` run by `block_on` on a multi-thread runtime, woken by
+    /// the runtime's workers (timers, sockets, other tasks). Receiving must
+    /// never park that thread: tokio's `Receiver::try_recv` does, when a
+    /// sender on another thread is half-way through its send, on the same
+    /// thread parker `block_on` sleeps on, so a wake-up of the `LocalSet`
+    /// arriving meanwhile is consumed there and the thread is never woken
+    /// again. Senders on plain threads, preempted mid-send on a busy
+    /// machine, make that half-way state frequent; a local timer task is
+    /// the heartbeat that must keep beating.
+    #[test]
+    fn receiving_never_stalls_the_thread_of_a_local_set() {
+        use std::sync::atomic::AtomicU64;
+        use std::time::{Duration, Instant};
+
+        let rt = Arc::new(
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("runtime"),
+        );
+        let (tx, mut rx) = channel(4096);
+        let beats = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let owner = {
+            let (rt, beats, stop) = (Arc::clone(&rt), Arc::clone(&beats), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let local = tokio::task::LocalSet::new();
+                rt.block_on(local.run_until(async move {
+                    tokio::task::spawn_local(async move { while rx.recv().await.is_some() {} });
+                    while !stop.load(Ordering::SeqCst) {
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                        beats.fetch_add(1, Ordering::SeqCst);
+                    }
+                }));
+            })
+        };
+        let senders: Vec<_> = (0..8u16)
+            .map(|i| {
+                let (tx, stop) = (tx.clone(), Arc::clone(&stop));
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::SeqCst) {
+                        tx.send(Woken::of_lanes(&[i]));
+                    }
+                })
+            })
+            .collect();
+        let started = Instant::now();
+        let (mut last, mut moved) = (0, Instant::now());
+        let mut stalled = None;
+        while started.elapsed() < Duration::from_secs(20) {
+            std::thread::sleep(Duration::from_millis(50));
+            let now = beats.load(Ordering::SeqCst);
+            if now != last {
+                (last, moved) = (now, Instant::now());
+            } else if moved.elapsed() > Duration::from_secs(2) {
+                stalled = Some(started.elapsed());
+                break;
+            }
+        }
+        stop.store(true, Ordering::SeqCst);
+        for s in senders {
+            s.join().expect("sender");
+        }
+        if let Some(after) = stalled {
+            // The owner thread cannot be woken any more: leave it behind.
+            panic!("the local set's thread stopped after {after:?} ({last} beats)");
+        }
+        owner.join().expect("owner");
     }
 
     #[test]
