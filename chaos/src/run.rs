@@ -125,12 +125,14 @@ pub async fn run(ctx: &mut Ctx, plan: &Plan, index: usize) -> Outcome {
         print_node_warnings(&sb.dir);
         // A failed run's nodes stay up this long (milliseconds) before the
         // teardown, for a debugger.
-        if let Some(ms) = std::env::var("LANEBUS_CHAOS_HOLD_MS")
-            .ok()
-            .and_then(|v| v.parse::<u64>().ok())
-        {
-            println!("  holding the nodes for {ms} ms (LANEBUS_CHAOS_HOLD_MS)");
-            tokio::time::sleep(Duration::from_millis(ms)).await;
+        if let Ok(v) = std::env::var("LANEBUS_CHAOS_HOLD_MS") {
+            match v.parse::<u64>() {
+                Ok(ms) => {
+                    println!("  holding the nodes for {ms} ms (LANEBUS_CHAOS_HOLD_MS)");
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                }
+                Err(e) => println!("  LANEBUS_CHAOS_HOLD_MS={v:?} ignored: {e}"),
+            }
         }
     }
     sb.teardown(keep).await;
@@ -189,12 +191,12 @@ async fn print_node_state(sb: &Sandbox) {
                 .filter(|l| l["owner"].as_str() == Some(me.as_str()))
                 .filter_map(|l| l["lease_expires_in_ms"].as_i64())
                 .collect();
-            Some(format!(
-                "own lanes {}, lease left {:?} to {:?} ms",
-                left.len(),
-                left.iter().min(),
-                left.iter().max()
-            ))
+            Some(match (left.iter().min(), left.iter().max()) {
+                (Some(lo), Some(hi)) => {
+                    format!("own lanes {}, lease left {lo} to {hi} ms", left.len())
+                }
+                _ => "no own lanes".to_string(),
+            })
         }
         .await
         .unwrap_or_else(|| "lanes unknown".into());

@@ -20,6 +20,7 @@
 //! | `lanebus_orphan_deliveries_discarded_total` | counter | `handler` (deliveries of a deleted handler found after the delete, discarded) |
 //! | `lanebus_retention_pruned_total` | counter | `kind` = `events`, `completions` (rows removed by retention, [`crate::retention`]) |
 //! | `lanebus_buffered_payload_bytes` | gauge | payload bytes of the deliveries held in memory (queued + in flight), see `--buffer-bytes` |
+//! | `lanebus_claim_reserved_bytes` | gauge | bytes the node's claims under way reserved in the `--buffer-bytes` budget (rows asked for times the estimate of bytes per delivery); 0 when no claim is under way |
 //! | `lanebus_rate_limited_total` | counter | `handler` (deliveries that waited for a rate-limit token) |
 //! | `lanebus_claim_horizon_age_seconds` | gauge | how long the oldest database transaction left open below a claim cursor of this node's lanes has held it (PostgreSQL; 0 when none) |
 //!

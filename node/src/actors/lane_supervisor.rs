@@ -505,9 +505,9 @@ mod tests {
     /// A lane owner stopped while its claim is under way (the store actor
     /// has not answered) gives that claim's reservation back to the node's
     /// budget: actix drops the claim's future unpolled when the owner
-    /// stops, and a reservation kept for good would shrink every later
-    /// claim of the node until none could claim (seen in chaos runs with
-    /// many lanes handed over).
+    /// stops, and a reservation kept for good shrinks the later claims of
+    /// every lane on the node (a lane holding deliveries claims none while
+    /// reservations fill the budget; one holding nothing still claims one).
     #[test]
     fn an_owner_stopped_during_its_claim_gives_its_reservation_back() {
         actix_rt::System::new().block_on(async {
