@@ -150,28 +150,11 @@ async fn print_node_state(sb: &Sandbox) {
         if let Some(pid) = pid {
             println!("  {url} (pid {pid}): threads {}", thread_states(pid).await);
         }
-        let text = match sb
-            .http
-            .get(format!("{url}/metrics"))
-            .timeout(Duration::from_secs(2))
-            .send()
-            .await
-        {
-            Ok(r) => r.text().await.unwrap_or_default(),
-            Err(e) => {
-                println!("  {url}/metrics: {e}");
-                continue;
-            }
+        let Some(text) = metrics_text(sb, &url).await else {
+            println!("  {url}/metrics: no answer");
+            continue;
         };
-        let sum = |name: &str| -> f64 {
-            text.lines()
-                .filter(|l| {
-                    l.strip_prefix(name)
-                        .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
-                })
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum()
-        };
+        let sum = |name: &str| metric_sum(&text, name, "");
         // Its own holder lease as it sees it: an attempt starts only while
         // the lease has its handler's timeout (+ 100 ms) left.
         let lease = async {
@@ -1063,16 +1046,7 @@ async fn stale_final_attempt(
 /// (`lanebus_store_fenced_out_total{op="dead_letter"}` of `GET /metrics`;
 /// 0 before the first); `None`: no answer.
 async fn refused_dead_letters(sb: &Sandbox, url: &str) -> Option<u64> {
-    let text = sb
-        .http
-        .get(format!("{url}/metrics"))
-        .timeout(Duration::from_millis(1_000))
-        .send()
-        .await
-        .ok()?
-        .text()
-        .await
-        .ok()?;
+    let text = metrics_text(sb, url).await?;
     Some(counter(
         &text,
         "lanebus_store_fenced_out_total",
@@ -1083,13 +1057,36 @@ async fn refused_dead_letters(sb: &Sandbox, url: &str) -> Option<u64> {
 /// The sum of the Prometheus text-format samples of `name` whose labels
 /// contain `label`.
 fn counter(text: &str, name: &str, label: &str) -> u64 {
+    metric_sum(text, name, label) as u64
+}
+
+/// The sum of the samples of metric `name` in the Prometheus `text` whose
+/// labels contain `label`; with `label` empty, every sample of it, with
+/// labels or without (not those of other metrics whose names start with
+/// `name`).
+fn metric_sum(text: &str, name: &str, label: &str) -> f64 {
     text.lines()
         .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with('{') && rest.contains(label))
+            l.strip_prefix(name).is_some_and(|rest| {
+                (rest.starts_with('{') && rest.contains(label))
+                    || (label.is_empty() && rest.starts_with(' '))
+            })
         })
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as u64
+        .sum()
+}
+
+/// `GET /metrics` of the node at `url` (2 s at most); `None`: no answer.
+async fn metrics_text(sb: &Sandbox, url: &str) -> Option<String> {
+    sb.http
+        .get(format!("{url}/metrics"))
+        .timeout(Duration::from_secs(2))
+        .send()
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()
 }
 
 #[cfg(test)]
@@ -1110,5 +1107,19 @@ mod tests {
             counter(text, "lanebus_store_fenced_out_total", "op=\"discard\""),
             0
         );
+    }
+
+    #[test]
+    fn metric_sum_takes_every_sample_of_one_metric_without_a_label() {
+        let text = "lanebus_lane_queued{lane=\"1\"} 3\n\
+            lanebus_lane_queued{lane=\"2\"} 4\n\
+            lanebus_lane_queued_x 100\n\
+            lanebus_buffered_payload_bytes 2048\n";
+        assert_eq!(metric_sum(text, "lanebus_lane_queued", ""), 7.0);
+        assert_eq!(
+            metric_sum(text, "lanebus_buffered_payload_bytes", ""),
+            2048.0
+        );
+        assert_eq!(metric_sum(text, "lanebus_claim_reserved_bytes", ""), 0.0);
     }
 }
