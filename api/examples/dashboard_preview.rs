@@ -72,8 +72,8 @@ impl NodeView for Preview {
 
     fn handlers_changed(&self) {}
 
-    async fn ready(&self) -> bool {
-        true
+    async fn ready(&self) -> Result<(), String> {
+        Ok(())
     }
 
     fn render_metrics(&self) -> String {

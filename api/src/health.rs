@@ -4,8 +4,8 @@
 //!   [`crate::NodeView::render_metrics`].
 //! - `/healthz`: liveness, 200 `{"status": "ok"}` while the process serves.
 //! - `/readyz`: readiness, 200 `{"status": "ready"}` when the node says it is
-//!   ready and the store answers a ping; else `503 not_ready` or
-//!   `503 store_unavailable`.
+//!   ready and the store answers a ping; else `503 not_ready` (its message
+//!   says why) or `503 store_unavailable`.
 
 use axum::extract::State;
 use axum::http::{header, HeaderValue};
@@ -72,10 +72,10 @@ pub(crate) async fn bounded<T>(
 
 /// Handler of `GET /readyz`.
 pub(crate) async fn readyz(State(state): State<ApiState>) -> Result<axum::Json<Status>, ApiError> {
-    if !state.node.ready().await {
+    if let Err(why) = state.node.ready().await {
         return Err(ApiError::new(
             ErrorCode::NotReady,
-            format!("node {} is not ready", state.node.node_id()),
+            format!("node {} is not ready: {why}", state.node.node_id()),
         ));
     }
     let backend = state.store.backend();

@@ -312,8 +312,9 @@ pub trait NodeView: Send + Sync + 'static {
         None
     }
 
-    /// Whether the node is ready (joined, store reachable, lanes started).
-    async fn ready(&self) -> bool;
+    /// Whether the node is ready (joined, lanes started); `Err` says why
+    /// not, for `/readyz`'s `503 not_ready` (which pings the store itself).
+    async fn ready(&self) -> Result<(), String>;
 
     /// Prometheus text exposition of the node's metrics.
     fn render_metrics(&self) -> String;

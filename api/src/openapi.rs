@@ -903,7 +903,8 @@ fn describe(op: Operation, s: &mut Schemas) -> Described {
         Operation::Readyz => d(
             "operations",
             "Readiness",
-            "Ready when the node has joined, its lanes are started and the store answers.",
+            "Ready when the node has joined, its lanes are started, its actor thread runs and the \
+             store answers; `503 not_ready` says which is missing.",
             (StatusCode::OK, "ready", json(s.of::<Status>())),
         ),
         Operation::OpenApi => d(

@@ -865,6 +865,12 @@ async fn health_and_metrics(app: TestApp) {
     let res = app.get("/readyz").await;
     assert_eq!(res.status, StatusCode::SERVICE_UNAVAILABLE, "{res:?}");
     assert_eq!(res.json["error"]["code"], "not_ready");
+    // The node's reason is in the message.
+    let message = res.json["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.ends_with("is not ready: the stub says so"),
+        "{message}"
+    );
 }
 
 /// A key as an event stream: a publish with `expected_seq` is stored only

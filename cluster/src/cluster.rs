@@ -358,6 +358,9 @@ struct Inner {
     leader_since: Mutex<Option<(u64, Instant)>>,
     /// Set by [`Cluster::release_lease`]: the renewal duty sends nothing more.
     released: std::sync::atomic::AtomicBool,
+    /// Set by [`Cluster::withhold_renewals`]: the renewal duty sends nothing
+    /// while it is.
+    withheld: std::sync::atomic::AtomicBool,
 }
 
 /// A running cluster member. See the module docs for what it does.
@@ -715,6 +718,7 @@ impl Cluster {
             releasing: watch::channel(BTreeMap::new()).0,
             leader_since: Mutex::default(),
             released: std::sync::atomic::AtomicBool::new(false),
+            withheld: std::sync::atomic::AtomicBool::new(false),
         });
         let tasks = vec![
             tokio::spawn(network::serve(
@@ -1077,6 +1081,19 @@ impl Cluster {
         }
     }
 
+    /// Withholds this node's lease renewals while `withhold` is true (a
+    /// renewal already sent may still commit): a node that cannot work its
+    /// lanes (its actor thread stalled) lets its lease lapse, so it stops
+    /// its lanes ([`Cluster::owned_lanes`] empties) and, after the lease
+    /// plus the margin, the leader moves them, as for a paused process.
+    /// `false` sends renewals again; the node gets lanes again once the
+    /// leader sees it renew.
+    pub fn withhold_renewals(&self, withhold: bool) {
+        self.inner
+            .withheld
+            .store(withhold, std::sync::atomic::Ordering::SeqCst);
+    }
+
     /// Stops the duties, the RPC server and Raft, and waits for them, so the
     /// data dir can be opened again. Lanes are not handed over: to leave for
     /// good, [`Cluster::remove_node`] first.
@@ -1137,10 +1154,14 @@ async fn renew_loop(inner: Arc<Inner>) {
             let joined = m.membership_config.membership().nodes().next().is_some();
             joined
         };
-        if !joined || inner.released.load(std::sync::atomic::Ordering::SeqCst) {
+        if !joined
+            || inner.released.load(std::sync::atomic::Ordering::SeqCst)
+            || inner.withheld.load(std::sync::atomic::Ordering::SeqCst)
+        {
             // Not part of a cluster yet (waiting for bootstrap or join): a
             // renewal could only wait for a leader nobody knows. Or the lease
-            // was given up (stopping).
+            // was given up (stopping), or renewals are withheld (the node
+            // cannot work its lanes).
             continue;
         }
         if !incarnated {

@@ -38,6 +38,7 @@ pub mod ordering;
 pub mod rate;
 pub mod retention;
 pub mod retry;
+pub mod watchdog;
 pub mod webhook;
 
 pub use handler::{Handler, HandlerError};

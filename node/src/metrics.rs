@@ -23,6 +23,7 @@
 //! | `lanebus_claim_reserved_bytes` | gauge | bytes the node's claims under way reserved in the `--buffer-bytes` budget (rows asked for times the estimate of bytes per delivery); 0 when no claim is under way |
 //! | `lanebus_rate_limited_total` | counter | `handler` (deliveries that waited for a rate-limit token) |
 //! | `lanebus_claim_horizon_age_seconds` | gauge | how long the oldest database transaction left open below a claim cursor of this node's lanes has held it (PostgreSQL; 0 when none) |
+//! | `lanebus_actor_thread_stalled` | gauge | 1 while the thread of this node's actors has not run for 5 s or more ([`crate::watchdog`]), else 0 |
 //!
 //! The API's own metrics (`lanebus_events_published_total`, ...) are listed
 //! in `lanebus_api::telemetry`; they go to the same recorder.
@@ -123,6 +124,16 @@ fn describe() {
          node's lanes has held it (PostgreSQL; 0 when none): a session left idle in a \
          transaction shows here"
     );
+    metrics::describe_gauge!(
+        "lanebus_actor_thread_stalled",
+        "1 while the thread of this node's actors has not run for 5 s or more (its lanes \
+         starve; see the ERROR log), else 0"
+    );
+}
+
+/// Whether the actor thread counts as stalled ([`crate::watchdog`]).
+pub fn actor_thread_stalled(stalled: bool) {
+    metrics::gauge!("lanebus_actor_thread_stalled").set(if stalled { 1.0 } else { 0.0 });
 }
 
 /// The claim horizon's age (see `lanebus_store::ClaimCursor::open`).

@@ -62,6 +62,7 @@ use crate::assignment::{
 use crate::catalog::HandlerCatalog;
 use crate::handler::{AttemptCounter, Dispatcher, Handler};
 use crate::metrics;
+use crate::watchdog::{self, ActorWatchdog};
 use crate::webhook::{WebhookError, WebhookSender};
 
 /// Why a node could not start or stopped with an error.
@@ -335,9 +336,21 @@ pub struct NodeState {
     /// ([`set_runs`](lanebus_store::wake::WakeReceiver::set_runs)): the
     /// API's hint after a publish would wake them twice.
     store_wakes_publishes: bool,
+    /// Whether the actor thread runs ([`crate::watchdog`]).
+    watchdog: Arc<ActorWatchdog>,
+    /// The arbiter of the actor thread.
+    actors: actix_rt::ArbiterHandle,
 }
 
 impl NodeState {
+    /// The arbiter whose thread runs this node's actors (lane owners, key
+    /// handlers, the store actor), for work that must run on that thread.
+    /// Nothing sent there may block: it would stop every actor of the node
+    /// (which [`crate::watchdog`] reports).
+    pub fn actor_arbiter(&self) -> &actix_rt::ArbiterHandle {
+        &self.actors
+    }
+
     /// Observable lane state of this node.
     pub fn board(&self) -> &Arc<LaneBoard> {
         &self.board
@@ -506,12 +519,34 @@ impl NodeView for NodeState {
             .map(|l| Duration::from_millis(l.longest_timeout_ms()))
     }
 
-    /// Started, joined (in a cluster), and no lane of this node fenced out
-    /// by a process outside the cluster (`/readyz` pings the store itself).
-    async fn ready(&self) -> bool {
-        let joined = self.cluster.as_ref().is_none_or(|c| c.joined());
-        let fenced_out = !self.fenced_out.lock().expect("not poisoned").is_empty();
-        *self.ready.borrow() && joined && !fenced_out
+    /// Started, joined (in a cluster), no lane of this node fenced out by a
+    /// process outside the cluster, and its actor thread running (`/readyz`
+    /// pings the store itself).
+    async fn ready(&self) -> Result<(), String> {
+        if !*self.ready.borrow() {
+            return Err("starting or stopping".into());
+        }
+        if self.cluster.as_ref().is_some_and(|c| !c.joined()) {
+            return Err("not a cluster member yet".into());
+        }
+        let fenced: Vec<Lane> = {
+            let f = self.fenced_out.lock().expect("not poisoned");
+            f.keys().copied().collect()
+        };
+        if !fenced.is_empty() {
+            return Err(format!(
+                "{} of its lanes fenced out by a process outside the cluster (lanes {fenced:?})",
+                fenced.len()
+            ));
+        }
+        if self.watchdog.stalled() {
+            return Err(
+                "its actor thread has stopped running, so its lanes deliver nothing (see its \
+                 ERROR log)"
+                    .into(),
+            );
+        }
+        Ok(())
     }
 
     /// The API checked the id and the addresses (`422` before this call).
@@ -736,6 +771,7 @@ async fn run(
         supervisor,
         state,
         addr,
+        watchdog,
     } = match boot(opts).await {
         Ok(v) => v,
         Err(e) => {
@@ -759,6 +795,8 @@ async fn run(
     let _ = shutdown.await;
     tracing::info!(node_id = %state.node_id, "node stopping");
     state.ready.send_replace(false);
+    // The actors stop from here on: no stall to report.
+    let _ = watchdog.send(());
     // The supervisor starts no owner any more (a second owner of a lane at
     // the same epoch next to the one draining would claim the rows still in
     // flight and hand them over again), drains its owners and answers once
@@ -862,6 +900,8 @@ struct Booted {
     api: Stoppable,
     /// The retention pruning task.
     retention: Stoppable,
+    /// Stops the actor thread's watchdog.
+    watchdog: oneshot::Sender<()>,
 }
 
 /// A task that ends soon after it is told to stop (between its requests or
@@ -927,7 +967,10 @@ async fn boot(opts: NodeOptions) -> Result<Booted, NodeError> {
         attempts: dispatcher.attempt_counter(),
         activity: dispatcher.activity(),
         store_wakes_publishes,
+        watchdog: Arc::new(ActorWatchdog::default()),
+        actors: actix_rt::Arbiter::current(),
     });
+    let watchdog = start_watchdog(&state);
     let retention = {
         let (store, board, config) = (store.clone(), Arc::downgrade(&state.board), opts.retention);
         Stoppable::spawn(move |stop| crate::retention::run(store, board, config, stop))
@@ -955,7 +998,29 @@ async fn boot(opts: NodeOptions) -> Result<Booted, NodeError> {
         store_actor,
         api,
         retention,
+        watchdog,
     })
+}
+
+/// Beats on the actor thread (this one) and checks the beats on a worker
+/// ([`crate::watchdog`]); a stall withholds the cluster's lease renewals.
+/// The checker ends when the returned sender is used or dropped.
+fn start_watchdog(state: &Arc<NodeState>) -> oneshot::Sender<()> {
+    let (stop, stopped) = oneshot::channel();
+    actix_rt::spawn(watchdog::beat(state.watchdog.clone(), watchdog::BEAT));
+    let cluster = state.cluster.clone();
+    tokio::spawn(watchdog::watch(
+        state.watchdog.clone(),
+        watchdog::CHECK,
+        watchdog::STALL_CHECKS,
+        move |stalled| {
+            if let Some(c) = &cluster {
+                c.withhold_renewals(stalled);
+            }
+        },
+        stopped,
+    ));
+    stop
 }
 
 /// Opens the store and loads the handler catalog (reloaded in the

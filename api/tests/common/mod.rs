@@ -73,8 +73,11 @@ impl NodeView for StubNode {
     fn retention(&self) -> Option<std::time::Duration> {
         *self.retention.lock().expect("lock")
     }
-    async fn ready(&self) -> bool {
-        !self.not_ready.load(Ordering::SeqCst)
+    async fn ready(&self) -> Result<(), String> {
+        if self.not_ready.load(Ordering::SeqCst) {
+            return Err("the stub says so".into());
+        }
+        Ok(())
     }
     fn render_metrics(&self) -> String {
         "# TYPE lanebus_up gauge\nlanebus_up 1\n".into()
