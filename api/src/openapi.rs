@@ -903,8 +903,9 @@ fn describe(op: Operation, s: &mut Schemas) -> Described {
         Operation::Readyz => d(
             "operations",
             "Readiness",
-            "Ready when the node has joined, its lanes are started, its actor thread runs and the \
-             store answers; `503 not_ready` says which is missing.",
+            "Ready when the node has joined with a valid lease, its lanes are started and its \
+             actor thread runs (else `503 not_ready`, whose message says which is missing), and \
+             the store answers within 2 s (else `503 store_unavailable`).",
             (StatusCode::OK, "ready", json(s.of::<Status>())),
         ),
         Operation::OpenApi => d(

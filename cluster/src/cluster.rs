@@ -31,7 +31,9 @@
 //! (later than the send), and no earlier than its own election, and treats the
 //! node as dead only after `lease_ms + margin_ms`
 //! ([`LeaseConfig::expired_for_leader`]). So a node that cannot renew has
-//! stopped its lanes before any other node may get them. Keep
+//! stopped its lanes before any other node may get them. A node that
+//! cannot work its lanes withholds its renewals on purpose
+//! ([`Cluster::withhold_renewals`]) to the same end. Keep
 //! `election_timeout_max_ms + renew_interval_ms` well below `lease_ms`: no
 //! renewal commits during an election.
 //!

@@ -13,14 +13,7 @@ use common::*;
 /// reassigned (within a deadline a loaded machine meets; when is lease
 /// arithmetic, tested with manual time in `lanebus_cluster::lease`).
 async fn cut_and_check(sb: &Sandbox, victim: u64, observer: u64, extra: Duration) {
-    let victim_lanes: Vec<u16> = sb
-        .node(victim)
-        .c()
-        .owned_lanes()
-        .borrow()
-        .keys()
-        .copied()
-        .collect();
+    let victim_lanes = sb.node(victim).owned_now();
     assert!(!victim_lanes.is_empty());
     let owned = sb.node(victim).c().owned_lanes();
     let t0 = Instant::now();

@@ -526,8 +526,16 @@ impl NodeView for NodeState {
         if !*self.ready.borrow() {
             return Err("starting or stopping".into());
         }
+        // First: a stall also lets the lease lapse, which `joined` reports.
+        if self.watchdog.stalled() {
+            return Err(
+                "its actor thread has stopped running, so its lanes deliver nothing (see its \
+                 ERROR log)"
+                    .into(),
+            );
+        }
         if self.cluster.as_ref().is_some_and(|c| !c.joined()) {
-            return Err("not a cluster member yet".into());
+            return Err("not a cluster member with a valid lease (yet)".into());
         }
         let fenced: Vec<Lane> = {
             let f = self.fenced_out.lock().expect("not poisoned");
@@ -538,13 +546,6 @@ impl NodeView for NodeState {
                 "{} of its lanes fenced out by a process outside the cluster (lanes {fenced:?})",
                 fenced.len()
             ));
-        }
-        if self.watchdog.stalled() {
-            return Err(
-                "its actor thread has stopped running, so its lanes deliver nothing (see its \
-                 ERROR log)"
-                    .into(),
-            );
         }
         Ok(())
     }

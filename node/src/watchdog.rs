@@ -9,14 +9,19 @@
 //! ([`CHECK`]): when it has not moved for [`STALL_CHECKS`] checks in a row
 //! (at least 5 s of the checker running), the node is stalled:
 //!
-//! - an ERROR log, and the gauge `lanebus_actor_thread_stalled` at 1;
-//! - `/readyz` answers 503 (`actor thread stalled`);
+//! - an ERROR log ("the actor thread has stopped running"), and the gauge
+//!   `lanebus_actor_thread_stalled` at 1;
+//! - `/readyz` answers `503 not_ready`, naming the actor thread;
 //! - in a cluster, the node withholds its lease renewals
-//!   ([`lanebus_cluster::Cluster::withhold_renewals`]), so its lanes move to
-//!   the other nodes as a paused process's do (invariant 4 fences its
-//!   owners if the thread runs again).
+//!   ([`lanebus_cluster::Cluster::withhold_renewals`]): its own lease lapses
+//!   and stops its lanes, and the leader moves them to the other nodes after
+//!   the lease plus the margin, as a paused process's (so about 23 s after
+//!   the thread stopped, with the default 15 s lease and 3 s margin).
+//!   Invariant 4 fences its owners if the thread runs again.
 //!
-//! When the count moves again, all three are undone (a WARN log).
+//! Once the count has moved at every check for [`STALL_CHECKS`] checks in a
+//! row, all three are undone (a WARN log): a thread that runs only now and
+//! then stays stalled.
 //!
 //! Checks are counted, not timed: a paused process (SIGSTOP) or a starved
 //! machine delays the checker too, so a pause is never taken for a stall
@@ -69,9 +74,9 @@ pub enum Change {
         /// Checks in a row without a beat.
         checks: u32,
     },
-    /// Beats again after this many checks without one.
+    /// Beat at every check for as many checks as a stall needs.
     Resumed {
-        /// Checks in a row that had no beat.
+        /// Checks without a beat since the stall began.
         checks: u32,
     },
 }
@@ -82,17 +87,25 @@ pub enum Change {
 pub struct StallDetector {
     after: u32,
     last: Option<u64>,
+    /// Checks in a row without a beat.
     still: u32,
+    /// While stalled: checks in a row with a beat.
+    moving: u32,
+    /// Checks without a beat of the stall, for the report.
+    stalled_for: u32,
     stalled: bool,
 }
 
 impl StallDetector {
-    /// Stalled after `after` checks in a row without a beat (at least 1).
+    /// Stalled after `after` checks in a row without a beat, resumed after
+    /// `after` checks in a row with one (at least 1).
     pub fn new(after: u32) -> Self {
         StallDetector {
             after: after.max(1),
             last: None,
             still: 0,
+            moving: 0,
+            stalled_for: 0,
             stalled: false,
         }
     }
@@ -102,12 +115,29 @@ impl StallDetector {
         let moved = self.last.is_none_or(|l| l != beats);
         self.last = Some(beats);
         if moved {
-            let checks = std::mem::take(&mut self.still);
-            return std::mem::take(&mut self.stalled).then_some(Change::Resumed { checks });
+            self.still = 0;
+            if !self.stalled {
+                return None;
+            }
+            self.moving += 1;
+            if self.moving < self.after {
+                return None;
+            }
+            self.stalled = false;
+            return Some(Change::Resumed {
+                checks: std::mem::take(&mut self.stalled_for),
+            });
         }
         self.still += 1;
-        if !self.stalled && self.still >= self.after {
+        if self.stalled {
+            self.moving = 0;
+            self.stalled_for += 1;
+            return None;
+        }
+        if self.still >= self.after {
             self.stalled = true;
+            self.moving = 0;
+            self.stalled_for = self.still;
             return Some(Change::Stalled { checks: self.still });
         }
         None
@@ -163,7 +193,7 @@ pub async fn watch(
                 on_change(false);
                 tracing::warn!(
                     checks,
-                    seconds = (every * checks).as_secs_f64(),
+                    seconds_without_a_beat = (every * checks).as_secs_f64(),
                     "the actor thread runs again after a stall: ready again, lease renewals resume"
                 );
             }
@@ -184,8 +214,33 @@ mod tests {
         assert_eq!(d.observe(5), None);
         assert_eq!(d.observe(5), Some(Change::Stalled { checks: 3 }));
         assert_eq!(d.observe(5), None, "reported once");
-        assert_eq!(d.observe(6), Some(Change::Resumed { checks: 4 }));
+        // Resumed only after beats at 3 checks in a row.
+        assert_eq!(d.observe(6), None);
         assert_eq!(d.observe(7), None);
+        assert_eq!(d.observe(8), Some(Change::Resumed { checks: 4 }));
+        assert_eq!(d.observe(9), None);
+        assert_eq!(d.observe(9), None);
+    }
+
+    #[test]
+    fn a_thread_that_runs_only_now_and_then_stays_stalled() {
+        let mut d = StallDetector::new(3);
+        d.observe(0);
+        for _ in 0..3 {
+            d.observe(0);
+        }
+        assert!(d.stalled, "stalled");
+        // A beat now and then (two checks with one, one without) never
+        // makes three in a row.
+        let mut beats = 0;
+        for round in 0..20 {
+            beats += 1;
+            assert_eq!(d.observe(beats), None, "round {round}");
+            beats += 1;
+            assert_eq!(d.observe(beats), None, "round {round}");
+            assert_eq!(d.observe(beats), None, "round {round}");
+        }
+        assert!(d.stalled, "still stalled");
     }
 
     #[test]
@@ -239,8 +294,9 @@ mod tests {
                 assert!(std::time::Instant::now() < deadline, "never resumed");
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
+            // Stopped while the thread still beats.
+            let _ = stop_tx.send(());
         });
         assert_eq!(*changes.lock().expect("not poisoned"), vec![true, false]);
-        let _ = stop_tx.send(());
     }
 }

@@ -57,6 +57,11 @@ impl Node {
         self.c().state()
     }
 
+    /// The lanes this node owns now, by its own lease.
+    pub fn owned_now(&self) -> Vec<u16> {
+        self.c().owned_lanes().borrow().keys().copied().collect()
+    }
+
     pub fn net(&self) -> NetSwitch {
         self.c().net().clone()
     }
