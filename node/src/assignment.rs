@@ -379,12 +379,10 @@ pub trait LaneAssignment: Send + Sync + 'static {
     async fn start(&self) -> Result<watch::Receiver<LaneWork>, AssignmentError>;
 
     /// The node has drained `lane` (listed in [`LaneWork::releasing`]), or
-    /// gave up waiting at the bound: the next owner may take it. Returns
-    /// `false` when it should be reported again later (e.g. no Raft leader
-    /// now).
-    async fn released(&self, lane: Lane) -> bool {
+    /// gave up waiting at the bound: the next owner may take it.
+    async fn released(&self, lane: Lane) -> ReleaseOutcome {
         let _ = lane;
-        true
+        ReleaseOutcome::Released
     }
 
     /// The owner name this process fences lanes with ([`owner_name`]).
@@ -396,6 +394,20 @@ pub trait LaneAssignment: Send + Sync + 'static {
     fn fenced_out_reports(&self) -> Option<mpsc::UnboundedSender<(Lane, Epoch)>> {
         None
     }
+}
+
+/// What became of a release ([`LaneAssignment::released`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReleaseOutcome {
+    /// Recorded: the next owner may take the lane.
+    Released,
+    /// Refused: the lane was not being released by this node when the
+    /// release was applied (the handover was cancelled, or this node's view
+    /// is behind). Release it again if this node's view, once it caught
+    /// up, still lists it releasing (a new handover at the same epoch).
+    Refused,
+    /// Not recorded (e.g. no Raft leader now): report it again.
+    Failed,
 }
 
 /// Single-node assignment: owns every lane, fenced at `current epoch + 1`.
@@ -896,19 +908,19 @@ impl LaneAssignment for RaftAssignment {
         Ok(rx)
     }
 
-    async fn released(&self, lane: Lane) -> bool {
+    async fn released(&self, lane: Lane) -> ReleaseOutcome {
         match self.cluster.release(lane).await {
             Ok(()) => {
                 tracing::info!(lane, "lane released to its next owner");
-                true
+                ReleaseOutcome::Released
             }
             Err(ClusterError::Refused(reason)) => {
                 tracing::info!(lane, %reason, "release refused (handover cancelled?)");
-                true
+                ReleaseOutcome::Refused
             }
             Err(e) => {
                 tracing::warn!(lane, error = %e, "release failed; will retry");
-                false
+                ReleaseOutcome::Failed
             }
         }
     }

@@ -26,7 +26,7 @@ use lanebus_store::{Epoch, Lane};
 use tokio::sync::{oneshot, watch};
 
 use super::lane_owner::{Drain, LaneDeps, LaneOwner, OwnerStopped, StopLane};
-use crate::assignment::{plan_lanes, LaneAssignment, LaneWork, OwnerTie, Running};
+use crate::assignment::{plan_lanes, LaneAssignment, LaneWork, OwnerTie, ReleaseOutcome, Running};
 
 /// How often the supervisor applies the work without a change (a release
 /// that failed is tried again).
@@ -281,16 +281,29 @@ impl LaneSupervisor {
     }
 
     /// Tells the assignment `lane` may go to its next owner; if it could
-    /// not be told, the next step asks again.
+    /// not be told, the next step asks again. A refused release is
+    /// forgotten too, and looked at again at the next change or
+    /// [`REAPPLY`] (not at once: this node's view may still be behind the
+    /// state that refused it): the lane may be handed over again at the
+    /// same epoch (a cancelled handover, then a new one) without this
+    /// node's view ever showing it active in between, and it would then
+    /// never be released.
     fn release(&mut self, lane: Lane, ctx: &mut Context<Self>) {
         let assignment = self.assignment.clone();
         let fut = async move { assignment.released(lane).await };
-        ctx.spawn(fut.into_actor(self).map(move |released, act, ctx| {
-            if !released {
-                act.releases_sent.remove(&lane);
-            }
-            act.apply(ctx);
-        }));
+        ctx.spawn(
+            fut.into_actor(self)
+                .map(move |outcome, act, ctx| match outcome {
+                    ReleaseOutcome::Released => act.apply(ctx),
+                    ReleaseOutcome::Failed => {
+                        act.releases_sent.remove(&lane);
+                        act.apply(ctx);
+                    }
+                    ReleaseOutcome::Refused => {
+                        act.releases_sent.remove(&lane);
+                    }
+                }),
+        );
     }
 
     /// Answers the shutdown with the owners (once).
@@ -401,6 +414,8 @@ mod tests {
     struct Fake {
         work: watch::Receiver<LaneWork>,
         released: mpsc::UnboundedSender<Lane>,
+        /// Answers to the releases, in order; then `Released`.
+        answers: std::sync::Mutex<Vec<ReleaseOutcome>>,
     }
 
     #[async_trait]
@@ -409,9 +424,14 @@ mod tests {
             Ok(self.work.clone())
         }
 
-        async fn released(&self, lane: Lane) -> bool {
+        async fn released(&self, lane: Lane) -> ReleaseOutcome {
             let _ = self.released.send(lane);
-            true
+            let mut answers = self.answers.lock().expect("not poisoned");
+            if answers.is_empty() {
+                ReleaseOutcome::Released
+            } else {
+                answers.remove(0)
+            }
         }
 
         fn owner(&self) -> &str {
@@ -460,6 +480,7 @@ mod tests {
             let assignment = Arc::new(Fake {
                 work: work_rx.clone(),
                 released,
+                answers: Default::default(),
             });
             let owners = Owners::default();
             let sup = LaneSupervisor::new(
@@ -499,6 +520,52 @@ mod tests {
                 .await
                 .expect("released before the drain's bound");
             assert_eq!(lane, Some(1));
+        });
+    }
+
+    /// A release refused by the cluster (the handover was cancelled when
+    /// it was applied) is not taken for done: when this node's view still
+    /// lists the lane releasing at that epoch (a new handover of the lane,
+    /// seen without the active state in between), the lane is released
+    /// again, not left releasing for good with no owner running it.
+    #[test]
+    fn a_refused_release_is_sent_again_while_the_lane_is_still_releasing() {
+        actix_rt::System::new().block_on(async {
+            let store = lanebus_store::open("sqlite::memory:").await.expect("store");
+            assert!(store.fence(1, "t/1", Epoch(1)).await.expect("fence"));
+            let deps = deps_of(&store).await;
+            let (work, work_rx) = watch::channel(LaneWork {
+                owned: lanes(&[(1, Epoch(1))]),
+                releasing: OwnedLanes::new(),
+            });
+            let (released, mut released_rx) = mpsc::unbounded_channel();
+            let assignment = Arc::new(Fake {
+                work: work_rx.clone(),
+                released,
+                answers: std::sync::Mutex::new(vec![ReleaseOutcome::Refused]),
+            });
+            let sup = LaneSupervisor::new(
+                Owners::default(),
+                deps,
+                assignment,
+                work_rx,
+                DrainBound::Fixed(Duration::from_secs(3600)),
+            )
+            .start();
+            sup.send(Apply).await.expect("applied");
+            work.send_replace(LaneWork {
+                owned: OwnedLanes::new(),
+                releasing: lanes(&[(1, Epoch(1))]),
+            });
+            let first = tokio::time::timeout(Duration::from_secs(60), released_rx.recv())
+                .await
+                .expect("drained and released");
+            assert_eq!(first, Some(1));
+            // Refused; the view still shows lane 1 releasing at epoch 1.
+            let again = tokio::time::timeout(REAPPLY * 5, released_rx.recv())
+                .await
+                .expect("released again after the refusal");
+            assert_eq!(again, Some(1));
         });
     }
 
@@ -566,6 +633,7 @@ mod tests {
             let assignment = Arc::new(Fake {
                 work: work_rx.clone(),
                 released,
+                answers: Default::default(),
             });
             let owners = Owners::default();
             let hour = Duration::from_secs(3600);
