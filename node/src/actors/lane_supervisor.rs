@@ -463,35 +463,67 @@ mod tests {
         }
     }
 
+    /// A supervisor over the test's [`Fake`] assignment.
+    struct Supervised {
+        store: Arc<dyn lanebus_store::Store>,
+        work: watch::Sender<LaneWork>,
+        released: mpsc::UnboundedReceiver<Lane>,
+        owners: Owners,
+        sup: Addr<LaneSupervisor>,
+    }
+
+    /// A supervisor started and applied once, owning `owned` at epoch 1
+    /// (each fenced for `t/1` in a fresh in-memory store), drains bounded
+    /// at an hour, its releases answered `answers` in order (then
+    /// `Released`).
+    async fn supervised(owned: &[Lane], answers: Vec<ReleaseOutcome>) -> Supervised {
+        let store = lanebus_store::open("sqlite::memory:").await.expect("store");
+        for &lane in owned {
+            assert!(store.fence(lane, "t/1", Epoch(1)).await.expect("fence"));
+        }
+        let deps = deps_of(&store).await;
+        let (work, work_rx) = watch::channel(LaneWork {
+            owned: owned.iter().map(|&l| (l, Epoch(1))).collect(),
+            releasing: OwnedLanes::new(),
+        });
+        let (released_tx, released) = mpsc::unbounded_channel();
+        let assignment = Arc::new(Fake {
+            work: work_rx.clone(),
+            released: released_tx,
+            answers: std::sync::Mutex::new(answers),
+        });
+        let owners = Owners::default();
+        let sup = LaneSupervisor::new(
+            owners.clone(),
+            deps,
+            assignment,
+            work_rx,
+            DrainBound::Fixed(Duration::from_secs(3600)),
+        )
+        .start();
+        sup.send(Apply).await.expect("applied");
+        Supervised {
+            store,
+            work,
+            released,
+            owners,
+            sup,
+        }
+    }
+
     /// A lane whose owner already stopped on its own (fenced out by
     /// another owner) and is then handed over is released at once, not
     /// at the drain's bound (an hour here): nothing of it is in flight.
     #[test]
     fn a_handover_of_a_lane_whose_owner_stopped_releases_at_once() {
         actix_rt::System::new().block_on(async {
-            let store = lanebus_store::open("sqlite::memory:").await.expect("store");
-            assert!(store.fence(1, "t/1", Epoch(1)).await.expect("fence"));
-            let deps = deps_of(&store).await;
-            let (work, work_rx) = watch::channel(LaneWork {
-                owned: lanes(&[(1, Epoch(1))]),
-                releasing: OwnedLanes::new(),
-            });
-            let (released, mut released_rx) = mpsc::unbounded_channel();
-            let assignment = Arc::new(Fake {
-                work: work_rx.clone(),
-                released,
-                answers: Default::default(),
-            });
-            let owners = Owners::default();
-            let sup = LaneSupervisor::new(
-                owners.clone(),
-                deps,
-                assignment,
-                work_rx,
-                DrainBound::Fixed(Duration::from_secs(3600)),
-            )
-            .start();
-            sup.send(Apply).await.expect("applied");
+            let Supervised {
+                store,
+                work,
+                released: mut released_rx,
+                owners,
+                sup: _sup,
+            } = supervised(&[1], Vec::new()).await;
 
             // Another owner takes lane 1 in the store: this one's next claim
             // is refused and it stops by itself.
@@ -531,28 +563,12 @@ mod tests {
     #[test]
     fn a_refused_release_is_sent_again_while_the_lane_is_still_releasing() {
         actix_rt::System::new().block_on(async {
-            let store = lanebus_store::open("sqlite::memory:").await.expect("store");
-            assert!(store.fence(1, "t/1", Epoch(1)).await.expect("fence"));
-            let deps = deps_of(&store).await;
-            let (work, work_rx) = watch::channel(LaneWork {
-                owned: lanes(&[(1, Epoch(1))]),
-                releasing: OwnedLanes::new(),
-            });
-            let (released, mut released_rx) = mpsc::unbounded_channel();
-            let assignment = Arc::new(Fake {
-                work: work_rx.clone(),
-                released,
-                answers: std::sync::Mutex::new(vec![ReleaseOutcome::Refused]),
-            });
-            let sup = LaneSupervisor::new(
-                Owners::default(),
-                deps,
-                assignment,
-                work_rx,
-                DrainBound::Fixed(Duration::from_secs(3600)),
-            )
-            .start();
-            sup.send(Apply).await.expect("applied");
+            let Supervised {
+                work,
+                released: mut released_rx,
+                sup: _sup,
+                ..
+            } = supervised(&[1], vec![ReleaseOutcome::Refused]).await;
             work.send_replace(LaneWork {
                 owned: OwnedLanes::new(),
                 releasing: lanes(&[(1, Epoch(1))]),
@@ -620,32 +636,14 @@ mod tests {
     #[test]
     fn drains_end_when_the_owners_say_they_stopped() {
         actix_rt::System::new().block_on(async {
-            let store = lanebus_store::open("sqlite::memory:").await.expect("store");
-            for lane in [0, 1] {
-                assert!(store.fence(lane, "t/1", Epoch(1)).await.expect("fence"));
-            }
-            let deps = deps_of(&store).await;
-            let (work, work_rx) = watch::channel(LaneWork {
-                owned: lanes(&[(0, Epoch(1)), (1, Epoch(1))]),
-                releasing: OwnedLanes::new(),
-            });
-            let (released, mut released_rx) = mpsc::unbounded_channel();
-            let assignment = Arc::new(Fake {
-                work: work_rx.clone(),
-                released,
-                answers: Default::default(),
-            });
-            let owners = Owners::default();
+            let Supervised {
+                work,
+                released: mut released_rx,
+                owners,
+                sup,
+                ..
+            } = supervised(&[0, 1], Vec::new()).await;
             let hour = Duration::from_secs(3600);
-            let sup = LaneSupervisor::new(
-                owners.clone(),
-                deps,
-                assignment,
-                work_rx,
-                DrainBound::Fixed(hour),
-            )
-            .start();
-            sup.send(Apply).await.expect("applied");
             let running = |o: &Owners| {
                 o.lock()
                     .unwrap()
