@@ -65,8 +65,9 @@ pub struct ClaimControl {
     draining: bool,
     /// No claim has started yet.
     first_claim: bool,
-    /// The oldest transaction holding the claim cursor open, and since when.
-    horizon: Option<(i64, Instant)>,
+    /// The oldest transaction holding the claim cursor open, since when,
+    /// and when a claim last saw it.
+    horizon: Option<(i64, Instant, Instant)>,
 }
 
 impl Default for ClaimControl {
@@ -207,15 +208,18 @@ impl ClaimControl {
     pub fn note_horizon(&mut self, oldest_open: Option<i64>, now: Instant) {
         self.horizon = match (oldest_open, self.horizon) {
             (None, _) => None,
-            (Some(x), Some((y, since))) if x == y => Some((y, since)),
-            (Some(x), _) => Some((x, now)),
+            (Some(x), Some((y, since, _))) if x == y => Some((y, since, now)),
+            (Some(x), _) => Some((x, now, now)),
         };
     }
 
-    /// Since when the claim cursor has been held open by the same oldest
-    /// transaction.
-    pub fn horizon_since(&self) -> Option<Instant> {
-        self.horizon.map(|(_, since)| since)
+    /// How long the same oldest transaction had held the claim cursor open
+    /// when a claim last saw it (`None`: none was open then). Not counted
+    /// on while the lane claims nothing (a full buffer): that transaction
+    /// may have ended since.
+    pub fn horizon_held(&self) -> Option<Duration> {
+        self.horizon
+            .map(|(_, since, seen)| seen.saturating_duration_since(since))
     }
 }
 
@@ -361,16 +365,19 @@ mod tests {
         let clock = ManualClock::new();
         let mut c = ClaimControl::new();
         let t0 = clock.now();
-        c.note_horizon(Some(41), clock.now());
+        c.note_horizon(Some(41), t0);
         clock.advance(Duration::from_secs(30));
         c.note_horizon(Some(41), clock.now());
-        assert_eq!(c.horizon_since(), Some(t0), "the same transaction");
+        let secs = |s| Some(Duration::from_secs(s));
+        assert_eq!(c.horizon_held(), secs(30), "the same transaction");
         c.note_horizon(Some(57), clock.now());
-        assert_eq!(c.horizon_since(), Some(t0 + Duration::from_secs(30)));
+        assert_eq!(c.horizon_held(), secs(0), "a new oldest one");
         clock.advance(Duration::from_secs(1));
-        c.note_horizon(None, clock.now());
-        assert_eq!(c.horizon_since(), None);
         c.note_horizon(Some(57), clock.now());
-        assert_eq!(c.horizon_since(), Some(t0 + Duration::from_secs(31)));
+        assert_eq!(c.horizon_held(), secs(1));
+        c.note_horizon(None, clock.now());
+        assert_eq!(c.horizon_held(), None);
+        c.note_horizon(Some(57), clock.now());
+        assert_eq!(c.horizon_held(), secs(0));
     }
 }

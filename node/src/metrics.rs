@@ -22,7 +22,7 @@
 //! | `lanebus_buffered_payload_bytes` | gauge | payload bytes of the deliveries held in memory (queued + in flight), see `--buffer-bytes` |
 //! | `lanebus_claim_reserved_bytes` | gauge | bytes the node's claims under way reserved in the `--buffer-bytes` budget (rows asked for times the estimate of bytes per delivery); 0 when no claim is under way |
 //! | `lanebus_rate_limited_total` | counter | `handler` (deliveries that waited for a rate-limit token) |
-//! | `lanebus_claim_horizon_age_seconds` | gauge | how long the oldest database transaction left open below a claim cursor of this node's lanes has held it (PostgreSQL; 0 when none) |
+//! | `lanebus_claim_horizon_age_seconds` | gauge | how long the oldest database transaction left open below a claim cursor of this node's lanes had held it at that lane's last claim (PostgreSQL; 0 when none) |
 //! | `lanebus_actor_thread_stalled` | gauge | 1 while the thread of this node's actors has not run for 5 s or more ([`crate::watchdog`]), else 0 |
 //!
 //! The API's own metrics (`lanebus_events_published_total`, ...) are listed
@@ -120,9 +120,9 @@ fn describe() {
     metrics::describe_gauge!(
         "lanebus_claim_horizon_age_seconds",
         metrics::Unit::Seconds,
-        "how long the oldest database transaction still open below a claim cursor of this \
-         node's lanes has held it (PostgreSQL; 0 when none): a session left idle in a \
-         transaction shows here"
+        "how long the oldest database transaction open below a claim cursor of this node's \
+         lanes had held it at that lane's last claim (PostgreSQL; 0 when none): a session \
+         left idle in a transaction shows here"
     );
     metrics::describe_gauge!(
         "lanebus_actor_thread_stalled",

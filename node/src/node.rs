@@ -636,7 +636,7 @@ impl NodeView for NodeState {
     }
 
     fn render_metrics(&self) -> String {
-        crate::metrics::claim_horizon_age(self.board.horizon_age(std::time::Instant::now()));
+        crate::metrics::claim_horizon_age(self.board.horizon_age());
         self.metrics.render()
     }
 }

@@ -128,10 +128,10 @@ pub struct LaneStatus {
     pub queued: usize,
     /// Deliveries being attempted.
     pub in_flight: usize,
-    /// Since when the lane's claim cursor has been held open by the same
-    /// oldest transaction (PostgreSQL; `None` when no transaction is open
-    /// below the cursor).
-    pub horizon_since: Option<Instant>,
+    /// How long the same oldest transaction had held the lane's claim
+    /// cursor open when the lane last claimed (PostgreSQL; `None` when no
+    /// transaction was open below the cursor then).
+    pub horizon_held: Option<Duration>,
 }
 
 /// Observable state of every lane owner of the node (admin API, tests).
@@ -159,18 +159,17 @@ impl LaneBoard {
             .insert(lane, status);
     }
 
-    /// How long the oldest transaction holding a claim cursor of an active
-    /// lane open has done so (`None`: none is), for
+    /// The longest [`LaneStatus::horizon_held`] of the active lanes (`None`:
+    /// none had a transaction open below its cursor at its last claim), for
     /// `lanebus_claim_horizon_age_seconds`.
-    pub fn horizon_age(&self, now: Instant) -> Option<Duration> {
+    pub fn horizon_age(&self) -> Option<Duration> {
         self.lanes
             .read()
             .expect("not poisoned")
             .values()
             .filter(|s| s.state == LaneState::Active)
-            .filter_map(|s| s.horizon_since)
-            .min()
-            .map(|since| now.saturating_duration_since(since))
+            .filter_map(|s| s.horizon_held)
+            .max()
     }
 
     /// Sum of queued and in-flight deliveries over the active lanes.
@@ -728,7 +727,7 @@ impl LaneOwner {
                 state: LaneState::Active,
                 queued,
                 in_flight,
-                horizon_since: self.ctl.horizon_since(),
+                horizon_held: self.ctl.horizon_held(),
             },
         );
         metrics::lane_depth(self.lane, queued, in_flight);
@@ -785,7 +784,7 @@ impl Actor for LaneOwner {
                 },
                 queued: 0,
                 in_flight: 0,
-                horizon_since: None,
+                horizon_held: None,
             },
         );
         metrics::lane_depth(self.lane, 0, 0);
@@ -885,5 +884,34 @@ impl Handler<Settled> for LaneOwner {
         {
             self.claim(ctx);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A lane that stops claiming (its buffer full behind a slow receiver)
+    /// last saw a transaction open below its cursor 5 s after first seeing
+    /// it: the gauge says 5 s a minute later, not 65 s, which would tell
+    /// of a session left open that may have ended long ago.
+    #[test]
+    fn the_horizon_age_is_as_of_the_lanes_last_claim() {
+        let board = LaneBoard::default();
+        let mut c = crate::claim::ClaimControl::new();
+        let t0 = Instant::now();
+        c.note_horizon(Some(41), t0);
+        c.note_horizon(Some(41), t0 + Duration::from_secs(5));
+        board.set(
+            1,
+            LaneStatus {
+                epoch: Epoch(1),
+                state: LaneState::Active,
+                queued: 256,
+                in_flight: 64,
+                horizon_held: c.horizon_held(),
+            },
+        );
+        assert_eq!(board.horizon_age(), Some(Duration::from_secs(5)));
     }
 }
