@@ -100,6 +100,10 @@ struct Queue {
     writing: bool,
     /// Whether the writer waits for its callers (kept across writer tasks).
     regroup: Regroup,
+    /// While the writer waits for its callers: the number of queued
+    /// batches at which the publish that queues last wakes it (one wake-up
+    /// per wait, not one per caller).
+    wake_at: Option<usize>,
 }
 
 impl Queue {
@@ -143,7 +147,8 @@ pub(crate) struct Grouper {
     queue: Mutex<Queue>,
     publishes: AtomicU64,
     writes: AtomicU64,
-    /// Signalled when a batch queues behind a running writer.
+    /// Signalled when the batches a waiting writer waits for have queued
+    /// ([`Queue::wake_at`]).
     arrived: tokio::sync::Notify,
 }
 
@@ -187,10 +192,15 @@ impl Grouper {
             return Ok(answer(plan, 0, 0, 0));
         }
         let (tx, rx) = oneshot::channel();
-        let start = {
+        let (start, wake) = {
             let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
             q.jobs.push_back(Job { plan, answer: tx });
-            !std::mem::replace(&mut q.writing, true)
+            let start = !std::mem::replace(&mut q.writing, true);
+            let wake = q.wake_at.is_some_and(|n| q.jobs.len() >= n);
+            if wake {
+                q.wake_at = None;
+            }
+            (start, wake)
         };
         if start {
             // Armed before the spawn: a task dropped unpolled (its runtime
@@ -200,7 +210,7 @@ impl Grouper {
                 armed: true,
             };
             tokio::spawn(Arc::clone(self).drain(writer.clone(), running));
-        } else {
+        } else if wake {
             self.arrived.notify_one();
         }
         rx.await.unwrap_or_else(|_| {
@@ -240,7 +250,12 @@ impl Grouper {
                     let arrived = self.arrived.notified();
                     tokio::pin!(arrived);
                     arrived.as_mut().enable();
-                    let came = self.queued().saturating_sub(before);
+                    let came = {
+                        let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+                        let came = q.jobs.len().saturating_sub(before);
+                        q.wake_at = (came < want).then_some(before + want);
+                        came
+                    };
                     if came >= want {
                         break came;
                     }
@@ -248,7 +263,9 @@ impl Grouper {
                         .await
                         .is_err()
                     {
-                        break self.queued().saturating_sub(before);
+                        let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+                        q.wake_at = None;
+                        break q.jobs.len().saturating_sub(before);
                     }
                 };
                 let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
@@ -447,6 +464,7 @@ impl Drop for Running {
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
             q.writing = false;
+            q.wake_at = None;
             q.jobs.clear();
         }
     }
