@@ -403,8 +403,9 @@ pub enum ReleaseOutcome {
     Released,
     /// Refused: the lane was not being released by this node when the
     /// release was applied (the handover was cancelled, or this node's view
-    /// is behind). Release it again if this node's view, once it caught
-    /// up, still lists it releasing (a new handover at the same epoch).
+    /// is behind). The supervisor releases it again at a later step if its
+    /// view still lists the lane releasing with no owner running (a new
+    /// handover at the same epoch; or a view still behind, refused again).
     Refused,
     /// Not recorded (e.g. no Raft leader now): report it again.
     Failed,

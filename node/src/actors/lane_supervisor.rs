@@ -29,7 +29,7 @@ use super::lane_owner::{Drain, LaneDeps, LaneOwner, OwnerStopped, StopLane};
 use crate::assignment::{plan_lanes, LaneAssignment, LaneWork, OwnerTie, ReleaseOutcome, Running};
 
 /// How often the supervisor applies the work without a change (a release
-/// that failed is tried again).
+/// that failed or was refused is looked at again).
 pub const REAPPLY: Duration = Duration::from_secs(1);
 
 /// A running lane owner.
