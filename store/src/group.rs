@@ -100,10 +100,6 @@ struct Queue {
     writing: bool,
     /// Whether the writer waits for its callers (kept across writer tasks).
     regroup: Regroup,
-    /// While the writer waits for its callers: the number of queued
-    /// batches at which the publish that queues last wakes it (one wake-up
-    /// per wait, not one per caller).
-    wake_at: Option<usize>,
 }
 
 impl Queue {
@@ -147,8 +143,7 @@ pub(crate) struct Grouper {
     queue: Mutex<Queue>,
     publishes: AtomicU64,
     writes: AtomicU64,
-    /// Signalled when the batches a waiting writer waits for have queued
-    /// ([`Queue::wake_at`]).
+    /// Signalled when a batch queues behind a running writer.
     arrived: tokio::sync::Notify,
 }
 
@@ -192,15 +187,10 @@ impl Grouper {
             return Ok(answer(plan, 0, 0, 0));
         }
         let (tx, rx) = oneshot::channel();
-        let (start, wake) = {
+        let start = {
             let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
             q.jobs.push_back(Job { plan, answer: tx });
-            let start = !std::mem::replace(&mut q.writing, true);
-            let wake = q.wake_at.is_some_and(|n| q.jobs.len() >= n);
-            if wake {
-                q.wake_at = None;
-            }
-            (start, wake)
+            !std::mem::replace(&mut q.writing, true)
         };
         if start {
             // Armed before the spawn: a task dropped unpolled (its runtime
@@ -210,7 +200,7 @@ impl Grouper {
                 armed: true,
             };
             tokio::spawn(Arc::clone(self).drain(writer.clone(), running));
-        } else if wake {
+        } else {
             self.arrived.notify_one();
         }
         rx.await.unwrap_or_else(|_| {
@@ -250,12 +240,7 @@ impl Grouper {
                     let arrived = self.arrived.notified();
                     tokio::pin!(arrived);
                     arrived.as_mut().enable();
-                    let came = {
-                        let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
-                        let came = q.jobs.len().saturating_sub(before);
-                        q.wake_at = (came < want).then_some(before + want);
-                        came
-                    };
+                    let came = self.queued().saturating_sub(before);
                     if came >= want {
                         break came;
                     }
@@ -263,9 +248,7 @@ impl Grouper {
                         .await
                         .is_err()
                     {
-                        let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
-                        q.wake_at = None;
-                        break q.jobs.len().saturating_sub(before);
+                        break self.queued().saturating_sub(before);
                     }
                 };
                 let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
@@ -464,7 +447,6 @@ impl Drop for Running {
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
             q.writing = false;
-            q.wake_at = None;
             q.jobs.clear();
         }
     }
