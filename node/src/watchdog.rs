@@ -168,6 +168,11 @@ pub async fn watch(
     let mut detector = StallDetector::new(after);
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let set = |stalled: bool| {
+        dog.stalled.store(stalled, Ordering::SeqCst);
+        crate::metrics::actor_thread_stalled(stalled);
+        on_change(stalled);
+    };
     crate::metrics::actor_thread_stalled(false);
     loop {
         tokio::select! {
@@ -176,9 +181,7 @@ pub async fn watch(
         }
         match detector.observe(dog.beats()) {
             Some(Change::Stalled { checks }) => {
-                dog.stalled.store(true, Ordering::SeqCst);
-                crate::metrics::actor_thread_stalled(true);
-                on_change(true);
+                set(true);
                 tracing::error!(
                     checks,
                     seconds = (every * checks).as_secs_f64(),
@@ -188,9 +191,7 @@ pub async fn watch(
                 );
             }
             Some(Change::Resumed { checks }) => {
-                dog.stalled.store(false, Ordering::SeqCst);
-                crate::metrics::actor_thread_stalled(false);
-                on_change(false);
+                set(false);
                 tracing::warn!(
                     checks,
                     seconds_without_a_beat = (every * checks).as_secs_f64(),
