@@ -30,11 +30,37 @@ pub enum LaneState {
     Unassigned,
     /// Owned and worked by `owner`.
     Active,
-    /// `owner` is handing the lane over to `to` (stops claiming, drains).
+    /// A handover recorded by an older version, without the log index it
+    /// was applied at: read from older snapshots only, and handled as
+    /// [`LaneState::Handover`] with no index ([`LaneState::handover`]).
     Releasing {
         /// The next owner.
         to: NodeId,
     },
+    /// `owner` is handing the lane over to `to` (stops claiming, drains).
+    /// `at` (the log index the handover was applied at) names this
+    /// handover: a release names the handover it ends
+    /// ([`apply_release`]), so a release meant for a cancelled handover
+    /// cannot end a later one of the same lane at the same epoch.
+    Handover {
+        /// The next owner.
+        to: NodeId,
+        /// Log index the handover was applied at.
+        at: u64,
+    },
+}
+
+impl LaneState {
+    /// The handover under way, if any: the next owner and the log index
+    /// the handover was applied at (`None` for one an older version
+    /// recorded).
+    pub fn handover(self) -> Option<(NodeId, Option<u64>)> {
+        match self {
+            LaneState::Releasing { to } => Some((to, None)),
+            LaneState::Handover { to, at } => Some((to, Some(at))),
+            LaneState::Unassigned | LaneState::Active => None,
+        }
+    }
 }
 
 /// One row of the replicated lane table.
@@ -95,14 +121,11 @@ fn effective_owner(
     draining: &BTreeSet<NodeId>,
 ) -> Option<NodeId> {
     let alive = |n: &NodeId| live.contains(n) || draining.contains(n);
-    match (entry.state, entry.owner) {
-        (LaneState::Releasing { to }, Some(owner)) if alive(&owner) && live.contains(&to) => {
-            Some(to)
-        }
-        (LaneState::Releasing { .. } | LaneState::Active, Some(owner)) if alive(&owner) => {
-            Some(owner)
-        }
-        _ => None,
+    let owner = entry.owner.filter(alive)?;
+    match entry.state.handover() {
+        Some((to, _)) if live.contains(&to) => Some(to),
+        Some(_) => Some(owner),
+        None => (entry.state == LaneState::Active).then_some(owner),
     }
 }
 
@@ -180,7 +203,9 @@ pub fn plan_draining(
         .iter()
         .enumerate()
         .filter(|(_, e)| {
-            matches!(e.state, LaneState::Releasing { to } if !live.contains(&to))
+            e.state
+                .handover()
+                .is_some_and(|(to, _)| !live.contains(&to))
                 && e.owner
                     .is_some_and(|o| live.contains(&o) || draining.contains(&o))
         })
@@ -206,8 +231,9 @@ pub fn plan_draining(
     changes
 }
 
-/// Applies a planned change to the table (what the Raft state machine does).
-pub fn apply(lanes: &mut [LaneEntry], change: Change) {
+/// Applies a planned change to the table (what the Raft state machine does)
+/// at log index `index` (which names a handover it starts).
+pub fn apply(lanes: &mut [LaneEntry], change: Change, index: u64) {
     match change {
         Change::Assign { lane, to, epoch } => {
             let e = &mut lanes[lane as usize];
@@ -220,25 +246,27 @@ pub fn apply(lanes: &mut [LaneEntry], change: Change) {
         Change::Handover { lane, from, to } => {
             let e = &mut lanes[lane as usize];
             if e.owner == Some(from) && e.state == LaneState::Active {
-                e.state = LaneState::Releasing { to };
+                e.state = LaneState::Handover { to, at: index };
             }
         }
         Change::CancelHandover { lane } => {
             let e = &mut lanes[lane as usize];
-            if matches!(e.state, LaneState::Releasing { .. }) {
+            if e.state.handover().is_some() {
                 e.state = LaneState::Active;
             }
         }
     }
 }
 
-/// The old owner has drained and released `lane`: the handover target owns it
-/// at `epoch + 1`. Returns `false` (and changes nothing) if the lane was not
-/// being released by `from`.
-pub fn apply_release(lanes: &mut [LaneEntry], lane: u16, from: NodeId) -> bool {
+/// The old owner has drained `lane` and releases the handover applied at
+/// log index `at` (`None`: one an older version recorded, see
+/// [`LaneState::handover`]): the handover target owns it at `epoch + 1`.
+/// Returns `false` (and changes nothing) if the lane is not being released
+/// by `from` in that handover.
+pub fn apply_release(lanes: &mut [LaneEntry], lane: u16, from: NodeId, at: Option<u64>) -> bool {
     let e = &mut lanes[lane as usize];
-    match (e.owner, e.state) {
-        (Some(owner), LaneState::Releasing { to }) if owner == from => {
+    match (e.owner, e.state.handover()) {
+        (Some(owner), Some((to, this))) if owner == from && this == at => {
             *e = LaneEntry {
                 owner: Some(to),
                 epoch: e.epoch.next(),
@@ -262,9 +290,9 @@ mod tests {
     fn settle(lanes: &mut [LaneEntry], alive: &BTreeSet<NodeId>) -> Vec<Change> {
         let changes = plan(lanes, alive);
         for &c in &changes {
-            apply(lanes, c);
+            apply(lanes, c, 7);
             if let Change::Handover { lane, from, .. } = c {
-                assert!(apply_release(lanes, lane, from));
+                assert!(apply_release(lanes, lane, from, Some(7)));
             }
         }
         changes
@@ -345,7 +373,7 @@ mod tests {
         let changes = plan(&lanes, &live(&[1, 2]));
         assert_eq!(changes.len(), 2);
         for &c in &changes {
-            apply(&mut lanes, c);
+            apply(&mut lanes, c, 7);
         }
         // While the handovers are in progress, nothing more is planned.
         assert!(plan(&lanes, &live(&[1, 2])).is_empty());
@@ -353,10 +381,14 @@ mod tests {
             panic!()
         };
         assert!(
-            !apply_release(&mut lanes, lane, to),
+            !apply_release(&mut lanes, lane, to, Some(7)),
             "only the releasing owner can release"
         );
-        assert!(apply_release(&mut lanes, lane, from));
+        assert!(
+            !apply_release(&mut lanes, lane, from, Some(6)),
+            "a release names its handover"
+        );
+        assert!(apply_release(&mut lanes, lane, from, Some(7)));
         assert_eq!(
             lanes[lane as usize],
             LaneEntry {
@@ -372,7 +404,7 @@ mod tests {
         let mut lanes = vec![LaneEntry::UNASSIGNED; 4];
         settle(&mut lanes, &live(&[1]));
         for c in plan(&lanes, &live(&[1, 2])) {
-            apply(&mut lanes, c);
+            apply(&mut lanes, c, 7);
         }
         // Node 2 died before the release: the handovers are cancelled and
         // node 1 keeps its lanes.
@@ -385,7 +417,7 @@ mod tests {
             ]
         );
         for c in changes {
-            apply(&mut lanes, c);
+            apply(&mut lanes, c, 7);
         }
         assert!(lanes
             .iter()
@@ -398,7 +430,7 @@ mod tests {
         let mut lanes = vec![LaneEntry::UNASSIGNED; 4];
         settle(&mut lanes, &live(&[1]));
         for c in plan(&lanes, &live(&[1, 2])) {
-            apply(&mut lanes, c);
+            apply(&mut lanes, c, 7);
         }
         // Node 1 died while handing lanes 2 and 3 over: it will never
         // release them, so they are assigned (epoch + 1) without waiting.
@@ -428,12 +460,12 @@ mod tests {
             .iter()
             .all(|c| matches!(c, Change::Handover { from: 2, to, .. } if *to != 2)));
         for &c in &changes {
-            apply(&mut lanes, c);
+            apply(&mut lanes, c, 7);
         }
         assert!(plan_draining(&lanes, &live(&[1, 3]), &draining).is_empty());
         for c in changes {
             if let Change::Handover { lane, from, .. } = c {
-                assert!(apply_release(&mut lanes, lane, from));
+                assert!(apply_release(&mut lanes, lane, from, Some(7)));
             }
         }
         let c = counts(&lanes);

@@ -7,8 +7,8 @@
 //!  renew task ──RenewLease──▶ write(): local client_write   │
 //!     │ committed(sent_at)        └ ForwardToLeader ─TCP─▶ leader's client_write
 //!     ▼                                                     │
-//!  HolderLease ──valid?──▶ publisher ──▶ owned_lanes()  (watch; empty when lapsed)
-//!                              ▲     └──▶ releasing()   (watch)
+//!  HolderLease ──valid?──▶ publisher ──▶ node_lanes()  (watch: owned and releasing
+//!                              ▲                      together; empty when lapsed)
 //!  state machine (applied) ────┘                            │
 //!                    └──────────────────────────────────────┘
 //!                    ┌──────────── leader only ────────────┐
@@ -25,7 +25,7 @@
 //! Every node proposes [`Command::RenewLease`] every `renew_interval_ms`
 //! (each in its own task, with a deadline of `lease_ms`). When one commits,
 //! [`HolderLease::committed`] gets the *send* time of that renewal, on this
-//! node's monotonic clock; [`Cluster::owned_lanes`] is emptied as soon as
+//! node's monotonic clock; [`Cluster::node_lanes`] is emptied as soon as
 //! `sent + lease_ms` passes without a newer commit, whether or not Raft is
 //! reachable. The leader counts from when *it applied* a node's last renewal
 //! (later than the send), and no earlier than its own election, and treats the
@@ -354,8 +354,7 @@ struct Inner {
     /// Origin of this node's monotonic milliseconds.
     base: Instant,
     holder: Mutex<HolderLease>,
-    owned: watch::Sender<BTreeMap<u16, Epoch>>,
-    releasing: watch::Sender<BTreeMap<u16, Releasing>>,
+    lanes: watch::Sender<NodeLanes>,
     /// (term, instant) this node became leader, while it is.
     leader_since: Mutex<Option<(u64, Instant)>>,
     /// Set by [`Cluster::release_lease`]: the renewal duty sends nothing more.
@@ -558,25 +557,34 @@ impl Inner {
             }
             *was_valid = valid;
         }
-        let (owned, releasing) = if valid {
-            (
-                applied.data.state.active_lanes(self.me()),
-                applied.data.state.releasing_lanes(self.me()),
-            )
+        let lanes = if valid {
+            NodeLanes {
+                owned: applied.data.state.active_lanes(self.me()),
+                releasing: applied.data.state.releasing_lanes(self.me()),
+            }
         } else {
-            (BTreeMap::new(), BTreeMap::new())
+            NodeLanes::default()
         };
-        self.owned.send_if_modified(|v| {
-            let changed = *v != owned;
-            *v = owned;
-            changed
-        });
-        self.releasing.send_if_modified(|v| {
-            let changed = *v != releasing;
-            *v = releasing;
+        self.lanes.send_if_modified(|v| {
+            let changed = *v != lanes;
+            *v = lanes;
             changed
         });
     }
+}
+
+/// This node's lanes as of one applied state ([`Cluster::node_lanes`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeLanes {
+    /// Lanes this node may work, lane → epoch: those it owns in state
+    /// `Active`, while its holder lease is valid by its own clock. The node
+    /// starts a lane owner for each lane that appears, and stops (fences)
+    /// those that disappear or change epoch.
+    pub owned: BTreeMap<u16, Epoch>,
+    /// Lanes this node must hand over, lane → [`Releasing`]: stop claiming
+    /// them, drain in-flight work (with a bound), then
+    /// [`Cluster::release`] the handover. A lane here is not in `owned`.
+    pub releasing: BTreeMap<u16, Releasing>,
 }
 
 impl Cluster {
@@ -716,8 +724,7 @@ impl Cluster {
             transport,
             base: Instant::now(),
             holder: Mutex::default(),
-            owned: watch::channel(BTreeMap::new()).0,
-            releasing: watch::channel(BTreeMap::new()).0,
+            lanes: watch::channel(NodeLanes::default()).0,
             leader_since: Mutex::default(),
             released: std::sync::atomic::AtomicBool::new(false),
             withheld: std::sync::atomic::AtomicBool::new(false),
@@ -860,18 +867,21 @@ impl Cluster {
         self.command(Command::RemoveNode { node: id }).await
     }
 
-    /// Reports that this node has drained `lane` (listed by
-    /// [`Cluster::releasing`]): the handover target owns it from now on, at
-    /// `epoch + 1`.
+    /// Reports that this node has drained `lane` in the handover applied
+    /// at log index `at` ([`Releasing::at`], listed by
+    /// [`Cluster::node_lanes`]): the handover target owns it from now on,
+    /// at `epoch + 1` ([`Command::ReleaseHandover`]).
     ///
     /// # Errors
-    /// [`ClusterError::Refused`] if this node is not releasing `lane` (any
-    /// more: e.g. the handover was cancelled), [`ClusterError::Unavailable`],
+    /// [`ClusterError::Refused`] if this node is not releasing `lane` in
+    /// that handover (any more: e.g. it was cancelled, even if the lane
+    /// was handed over again since), [`ClusterError::Unavailable`],
     /// [`ClusterError::Raft`].
-    pub async fn release(&self, lane: u16) -> Result<()> {
-        self.command(Command::Release {
+    pub async fn release(&self, lane: u16, at: Option<u64>) -> Result<()> {
+        self.command(Command::ReleaseHandover {
             lane,
             from: self.node_id(),
+            at,
         })
         .await
     }
@@ -879,7 +889,7 @@ impl Cluster {
     /// Reports lanes this node owns that someone outside the cluster fenced
     /// in the store: `(lane, Raft epoch held, epoch found in the store)`.
     /// Those still owned here at that epoch get `max(epoch, store epoch) + 1`
-    /// ([`Command::Refence`]), which [`Cluster::owned_lanes`] then shows.
+    /// ([`Command::Refence`]), which [`Cluster::node_lanes`] then shows.
     ///
     /// # Errors
     /// [`ClusterError::Refused`] if this node is not a member,
@@ -901,21 +911,12 @@ impl Cluster {
         }
     }
 
-    /// The lanes this node may work right now, lane → epoch: lanes it owns
-    /// in state `Active`, while its holder lease is valid by its own clock.
-    /// Empty when the lease lapsed (even if Raft is unreachable: that is the
-    /// point). The node starts a lane owner for each lane that appears, and
-    /// stops (fences) those that disappear or change epoch.
-    pub fn owned_lanes(&self) -> watch::Receiver<BTreeMap<u16, Epoch>> {
-        self.inner.owned.subscribe()
-    }
-
-    /// The lanes this node must hand over: lane → ([`Releasing`] epoch,
-    /// next owner). Stop claiming them, drain in-flight work (with a
-    /// bound), then call [`Cluster::release`]. A lane here is no longer in
-    /// [`Cluster::owned_lanes`]. Empty while the lease is lapsed.
-    pub fn releasing(&self) -> watch::Receiver<BTreeMap<u16, Releasing>> {
-        self.inner.releasing.subscribe()
+    /// The lanes this node may work right now and those it must hand over
+    /// ([`NodeLanes`]), from one applied state: both change in one step.
+    /// Empty while the holder lease is lapsed (even if Raft is
+    /// unreachable: that is the point).
+    pub fn node_lanes(&self) -> watch::Receiver<NodeLanes> {
+        self.inner.lanes.subscribe()
     }
 
     /// Whether this node is a recorded member of the cluster's state.
@@ -948,7 +949,7 @@ impl Cluster {
     /// its own clock and, after a lapse, it has applied the log up to the
     /// renewal that ended the lapse. Cheap (a lock and a clock read): lane
     /// owners check it before every attempt, because after a pause (SIGSTOP)
-    /// their timers may fire before [`Cluster::owned_lanes`] is emptied.
+    /// their timers may fire before [`Cluster::node_lanes`] is emptied.
     pub fn may_work(&self) -> bool {
         self.inner.may_work(&self.inner.sm.current())
     }
@@ -1086,7 +1087,7 @@ impl Cluster {
     /// Withholds this node's lease renewals while `withhold` is true (a
     /// renewal already sent may still commit): a node that cannot work its
     /// lanes (its actor thread stalled) lets its lease lapse, so it stops
-    /// its lanes ([`Cluster::owned_lanes`] empties) and, after the lease
+    /// its lanes ([`Cluster::node_lanes`] empties) and, after the lease
     /// plus the margin, the leader moves them, as for a paused process.
     /// `false` sends renewals again; the node gets lanes again once the
     /// leader sees it renew.

@@ -21,10 +21,10 @@
 //! ))
 //! .await?;
 //! cluster.bootstrap().await?; // or: on a member, add_node(2, raft_addr, http_addr)
-//! let mut owned = cluster.owned_lanes();
-//! while owned.changed().await.is_ok() {
-//!     let lanes = owned.borrow().clone(); // lane -> epoch: start/stop lane owners
-//!     # let _ = lanes;
+//! let mut lanes = cluster.node_lanes();
+//! while lanes.changed().await.is_ok() {
+//!     let owned = lanes.borrow().owned.clone(); // lane -> epoch: start/stop lane owners
+//!     # let _ = owned;
 //! }
 //! # Ok(()) }
 //! ```
@@ -40,8 +40,8 @@
 //! | `--bootstrap` | [`Cluster::bootstrap`] (idempotent) |
 //! | `--join URL` | the new node POSTs `/admin/cluster/join` to URL; that node calls [`Cluster::add_node`] (works on any member: forwarded to the leader over Raft's transport) |
 //! | restart without flags | nothing: the data dir holds the membership |
-//! | lane owners | [`Cluster::owned_lanes`]: for each lane that appears (or whose epoch changes) fence the store at that epoch, then start its owner; stop owners whose lane disappears |
-//! | planned moves | [`Cluster::releasing`]: stop claiming, drain in-flight work within a bound, then [`Cluster::release`]; the lane must not stay here forever, the leader never takes it back by itself while this node is alive |
+//! | lane owners | [`Cluster::node_lanes`] (`owned`): for each lane that appears (or whose epoch changes) fence the store at that epoch, then start its owner; stop owners whose lane disappears |
+//! | planned moves | [`Cluster::node_lanes`] (`releasing`, read with `owned` from one state): stop claiming, drain in-flight work within a bound, then [`Cluster::release`] naming the handover; the lane must not stay here forever, the leader never takes it back by itself while this node is alive |
 //! | `GET /admin/cluster`, `/admin/lanes` | [`Cluster::state`] ([`ClusterView`]); add backlog and in-flight from the store |
 //! | `/readyz` "joined" | [`Cluster::joined`] |
 //! | forwarding other writes over HTTP | [`Cluster::leader`] gives the leader's `http_addr` |
@@ -67,7 +67,7 @@ pub mod storage;
 
 pub use cluster::{
     check_advertise_host, Cluster, ClusterConfig, ClusterError, ClusterView, LaneView, MemberView,
-    RaftTiming,
+    NodeLanes, RaftTiming,
 };
 pub use lanebus_types::Epoch;
 pub use lease::LeaseConfig;

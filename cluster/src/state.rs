@@ -104,8 +104,10 @@ pub enum Command {
         incarnation: String,
     },
     /// The old owner of a lane in handover has drained it: the target owns it
-    /// now at `epoch + 1` ([`assignment::apply_release`]). Sent by the old
-    /// owner; allowed only when the lane is being released by `from`.
+    /// now at `epoch + 1` ([`assignment::apply_release`]), whichever
+    /// handover is under way. Written by older versions; a node now sends
+    /// [`Command::ReleaseHandover`], which names the handover. Allowed only
+    /// when the lane is being released by `from`.
     Release {
         /// The lane.
         lane: u16,
@@ -156,6 +158,21 @@ pub enum Command {
         changes: Vec<Change>,
         /// Log index of the state the plan was made over.
         planned_at: u64,
+    },
+    /// [`Command::Release`] of one handover: the one applied at log index
+    /// `at` (`None`: a handover an older version recorded without its
+    /// index). Sent by the old owner once it has drained the lane; allowed
+    /// only when that handover is still under way with `from` as owner. A
+    /// release meant for a cancelled handover is refused even if the lane
+    /// was handed over again at the same epoch since: its node may have
+    /// run an owner for the lane in between, which nobody drained.
+    ReleaseHandover {
+        /// The lane.
+        lane: u16,
+        /// The releasing (old) owner.
+        from: NodeId,
+        /// Log index of the handover ([`Releasing::at`]).
+        at: Option<u64>,
     },
 }
 
@@ -348,7 +365,7 @@ impl ClusterState {
                     | Change::CancelHandover { lane }) = change;
                     // A plan made for another lane count changes nothing.
                     if usize::from(lane) < self.lanes.len() {
-                        assignment::apply(&mut self.lanes, change);
+                        assignment::apply(&mut self.lanes, change, index);
                     }
                 }
                 CommandResult::ok()
@@ -369,23 +386,33 @@ impl ClusterState {
                             continue;
                         }
                     }
-                    assignment::apply(&mut self.lanes, change);
+                    assignment::apply(&mut self.lanes, change, index);
                 }
                 CommandResult::ok()
             }
             Command::Release { lane, from } => {
-                if usize::from(*lane) >= self.lanes.len() {
-                    return CommandResult::refused(format!("lane {lane} does not exist"));
-                }
-                if assignment::apply_release(&mut self.lanes, *lane, *from) {
-                    CommandResult::ok()
-                } else {
-                    CommandResult::refused(format!(
-                        "lane {lane} is not being released by node {from}"
-                    ))
-                }
+                let at = self
+                    .lanes
+                    .get(usize::from(*lane))
+                    .and_then(|e| e.state.handover())
+                    .and_then(|(_, at)| at);
+                self.release(*lane, *from, at)
             }
+            Command::ReleaseHandover { lane, from, at } => self.release(*lane, *from, *at),
         }
+    }
+
+    fn release(&mut self, lane: u16, from: NodeId, at: Option<u64>) -> CommandResult {
+        if usize::from(lane) >= self.lanes.len() {
+            return CommandResult::refused(format!("lane {lane} does not exist"));
+        }
+        if assignment::apply_release(&mut self.lanes, lane, from, at) {
+            return CommandResult::ok();
+        }
+        let named = at.map_or_else(|| "without index".to_string(), |i| format!("at {i}"));
+        CommandResult::refused(format!(
+            "lane {lane} is not being released by node {from} in the handover {named}"
+        ))
     }
 
     /// Whether an assignment of `lane` at `epoch`, planned over the state
@@ -418,10 +445,15 @@ impl ClusterState {
         self.lanes
             .iter()
             .enumerate()
-            .filter_map(|(l, e)| match (e.owner, e.state) {
-                (Some(o), LaneState::Releasing { to }) if o == node => {
-                    Some((l as u16, Releasing { epoch: e.epoch, to }))
-                }
+            .filter_map(|(l, e)| match (e.owner, e.state.handover()) {
+                (Some(o), Some((to, at))) if o == node => Some((
+                    l as u16,
+                    Releasing {
+                        epoch: e.epoch,
+                        to,
+                        at,
+                    },
+                )),
                 _ => None,
             })
             .collect()
@@ -436,6 +468,10 @@ pub struct Releasing {
     pub epoch: Epoch,
     /// The next owner.
     pub to: NodeId,
+    /// Log index of the handover, which its release names
+    /// ([`Command::ReleaseHandover`]); `None` for a handover an older
+    /// version recorded.
+    pub at: Option<u64>,
 }
 
 #[cfg(test)]
@@ -614,7 +650,8 @@ mod tests {
             s.releasing_lanes(1)[&1],
             Releasing {
                 epoch: Epoch(1),
-                to: 2
+                to: 2,
+                at: Some(3)
             }
         );
         assert_eq!(s.active_lanes(2), BTreeMap::from([(2, Epoch(1))]));
@@ -642,13 +679,63 @@ mod tests {
             s.releasing_lanes(1)[&1],
             Releasing {
                 epoch: Epoch(1),
-                to: 2
+                to: 2,
+                at: Some(1)
             }
         );
         assert!(!s.apply(2, &Command::Release { lane: 1, from: 2 }).ok);
         assert!(s.apply(3, &Command::Release { lane: 1, from: 1 }).ok);
         assert_eq!(s.active_lanes(2), BTreeMap::from([(1, Epoch(2))]));
         assert!(!s.apply(4, &Command::Release { lane: 9, from: 1 }).ok);
+    }
+
+    /// A release sent for a handover that was cancelled meanwhile (its
+    /// node's view was behind) must not end a later handover of the same
+    /// lane at the same epoch: the node may have run a new owner in
+    /// between, which nobody drained.
+    #[test]
+    fn a_release_of_a_cancelled_handover_does_not_end_the_next_one() {
+        let mut s = ClusterState::new(2);
+        let planned = |changes| Command::ApplyPlanned {
+            changes,
+            planned_at: 0,
+        };
+        let assign = Change::Assign {
+            lane: 1,
+            to: 1,
+            epoch: Epoch(1),
+        };
+        let handover = Change::Handover {
+            lane: 1,
+            from: 1,
+            to: 2,
+        };
+        assert!(s.apply(1, &planned(vec![assign])).ok);
+        assert!(s.apply(2, &planned(vec![handover])).ok);
+        let first = s.releasing_lanes(1)[&1];
+        assert!(
+            s.apply(3, &planned(vec![Change::CancelHandover { lane: 1 }]))
+                .ok
+        );
+        assert!(s.apply(4, &planned(vec![handover])).ok);
+        let second = s.releasing_lanes(1)[&1];
+        assert_eq!((first.epoch, second.epoch), (Epoch(1), Epoch(1)));
+        assert!(!s.apply(5, &release_of(1, 1, first)).ok);
+        assert_eq!(
+            s.lanes[1].owner,
+            Some(1),
+            "the stale release moved the lane"
+        );
+        assert!(s.apply(6, &release_of(1, 1, second)).ok);
+        assert_eq!(s.active_lanes(2), BTreeMap::from([(1, Epoch(2))]));
+    }
+
+    fn release_of(lane: u16, from: NodeId, handover: Releasing) -> Command {
+        Command::ReleaseHandover {
+            lane,
+            from,
+            at: handover.at,
+        }
     }
 
     /// The Raft log keeps commands in bincode, which numbers variants in
@@ -675,8 +762,62 @@ mod tests {
             }),
             9
         );
+        assert_eq!(
+            number(&Command::ReleaseHandover {
+                lane: 1,
+                from: 2,
+                at: None
+            }),
+            10
+        );
         let back: Command = crate::storage::decode(&[6, 1, 2]).expect("decode");
         assert_eq!(back, Command::Release { lane: 1, from: 2 });
+        // Lane states likewise (snapshots keep the lane table).
+        let state = |s: LaneState| crate::storage::encode(&s).expect("encode")[0];
+        assert_eq!(state(LaneState::Releasing { to: 2 }), 2);
+        assert_eq!(state(LaneState::Handover { to: 2, at: 5 }), 3);
+    }
+
+    /// Entries and snapshots older versions wrote: their `Release` ends
+    /// whichever handover is under way, and a handover they recorded
+    /// without its index is released by a release naming none.
+    #[test]
+    fn releases_and_handovers_of_older_versions_still_apply() {
+        let mut s = ClusterState::new(2);
+        let handover = Change::Handover {
+            lane: 0,
+            from: 1,
+            to: 2,
+        };
+        s.lanes[0] = LaneEntry {
+            owner: Some(1),
+            epoch: Epoch(3),
+            state: LaneState::Active,
+        };
+        s.apply(
+            4,
+            &Command::Apply {
+                changes: vec![handover],
+            },
+        );
+        assert!(s.apply(5, &Command::Release { lane: 0, from: 1 }).ok);
+        assert_eq!(s.active_lanes(2), BTreeMap::from([(0, Epoch(4))]));
+
+        s.lanes[1] = LaneEntry {
+            owner: Some(1),
+            epoch: Epoch(3),
+            state: LaneState::Releasing { to: 2 },
+        };
+        let old = s.releasing_lanes(1)[&1];
+        assert_eq!(old.at, None);
+        let named = |at| Command::ReleaseHandover {
+            lane: 1,
+            from: 1,
+            at,
+        };
+        assert!(!s.apply(6, &named(Some(6))).ok);
+        assert!(s.apply(7, &named(old.at)).ok);
+        assert_eq!(s.lanes[1].owner, Some(2));
     }
 
     /// The leader judged node 1 dead on the renewals applied up to index 5

@@ -31,7 +31,7 @@ async fn three_nodes_form_lose_a_follower_and_the_leader() {
     )
     .await;
     for n in sb.running() {
-        let owned = n.c().owned_lanes().borrow().clone();
+        let owned = n.c().node_lanes().borrow().owned.clone();
         assert!(
             (85..=86).contains(&owned.len()),
             "node {} owns {}",

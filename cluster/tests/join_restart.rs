@@ -36,8 +36,9 @@ async fn fourth_node_joins_by_handover_leaves_by_handover_and_all_restart() {
                         id,
                         sb.node(id)
                             .c()
-                            .releasing()
+                            .node_lanes()
                             .borrow()
+                            .releasing
                             .keys()
                             .copied()
                             .collect(),
@@ -49,31 +50,32 @@ async fn fourth_node_joins_by_handover_leaves_by_handover_and_all_restart() {
     )
     .await;
     for (&id, lanes) in &handing {
-        let owned = sb.node(id).c().owned_lanes().borrow().clone();
+        let owned = sb.node(id).c().node_lanes().borrow().owned.clone();
         for l in lanes {
             assert!(
                 !owned.contains_key(l),
                 "node {id} still works lane {l} it hands over"
             );
-            assert_eq!(sb.node(id).c().releasing().borrow()[l].to, 4);
+            assert_eq!(sb.node(id).c().node_lanes().borrow().releasing[l].to, 4);
         }
     }
     assert!(
-        sb.node(4).c().owned_lanes().borrow().is_empty(),
+        sb.node(4).c().node_lanes().borrow().owned.is_empty(),
         "nothing moves before release"
     );
 
     // Drained: release. Node 4 owns them at epoch + 1.
     for (&id, lanes) in &handing {
         for &l in lanes {
-            sb.node(id).c().release(l).await.expect("release");
+            let at = sb.node(id).c().node_lanes().borrow().releasing[&l].at;
+            sb.node(id).c().release(l, at).await.expect("release");
         }
     }
     wait_until(Duration::from_secs(10), "node 4 owns 64 lanes", || {
-        sb.node(4).c().owned_lanes().borrow().len() == 64
+        sb.node(4).c().node_lanes().borrow().owned.len() == 64
     })
     .await;
-    let owned4 = sb.node(4).c().owned_lanes().borrow().clone();
+    let owned4 = sb.node(4).c().node_lanes().borrow().owned.clone();
     for (lane, epoch) in &owned4 {
         assert_eq!(*epoch, before[lane].1.next(), "lane {lane}");
     }
@@ -92,7 +94,7 @@ async fn fourth_node_joins_by_handover_leaves_by_handover_and_all_restart() {
     );
     // Releasing again is refused with the reason.
     let lane = *owned4.keys().next().expect("a lane");
-    let err = sb.node(1).c().release(lane).await.unwrap_err();
+    let err = sb.node(1).c().release(lane, None).await.unwrap_err();
     assert!(err.to_string().contains("not being released"), "{err}");
 
     // Planned removal of node 4: its lanes are handed back (epoch + 1 each),
@@ -147,7 +149,7 @@ async fn fourth_node_joins_by_handover_leaves_by_handover_and_all_restart() {
         || {
             [1, 2, 3]
                 .into_iter()
-                .all(|id| sb.node(id).c().owned_lanes().borrow().len() >= 85)
+                .all(|id| sb.node(id).c().node_lanes().borrow().owned.len() >= 85)
         },
     )
     .await;

@@ -15,16 +15,21 @@ use common::*;
 async fn cut_and_check(sb: &Sandbox, victim: u64, observer: u64, extra: Duration) {
     let victim_lanes = sb.node(victim).owned_now();
     assert!(!victim_lanes.is_empty());
-    let owned = sb.node(victim).c().owned_lanes();
+    let lanes = sb.node(victim).c().node_lanes();
     let t0 = Instant::now();
     sb.node(victim).net().set_cut(true);
     let mut stopped_at = None;
     let reassigned_at;
     loop {
-        if stopped_at.is_none() && owned.borrow().is_empty() {
+        if stopped_at.is_none() && lanes.borrow().owned.is_empty() {
             stopped_at = Some(t0.elapsed());
             assert!(
-                sb.node(victim).c().releasing().borrow().is_empty(),
+                sb.node(victim)
+                    .c()
+                    .node_lanes()
+                    .borrow()
+                    .releasing
+                    .is_empty(),
                 "nothing to hand over while the lease is lapsed"
             );
         }
@@ -65,7 +70,7 @@ async fn a_cut_off_node_stops_its_lanes_before_they_are_reassigned() {
         || balanced_over(&sb.node(leader).view(), &[1, 2, 3]) && views_agree(&sb),
     )
     .await;
-    assert!(!sb.node(follower).c().owned_lanes().borrow().is_empty());
+    assert!(!sb.node(follower).c().node_lanes().borrow().owned.is_empty());
 
     // The leader.
     let observer = follower;

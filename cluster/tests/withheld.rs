@@ -16,12 +16,12 @@ use lanebus_cluster::NodeId;
 async fn withhold_and_check(sb: &Sandbox, victim: NodeId, observer: NodeId) {
     let victim_lanes = sb.node(victim).owned_now();
     assert!(!victim_lanes.is_empty());
-    let owned = sb.node(victim).c().owned_lanes();
+    let lanes = sb.node(victim).c().node_lanes();
     let t0 = Instant::now();
     sb.node(victim).c().withhold_renewals(true);
     let (mut stopped_at, mut first_moved) = (None, None);
     loop {
-        if stopped_at.is_none() && owned.borrow().is_empty() {
+        if stopped_at.is_none() && lanes.borrow().owned.is_empty() {
             stopped_at = Some(t0.elapsed());
         }
         let v = sb.node(observer).view();
@@ -56,7 +56,7 @@ async fn withhold_and_check(sb: &Sandbox, victim: NodeId, observer: NodeId) {
     )
     .await;
     assert!(
-        !sb.node(victim).c().owned_lanes().borrow().is_empty(),
+        !sb.node(victim).c().node_lanes().borrow().owned.is_empty(),
         "node {victim} works lanes again"
     );
 }

@@ -254,10 +254,24 @@ impl OwnerTie {
 pub struct LaneWork {
     /// Lanes to work, fenced in the store at their epoch.
     pub owned: OwnedLanes,
-    /// Lanes to hand over, at the epoch this node holds them: stop claiming,
-    /// drain in-flight work within the bound, then
+    /// Lanes to hand over, with the epoch this node holds them at and the
+    /// handover: stop claiming, drain in-flight work within the bound, then
     /// [`LaneAssignment::released`].
-    pub releasing: OwnedLanes,
+    pub releasing: ReleasingLanes,
+}
+
+/// Lanes this node hands over, lane → [`Handover`].
+pub type ReleasingLanes = BTreeMap<Lane, Handover>;
+
+/// A handover of a lane away from this node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Handover {
+    /// The epoch this node holds the lane at (until the release).
+    pub epoch: Epoch,
+    /// Which handover: the Raft log index it was applied at
+    /// ([`lanebus_cluster::Releasing::at`]; `None` for one an older version
+    /// recorded). The release names it.
+    pub at: Option<u64>,
 }
 
 /// The owner name a process writes into the store's lane rows: the node id
@@ -292,25 +306,27 @@ pub struct LanePlan {
     /// bound).
     pub drain: Vec<Lane>,
     /// Being handed over but nothing runs here (e.g. a restarted process):
-    /// release at once.
-    pub release_now: Vec<Lane>,
+    /// release that handover at once.
+    pub release_now: Vec<(Lane, Handover)>,
 }
 
 /// Decides how to go from the `running` owners to `work`. `releases_sent`
-/// holds the lanes whose release is already under way (drained or
-/// reported), which are not released twice.
+/// holds the handovers whose release is already under way (drained or
+/// reported), which are not released twice; a lane handed over again (a
+/// new handover, the first cancelled) with no owner running here is
+/// released again.
 ///
 /// A draining owner whose lane is active again (handover cancelled) is
 /// left to finish its drain; the node starts a new owner once it stopped.
 pub fn plan_lanes(
     running: &BTreeMap<Lane, Running>,
     work: &LaneWork,
-    releases_sent: &BTreeSet<Lane>,
+    releases_sent: &ReleasingLanes,
 ) -> LanePlan {
     let mut plan = LanePlan::default();
     for (&lane, r) in running {
         let owned = work.owned.get(&lane) == Some(&r.epoch);
-        let releasing = work.releasing.get(&lane) == Some(&r.epoch);
+        let releasing = work.releasing.get(&lane).map(|h| h.epoch) == Some(r.epoch);
         match (r.draining, owned, releasing) {
             (false, true, _) | (true, _, true) | (true, true, false) => {}
             (false, false, true) => plan.drain.push(lane),
@@ -322,9 +338,9 @@ pub fn plan_lanes(
             plan.start.push((lane, epoch));
         }
     }
-    for &lane in work.releasing.keys() {
-        if !running.contains_key(&lane) && !releases_sent.contains(&lane) {
-            plan.release_now.push(lane);
+    for (&lane, handover) in &work.releasing {
+        if !running.contains_key(&lane) && releases_sent.get(&lane) != Some(handover) {
+            plan.release_now.push((lane, *handover));
         }
     }
     plan
@@ -378,10 +394,12 @@ pub trait LaneAssignment: Send + Sync + 'static {
     /// [`AssignmentError`] when the initial fencing fails.
     async fn start(&self) -> Result<watch::Receiver<LaneWork>, AssignmentError>;
 
-    /// The node has drained `lane` (listed in [`LaneWork::releasing`]), or
-    /// gave up waiting at the bound: the next owner may take it.
-    async fn released(&self, lane: Lane) -> ReleaseOutcome {
-        let _ = lane;
+    /// The node has drained `lane` in `handover` (listed in
+    /// [`LaneWork::releasing`]), or gave up waiting at the bound: the next
+    /// owner may take it. Names the handover, so that it cannot end a
+    /// later one.
+    async fn released(&self, lane: Lane, handover: Handover) -> ReleaseOutcome {
+        let _ = (lane, handover);
         ReleaseOutcome::Released
     }
 
@@ -474,7 +492,7 @@ impl LaneAssignment for LocalAssignment {
             if failed.is_empty() {
                 let (tx, rx) = watch::channel(LaneWork {
                     owned,
-                    releasing: OwnedLanes::new(),
+                    releasing: ReleasingLanes::new(),
                 });
                 *self.sender.lock().expect("not poisoned") = Some(tx);
                 return Ok(rx);
@@ -517,15 +535,15 @@ fn warn_if_others_own(rows: &[LaneRow], me: &str) {
     }
 }
 
-/// Lanes through Raft: fences the lanes [`Cluster::owned_lanes`] gives this
-/// node at their epochs and publishes them with the lanes
-/// [`Cluster::releasing`] asks it to hand over.
+/// Lanes through Raft: fences the lanes [`Cluster::node_lanes`] gives this
+/// node at their epochs and publishes them with the lanes it asks this
+/// node to hand over.
 ///
 /// A fence that fails (the store holds that epoch under another name or a
 /// higher epoch) is retried every 250 ms while Raft still gives the lane at
 /// that epoch: Raft moves on (a new incarnation's epochs, a reassignment)
 /// and the retry then fences the new epoch. A lapsed lease empties
-/// `owned_lanes`, so every owner stops by itself. A lane that someone
+/// `node_lanes`, so every owner stops by itself. A lane that someone
 /// outside the cluster holds in the store is re-fenced through Raft (see
 /// the module docs, "Lanes fenced by someone outside the cluster").
 /// [`RaftLanes`] decides all this; the assignment's task carries it out.
@@ -847,8 +865,7 @@ impl LaneAssignment for RaftAssignment {
     async fn start(&self) -> Result<watch::Receiver<LaneWork>, AssignmentError> {
         let (tx, rx) = watch::channel(LaneWork::default());
         *self.sender.lock().expect("not poisoned") = Some(tx.clone());
-        let mut owned_rx = self.cluster.owned_lanes();
-        let mut releasing_rx = self.cluster.releasing();
+        let mut lanes_rx = self.cluster.node_lanes();
         let store = self.store.clone();
         let owner = self.owner.clone();
         let cluster = self.cluster.clone();
@@ -863,12 +880,24 @@ impl LaneAssignment for RaftAssignment {
         tokio::spawn(async move {
             let mut lanes = RaftLanes::new(refence_after);
             loop {
-                let want = owned_rx.borrow_and_update().clone();
-                let releasing: OwnedLanes = releasing_rx
-                    .borrow_and_update()
-                    .iter()
-                    .map(|(&l, r)| (l, r.epoch))
-                    .collect();
+                // Owned and releasing from one applied state: read apart, a
+                // lane being handed over could look neither (stopped, not
+                // drained) or both.
+                let (want, releasing) = {
+                    let view = lanes_rx.borrow_and_update();
+                    let releasing: ReleasingLanes = view
+                        .releasing
+                        .iter()
+                        .map(|(&l, r)| {
+                            let handover = Handover {
+                                epoch: r.epoch,
+                                at: r.at,
+                            };
+                            (l, handover)
+                        })
+                        .collect();
+                    (view.owned.clone(), releasing)
+                };
                 lanes.raft_gives(&want);
                 let publish = |fenced: &OwnedLanes| {
                     let work = LaneWork {
@@ -885,7 +914,7 @@ impl LaneAssignment for RaftAssignment {
                 let todo = lanes.to_fence(&want);
                 let pending = !todo.is_empty() && {
                     let pending = fence(&mut lanes, &store, &owner, todo).await;
-                    lanes.fenced(pending.done, &owned_rx.borrow());
+                    lanes.fenced(pending.done, &lanes_rx.borrow().owned);
                     publish(lanes.owned());
                     pending.some_failed
                 };
@@ -894,8 +923,7 @@ impl LaneAssignment for RaftAssignment {
                 refence(&cluster, lanes.refences_due(Instant::now())).await;
                 let wait = lanes.next_look(Instant::now(), pending);
                 tokio::select! {
-                    r = owned_rx.changed() => if r.is_err() { return },
-                    r = releasing_rx.changed() => if r.is_err() { return },
+                    r = lanes_rx.changed() => if r.is_err() { return },
                     _ = tx.closed() => return,
                     report = reports.recv() => {
                         // A lane owner was fenced out at a claim.
@@ -909,8 +937,8 @@ impl LaneAssignment for RaftAssignment {
         Ok(rx)
     }
 
-    async fn released(&self, lane: Lane) -> ReleaseOutcome {
-        match self.cluster.release(lane).await {
+    async fn released(&self, lane: Lane, handover: Handover) -> ReleaseOutcome {
+        match self.cluster.release(lane, handover.at).await {
             Ok(()) => {
                 tracing::info!(lane, "lane released to its next owner");
                 ReleaseOutcome::Released
@@ -936,6 +964,18 @@ mod tests {
         of.iter().map(|&(l, e)| (l, Epoch(e))).collect()
     }
 
+    fn handovers(of: &[(Lane, u64, u64)]) -> ReleasingLanes {
+        of.iter()
+            .map(|&(l, e, at)| {
+                let h = Handover {
+                    epoch: Epoch(e),
+                    at: Some(at),
+                };
+                (l, h)
+            })
+            .collect()
+    }
+
     fn run(epoch: Epoch, draining: bool) -> Running {
         Running { epoch, draining }
     }
@@ -952,17 +992,21 @@ mod tests {
         ]);
         let work = LaneWork {
             owned: epochs(&[(0, 1), (1, 2), (6, 3)]),
-            releasing: epochs(&[(2, 1), (3, 1), (7, 4), (8, 4)]),
+            releasing: handovers(&[(2, 1, 10), (3, 1, 10), (7, 4, 10), (8, 4, 10), (9, 4, 12)]),
         };
-        let plan = plan_lanes(&running, &work, &BTreeSet::from([8]));
+        // 8's release of this handover is under way; 9's was for an earlier
+        // handover (cancelled since).
+        let sent = handovers(&[(8, 4, 10), (9, 4, 11)]);
+        let plan = plan_lanes(&running, &work, &sent);
         assert_eq!(plan.start, vec![(6, Epoch(3))]);
         assert_eq!(plan.stop, vec![1, 4, 5]);
         assert_eq!(plan.drain, vec![2]);
-        assert_eq!(plan.release_now, vec![7], "8 is already released");
+        let released: Vec<_> = plan.release_now.iter().map(|&(l, h)| (l, h.at)).collect();
+        assert_eq!(released, vec![(7, Some(10)), (9, Some(12))]);
         // Lane 1 starts again at its new epoch once its old owner is gone.
         let running = BTreeMap::from([(0, run(Epoch(1), false))]);
         assert_eq!(
-            plan_lanes(&running, &work, &BTreeSet::new()).start,
+            plan_lanes(&running, &work, &ReleasingLanes::new()).start,
             vec![(1, Epoch(2)), (6, Epoch(3))]
         );
     }
@@ -972,10 +1016,10 @@ mod tests {
         let running = BTreeMap::from([(0, run(Epoch(5), true))]);
         let work = LaneWork {
             owned: epochs(&[(0, 5)]),
-            releasing: OwnedLanes::new(),
+            releasing: ReleasingLanes::new(),
         };
         assert_eq!(
-            plan_lanes(&running, &work, &BTreeSet::new()),
+            plan_lanes(&running, &work, &ReleasingLanes::new()),
             LanePlan::default()
         );
     }

@@ -444,7 +444,7 @@ fn cluster_lane_state(
         Raft::Active if outsider => LaneState::FencedOut.as_str(),
         Raft::Active if lease_expires_in_ms == Some(0) => "lease_lapsed",
         Raft::Active => "active",
-        Raft::Releasing { .. } => "releasing",
+        Raft::Releasing { .. } | Raft::Handover { .. } => "releasing",
     }
 }
 
@@ -1387,6 +1387,10 @@ mod tests {
         );
         assert_eq!(
             cluster_lane_state(&Raft::Releasing { to: 2 }, false, Some(0)),
+            "releasing"
+        );
+        assert_eq!(
+            cluster_lane_state(&Raft::Handover { to: 2, at: 9 }, false, None),
             "releasing"
         );
         assert_eq!(

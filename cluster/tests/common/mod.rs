@@ -59,7 +59,13 @@ impl Node {
 
     /// The lanes this node owns now, by its own lease.
     pub fn owned_now(&self) -> Vec<u16> {
-        self.c().owned_lanes().borrow().keys().copied().collect()
+        self.c()
+            .node_lanes()
+            .borrow()
+            .owned
+            .keys()
+            .copied()
+            .collect()
     }
 
     pub fn net(&self) -> NetSwitch {
@@ -111,11 +117,16 @@ impl Node {
 
 /// Releases every lane the node is asked to hand over, at once.
 async fn drainer(c: Arc<Cluster>) {
-    let mut rx = c.releasing();
+    let mut rx = c.node_lanes();
     loop {
-        let lanes: Vec<u16> = rx.borrow_and_update().keys().copied().collect();
-        for lane in lanes {
-            if let Err(e) = c.release(lane).await {
+        let lanes: Vec<(u16, Option<u64>)> = rx
+            .borrow_and_update()
+            .releasing
+            .iter()
+            .map(|(&l, r)| (l, r.at))
+            .collect();
+        for (lane, at) in lanes {
+            if let Err(e) = c.release(lane, at).await {
                 tracing::debug!(lane, error = %e, "test drainer: release failed");
             }
         }

@@ -26,7 +26,10 @@ use lanebus_store::{Epoch, Lane};
 use tokio::sync::{oneshot, watch};
 
 use super::lane_owner::{Drain, LaneDeps, LaneOwner, OwnerStopped, StopLane};
-use crate::assignment::{plan_lanes, LaneAssignment, LaneWork, OwnerTie, ReleaseOutcome, Running};
+use crate::assignment::{
+    plan_lanes, Handover, LaneAssignment, LaneWork, OwnerTie, ReleaseOutcome, ReleasingLanes,
+    Running,
+};
 
 /// How often the supervisor applies the work without a change (a release
 /// that failed or was refused is looked at again).
@@ -106,8 +109,8 @@ pub struct LaneSupervisor {
     deps: LaneDeps,
     assignment: Arc<dyn LaneAssignment>,
     work: watch::Receiver<LaneWork>,
-    /// Lanes whose release is under way or done (not released twice).
-    releases_sent: BTreeSet<Lane>,
+    /// Handovers whose release is under way or done (not released twice).
+    releases_sent: ReleasingLanes,
     drain_bound: DrainBound,
     drains: BTreeMap<Lane, Draining>,
     /// Set by [`Shutdown`]: start nothing any more.
@@ -129,7 +132,7 @@ impl LaneSupervisor {
             deps,
             assignment,
             work,
-            releases_sent: BTreeSet::new(),
+            releases_sent: ReleasingLanes::new(),
             drain_bound,
             drains: BTreeMap::new(),
             stopping: None,
@@ -153,7 +156,7 @@ impl LaneSupervisor {
         }
         let work = self.work.borrow().clone();
         self.releases_sent
-            .retain(|l| work.releasing.contains_key(l));
+            .retain(|l, h| work.releasing.get(l) == Some(h));
         let owners = self.owners.clone();
         let mut owners = owners.lock().expect("not poisoned");
         let running: BTreeMap<Lane, Running> = owners
@@ -190,7 +193,9 @@ impl LaneSupervisor {
             o.addr.do_send(Drain {
                 until: Instant::now() + bound,
             });
-            self.releases_sent.insert(lane);
+            if let Some(&h) = work.releasing.get(&lane) {
+                self.releases_sent.insert(lane, h);
+            }
             tracing::info!(
                 lane,
                 epoch = o.epoch.0,
@@ -235,9 +240,9 @@ impl LaneSupervisor {
         for (lane, epoch) in stopped {
             self.drained(lane, epoch, false, ctx);
         }
-        for &lane in &plan.release_now {
-            self.releases_sent.insert(lane);
-            self.release(lane, ctx);
+        for &(lane, handover) in &plan.release_now {
+            self.releases_sent.insert(lane, handover);
+            self.release(lane, handover, ctx);
         }
     }
 
@@ -273,37 +278,47 @@ impl LaneSupervisor {
                 owners.remove(&lane);
             }
         }
-        if self.work.borrow().releasing.get(&lane) == Some(&epoch) {
-            self.release(lane, ctx);
+        let handover = self.work.borrow().releasing.get(&lane).copied();
+        if let Some(h) = handover.filter(|h| h.epoch == epoch) {
+            // The handover in view now: the owner drained without a break,
+            // whichever handovers came and went meanwhile.
+            self.releases_sent.insert(lane, h);
+            self.release(lane, h, ctx);
         } else {
             self.apply(ctx);
         }
     }
 
-    /// Tells the assignment `lane` may go to its next owner; if it could
-    /// not be told, the next step asks again. A refused release is
-    /// forgotten too, and looked at again at the next change or
+    /// Tells the assignment `lane` may go to its next owner in `handover`;
+    /// if it could not be told, the next step asks again. A refused
+    /// release is forgotten too, and looked at again at the next change or
     /// [`REAPPLY`] (not at once: this node's view may still be behind the
-    /// state that refused it): the lane may be handed over again at the
-    /// same epoch (a cancelled handover, then a new one) without this
-    /// node's view ever showing it active in between, and it would then
-    /// never be released.
-    fn release(&mut self, lane: Lane, ctx: &mut Context<Self>) {
+    /// state that refused it). A lane handed over again since (the first
+    /// handover cancelled) is released for the new handover when this node
+    /// ran no owner for it in between ([`plan_lanes`]); a release for the
+    /// old one is refused, whatever this node's view showed.
+    fn release(&mut self, lane: Lane, handover: Handover, ctx: &mut Context<Self>) {
         let assignment = self.assignment.clone();
-        let fut = async move { assignment.released(lane).await };
+        let fut = async move { assignment.released(lane, handover).await };
         ctx.spawn(
             fut.into_actor(self)
                 .map(move |outcome, act, ctx| match outcome {
                     ReleaseOutcome::Released => act.apply(ctx),
                     ReleaseOutcome::Failed => {
-                        act.releases_sent.remove(&lane);
+                        act.forget_release(lane, handover);
                         act.apply(ctx);
                     }
-                    ReleaseOutcome::Refused => {
-                        act.releases_sent.remove(&lane);
-                    }
+                    ReleaseOutcome::Refused => act.forget_release(lane, handover),
                 }),
         );
+    }
+
+    /// Forgets the release of `lane` in `handover` (not one of a later
+    /// handover sent meanwhile).
+    fn forget_release(&mut self, lane: Lane, handover: Handover) {
+        if self.releases_sent.get(&lane) == Some(&handover) {
+            self.releases_sent.remove(&lane);
+        }
     }
 
     /// Answers the shutdown with the owners (once).
@@ -410,10 +425,10 @@ mod tests {
     use crate::webhook::WebhookSender;
 
     /// An assignment the test drives: its work is `work`, releases go to
-    /// `released`.
+    /// `released` (lane and the handover's index).
     struct Fake {
         work: watch::Receiver<LaneWork>,
-        released: mpsc::UnboundedSender<Lane>,
+        released: mpsc::UnboundedSender<(Lane, Option<u64>)>,
         /// Answers to the releases, in order; then `Released`.
         answers: std::sync::Mutex<Vec<ReleaseOutcome>>,
     }
@@ -424,8 +439,8 @@ mod tests {
             Ok(self.work.clone())
         }
 
-        async fn released(&self, lane: Lane) -> ReleaseOutcome {
-            let _ = self.released.send(lane);
+        async fn released(&self, lane: Lane, handover: Handover) -> ReleaseOutcome {
+            let _ = self.released.send((lane, handover.at));
             let mut answers = self.answers.lock().expect("not poisoned");
             if answers.is_empty() {
                 ReleaseOutcome::Released
@@ -441,6 +456,15 @@ mod tests {
 
     fn lanes(of: &[(Lane, Epoch)]) -> OwnedLanes {
         of.iter().copied().collect()
+    }
+
+    /// Lanes handed over at epoch 1 in the handover applied at `at`.
+    fn handing(of: &[Lane], at: u64) -> ReleasingLanes {
+        let h = Handover {
+            epoch: Epoch(1),
+            at: Some(at),
+        };
+        of.iter().map(|&l| (l, h)).collect()
     }
 
     /// Lane deps over `store` with default settings and no handlers.
@@ -467,7 +491,7 @@ mod tests {
     struct Supervised {
         store: Arc<dyn lanebus_store::Store>,
         work: watch::Sender<LaneWork>,
-        released: mpsc::UnboundedReceiver<Lane>,
+        released: mpsc::UnboundedReceiver<(Lane, Option<u64>)>,
         owners: Owners,
         sup: Addr<LaneSupervisor>,
     }
@@ -484,7 +508,7 @@ mod tests {
         let deps = deps_of(&store).await;
         let (work, work_rx) = watch::channel(LaneWork {
             owned: owned.iter().map(|&l| (l, Epoch(1))).collect(),
-            releasing: OwnedLanes::new(),
+            releasing: ReleasingLanes::new(),
         });
         let (released_tx, released) = mpsc::unbounded_channel();
         let assignment = Arc::new(Fake {
@@ -546,12 +570,12 @@ mod tests {
 
             work.send_replace(LaneWork {
                 owned: OwnedLanes::new(),
-                releasing: lanes(&[(1, Epoch(1))]),
+                releasing: handing(&[1], 10),
             });
             let lane = tokio::time::timeout(Duration::from_secs(60), released_rx.recv())
                 .await
                 .expect("released before the drain's bound");
-            assert_eq!(lane, Some(1));
+            assert_eq!(lane, Some((1, Some(10))));
         });
     }
 
@@ -571,17 +595,61 @@ mod tests {
             } = supervised(&[1], vec![ReleaseOutcome::Refused]).await;
             work.send_replace(LaneWork {
                 owned: OwnedLanes::new(),
-                releasing: lanes(&[(1, Epoch(1))]),
+                releasing: handing(&[1], 10),
             });
             let first = tokio::time::timeout(Duration::from_secs(60), released_rx.recv())
                 .await
                 .expect("drained and released");
-            assert_eq!(first, Some(1));
+            assert_eq!(first, Some((1, Some(10))));
             // Refused; the view still shows lane 1 releasing at epoch 1.
             let again = tokio::time::timeout(REAPPLY * 5, released_rx.recv())
                 .await
                 .expect("released again after the refusal");
-            assert_eq!(again, Some(1));
+            assert_eq!(again, Some((1, Some(10))));
+        });
+    }
+
+    /// A handover cancelled after this node's release went out (refused),
+    /// then a new one of the same lane at the same epoch: the owner run in
+    /// between is drained, and the release names the new handover, not
+    /// the one drained first.
+    #[test]
+    fn each_release_names_the_handover_it_drained() {
+        actix_rt::System::new().block_on(async {
+            let Supervised {
+                work,
+                released: mut released_rx,
+                owners,
+                sup: _sup,
+                ..
+            } = supervised(&[1], vec![ReleaseOutcome::Refused]).await;
+            let minute = Duration::from_secs(60);
+            work.send_replace(LaneWork {
+                owned: OwnedLanes::new(),
+                releasing: handing(&[1], 10),
+            });
+            let first = tokio::time::timeout(minute, released_rx.recv())
+                .await
+                .expect("released");
+            assert_eq!(first, Some((1, Some(10))));
+            // Cancelled: lane 1 is active here again, a new owner runs.
+            work.send_replace(LaneWork {
+                owned: lanes(&[(1, Epoch(1))]),
+                releasing: ReleasingLanes::new(),
+            });
+            let deadline = Instant::now() + minute;
+            while !owners.lock().unwrap().get(&1).is_some_and(|o| !o.draining) {
+                assert!(Instant::now() < deadline, "no new owner for lane 1");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            work.send_replace(LaneWork {
+                owned: OwnedLanes::new(),
+                releasing: handing(&[1], 12),
+            });
+            let second = tokio::time::timeout(minute, released_rx.recv())
+                .await
+                .expect("released again");
+            assert_eq!(second, Some((1, Some(12))));
         });
     }
 
@@ -660,12 +728,12 @@ mod tests {
             // and says so; the lane is released long before the bound.
             work.send_replace(LaneWork {
                 owned: lanes(&[(0, Epoch(1))]),
-                releasing: lanes(&[(1, Epoch(1))]),
+                releasing: handing(&[1], 10),
             });
             let lane = tokio::time::timeout(Duration::from_secs(60), released_rx.recv())
                 .await
                 .expect("released before the drain's bound");
-            assert_eq!(lane, Some(1));
+            assert_eq!(lane, Some((1, Some(10))));
             sup.send(Apply).await.expect("applied");
             assert_eq!(running(&owners), [(0, Epoch(1), false)]);
 
