@@ -66,10 +66,23 @@ pub(crate) trait GroupWriter: Clone + Send + Sync + 'static {
     /// As [`write_plan`](Self::write_plan), for a group: a backend whose
     /// writes wait for row locks (PostgreSQL) waits only briefly and answers
     /// [`StoreError::Timeout`], so that a lock held elsewhere does not hold
-    /// the whole queue; its batches are then written alone.
-    async fn write_group(&self, plan: &PublishPlan) -> Result<HashSet<String>> {
-        self.write_plan(plan).await
+    /// the whole queue; its batches are then written alone. What the write
+    /// leaves to do after its commit (wake-ups) may come back in
+    /// [`Written::then`], run once the group's callers are answered.
+    async fn write_group(&self, plan: &PublishPlan) -> Result<Written> {
+        self.write_plan(plan)
+            .await
+            .map(|stored| Written { stored, then: None })
     }
+}
+
+/// A group's write ([`GroupWriter::write_group`]).
+pub(crate) struct Written {
+    /// The ids of the plan found already stored (not written).
+    pub(crate) stored: HashSet<String>,
+    /// Run after the group's callers were answered: the backend's wake-ups
+    /// of the lanes the write gave deliveries (off the answers' path).
+    pub(crate) then: Option<futures::future::BoxFuture<'static, ()>>,
 }
 
 /// Publishes and writes counted by a store's group commit since it was
@@ -296,14 +309,15 @@ impl Grouper {
         let written = if jobs.len() == 1 {
             // One batch: its own plan, nothing to merge.
             // No wait follows a group of one, so the queue is not counted.
-            writer.write_group(&jobs[0].plan).await.map(|stored| {
+            writer.write_group(&jobs[0].plan).await.map(|w| {
                 let job = jobs.pop().expect("one job");
-                let _ = job.answer.send(Ok(answer_alone(job.plan, &stored)));
-                0
+                let _ = job.answer.send(Ok(answer_alone(job.plan, &w.stored)));
+                (0, w.then)
             })
         } else {
             let (merged, owners, repeated) = merge(jobs.iter().map(|j| &j.plan));
-            writer.write_group(&merged).await.map(|stored| {
+            writer.write_group(&merged).await.map(|w| {
+                let stored = w.stored;
                 let mut accepted = vec![0; jobs.len()];
                 let mut written = vec![0; jobs.len()];
                 for (e, &owner) in merged.fresh.iter().zip(&owners) {
@@ -317,11 +331,16 @@ impl Grouper {
                     let out = answer(job.plan, written[i], accepted[i], repeated[i]);
                     let _ = job.answer.send(Ok(out));
                 }
-                queued
+                (queued, w.then)
             })
         };
         match written {
-            Ok(queued) => Some(queued),
+            Ok((queued, then)) => {
+                if let Some(then) = then {
+                    then.await;
+                }
+                Some(queued)
+            }
             Err(e) if retry_alone(&e, jobs.len()) => {
                 tracing::debug!(error = %e, batches = jobs.len(),
                     "publish group failed; writing its batches one by one");

@@ -167,9 +167,11 @@ async fn lock_and_statement_timeouts_are_timeouts() {
 
 /// Connections the server ended while they were idle (a restart,
 /// `pg_terminate_backend`) are replaced: a publish right after runs again
-/// on a new connection (the group writer's connections are pinged only
-/// after `postgres::PING_IDLE` unused), and claims and reads, after that
-/// time, go on without an error.
+/// on a new connection (the group writer keeps its connection between
+/// groups, untested; its write fails on the lost session and runs again on
+/// a new one), and claims and reads, after `postgres::PING_IDLE` (their
+/// connections are pinged only after that time unused), go on without an
+/// error.
 #[tokio::test]
 async fn connections_ended_while_idle_are_replaced_before_use() {
     use lanebus_store::{LaneClaim, NewEvent, Store};
@@ -235,4 +237,54 @@ async fn connections_ended_while_idle_are_replaced_before_use() {
         &format!("lanebus_idle_ended_{}", std::process::id()),
     )
     .await;
+}
+
+/// The group writer keeps its connection out of its pool between groups
+/// (so that sqlx's test of a returned connection costs no round trip per
+/// group); closing the store's pool still ends every session of the
+/// store, that one too.
+#[tokio::test]
+async fn closing_the_pool_ends_the_group_writers_session() {
+    use lanebus_store::{NewEvent, Store};
+    let (admin, url) = fresh_database("lanebus_writer_closed").await;
+    let db = format!("lanebus_writer_closed_{}", std::process::id());
+    let store = PgStore::connect(&url).await.unwrap();
+    let sessions = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+        )
+        .bind(&db)
+        .fetch_one(&admin)
+        .await
+        .unwrap()
+    };
+    for i in 0..3 {
+        store
+            .publish(vec![NewEvent {
+                id: Some(format!("e{i}")),
+                event_type: "t.x".into(),
+                key: None,
+                payload: b"{}".to_vec(),
+                deliver_at: None,
+                expected_seq: None,
+            }])
+            .await
+            .expect("publish");
+    }
+    assert!(sessions().await >= 1, "the store has sessions open");
+    store.pool().close().await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let open = sessions().await;
+        if open == 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{open} sessions of the store still open after its pool was closed"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    drop(store);
+    drop_database(&admin, &db).await;
 }

@@ -189,7 +189,7 @@ use sqlx::{Postgres, Transaction};
 
 use crate::common::PublishPlan;
 use crate::event_types::{Cache, Change};
-use crate::group::{GroupWriter, Grouper};
+use crate::group::{GroupWriter, Grouper, Written};
 use crate::*;
 use error::map_err;
 pub use transaction::{Isolation, PgTx, TxError, TRANSACTION_ATTEMPTS};
@@ -292,8 +292,8 @@ pub const LATE_COMPLETION: Duration = Duration::from_secs(60);
 #[derive(Debug, Clone)]
 pub struct PgStore {
     pool: PgPool,
-    /// The group writer's connection (`publish::writer_pool`).
-    writer: PgPool,
+    /// The group writer's connection.
+    writer: publish::Writer,
     /// Claims' connections ([`CLAIM_SETTINGS`]).
     claimer: PgPool,
     lanes: u16,
@@ -372,7 +372,7 @@ impl PgStore {
     /// As [`PgStore::connect`].
     pub async fn from_pool(pool: PgPool, lanes: u16) -> Result<Self> {
         let mut store = PgStore {
-            writer: publish::writer_pool(&pool),
+            writer: publish::Writer::new(&pool),
             claimer: publish::side_pool(&pool, CLAIM_SETTINGS, 2),
             pool,
             lanes,
@@ -500,16 +500,28 @@ impl PgStore {
         self.wakes.wake(&self.pool, woken).await
     }
 
-    /// [`publish::write`] on `pool`, without its NOTIFY when a node in this
-    /// process runs every lane of `plan`. After the commit, the lanes that
-    /// got deliveries and run here are woken in process; a lane that
+    /// [`publish::write`] on `conns`, without its NOTIFY when a node in this
+    /// process runs every lane of `plan`. Returns the ids found already
+    /// stored, and the lanes to wake after the commit ([`PgStore::woken`]).
+    async fn write_on(
+        &self,
+        conns: publish::Conns<'_>,
+        plan: &PublishPlan,
+    ) -> Result<(HashSet<String>, Committed)> {
+        let in_process = self.in_process.runs_all(&plan.lanes());
+        let (stored, lanes) = publish::write(conns, &self.catalog, plan, !in_process).await?;
+        let notified = !in_process;
+        Ok((stored, Committed { notified, lanes }))
+    }
+
+    /// Wakes the lanes of a committed write ([`PgStore::write_on`]): those
+    /// that got deliveries and run here are woken in process; a lane that
     /// stopped running here since the first look (handed over meanwhile)
     /// then gets one NOTIFY, sent after the commit, so its next owner
     /// cannot have claimed before it.
-    async fn write_on(&self, pool: &PgPool, plan: &PublishPlan) -> Result<HashSet<String>> {
-        let in_process = self.in_process.runs_all(&plan.lanes());
-        let (stored, lanes) = publish::write(pool, &self.catalog, plan, !in_process).await?;
-        if !in_process {
+    async fn woken(&self, committed: Committed) {
+        let Committed { notified, lanes } = committed;
+        if notified {
             // The statement's NOTIFY went out with the commit.
             self.in_process.wake(&lanes);
         } else if !lanes.is_empty() {
@@ -518,18 +530,37 @@ impl PgStore {
                 tracing::warn!(error = %e, "wake-up after a publish failed; lanes poll");
             }
         }
-        Ok(stored)
     }
+}
+
+/// What a committed write left to wake: the lanes that got deliveries, and
+/// whether its statement sent their NOTIFY.
+struct Committed {
+    notified: bool,
+    lanes: Vec<Lane>,
 }
 
 #[async_trait]
 impl GroupWriter for PgStore {
     async fn write_plan(&self, plan: &PublishPlan) -> Result<HashSet<String>> {
-        self.write_on(&self.pool, plan).await
+        let (stored, committed) = self
+            .write_on(publish::Conns::Pool(&self.pool), plan)
+            .await?;
+        self.woken(committed).await;
+        Ok(stored)
     }
 
-    async fn write_group(&self, plan: &PublishPlan) -> Result<HashSet<String>> {
-        self.write_on(&self.writer, plan).await
+    /// Wakes the lanes after the group's callers are answered.
+    async fn write_group(&self, plan: &PublishPlan) -> Result<Written> {
+        let (stored, committed) = self
+            .write_on(publish::Conns::Writer(&self.writer), plan)
+            .await?;
+        let store = self.clone();
+        let then = async move { store.woken(committed).await };
+        Ok(Written {
+            stored,
+            then: Some(Box::pin(then)),
+        })
     }
 }
 

@@ -6,7 +6,7 @@
 //! NOTIFY when asked. It runs in autocommit once per group of concurrent
 //! publishes for [`Store::publish`](crate::Store::publish)
 //! ([`crate::group`]: one round trip and at most one NOTIFY per group, on
-//! the group writer's connection, [`writer_pool`]), likewise alone for a batch of a
+//! the group writer's connection, [`Writer`]), likewise alone for a batch of a
 //! failed group (on the store's pool), or inside the caller's transaction
 //! for [`PgStore::publish_in`](super::PgStore::publish_in), without the
 //! NOTIFY: a notifying commit takes PostgreSQL's database-wide notify-queue
@@ -27,7 +27,7 @@
 
 use std::borrow::Cow;
 use std::collections::HashSet;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use sqlx::{Connection, PgConnection, PgPool};
@@ -357,7 +357,7 @@ async fn run_checked(
 }
 
 /// One write of [`Store::publish`](crate::Store::publish) (a group of
-/// batches, see [`crate::group`], on [`writer_pool`]'s connection; or a
+/// batches, see [`crate::group`], on the [`Writer`]'s connection; or a
 /// batch of a failed group alone, on the store's pool): the statement in
 /// autocommit, so one round trip and, if `notify`, one NOTIFY, again after
 /// a lost race (up to [`PUBLISH_ATTEMPTS`]). On the writer's connection a
@@ -366,7 +366,7 @@ async fn run_checked(
 /// transaction ([`run_checked`]). Returns the ids found already stored, and
 /// the lanes that got deliveries (ascending).
 pub(super) async fn write(
-    pool: &PgPool,
+    conns: Conns<'_>,
     catalog: &Cache,
     plan: &PublishPlan,
     notify: bool,
@@ -375,13 +375,14 @@ pub(super) async fn write(
     let mut reruns = 0;
     if plan.catalog_version.is_none() {
         // A group of batches checked against different catalogs.
-        let mut conn = pool.acquire().await.map_err(map_err)?;
+        let mut conn = conns.take().await?;
         plan = recheck(&mut conn, catalog, plan, &mut reruns).await?;
+        conns.keep(conn);
     }
     let mut attempt = 1;
     loop {
         let args = PublishArgs::new(&plan);
-        let mut conn = pool.acquire().await.map_err(map_err)?;
+        let mut conn = conns.take().await?;
         let ran = if args.expects {
             run_checked(&mut conn, &plan, &args, notify).await
         } else {
@@ -391,8 +392,12 @@ pub(super) async fn write(
             Ok(ran) if ran.stale => {
                 drop(args);
                 plan = recheck(&mut conn, catalog, plan, &mut reruns).await?;
+                conns.keep(conn);
             }
-            Ok(ran) => return Ok((ran.stored.into_iter().collect(), ran.lanes)),
+            Ok(ran) => {
+                conns.keep(conn);
+                return Ok((ran.stored.into_iter().collect(), ran.lanes));
+            }
             Err(TxError::Sql(e)) if attempt < PUBLISH_ATTEMPTS && is_retryable(&e) => {
                 tracing::debug!(attempt, error = %e, "publish raced another publisher; retrying");
                 attempt += 1;
@@ -406,7 +411,7 @@ pub(super) async fn write(
     }
 }
 
-/// Session settings of the group writer's connection ([`writer_pool`]),
+/// Session settings of the group writer's connection ([`Writer`]),
 /// after the pool's own:
 ///
 /// - `lock_timeout` 100 ms: how long a group's write waits for a row lock
@@ -435,12 +440,115 @@ pub(super) const GROUP_SETTINGS: &[(&str, &str)] = &[
 /// How long a connection of a [`side_pool`] stays open unused.
 const SIDE_IDLE: Duration = Duration::from_secs(60);
 
-/// The group writer's pool ([`crate::group`] writes one group at a time):
-/// a [`side_pool`] of two connections with [`GROUP_SETTINGS`]. Two: with
-/// one, 8 single-event publishers published about a third fewer events/s
-/// (bench/results/stmt.md).
-pub(super) fn writer_pool(pool: &PgPool) -> PgPool {
-    side_pool(pool, GROUP_SETTINGS, 2)
+/// Where a [`write`] takes its connection.
+#[derive(Clone, Copy)]
+pub(super) enum Conns<'a> {
+    /// A pooled connection, returned to the pool after the write.
+    Pool(&'a PgPool),
+    /// The group writer's connection, kept between writes.
+    Writer(&'a Writer),
+}
+
+/// A connection taken by [`Conns::take`].
+pub(super) enum Taken {
+    Pooled(sqlx::pool::PoolConnection<sqlx::Postgres>),
+    Held(PgConnection),
+}
+
+impl std::ops::Deref for Taken {
+    type Target = PgConnection;
+    fn deref(&self) -> &PgConnection {
+        match self {
+            Taken::Pooled(c) => c,
+            Taken::Held(c) => c,
+        }
+    }
+}
+
+impl std::ops::DerefMut for Taken {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        match self {
+            Taken::Pooled(c) => c,
+            Taken::Held(c) => c,
+        }
+    }
+}
+
+impl Conns<'_> {
+    async fn take(self) -> Result<Taken> {
+        match self {
+            Conns::Pool(pool) => Ok(Taken::Pooled(pool.acquire().await.map_err(map_err)?)),
+            Conns::Writer(w) => w.take().await.map(Taken::Held),
+        }
+    }
+
+    /// After a write that succeeded: the writer's connection is kept for
+    /// the next one. (After a failure it is dropped: its session may be in
+    /// any state.)
+    fn keep(self, conn: Taken) {
+        if let (Conns::Writer(w), Taken::Held(c)) = (self, conn) {
+            w.keep(c);
+        }
+    }
+}
+
+/// The group writer's connection ([`crate::group`] writes one group at a
+/// time), with [`GROUP_SETTINGS`], kept out of its pool between groups:
+/// sqlx 0.8 tests every connection returned to a pool with a round trip
+/// (`return_to_pool` in sqlx-core's `pool/connection.rs`: a `Sync` and
+/// its `ReadyForQuery`, in a task it spawns), which per group cost
+/// PostgreSQL and the node a second wake-up while the group's callers were
+/// being answered. Taken from a [`side_pool`] (opened at first use) and
+/// detached; dropped after a failed write (the next write opens another)
+/// and closed with the store's pool. So one connection stays open while
+/// the store is open and has published.
+#[derive(Debug, Clone)]
+pub(super) struct Writer {
+    pool: PgPool,
+    held: Arc<std::sync::Mutex<Option<PgConnection>>>,
+}
+
+impl Writer {
+    /// The writer of the store whose pool is `pool`. Must be called inside
+    /// a Tokio runtime.
+    pub(super) fn new(pool: &PgPool) -> Self {
+        let w = Writer {
+            pool: side_pool(pool, GROUP_SETTINGS, 1),
+            held: Arc::default(),
+        };
+        let closed = pool.close_event();
+        let held = w.held.clone();
+        tokio::spawn(async move {
+            closed.await;
+            let conn = held.lock().unwrap_or_else(PoisonError::into_inner).take();
+            if let Some(c) = conn {
+                let _ = c.close().await;
+            }
+        });
+        w
+    }
+
+    async fn take(&self) -> Result<PgConnection> {
+        let held = self
+            .held
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        match held {
+            Some(c) => Ok(c),
+            None => Ok(self.pool.acquire().await.map_err(map_err)?.detach()),
+        }
+    }
+
+    fn keep(&self, conn: PgConnection) {
+        if self.pool.is_closed() {
+            return;
+        }
+        let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
+        if held.is_none() {
+            *held = Some(conn);
+        }
+    }
 }
 
 /// A pool of at most `size` connections with `pool`'s connect options and
