@@ -30,9 +30,10 @@ pub enum LaneState {
     Unassigned,
     /// Owned and worked by `owner`.
     Active,
-    /// A handover recorded by an older version, without the log index it
-    /// was applied at: read from older snapshots only, and handled as
-    /// [`LaneState::Handover`] with no index ([`LaneState::handover`]).
+    /// A handover without the log index it was applied at: recorded by an
+    /// older version, or from a [`Change::LegacyHandover`] an older version
+    /// wrote. Handled as [`LaneState::Handover`] with no index
+    /// ([`LaneState::handover`]); its release names no index.
     Releasing {
         /// The next owner.
         to: NodeId,
@@ -95,8 +96,11 @@ pub enum Change {
         /// New epoch (previous + 1).
         epoch: Epoch,
     },
-    /// The live owner `from` is asked to hand the lane over to `to`.
-    Handover {
+    /// [`Change::Handover`] as older versions wrote it: applied as a
+    /// handover without its log index ([`LaneState::Releasing`]), on every
+    /// node whatever its version, so that every node applies the same
+    /// entry to the same state.
+    LegacyHandover {
         /// Lane number.
         lane: u16,
         /// Current owner.
@@ -109,6 +113,31 @@ pub enum Change {
         /// Lane number.
         lane: u16,
     },
+    /// The live owner `from` is asked to hand the lane over to `to`;
+    /// recorded with the log index it is applied at
+    /// ([`LaneState::Handover`]). Only this version writes it, so only this
+    /// version applies it: the index never depends on which version applied
+    /// the entry.
+    Handover {
+        /// Lane number.
+        lane: u16,
+        /// Current owner.
+        from: NodeId,
+        /// Next owner.
+        to: NodeId,
+    },
+}
+
+impl Change {
+    /// The lane the change is about.
+    pub fn lane(self) -> u16 {
+        match self {
+            Change::Assign { lane, .. }
+            | Change::LegacyHandover { lane, .. }
+            | Change::CancelHandover { lane }
+            | Change::Handover { lane, .. } => lane,
+        }
+    }
 }
 
 /// The node a lane counts for when balancing: the target of a handover in
@@ -247,6 +276,12 @@ pub fn apply(lanes: &mut [LaneEntry], change: Change, index: u64) {
             let e = &mut lanes[lane as usize];
             if e.owner == Some(from) && e.state == LaneState::Active {
                 e.state = LaneState::Handover { to, at: index };
+            }
+        }
+        Change::LegacyHandover { lane, from, to } => {
+            let e = &mut lanes[lane as usize];
+            if e.owner == Some(from) && e.state == LaneState::Active {
+                e.state = LaneState::Releasing { to };
             }
         }
         Change::CancelHandover { lane } => {

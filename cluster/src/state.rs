@@ -360,9 +360,7 @@ impl ClusterState {
             }
             Command::Apply { changes } => {
                 for &change in changes {
-                    let (Change::Assign { lane, .. }
-                    | Change::Handover { lane, .. }
-                    | Change::CancelHandover { lane }) = change;
+                    let lane = change.lane();
                     // A plan made for another lane count changes nothing.
                     if usize::from(lane) < self.lanes.len() {
                         assignment::apply(&mut self.lanes, change, index);
@@ -375,9 +373,7 @@ impl ClusterState {
                 planned_at,
             } => {
                 for &change in changes {
-                    let (Change::Assign { lane, .. }
-                    | Change::Handover { lane, .. }
-                    | Change::CancelHandover { lane }) = change;
+                    let lane = change.lane();
                     if usize::from(lane) >= self.lanes.len() {
                         continue;
                     }
@@ -772,52 +768,56 @@ mod tests {
         );
         let back: Command = crate::storage::decode(&[6, 1, 2]).expect("decode");
         assert_eq!(back, Command::Release { lane: 1, from: 2 });
-        // Lane states likewise (snapshots keep the lane table).
+        // Lane states and changes likewise (snapshots keep the lane table).
         let state = |s: LaneState| crate::storage::encode(&s).expect("encode")[0];
         assert_eq!(state(LaneState::Releasing { to: 2 }), 2);
         assert_eq!(state(LaneState::Handover { to: 2, at: 5 }), 3);
+        let change = |c: Change| crate::storage::encode(&c).expect("encode")[0];
+        let (lane, from, to) = (1, 2, 3);
+        assert_eq!(change(Change::LegacyHandover { lane, from, to }), 1);
+        assert_eq!(change(Change::CancelHandover { lane }), 2);
+        assert_eq!(change(Change::Handover { lane, from, to }), 3);
     }
 
     /// Entries and snapshots older versions wrote: their `Release` ends
-    /// whichever handover is under way, and a handover they recorded
-    /// without its index is released by a release naming none.
+    /// whichever handover is under way; their handover entries are applied
+    /// without an index (as they applied them: every node ends with the
+    /// same state, whichever version applied the entry), and a handover
+    /// without an index is released by a release naming none (and only by
+    /// that).
     #[test]
     fn releases_and_handovers_of_older_versions_still_apply() {
-        let mut s = ClusterState::new(2);
-        let handover = Change::Handover {
-            lane: 0,
-            from: 1,
-            to: 2,
-        };
-        s.lanes[0] = LaneEntry {
-            owner: Some(1),
-            epoch: Epoch(3),
-            state: LaneState::Active,
-        };
-        s.apply(
-            4,
-            &Command::Apply {
-                changes: vec![handover],
-            },
-        );
+        let mut s = ClusterState::new(3);
+        for lane in [0, 1, 2] {
+            s.lanes[lane] = LaneEntry {
+                owner: Some(1),
+                epoch: Epoch(3),
+                state: LaneState::Active,
+            };
+        }
+        // A handover of `lane` from 1 to 2 as older versions encoded it.
+        let legacy =
+            |lane: u8| -> Change { crate::storage::decode(&[1, lane, 1, 2]).expect("decode") };
+        let changes = vec![legacy(0)];
+        s.apply(4, &Command::Apply { changes });
+        assert_eq!(s.lanes[0].state, LaneState::Releasing { to: 2 });
         assert!(s.apply(5, &Command::Release { lane: 0, from: 1 }).ok);
         assert_eq!(s.active_lanes(2), BTreeMap::from([(0, Epoch(4))]));
 
-        s.lanes[1] = LaneEntry {
-            owner: Some(1),
-            epoch: Epoch(3),
-            state: LaneState::Releasing { to: 2 },
+        // A snapshot's handover without an index, and a legacy entry.
+        s.lanes[1].state = LaneState::Releasing { to: 2 };
+        let planned = Command::ApplyPlanned {
+            changes: vec![legacy(2)],
+            planned_at: 5,
         };
-        let old = s.releasing_lanes(1)[&1];
-        assert_eq!(old.at, None);
-        let named = |at| Command::ReleaseHandover {
-            lane: 1,
-            from: 1,
-            at,
-        };
-        assert!(!s.apply(6, &named(Some(6))).ok);
-        assert!(s.apply(7, &named(old.at)).ok);
-        assert_eq!(s.lanes[1].owner, Some(2));
+        s.apply(6, &planned);
+        let named = |lane, at| Command::ReleaseHandover { lane, from: 1, at };
+        for (lane, index) in [(1, 7), (2, 9)] {
+            assert_eq!(s.releasing_lanes(1)[&lane].at, None);
+            assert!(!s.apply(index, &named(lane, Some(6))).ok);
+            assert!(s.apply(index + 1, &named(lane, None)).ok);
+            assert_eq!(s.lanes[usize::from(lane)].owner, Some(2));
+        }
     }
 
     /// The leader judged node 1 dead on the renewals applied up to index 5

@@ -55,7 +55,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use futures::{stream, StreamExt, TryStreamExt};
-use lanebus_cluster::{Cluster, ClusterError};
+use lanebus_cluster::{Cluster, ClusterError, NodeLanes};
 use lanebus_store::{Epoch, Lane, LaneRow, Store, StoreError};
 use tokio::sync::{mpsc, watch};
 
@@ -852,6 +852,23 @@ async fn fence_all(store: Arc<dyn Store>, owner: String, todo: OwnedLanes) -> Ow
     results.into_iter().flatten().collect()
 }
 
+/// A [`NodeLanes`] as the lanes Raft gives this node and those it hands
+/// over.
+fn node_lanes(view: &NodeLanes) -> (OwnedLanes, ReleasingLanes) {
+    let releasing = view
+        .releasing
+        .iter()
+        .map(|(&l, r)| {
+            let handover = Handover {
+                epoch: r.epoch,
+                at: r.at,
+            };
+            (l, handover)
+        })
+        .collect();
+    (view.owned.clone(), releasing)
+}
+
 #[async_trait]
 impl LaneAssignment for RaftAssignment {
     fn owner(&self) -> &str {
@@ -883,23 +900,9 @@ impl LaneAssignment for RaftAssignment {
                 // Owned and releasing from one applied state: read apart, a
                 // lane being handed over could look neither (stopped, not
                 // drained) or both.
-                let (want, releasing) = {
-                    let view = lanes_rx.borrow_and_update();
-                    let releasing: ReleasingLanes = view
-                        .releasing
-                        .iter()
-                        .map(|(&l, r)| {
-                            let handover = Handover {
-                                epoch: r.epoch,
-                                at: r.at,
-                            };
-                            (l, handover)
-                        })
-                        .collect();
-                    (view.owned.clone(), releasing)
-                };
+                let (want, releasing) = node_lanes(&lanes_rx.borrow_and_update());
                 lanes.raft_gives(&want);
-                let publish = |fenced: &OwnedLanes| {
+                let publish = |fenced: &OwnedLanes, releasing: &ReleasingLanes| {
                     let work = LaneWork {
                         owned: fenced.clone(),
                         releasing: releasing.clone(),
@@ -910,16 +913,19 @@ impl LaneAssignment for RaftAssignment {
                         changed
                     });
                 };
-                publish(lanes.owned());
+                publish(lanes.owned(), &releasing);
                 let todo = lanes.to_fence(&want);
                 let pending = !todo.is_empty() && {
                     let pending = fence(&mut lanes, &store, &owner, todo).await;
-                    lanes.fenced(pending.done, &lanes_rx.borrow().owned);
-                    publish(lanes.owned());
+                    // The state may have moved on during the fence: both
+                    // from the newest (the loop reads it again anyway).
+                    let (now_owned, now_releasing) = node_lanes(&lanes_rx.borrow());
+                    lanes.fenced(pending.done, &now_owned);
+                    publish(lanes.owned(), &now_releasing);
                     pending.some_failed
                 };
                 report_fenced_out(&mut lanes, &shared);
-                // Applied here, a re-fence changes `owned_rx`.
+                // Applied here, a re-fence changes `lanes_rx`.
                 refence(&cluster, lanes.refences_due(Instant::now())).await;
                 let wait = lanes.next_look(Instant::now(), pending);
                 tokio::select! {
