@@ -74,6 +74,11 @@ pub(crate) trait GroupWriter: Clone + Send + Sync + 'static {
             .await
             .map(|stored| Written { stored, then: None })
     }
+
+    /// The writer task ends: the queue is empty. A backend that keeps
+    /// something for the writer between groups (PostgreSQL: its
+    /// connection) lets go of it.
+    fn idle(&self) {}
 }
 
 /// A group's write ([`GroupWriter::write_group`]).
@@ -273,6 +278,8 @@ impl Grouper {
                 if take == 0 {
                     q.writing = false;
                     running.armed = false;
+                    drop(q);
+                    writer.idle();
                     return;
                 }
                 q.jobs.drain(..take).collect::<Vec<_>>()

@@ -288,3 +288,38 @@ async fn closing_the_pool_ends_the_group_writers_session() {
     drop(store);
     drop_database(&admin, &db).await;
 }
+
+/// A server that ends idle sessions (`idle_session_timeout`, SQLSTATE
+/// `57P05`) ends the group writer's too while no publish comes: the next
+/// publish still succeeds. (The writer keeps its connection only while it
+/// has groups to write; idle, the connection is back in its pool, which
+/// tests it before handing it out again.)
+#[tokio::test]
+async fn a_publish_after_the_server_ended_the_idle_writer_session_succeeds() {
+    use lanebus_store::{NewEvent, Store};
+    let (admin, url) = fresh_database("lanebus_writer_idle").await;
+    let store = PgStore::connect(&with_options(&url, "-c%20idle_session_timeout%3D300"))
+        .await
+        .unwrap();
+    let event = |id: &str| NewEvent {
+        id: Some(id.into()),
+        event_type: "t.x".into(),
+        key: None,
+        payload: b"{}".to_vec(),
+        deliver_at: None,
+        expected_seq: None,
+    };
+    store.publish(vec![event("first")]).await.expect("publish");
+    tokio::time::sleep(lanebus_store::postgres::PING_IDLE + std::time::Duration::from_millis(500))
+        .await;
+    store
+        .publish(vec![event("after")])
+        .await
+        .expect("publish after the server ended the idle session");
+    drop(store);
+    drop_database(
+        &admin,
+        &format!("lanebus_writer_idle_{}", std::process::id()),
+    )
+    .await;
+}

@@ -562,6 +562,10 @@ impl GroupWriter for PgStore {
             then: Some(Box::pin(then)),
         })
     }
+
+    fn idle(&self) {
+        self.writer.idle();
+    }
 }
 
 #[async_trait]

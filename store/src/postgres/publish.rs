@@ -30,7 +30,8 @@ use std::collections::HashSet;
 use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::pool::PoolConnection;
+use sqlx::{Connection, PgConnection, PgPool, Postgres};
 
 use super::error::map_err;
 use super::transaction::TxError;
@@ -451,8 +452,8 @@ pub(super) enum Conns<'a> {
 
 /// A connection taken by [`Conns::take`].
 pub(super) enum Taken {
-    Pooled(sqlx::pool::PoolConnection<sqlx::Postgres>),
-    Held(PgConnection),
+    Pooled(PoolConnection<Postgres>),
+    Held(PoolConnection<Postgres>),
 }
 
 impl std::ops::Deref for Taken {
@@ -483,8 +484,8 @@ impl Conns<'_> {
     }
 
     /// After a write that succeeded: the writer's connection is kept for
-    /// the next one. (After a failure it is dropped: its session may be in
-    /// any state.)
+    /// the next one. (After a failure it goes back to its pool, whose test
+    /// closes it if its session is broken.)
     fn keep(self, conn: Taken) {
         if let (Conns::Writer(w), Taken::Held(c)) = (self, conn) {
             w.keep(c);
@@ -493,19 +494,27 @@ impl Conns<'_> {
 }
 
 /// The group writer's connection ([`crate::group`] writes one group at a
-/// time), with [`GROUP_SETTINGS`], kept out of its pool between groups:
-/// sqlx 0.8 tests every connection returned to a pool with a round trip
-/// (`return_to_pool` in sqlx-core's `pool/connection.rs`: a `Sync` and
-/// its `ReadyForQuery`, in a task it spawns), which per group cost
-/// PostgreSQL and the node a second wake-up while the group's callers were
-/// being answered. Taken from a [`side_pool`] (opened at first use) and
-/// detached; dropped after a failed write (the next write opens another)
-/// and closed with the store's pool. So one connection stays open while
-/// the store is open and has published.
+/// time), with [`GROUP_SETTINGS`], from a [`side_pool`] of one, kept
+/// checked out while the writer runs: sqlx 0.8 tests every connection
+/// returned to a pool with a round trip (`return_to_pool` in sqlx-core's
+/// `pool/connection.rs`: a `Sync` and its `ReadyForQuery`, in a task it
+/// spawns), which per group cost PostgreSQL and the node a second wake-up
+/// while the group's callers were being answered. It goes back to the pool
+/// when the writer has nothing left to write ([`Writer::idle`]) and after
+/// a failed write, so between bursts the pool's checks (a ping after
+/// [`super::PING_IDLE`] unused, closing after [`SIDE_IDLE`]) apply as
+/// before; and when the store's pool closes.
 #[derive(Debug, Clone)]
 pub(super) struct Writer {
     pool: PgPool,
-    held: Arc<std::sync::Mutex<Option<PgConnection>>>,
+    held: Arc<std::sync::Mutex<Held>>,
+}
+
+#[derive(Debug, Default)]
+struct Held {
+    conn: Option<PoolConnection<Postgres>>,
+    /// The store's pool closed: nothing is kept any more.
+    closed: bool,
 }
 
 impl Writer {
@@ -520,34 +529,40 @@ impl Writer {
         let held = w.held.clone();
         tokio::spawn(async move {
             closed.await;
-            let conn = held.lock().unwrap_or_else(PoisonError::into_inner).take();
-            if let Some(c) = conn {
-                let _ = c.close().await;
-            }
+            let conn = {
+                let mut h = held.lock().unwrap_or_else(PoisonError::into_inner);
+                h.closed = true;
+                h.conn.take()
+            };
+            drop(conn);
         });
         w
     }
 
-    async fn take(&self) -> Result<PgConnection> {
-        let held = self
-            .held
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
+    fn held(&self) -> std::sync::MutexGuard<'_, Held> {
+        self.held.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    async fn take(&self) -> Result<PoolConnection<Postgres>> {
+        let held = self.held().conn.take();
         match held {
             Some(c) => Ok(c),
-            None => Ok(self.pool.acquire().await.map_err(map_err)?.detach()),
+            None => self.pool.acquire().await.map_err(map_err),
         }
     }
 
-    fn keep(&self, conn: PgConnection) {
-        if self.pool.is_closed() {
-            return;
+    fn keep(&self, conn: PoolConnection<Postgres>) {
+        let mut held = self.held();
+        if !held.closed && held.conn.is_none() {
+            held.conn = Some(conn);
         }
-        let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
-        if held.is_none() {
-            *held = Some(conn);
-        }
+    }
+
+    /// The group writer has nothing left to write: its connection goes
+    /// back to the pool.
+    pub(super) fn idle(&self) {
+        let conn = self.held().conn.take();
+        drop(conn);
     }
 }
 
