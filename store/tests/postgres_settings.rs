@@ -33,6 +33,18 @@ async fn drop_database(admin: &sqlx::PgPool, db: &str) {
         .unwrap();
 }
 
+/// An unkeyed event `id` of type `t.x`.
+fn event(id: &str) -> lanebus_store::NewEvent {
+    lanebus_store::NewEvent {
+        id: Some(id.into()),
+        event_type: "t.x".into(),
+        key: None,
+        payload: b"{}".to_vec(),
+        deliver_at: None,
+        expected_seq: None,
+    }
+}
+
 /// `url` with the session `options` (URL-encoded) appended.
 fn with_options(url: &str, options: &str) -> String {
     let sep = if url.contains('?') { '&' } else { '?' };
@@ -174,21 +186,13 @@ async fn lock_and_statement_timeouts_are_timeouts() {
 /// error.
 #[tokio::test]
 async fn connections_ended_while_idle_are_replaced_before_use() {
-    use lanebus_store::{LaneClaim, NewEvent, Store};
+    use lanebus_store::{LaneClaim, Store};
     let (admin, url) = fresh_database("lanebus_idle_ended").await;
     let store = PgStore::connect(&url).await.unwrap();
     store
         .create_handler(common::new_handler("h", &["t.*"]))
         .await
         .unwrap();
-    let event = |id: &str| NewEvent {
-        id: Some(id.into()),
-        event_type: "t.x".into(),
-        key: None,
-        payload: b"{}".to_vec(),
-        deliver_at: None,
-        expected_seq: None,
-    };
     let claims: Vec<LaneClaim> = store
         .lane_rows()
         .await
@@ -245,7 +249,7 @@ async fn connections_ended_while_idle_are_replaced_before_use() {
 /// store, that one too.
 #[tokio::test]
 async fn closing_the_pool_ends_the_group_writers_session() {
-    use lanebus_store::{NewEvent, Store};
+    use lanebus_store::Store;
     let (admin, url) = fresh_database("lanebus_writer_closed").await;
     let db = format!("lanebus_writer_closed_{}", std::process::id());
     let store = PgStore::connect(&url).await.unwrap();
@@ -260,14 +264,7 @@ async fn closing_the_pool_ends_the_group_writers_session() {
     };
     for i in 0..3 {
         store
-            .publish(vec![NewEvent {
-                id: Some(format!("e{i}")),
-                event_type: "t.x".into(),
-                key: None,
-                payload: b"{}".to_vec(),
-                deliver_at: None,
-                expected_seq: None,
-            }])
+            .publish(vec![event(&format!("e{i}"))])
             .await
             .expect("publish");
     }
@@ -296,19 +293,11 @@ async fn closing_the_pool_ends_the_group_writers_session() {
 /// tests it before handing it out again.)
 #[tokio::test]
 async fn a_publish_after_the_server_ended_the_idle_writer_session_succeeds() {
-    use lanebus_store::{NewEvent, Store};
+    use lanebus_store::Store;
     let (admin, url) = fresh_database("lanebus_writer_idle").await;
     let store = PgStore::connect(&with_options(&url, "-c%20idle_session_timeout%3D300"))
         .await
         .unwrap();
-    let event = |id: &str| NewEvent {
-        id: Some(id.into()),
-        event_type: "t.x".into(),
-        key: None,
-        payload: b"{}".to_vec(),
-        deliver_at: None,
-        expected_seq: None,
-    };
     store.publish(vec![event("first")]).await.expect("publish");
     tokio::time::sleep(lanebus_store::postgres::PING_IDLE + std::time::Duration::from_millis(500))
         .await;
