@@ -28,7 +28,7 @@
 use std::borrow::Cow;
 use std::collections::HashSet;
 use std::sync::{Arc, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sqlx::pool::PoolConnection;
 use sqlx::{Connection, PgConnection, PgPool, Postgres};
@@ -495,15 +495,15 @@ impl Conns<'_> {
 
 /// The group writer's connection ([`crate::group`] writes one group at a
 /// time), with [`GROUP_SETTINGS`], from a [`side_pool`] of one, kept
-/// checked out while the writer runs: sqlx 0.8 tests every connection
-/// returned to a pool with a round trip (`return_to_pool` in sqlx-core's
+/// checked out between groups: sqlx 0.8 tests every connection returned to
+/// a pool with a round trip (`return_to_pool` in sqlx-core's
 /// `pool/connection.rs`: a `Sync` and its `ReadyForQuery`, in a task it
 /// spawns), which per group cost PostgreSQL and the node a second wake-up
 /// while the group's callers were being answered. It goes back to the pool
-/// when the writer has nothing left to write ([`Writer::idle`]) and after
-/// a failed write, so between bursts the pool's checks (a ping after
-/// [`super::PING_IDLE`] unused, closing after [`SIDE_IDLE`]) apply as
-/// before; and when the store's pool closes.
+/// after a failed write, and once the writer has had nothing to write for
+/// [`super::PING_IDLE`] ([`Writer::idle`]), so a quiet store's connection
+/// gets the pool's checks (that test on its return, closing after
+/// [`SIDE_IDLE`] unused) as before; and when the store's pool closes.
 #[derive(Debug, Clone)]
 pub(super) struct Writer {
     pool: PgPool,
@@ -512,9 +512,13 @@ pub(super) struct Writer {
 
 #[derive(Debug, Default)]
 struct Held {
-    conn: Option<PoolConnection<Postgres>>,
+    /// The connection and when its last write ended.
+    conn: Option<(PoolConnection<Postgres>, Instant)>,
     /// The store's pool closed: nothing is kept any more.
     closed: bool,
+    /// A task will give the connection back once it is unused for
+    /// [`super::PING_IDLE`].
+    reaping: bool,
 }
 
 impl Writer {
@@ -546,23 +550,55 @@ impl Writer {
     async fn take(&self) -> Result<PoolConnection<Postgres>> {
         let held = self.held().conn.take();
         match held {
-            Some(c) => Ok(c),
-            None => self.pool.acquire().await.map_err(map_err),
+            Some((c, used)) if used.elapsed() < super::PING_IDLE => Ok(c),
+            // Unused too long: back to the pool, which tests it.
+            stale => {
+                drop(stale);
+                self.pool.acquire().await.map_err(map_err)
+            }
         }
     }
 
     fn keep(&self, conn: PoolConnection<Postgres>) {
         let mut held = self.held();
         if !held.closed && held.conn.is_none() {
-            held.conn = Some(conn);
+            held.conn = Some((conn, Instant::now()));
         }
     }
 
-    /// The group writer has nothing left to write: its connection goes
-    /// back to the pool.
+    /// The group writer has nothing left to write: unless a later write
+    /// uses it, its connection goes back to the pool after
+    /// [`super::PING_IDLE`].
     pub(super) fn idle(&self) {
-        let conn = self.held().conn.take();
-        drop(conn);
+        let mut held = self.held();
+        if held.reaping || held.conn.is_none() {
+            return;
+        }
+        held.reaping = true;
+        let held = Arc::clone(&self.held);
+        tokio::spawn(async move {
+            loop {
+                let due = {
+                    let mut h = held.lock().unwrap_or_else(PoisonError::into_inner);
+                    match &h.conn {
+                        Some((_, used)) if used.elapsed() < super::PING_IDLE => {
+                            Some(*used + super::PING_IDLE)
+                        }
+                        _ => {
+                            let conn = h.conn.take();
+                            h.reaping = false;
+                            drop(h);
+                            drop(conn);
+                            None
+                        }
+                    }
+                };
+                match due {
+                    Some(at) => tokio::time::sleep_until(at.into()).await,
+                    None => return,
+                }
+            }
+        });
     }
 }
 
