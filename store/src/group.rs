@@ -77,7 +77,8 @@ pub(crate) trait GroupWriter: Clone + Send + Sync + 'static {
 
     /// The writer task ends: the queue is empty. A backend that keeps
     /// something for the writer between groups (PostgreSQL: its
-    /// connection) lets go of it.
+    /// connection) may let go of it (PostgreSQL: once no write came for
+    /// `PING_IDLE`).
     fn idle(&self) {}
 }
 

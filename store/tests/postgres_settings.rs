@@ -288,9 +288,9 @@ async fn closing_the_pool_ends_the_group_writers_session() {
 
 /// A server that ends idle sessions (`idle_session_timeout`, SQLSTATE
 /// `57P05`) ends the group writer's too while no publish comes: the next
-/// publish still succeeds. (The writer keeps its connection only while it
-/// has groups to write; idle, the connection is back in its pool, which
-/// tests it before handing it out again.)
+/// publish still succeeds: the writer gives back a connection unused for
+/// `PING_IDLE` (to its pool, which tests it), and a publish whose session
+/// turns out ended (`57P05`) runs again on a new one.
 #[tokio::test]
 async fn a_publish_after_the_server_ended_the_idle_writer_session_succeeds() {
     use lanebus_store::Store;

@@ -28,7 +28,7 @@
 use std::borrow::Cow;
 use std::collections::HashSet;
 use std::sync::{Arc, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use sqlx::pool::PoolConnection;
 use sqlx::{Connection, PgConnection, PgPool, Postgres};
@@ -59,7 +59,8 @@ pub(super) fn is_retryable(e: &sqlx::Error) -> bool {
 /// Whether `e` says the connection was lost rather than that the statement
 /// failed: the server ended the session (`57P01` administrator or fast
 /// shutdown, `57P02` crash of another server process, `57P03` not
-/// accepting connections) or the socket is closed. Such an error mostly
+/// accepting connections, `57P05` idle past `idle_session_timeout`) or the
+/// socket is closed. Such an error mostly
 /// comes from a connection that broke while idle and was handed out
 /// without a ping ([`super::PING_IDLE`]), so the statement never ran; if it
 /// did commit before the connection was lost, running it again stores
@@ -70,7 +71,10 @@ pub(super) fn connection_lost(e: &sqlx::Error) -> bool {
     use std::io::ErrorKind;
     match e {
         sqlx::Error::Database(db) => {
-            matches!(db.code().as_deref(), Some("57P01" | "57P02" | "57P03"))
+            matches!(
+                db.code().as_deref(),
+                Some("57P01" | "57P02" | "57P03" | "57P05")
+            )
         }
         sqlx::Error::Io(io) => matches!(
             io.kind(),
@@ -513,7 +517,7 @@ pub(super) struct Writer {
 #[derive(Debug, Default)]
 struct Held {
     /// The connection and when its last write ended.
-    conn: Option<(PoolConnection<Postgres>, Instant)>,
+    conn: Option<(PoolConnection<Postgres>, tokio::time::Instant)>,
     /// The store's pool closed: nothing is kept any more.
     closed: bool,
     /// A task will give the connection back once it is unused for
@@ -538,7 +542,10 @@ impl Writer {
                 h.closed = true;
                 h.conn.take()
             };
-            drop(conn);
+            if let Some((mut c, _)) = conn {
+                // Closed, not returned: the side pool may be closing too.
+                c.close_on_drop();
+            }
         });
         w
     }
@@ -559,10 +566,12 @@ impl Writer {
         }
     }
 
-    fn keep(&self, conn: PoolConnection<Postgres>) {
+    fn keep(&self, mut conn: PoolConnection<Postgres>) {
         let mut held = self.held();
-        if !held.closed && held.conn.is_none() {
-            held.conn = Some((conn, Instant::now()));
+        if held.closed {
+            conn.close_on_drop();
+        } else if held.conn.is_none() {
+            held.conn = Some((conn, tokio::time::Instant::now()));
         }
     }
 
@@ -577,6 +586,8 @@ impl Writer {
         held.reaping = true;
         let held = Arc::clone(&self.held);
         tokio::spawn(async move {
+            // Cleared however the task ends (its runtime may drop it).
+            let mut reaping = Reaping(Some(Arc::clone(&held)));
             loop {
                 let due = {
                     let mut h = held.lock().unwrap_or_else(PoisonError::into_inner);
@@ -594,11 +605,38 @@ impl Writer {
                     }
                 };
                 match due {
-                    Some(at) => tokio::time::sleep_until(at.into()).await,
-                    None => return,
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => {
+                        reaping.0 = None;
+                        return;
+                    }
                 }
             }
         });
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        // A pooled connection dropped goes back to its pool through a task
+        // it spawns, which needs a runtime: without one (a store dropped
+        // after its runtime), it is just closed.
+        if tokio::runtime::Handle::try_current().is_err() {
+            if let Some((c, _)) = self.conn.take() {
+                drop(c.detach());
+            }
+        }
+    }
+}
+
+/// Clears [`Held::reaping`] if the reaper task is dropped before it ends.
+struct Reaping(Option<Arc<std::sync::Mutex<Held>>>);
+
+impl Drop for Reaping {
+    fn drop(&mut self) {
+        if let Some(held) = self.0.take() {
+            held.lock().unwrap_or_else(PoisonError::into_inner).reaping = false;
+        }
     }
 }
 
