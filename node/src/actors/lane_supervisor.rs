@@ -458,6 +458,17 @@ mod tests {
         of.iter().copied().collect()
     }
 
+    /// The next release the [`Fake`] got (lane, handover index), within a
+    /// minute; `what` names it if none came.
+    async fn next_release(
+        rx: &mut mpsc::UnboundedReceiver<(Lane, Option<u64>)>,
+        what: &str,
+    ) -> Option<(Lane, Option<u64>)> {
+        tokio::time::timeout(Duration::from_secs(60), rx.recv())
+            .await
+            .unwrap_or_else(|_| panic!("{what}: no release within a minute"))
+    }
+
     /// Lanes handed over at epoch 1 in the handover applied at `at`.
     fn handing(of: &[Lane], at: u64) -> ReleasingLanes {
         let h = Handover {
@@ -572,9 +583,7 @@ mod tests {
                 owned: OwnedLanes::new(),
                 releasing: handing(&[1], 10),
             });
-            let lane = tokio::time::timeout(Duration::from_secs(60), released_rx.recv())
-                .await
-                .expect("released before the drain's bound");
+            let lane = next_release(&mut released_rx, "released before the drain's bound").await;
             assert_eq!(lane, Some((1, Some(10))));
         });
     }
@@ -597,9 +606,7 @@ mod tests {
                 owned: OwnedLanes::new(),
                 releasing: handing(&[1], 10),
             });
-            let first = tokio::time::timeout(Duration::from_secs(60), released_rx.recv())
-                .await
-                .expect("drained and released");
+            let first = next_release(&mut released_rx, "drained and released").await;
             assert_eq!(first, Some((1, Some(10))));
             // Refused; the view still shows lane 1 releasing at epoch 1.
             let again = tokio::time::timeout(REAPPLY * 5, released_rx.recv())
@@ -628,9 +635,7 @@ mod tests {
                 owned: OwnedLanes::new(),
                 releasing: handing(&[1], 10),
             });
-            let first = tokio::time::timeout(minute, released_rx.recv())
-                .await
-                .expect("released");
+            let first = next_release(&mut released_rx, "released").await;
             assert_eq!(first, Some((1, Some(10))));
             // Cancelled: lane 1 is active here again, a new owner runs.
             work.send_replace(LaneWork {
@@ -646,9 +651,7 @@ mod tests {
                 owned: OwnedLanes::new(),
                 releasing: handing(&[1], 12),
             });
-            let second = tokio::time::timeout(minute, released_rx.recv())
-                .await
-                .expect("released again");
+            let second = next_release(&mut released_rx, "released again").await;
             assert_eq!(second, Some((1, Some(12))));
         });
     }
@@ -730,9 +733,7 @@ mod tests {
                 owned: lanes(&[(0, Epoch(1))]),
                 releasing: handing(&[1], 10),
             });
-            let lane = tokio::time::timeout(Duration::from_secs(60), released_rx.recv())
-                .await
-                .expect("released before the drain's bound");
+            let lane = next_release(&mut released_rx, "released before the drain's bound").await;
             assert_eq!(lane, Some((1, Some(10))));
             sup.send(Apply).await.expect("applied");
             assert_eq!(running(&owners), [(0, Epoch(1), false)]);

@@ -454,45 +454,20 @@ pub(super) enum Conns<'a> {
     Writer(&'a Writer),
 }
 
-/// A connection taken by [`Conns::take`].
-pub(super) enum Taken {
-    Pooled(PoolConnection<Postgres>),
-    Held(PoolConnection<Postgres>),
-}
-
-impl std::ops::Deref for Taken {
-    type Target = PgConnection;
-    fn deref(&self) -> &PgConnection {
-        match self {
-            Taken::Pooled(c) => c,
-            Taken::Held(c) => c,
-        }
-    }
-}
-
-impl std::ops::DerefMut for Taken {
-    fn deref_mut(&mut self) -> &mut PgConnection {
-        match self {
-            Taken::Pooled(c) => c,
-            Taken::Held(c) => c,
-        }
-    }
-}
-
 impl Conns<'_> {
-    async fn take(self) -> Result<Taken> {
+    async fn take(self) -> Result<PoolConnection<Postgres>> {
         match self {
-            Conns::Pool(pool) => Ok(Taken::Pooled(pool.acquire().await.map_err(map_err)?)),
-            Conns::Writer(w) => w.take().await.map(Taken::Held),
+            Conns::Pool(pool) => pool.acquire().await.map_err(map_err),
+            Conns::Writer(w) => w.take().await,
         }
     }
 
     /// After a write that succeeded: the writer's connection is kept for
     /// the next one. (After a failure it goes back to its pool, whose test
     /// closes it if its session is broken.)
-    fn keep(self, conn: Taken) {
-        if let (Conns::Writer(w), Taken::Held(c)) = (self, conn) {
-            w.keep(c);
+    fn keep(self, conn: PoolConnection<Postgres>) {
+        if let Conns::Writer(w) = self {
+            w.keep(conn);
         }
     }
 }
